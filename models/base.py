@@ -1,0 +1,72 @@
+"""The one contract between the training loop and a draft method.
+
+A method is an ``nn.Module`` whose registered parameters are exactly what it trains (the frozen
+target is held by reference, never registered), with:
+
+- ``feature_layers``: target hidden-state indices it reads (see ``models.target``); the loop
+  fills ``batch["features"]`` (B, T, len(feature_layers), H) from the target or from the
+  on-disk cache before calling the method.
+- ``forward(batch) -> StepOutput``: the training loss and metrics.
+- ``evaluate(batch) -> metrics``: validation metrics (no gradients).
+- ``save_draft(dir)`` / ``load_draft(dir, target)``: the draft's own weights and config,
+  loadable without any training state.
+
+Metrics are ``{name: tensor([sum, count])}``, detached, so that they add up across steps and
+processes and are divided only when logged (no ``.item()`` in the hot path).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DRAFT_CONFIG = "config.json"
+DRAFT_WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def metric(total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
+    """A summable metric: stack([sum, count]) as a detached float32 tensor."""
+    t = torch.as_tensor(total, dtype=torch.float32).detach()
+    c = torch.as_tensor(count, dtype=torch.float32, device=t.device).detach()
+    return torch.stack([t.float(), c])
+
+
+def add_metrics(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    for k, v in new.items():
+        acc[k] = acc[k] + v.to(acc[k].device) if k in acc else v.clone()
+
+
+def reduce_metrics(acc: dict[str, torch.Tensor]) -> dict[str, float]:
+    out = {}
+    for k, v in acc.items():
+        s, c = v.tolist()
+        if c > 0:
+            out[k] = s / c
+    return out
+
+
+class DraftError(ValueError):
+    """A draft checkpoint that cannot be used; the message names the folder and the problem."""
+
+
+def read_draft_config(path: str | Path) -> dict:
+    p = Path(path)
+    f = p / DRAFT_CONFIG
+    if not f.exists():
+        raise DraftError(f"{p}: not a draft folder (no {DRAFT_CONFIG})")
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise DraftError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or "specdraft" not in cfg:
+        raise DraftError(f"{f}: not a specdraft draft config (no 'specdraft' key)")
+    return cfg

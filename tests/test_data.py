@@ -1,0 +1,200 @@
+"""Data pipeline: record normalisation, bad-input accounting, assistant masks, split, batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import CONVERSATION
+
+from data.chat import tokenize_conversation
+from data.conversations import DataError, load_conversations, normalise_record
+from data.dataset import Collator, LengthGroupedBatches, prepare_tokenized
+from models.tiny import build_tiny_tokenizer
+
+
+def masked_spans(tok, ids, mask):
+    spans, cur = [], []
+    for i, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    if cur:
+        spans.append(tok.decode(cur))
+    return spans
+
+
+# Golden ids of CONVERSATION under the tiny byte-level tokenizer (byte ids in ByteLevel alphabet
+# order: "\n" = 198, " " = 220; 257 = <|im_start|>, 258 = <|im_end|>). Fixed so that a change in
+# rendering or masking shows up as a diff here, not as a silently different loss.
+TINY_GOLDEN_PREFIX = [257, 82, 88, 82, 83, 68, 76, 198, 56, 78, 84, 220, 64, 81, 68, 220, 64]
+
+
+def test_assistant_mask_is_exactly_the_replies():
+    tok = build_tiny_tokenizer()
+    msgs = normalise_record({"conversations": CONVERSATION})
+    enc = tokenize_conversation(tok, msgs, max_length=4096)
+    assert enc["input_ids"][: len(TINY_GOLDEN_PREFIX)] == TINY_GOLDEN_PREFIX
+    assert masked_spans(tok, enc["input_ids"], enc["loss_mask"]) == [
+        "The capital of France is Paris.<|im_end|>",
+        "Rome is the capital of Italy.<|im_end|>",
+    ]
+    # The ids are what the template renders, tokenised as a whole.
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert enc["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    # The default system turn is injected, as at evaluation time.
+    assert "You are a tiny test model." in tok.decode(enc["input_ids"])
+
+
+def test_mask_survives_truncation():
+    tok = build_tiny_tokenizer()
+    msgs = normalise_record({"conversations": CONVERSATION})
+    full = tokenize_conversation(tok, msgs, max_length=4096)
+    cut = tokenize_conversation(tok, msgs, max_length=120)
+    assert len(cut["input_ids"]) == 120
+    assert cut["loss_mask"] == full["loss_mask"][:120]
+
+
+def test_roles_are_normalised_and_turns_merged():
+    rec = {
+        "messages": [
+            {"role": "assistant", "content": "leading reply dropped"},
+            {"role": "user", "content": "a"},
+            {"role": "human", "content": "b"},
+            {"role": "bard", "content": "c"},
+            {"role": "user", "content": "trailing dropped"},
+        ]
+    }
+    assert normalise_record(rec) == [
+        {"role": "user", "content": "a\n\nb"},
+        {"role": "assistant", "content": "c"},
+    ]
+    rec = {
+        "conversations": [
+            {"from": "system", "value": "s"},
+            {"from": "human", "value": "q"},
+            {"from": "chatgpt", "value": "r"},
+        ]
+    }
+    assert [m["role"] for m in normalise_record(rec)] == ["system", "user", "assistant"]
+
+
+BAD = [
+    ("not_a_dict", [1, 2]),
+    ("missing_field", {"id": "x"}),
+    ("missing_field", {"conversations": [{"from": "human"}]}),
+    ("bad_type", {"conversations": "hello"}),
+    ("bad_type", {"conversations": [{"from": "human", "value": 3}]}),
+    ("unknown_role", {"conversations": [{"from": "robot", "value": "hi"}]}),
+    (
+        "empty_text",
+        {"conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "x"}]},
+    ),
+    ("no_assistant_turn", {"conversations": [{"from": "human", "value": "hi"}]}),
+]
+
+
+def test_bad_records_are_counted_per_reason(tmp_path):
+    p = tmp_path / "mixed.jsonl"
+    good = {"id": "ok", "conversations": CONVERSATION}
+    lines = [json.dumps(good)] + [json.dumps(r) for _, r in BAD] + ["{not json"]
+    p.write_text("\n".join(lines) + "\n")
+    convs, rep = load_conversations(p)
+    assert [c.id for c in convs] == ["ok"]
+    expected = {}
+    for reason, _ in BAD:
+        expected[reason] = expected.get(reason, 0) + 1
+    expected["invalid_json"] = 1
+    assert dict(rep.rejected) == expected
+    assert rep.read == len(lines)
+    assert rep.first_bad == (str(p), "line 2", "not_a_dict")
+
+
+def test_file_with_nothing_usable_names_file_position_and_reason(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"id": 1}) + "\n" + json.dumps([1]) + "\n")
+    with pytest.raises(DataError) as e:
+        load_conversations(p)
+    msg = str(e.value)
+    assert str(p) in msg and "line 1" in msg and "missing_field" in msg
+
+
+def test_not_json_at_all(tmp_path):
+    p = tmp_path / "notes.json"
+    p.write_text("hello, this is text\n")
+    with pytest.raises(DataError, match="notes.json: not JSON"):
+        load_conversations(p)
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(DataError, match="notes.json"):
+        load_conversations(p)
+
+
+def test_truncated_json_array_keeps_complete_records(tmp_path):
+    recs = [{"id": str(i), "conversations": CONVERSATION} for i in range(3)]
+    text = json.dumps(recs, indent=2)
+    cut = text[: text.rfind('"id": "2"') + 5]  # cut inside the third record
+    p = tmp_path / "cut.json"
+    p.write_text(cut)
+    convs, rep = load_conversations(p)
+    assert [c.id for c in convs] == ["0", "1"]
+    assert rep.truncated == [str(p)]
+
+
+def test_folder_and_messages_format(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"id": "a", "conversations": CONVERSATION}) + "\n")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (sub / "b.json").write_text(json.dumps([{"id": "b", "messages": msgs}]))
+    (tmp_path / "readme.txt").write_text("ignored")
+    convs, rep = load_conversations(tmp_path)
+    assert [c.id for c in convs] == ["a", "b"] and len(rep.files) == 2
+
+
+def test_split_is_deterministic_and_disjoint(tmp_path, data_file):
+    tok = build_tiny_tokenizer()
+    kw = dict(max_length=512, val_fraction=0.2, max_val_records=100, max_records=None, seed=3)
+    a = prepare_tokenized(str(data_file), tok, cache_root=str(tmp_path / "c1"), **kw)
+    b = prepare_tokenized(str(data_file), tok, cache_root=str(tmp_path / "c2"), **kw)
+    assert list(a.train["id"]) == list(b.train["id"]) and list(a.val["id"]) == list(b.val["id"])
+    assert not set(a.train["id"]) & set(a.val["id"])
+    assert len(a.train) + len(a.val) == 60 and len(a.val) > 0
+    # Second call with the same settings reads the cache.
+    c = prepare_tokenized(str(data_file), tok, cache_root=str(tmp_path / "c1"), **kw)
+    assert c.cache_dir == a.cache_dir and list(c.val["id"]) == list(a.val["id"])
+
+
+def test_length_grouped_batches_cover_each_sample_once_and_repeat_per_epoch():
+    lengths = [(i * 37) % 101 + 1 for i in range(250)]
+    s = LengthGroupedBatches(lengths, batch_size=8, seed=1, group=4)
+    e0 = s.batches()
+    assert sorted(i for b in e0 for i in b) == list(range(250))
+    assert s.batches() == e0
+    s.set_epoch(1)
+    assert s.batches() != e0
+    # grouped: within a batch lengths are close compared with a random batch
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in e0) / len(e0)
+    assert spread < 30
+
+
+def test_collator_pads_with_attention_mask_not_token_identity():
+    eos = 7
+    samples = [
+        {"input_ids": [1, 2, eos], "loss_mask": [0, 1, 1], "index": 0},
+        {"input_ids": [3], "loss_mask": [1], "index": 5},
+    ]
+    b = Collator(pad_token_id=eos)(samples)
+    assert b["input_ids"].tolist() == [[1, 2, eos], [3, eos, eos]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]  # a real EOS stays attended
+    assert b["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert b["index"].tolist() == [0, 5]
+    f = Collator(0)(
+        [
+            {**samples[0], "features": torch.ones(3, 1, 2)},
+            {**samples[1], "features": torch.ones(1, 1, 2)},
+        ]
+    )["features"]
+    assert f.shape == (2, 3, 1, 2) and f[1, 1:].abs().sum() == 0

@@ -1,0 +1,193 @@
+"""Integration on the embedded SmolLM2-135M-Instruct target and the real ShareGPT file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONVERSATION, ROOT, compose, read_metrics
+
+from data.chat import tokenize_conversation
+from data.conversations import normalise_record
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from models.target import TargetConfig, load_target
+
+    return load_target(TargetConfig(name="smollm2_135m", device="cpu", dtype="float32"))
+
+
+# CONVERSATION rendered by SmolLM2's ChatML template (default system turn injected).
+SMOLLM2_GOLDEN = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    1780,
+    314,
+    260,
+    3575,
+    282,
+    4649,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+    504,
+    3575,
+    282,
+    4649,
+    314,
+    7042,
+    30,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    3528,
+    282,
+    7158,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+    46292,
+    314,
+    260,
+    3575,
+    282,
+    7158,
+    30,
+    2,
+    198,
+]
+
+
+def test_smollm2_golden_ids_and_assistant_mask(smollm2):
+    tok = smollm2.tokenizer
+    enc = tokenize_conversation(tok, normalise_record({"conversations": CONVERSATION}), 4096)
+    assert enc["input_ids"] == SMOLLM2_GOLDEN
+    masked = [i for i, m in zip(enc["input_ids"], enc["loss_mask"], strict=True) if m]
+    assert masked == [
+        504,
+        3575,
+        282,
+        4649,
+        314,
+        7042,
+        30,
+        2,
+        46292,
+        314,
+        260,
+        3575,
+        282,
+        7158,
+        30,
+        2,
+    ]
+    assert tok.decode(masked[:8]) == "The capital of France is Paris.<|im_end|>"
+    assert tok.decode(masked[8:]) == "Rome is the capital of Italy.<|im_end|>"
+    # <|im_end|> is both EOS and PAD here: only the attention mask tells padding apart.
+    assert tok.eos_token_id == tok.pad_token_id == 2
+
+
+def test_smollm2_target_is_frozen_llama_with_expected_shape(smollm2):
+    c = smollm2.config
+    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (30, 576, 49152)
+    assert smollm2.dtype == torch.float32
+    assert not any(p.requires_grad for p in smollm2.model.parameters())
+    ids = torch.tensor([SMOLLM2_GOLDEN[:20]])
+    f = smollm2.features(ids, torch.ones_like(ids), (2, 15, -1))
+    assert f.shape == (1, 20, 3, 576) and torch.isfinite(f).all()
+    # the last feature index is what the LM head reads
+    logits = smollm2.model(ids).logits
+    assert torch.allclose(smollm2.lm_head(f[:, :, 2]), logits, atol=1e-4)
+
+
+def test_train_eagle1_few_steps_on_embedded_target_and_sharegpt(tmp_path, smollm2):
+    from models.eagle import EagleHead
+    from trainer.train import run
+
+    out = tmp_path / "run"
+    s = run(
+        compose(
+            [
+                "target=smollm2_135m",
+                "method=eagle1",
+                f"output_dir={out}",
+                "data.max_records=40",
+                "data.max_length=128",
+                "data.batch_size=2",
+                "train.max_steps=3",
+                "train.log_every=1",
+                "train.eval_every=0",
+                "train.save_every=0",
+                "train.progress=false",
+                "data.max_val_records=4",
+                "data.val_fraction=0.2",
+                "target.device=cpu",
+            ]
+        )
+    )
+    assert s["reason"] == "finished" and s["step"] == 3
+    rows = read_metrics(out)
+    assert all(r["loss"] > 0 for r in rows if "loss" in r)
+    assert "top1_pos1" in s["val"]
+    head = EagleHead.load_draft(out / "final", smollm2)
+    assert sum(p.numel() for p in head.parameters()) > 4_000_000
+
+
+def test_concurrent_conversion_is_safe(tmp_path):
+    code = "import sys; from models.target import smollm2_dir; print(smollm2_dir(sys.argv[1]))"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    paths = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(paths) == 1
+    dest = Path(paths.pop())
+    assert (dest / "config.json").exists() and (dest / "model.safetensors").exists()
+    leftovers = [p.name for p in dest.parent.iterdir() if p != dest]
+    assert leftovers == []  # the loser's temp folder was cleaned up

@@ -1,0 +1,77 @@
+"""Property tests of the pure loss functions and the draft-position masks."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models.eagle import feature_regression_loss, position_mask, soft_cross_entropy
+
+logit_rows = st.integers(1, 6).flatmap(
+    lambda n: st.integers(2, 12).flatmap(
+        lambda v: st.lists(st.floats(-8, 8), min_size=n * v, max_size=n * v).map(
+            lambda xs: torch.tensor(xs, dtype=torch.float64).reshape(n, v)
+        )
+    )
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(logit_rows, st.floats(-5, 5))
+def test_soft_ce_equals_entropy_at_q_equals_p_and_is_shift_invariant(t, shift):
+    p = t.softmax(-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1).mean()
+    assert torch.allclose(soft_cross_entropy(t, t).double(), entropy, atol=1e-5)
+    assert torch.allclose(soft_cross_entropy(t + shift, t), soft_cross_entropy(t, t), atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(logit_rows, st.data())
+def test_soft_ce_is_minimised_at_the_teacher(t, data):
+    noise = torch.tensor(
+        data.draw(st.lists(st.floats(-3, 3), min_size=t.numel(), max_size=t.numel())), dtype=t.dtype
+    ).reshape(t.shape)
+    assert soft_cross_entropy(t + noise, t) >= soft_cross_entropy(t, t) - 1e-5
+    s = t.clone().float().requires_grad_(True)
+    soft_cross_entropy(s, t).backward()
+    assert s.grad.abs().max() < 1e-5  # stationary point at q = p
+
+
+def test_soft_ce_matches_hard_ce_for_one_hot_teacher():
+    student = torch.randn(5, 9)
+    labels = torch.randint(0, 9, (5,))
+    teacher = torch.full((5, 9), -1e4).scatter(1, labels[:, None], 0.0)
+    assert torch.allclose(
+        soft_cross_entropy(student, teacher),
+        torch.nn.functional.cross_entropy(student, labels),
+        atol=1e-5,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(logit_rows)
+def test_feature_regression_zero_iff_equal_and_symmetric(x):
+    y = x.flip(0)
+    assert feature_regression_loss(x, x) == 0
+    assert torch.allclose(feature_regression_loss(x, y), feature_regression_loss(y, x))
+    if not torch.equal(x, y):
+        assert feature_regression_loss(x, y) > 0
+
+
+def test_feature_regression_empty_has_graph():
+    x = torch.zeros(0, 4, requires_grad=True)
+    loss = feature_regression_loss(x, torch.zeros(0, 4))
+    loss.backward()
+    assert loss.item() == 0.0
+
+
+def test_position_mask_requires_every_read_and_predicted_token_be_assistant():
+    # tokens:   0  1  2  3  4  5  (position 5 is padding)
+    lm = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    attn = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    m1, m2 = position_mask(lm, attn, steps=2)
+    # step 1 at start s reads x_{s+1}, predicts x_{s+2}: valid for s = 0, 1, 2 (x_5 is padding)
+    assert m1.tolist() == [[True, True, True, False, False]]
+    # step 2 at start s reads x_{s+1..s+2}, predicts x_{s+3}: s = 0, 1
+    assert m2.tolist() == [[True, True, False, False, False]]

@@ -1,0 +1,244 @@
+"""The training entry point end to end on the tiny target: configs, runs, checkpoints, resume,
+feature cache, signals and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import CONF, ROOT, compose, read_metrics, tiny_overrides
+
+from trainer.checkpoint import latest_checkpoint, list_checkpoints
+from trainer.train import run
+
+GROUPS = ["target", "data", "method", "optim", "logger", "experiment", "debug"]
+
+
+def shipped_options():
+    for g in GROUPS:
+        for f in sorted((CONF / g).glob("*.yaml")):
+            yield g, f.stem
+
+
+@pytest.mark.parametrize("group,option", list(shipped_options()))
+def test_every_shipped_config_composes(group, option):
+    extra = ["target.path=/some/model"] if (group, option) == ("target", "hf") else []
+    cfg = compose([f"{group}={option}", "output_dir=/tmp/x", *extra])
+    assert cfg.method.name and cfg.target.name and cfg.optim.lr > 0
+
+
+def test_method_file_sets_paper_defaults():
+    cfg = compose(["method=eagle1", "output_dir=/tmp/x"])
+    assert cfg.method.w_cls == 0.1 and cfg.optim.lr == 3e-5
+    assert list(cfg.optim.betas) == [0.9, 0.95] and cfg.optim.max_grad_norm == 0.5
+    # the command line still wins
+    assert compose(["optim.lr=1e-3", "output_dir=/tmp/x"]).optim.lr == 1e-3
+
+
+@pytest.mark.parametrize(
+    "override", ["method.w_clz=1", "train.max_stepz=3", "optim.lr=fast", "data.batch_size=1.5"]
+)
+def test_misspelled_or_mistyped_override_fails_at_compose(override):
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
+        compose([override, "output_dir=/tmp/x"])
+
+
+def _run(data_file, out, **extra):
+    return run(compose(tiny_overrides(data_file, out, **extra)))
+
+
+def test_run_writes_metrics_checkpoints_and_final(data_file, tmp_path):
+    out = tmp_path / "run"
+    s = _run(
+        data_file,
+        out,
+        **{"train.max_steps": 12, "train.save_every": 5, "train.keep_checkpoints": 2},
+    )
+    assert s["reason"] == "finished" and s["step"] == 12
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))
+    assert any("val/top1_pos1" in r for r in rows)
+    assert (out / "final" / "model.safetensors").exists()
+    assert (
+        json.loads((out / "final" / "config.json").read_text())["specdraft"]["method"] == "eagle1"
+    )
+    assert [p.name for p in list_checkpoints(out)] == ["step_10", "step_12"]  # pruned to 2
+    ck = out / "checkpoints" / "step_10"
+    state = json.loads((ck / "trainer_state.json").read_text())
+    assert state["step"] == 10 and state["batch_in_epoch"] > 0
+    for f in ("optimizer.bin", "scheduler.bin", "model.safetensors", "draft/config.json"):
+        assert (ck / f).exists()
+
+
+@pytest.fixture(scope="module")
+def full_run(data_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "run"
+    _run(
+        data_file,
+        out,
+        **{
+            "train.max_steps": 20,
+            "train.save_every": 8,
+            "train.keep_checkpoints": 5,
+            "train.eval_every": 0,
+        },
+    )
+    return out
+
+
+@pytest.mark.parametrize("resume_step", [8, 16])  # mid-epoch 0, and mid-epoch 1 (14 batches/epoch)
+def test_resume_continues_at_same_step_and_data_position(
+    data_file, tmp_path, full_run, resume_step
+):
+    # A run directory holding only one checkpoint, as if the run died 3 steps after it.
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    name = f"step_{resume_step}"
+    shutil.copytree(full_run / "checkpoints" / name, part / "checkpoints" / name)
+    rows = [r for r in read_metrics(full_run) if r["step"] <= resume_step + 3]
+    (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = _run(
+        data_file,
+        part,
+        **{"train.max_steps": 20, "train.save_every": 8, "train.eval_every": 0, "resume": "true"},
+    )
+    assert s["step"] == 20
+    a = {r["step"]: r["loss"] for r in read_metrics(full_run) if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(part) if "loss" in r}
+    assert sorted(b) == list(range(1, 21))  # the dead run's extra rows replaced, each step once
+    for step in range(resume_step + 1, 21):
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    sa = json.loads((full_run / "checkpoints/step_20/trainer_state.json").read_text())
+    sb = json.loads((part / "checkpoints/step_20/trainer_state.json").read_text())
+    assert (sa["epoch"], sa["batch_in_epoch"]) == (sb["epoch"], sb["batch_in_epoch"]) == (1, 6)
+
+
+def test_damaged_latest_checkpoint_falls_back_to_previous(data_file, tmp_path):
+    out = tmp_path / "run"
+    _run(data_file, out, **{"train.max_steps": 6, "train.save_every": 3, "train.eval_every": 0})
+    newest = out / "checkpoints" / "step_6"
+    (newest / "optimizer.bin").write_bytes(b"broken")
+    msgs = []
+    assert latest_checkpoint(out, log=msgs.append) == out / "checkpoints" / "step_3"
+    assert "step_6" in msgs[0] and "optimizer.bin" in msgs[0]
+    (out / "checkpoints" / "step_3" / "COMPLETE").unlink()
+    assert latest_checkpoint(out, log=msgs.append) is None
+
+
+def test_cached_features_train_exactly_like_online(data_file, tmp_path):
+    common = {
+        "train.max_steps": 4,
+        "train.eval_every": 0,
+        "data.feature_dtype": "float32",
+        "method.noise": 0.0,
+    }
+    _run(data_file, tmp_path / "online", **common)
+    _run(data_file, tmp_path / "cached", **common, **{"data.cache_features": "true"})
+    feats = list((tmp_path / "cache" / "features").iterdir())
+    assert len(feats) == 2 and all((f / "done.json").exists() for f in feats)  # train + val
+    a = [r["loss"] for r in read_metrics(tmp_path / "online") if "loss" in r]
+    b = [r["loss"] for r in read_metrics(tmp_path / "cached") if "loss" in r]
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def _cli(args, timeout=120, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def test_cli_tiny_run_under_a_minute(data_file, tmp_path):
+    out = tmp_path / "cli"
+    t = time.time()
+    r = _cli(
+        [
+            "target=tiny_random",
+            "method=eagle1",
+            "train.max_steps=20",
+            f"output_dir={out}",
+            f"data.path={data_file}",
+            "data.max_length=256",
+            "train.progress=false",
+            "train.epochs=100",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert time.time() - t < 60
+    assert (out / "metrics.jsonl").exists() and (out / "final" / "model.safetensors").exists()
+    assert "data:" in r.stdout and "skipped" in r.stdout  # the load report is printed
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train.max_steps=-3"], "train.max_steps=-3: must be >= 1"),
+        (["data.path=/nonexistent/file.jsonl"], "/nonexistent/file.jsonl: no such file"),
+        (["target=hf", "target.path=/nonexistent/model"], "target.path=/nonexistent/model"),
+    ],
+)
+def test_bad_cli_values_give_one_line_errors(tmp_path, args, needle):
+    r = _cli(["debug=default", f"output_dir={tmp_path / 'o'}", *args])
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_not_json_data_file_is_one_clear_error(tmp_path):
+    bad = tmp_path / "notjson.json"
+    bad.write_text("this is not json")
+    r = _cli(["debug=default", f"output_dir={tmp_path / 'o'}", f"data.path={bad}"])
+    assert r.returncode == 2 and f"{bad}: not JSON" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_file, tmp_path):
+    out = tmp_path / "sig"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "debug=default",
+            f"data.path={data_file}",
+            f"output_dir={out}",
+            "train.max_steps=100000",
+            "train.save_every=0",
+            "train.eval_every=0",
+            "train.log_every=1",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 90
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    assert (out / "metrics.jsonl").exists(), "training never started"
+    p.send_signal(signal.SIGTERM)
+    stdout, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, stdout[-2000:]
+    assert "Traceback" not in stdout and "resume=true" in stdout
+    ck = latest_checkpoint(out)
+    assert ck is not None and not (out / "final").exists()
+    step = json.loads((ck / "trainer_state.json").read_text())["step"]
+    assert step >= 1

