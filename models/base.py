@@ -70,3 +70,59 @@ def read_draft_config(path: str | Path) -> dict:
     if not isinstance(cfg, dict) or "specdraft" not in cfg:
         raise DraftError(f"{f}: not a specdraft draft config (no 'specdraft' key)")
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode-time contract (shared by every proposer; the decoder lives in decoding/)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens as a tree. ``parents[i]`` is the index of node i's parent (-1: the root, i.e.
+    the last committed token); a chain has parents [-1, 0, 1, ...]. ``q[i]`` is the (warped)
+    draft distribution node i was sampled from, (N, V); None for deterministic proposers (a
+    point mass on the token) and for greedy decoding."""
+
+    tokens: list[int]
+    parents: list[int]
+    q: torch.Tensor | None = None
+    bucket: str | None = None  # a confidence class; acceptance is tracked per bucket
+
+    @staticmethod
+    def chain(
+        tokens: list[int], q: torch.Tensor | None = None, bucket: str | None = None
+    ) -> Proposal:
+        return Proposal(list(tokens), list(range(-1, len(tokens) - 1)), q, bucket)
+
+    def truncated(self, k: int) -> Proposal:
+        """The first ``k`` nodes (for a chain: the first k tokens)."""
+        if k >= len(self.tokens):
+            return self
+        if any(p >= k for p in self.parents[:k]):
+            raise ValueError("truncating a tree must keep every kept node's parent")
+        q = self.q[:k] if self.q is not None else None
+        return Proposal(self.tokens[:k], self.parents[:k], q, self.bucket)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class DecodeState:
+    """What a proposer may read. ``ids``: committed tokens (prompt + generated) as a list; the
+    last one is not yet fed to the target. ``features``: (len(ids) - 1, L, H) target hidden
+    states at the proposer's ``feature_layers`` for every fed position (None if it needs none).
+    """
+
+    ids: list[int]
+    features: torch.Tensor | None
+    sampling: object  # decoding.sampling.Sampling
+    generator: torch.Generator | None
+    device: torch.device
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut a transformers KV cache back to its first ``length`` positions."""
+    n = cache.get_seq_length()
+    if n > length:
+        cache.crop(-(n - length))

@@ -12,6 +12,7 @@ Sections: config, module, pure loss functions, save/load.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,11 +25,15 @@ from transformers import DynamicCache
 from .base import (
     DRAFT_CONFIG,
     DRAFT_WEIGHTS,
+    DecodeState,
     DraftError,
+    Proposal,
     StepOutput,
+    crop_cache,
     metric,
     read_draft_config,
 )
+from .sampling import sample, warp
 from .target import Target
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +203,10 @@ class EagleHead(nn.Module):
         c = self.cfg.lm_head_chunk
         return torch.cat([self.logits(h[i : i + c]).argmax(-1) for i in range(0, len(h), c)])
 
+    def proposer(self) -> EagleProposer:
+        """This head as a chain proposer for the shared decoder."""
+        return EagleProposer(self)
+
     # -- save / load ---------------------------------------------------------------------
 
     def save_draft(self, path: str | Path) -> None:
@@ -240,6 +249,92 @@ class EagleHead(nn.Module):
                 f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
             )
         return head.to(target.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Propose (decode time)
+
+
+class EagleProposer:
+    """Chain drafting with an EAGLE head for the shared decoder.
+
+    The head keeps its own KV cache over (feature, next token) pairs. Pairs for committed
+    tokens use the target's real features (from the verification forwards); each drafted step
+    feeds the head's own predicted feature with the token just drafted. After verification the
+    drafted entries are cut and the next call catches up on the newly committed pairs in one
+    pass, so nothing is recomputed.
+    """
+
+    name = "eagle"
+
+    def __init__(self, head: EagleHead):
+        self.head = head.eval()
+        self.feature_layers = tuple(head.feature_layers)
+        self.draft_calls = 0
+        self.cache: DynamicCache | None = None
+        self.done = 0  # committed pairs held by the head's cache
+
+    def start(self, state: DecodeState) -> None:
+        self.cache = DynamicCache()
+        self.done = 0
+        self.last_step_seconds = None
+        if len(state.ids) > 2:  # the prompt's pairs now, so drafting times only draft steps
+            self._catch_up(state, upto=len(state.ids) - 2)
+
+    def _choose(self, h: torch.Tensor, state: DecodeState, qs: list) -> int:
+        logits = self.head.logits(h)
+        if state.sampling.greedy:
+            return int(logits.argmax())
+        q = warp(logits, state.sampling)
+        qs.append(q)
+        return sample(q, state.generator)
+
+    @torch.no_grad()
+    def _catch_up(self, state: DecodeState, upto: int) -> torch.Tensor:
+        """Feed committed pairs (f_t, x_{t+1}) for t = done..upto-1; returns the head's output
+        (1, Q, H)."""
+        head, dev = self.head, state.device
+        f = state.features[:, 0]  # fed positions 0..len(ids)-2
+        q_len = upto - self.done
+        pos = torch.arange(self.done, upto, device=dev)[None]
+        emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=dev))
+        mask = None
+        if self.done > 0 and q_len > 1:
+            keys = torch.arange(upto, device=dev)
+            mask = (keys[None, :] <= pos[0, :, None])[None, None]
+        h = head.step(f[self.done : upto][None], emb, pos, mask, self.cache)
+        self.done = upto
+        self.draft_calls += 1
+        return h
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        head, dev = self.head, state.device
+        n = len(state.ids)
+        times: list[float] = []
+        t = time.perf_counter()
+        big = n - 1 - self.done > 8
+        h = self._catch_up(state, upto=n - 1)[:, -1:]  # predicts the pending token's feature
+        if not big:  # a long catch-up is not what one more draft step costs
+            times.append(time.perf_counter() - t)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(gamma):
+            t = time.perf_counter()
+            x = self._choose(h[0, -1], state, qs)
+            tokens.append(x)
+            if i < gamma - 1:
+                p = torch.tensor([[n - 1 + i]], device=dev)
+                h = head.step(h, head._embed(torch.tensor([[x]], device=dev)), p, None, self.cache)
+                self.draft_calls += 1
+            times.append(time.perf_counter() - t)
+        # each draft token costs one head step and one LM head; the catch-up step (when it
+        # was short) stands for the step that produced the first token's feature
+        self.last_step_seconds = sum(times) / gamma if gamma else None
+        return Proposal.chain(tokens, torch.stack(qs) if qs else None)
+
+    def rollback(self, state: DecodeState, n_accepted: int) -> None:
+        crop_cache(self.cache, self.done)
 
 
 # ---------------------------------------------------------------------------------------------

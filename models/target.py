@@ -157,6 +157,30 @@ class Target:
     def rotary_embedding(self) -> nn.Module:
         return self.model.get_decoder().rotary_emb
 
+    def truncated(self, n_layers: int) -> nn.Module:
+        """A standalone causal LM made of this target's embedding, first ``n_layers`` decoder
+        layers, final norm and LM head (weights copied): an untrained same-tokenizer draft."""
+        import copy
+
+        n = self.num_layers
+        if not 1 <= n_layers < n:
+            raise TargetError(f"truncate:{n_layers}: choose 1..{n - 1} layers of {n}")
+        cfg = copy.deepcopy(self.model.config)
+        cfg.num_hidden_layers = n_layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:n_layers]
+        model = type(self.model)(cfg).to(device=self.device, dtype=self.dtype)
+        state = {
+            k: v
+            for k, v in self.model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers
+        }
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to embedding
+        if missing or unexpected:
+            raise TargetError(f"truncate:{n_layers}: weights do not map ({missing or unexpected})")
+        return model.eval().requires_grad_(False)
+
     @torch.no_grad()
     def features(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]

@@ -191,3 +191,31 @@ def test_concurrent_conversion_is_safe(tmp_path):
     assert (dest / "config.json").exists() and (dest / "model.safetensors").exists()
     leftovers = [p.name for p in dest.parent.iterdir() if p != dest]
     assert leftovers == []  # the loser's temp folder was cleaned up
+
+
+def test_greedy_speculative_equals_autoregressive_on_smollm2(smollm2):
+    from data.chat import prompt_ids
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from decoding.drafts import load_proposer
+    from decoding.proposers import NGramProposer
+    from models.eagle import Eagle1Config, EagleHead
+    from models.sampling import Sampling
+
+    prompt = prompt_ids(
+        smollm2.tokenizer,
+        [{"role": "user", "content": "List three fruits, then list them again in the same order."}],
+    )
+    ref = SpeculativeDecoder(smollm2, NoDraft(), Sampling(), calibrate=False).generate(prompt, 40)
+    hf = smollm2.model.generate(
+        torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False
+    )[0, len(prompt) :].tolist()
+    assert ref == hf
+    torch.manual_seed(0)
+    props = {
+        "ngram": NGramProposer(),
+        "truncate:4": load_proposer("truncate:4", smollm2)[0],
+        "eagle": EagleHead(smollm2, Eagle1Config()).proposer(),
+    }
+    for name, prop in props.items():
+        dec = SpeculativeDecoder(smollm2, prop, Sampling(), gamma=3, adaptive=False)
+        assert dec.generate(prompt, 40) == ref, name

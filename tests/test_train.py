@@ -242,3 +242,72 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_file, tmp_path):
     assert ck is not None and not (out / "final").exists()
     step = json.loads((ck / "trainer_state.json").read_text())["step"]
     assert step >= 1
+
+
+def test_multirun_sweep_gives_each_job_its_own_directory(data_file, tmp_path):
+    sweep = tmp_path / "sweep"
+    r = _cli(
+        [
+            "-m",
+            "debug=default",
+            f"data.path={data_file}",
+            "train.max_steps=2,3",
+            "train.eval_every=0",
+            f"hydra.sweep.dir={sweep}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = sorted(
+        json.loads((sweep / j / "checkpoints" / f"step_{n}" / "trainer_state.json").read_text())[
+            "step"
+        ]
+        for j, n in (("0", 2), ("1", 3))
+    )
+    assert steps == [2, 3]
+    assert (sweep / "0" / "final").is_dir() and (sweep / "1" / "metrics.jsonl").exists()
+
+
+def test_wandb_logger_offline(data_file, tmp_path):
+    out = tmp_path / "wb"
+    env_mode = os.environ.get("WANDB_MODE")
+    s = _run(data_file, out, **{"logger": "wandb", "train.max_steps": 2, "train.eval_every": 0})
+    assert s["step"] == 2 and env_mode == "offline"
+    assert list((out / "wandb").glob("offline-run-*")), "no offline W&B run written"
+    assert (out / "metrics.jsonl").exists()  # written with any logger
+
+
+def test_accelerate_launch_runs_the_same_app(data_file, tmp_path):
+    out = tmp_path / "acc"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--cpu",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "trainer.train",
+            "debug=default",
+            f"data.path={data_file}",
+            f"output_dir={out}",
+            "train.max_steps=3",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "final" / "model.safetensors").exists()

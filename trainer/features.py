@@ -91,7 +91,7 @@ def build_feature_store(
         raise ValueError(f"data.feature_dtype={dtype!r}: use one of {sorted(DTYPES)}")
     path.mkdir(parents=True, exist_ok=True)
     done = _scan(path)
-    lengths = ds["length"]
+    lengths = list(ds["length"])
     todo = [i for i in range(len(ds)) if i % world_size == rank and i not in done]
     todo.sort(key=lambda i: -lengths[i])  # similar lengths per batch: little padding
     collate = Collator(target.pad_token_id)

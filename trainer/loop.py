@@ -220,7 +220,7 @@ def fit(
                         optimizer.zero_grad(set_to_none=True)
                         add_metrics(window, {"loss": metric(out.loss.detach(), 1), **out.metrics})
                     else:
-                        # Skip: no backward, gradients of this accumulation window dropped.
+                        # Skip this batch: no backward, no optimizer step for it.
                         optimizer.zero_grad(set_to_none=True)
                         state.nonfinite_skipped += 1
                         consecutive_bad += 1
@@ -252,12 +252,14 @@ def fit(
                         tok_s=f"{row['tokens_per_s']:.0f}",
                     )
                     window, window_tokens, window_start = {}, 0, now
+                paused = time.perf_counter()
                 if tc.eval_every and state.step % tc.eval_every == 0:
                     validate()
-                    t_last = time.perf_counter()  # validation time is not training time
                 if tc.save_every and state.step % tc.save_every == 0:
                     checkpoint()
-                    t_last = time.perf_counter()
+                # validation and checkpoint time is neither training time nor in tokens/s
+                t_last = time.perf_counter()
+                window_start += t_last - paused
                 stop = _agree_stop(
                     accelerator,
                     "signal"

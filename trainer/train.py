@@ -17,7 +17,7 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from data.conversations import DataError
 from data.dataset import Collator, IndexedDataset, LengthGroupedBatches, prepare_tokenized
@@ -363,6 +363,12 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> dict:
+    from hydra.core.hydra_config import HydraConfig
+
+    # The run directory is Hydra's job directory: output_dir for a single run, one folder
+    # per job (sweep dir / job number) under -m.
+    with open_dict(cfg):
+        cfg.output_dir = HydraConfig.get().runtime.output_dir
     try:
         return run(cfg)
     except USER_ERRORS + (ConfigError,) as e:

@@ -1,0 +1,441 @@
+"""The speculative decoder: one loop for every proposer.
+
+Invariant between iterations: the target's KV cache holds every committed token but the last;
+the last committed token is fed together with the draft in the next verification forward. So
+each iteration is exactly one target forward (plain decoding: one token fed, gamma = 0), and
+tau = emitted tokens / verification forwards is 1 for plain decoding. The prompt's prefill is a
+separate forward, not counted in tau (and timed separately).
+
+After verification the target cache is cut back to the accepted path (a crop for a chain; for a
+tree the accepted nodes' entries are moved into place first) and the proposer rolls back its
+own caches; nothing is recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from models.base import DecodeState, Proposal, crop_cache
+from models.sampling import Sampling, warp
+from models.target import Target
+
+from .verify import verify_greedy, verify_sampled
+
+
+def keep_cache_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
+    """Keep entries [0, start) plus, in order, entries ``start + k`` for k in ``keep``."""
+    if keep == list(range(len(keep))):
+        crop_cache(cache, start + len(keep))
+        return
+    idx = torch.tensor([start + k for k in keep])
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            moved = t.index_select(-2, idx.to(t.device))
+            setattr(layer, name, torch.cat([t[..., :start, :], moved], dim=-2))
+
+
+@dataclass
+class Stats:
+    """Counters over one or more generations. Position k (1-based) of a draft is *tested* when
+    positions 1..k-1 were accepted and the draft reached depth k."""
+
+    drafted: Counter = field(default_factory=Counter)  # draft nodes per depth
+    tested: Counter = field(default_factory=Counter)
+    accepted: Counter = field(default_factory=Counter)
+    accept_len: Counter = field(default_factory=Counter)  # accepted tokens per drafting iteration
+    gamma_used: Counter = field(default_factory=Counter)  # draft tokens per iteration
+    target_calls: int = 0  # verification forwards (prefill excluded)
+    prefill_calls: int = 0
+    draft_calls: int = 0  # forwards of the draft model/head
+    new_tokens: int = 0
+    t_target: float = 0.0  # seconds in verification forwards
+    t_prefill: float = 0.0
+    t_draft: float = 0.0
+    t_total: float = 0.0  # wall time of generate(), prefill included
+
+    def merge(self, o: Stats) -> None:
+        for k in ("drafted", "tested", "accepted", "accept_len", "gamma_used"):
+            getattr(self, k).update(getattr(o, k))
+        for k in (
+            "target_calls",
+            "prefill_calls",
+            "draft_calls",
+            "new_tokens",
+            "t_target",
+            "t_prefill",
+            "t_draft",
+            "t_total",
+        ):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        t = sum(self.tested.values())
+        return sum(self.accepted.values()) / t if t else float("nan")
+
+    def alpha_per_position(self) -> list[float]:
+        depth = max(self.tested, default=0)
+        return [
+            self.accepted[k] / self.tested[k] if self.tested[k] else float("nan")
+            for k in range(1, depth + 1)
+        ]
+
+
+class GammaController:
+    """Chooses how many draft tokens to verify each iteration.
+
+    With ``adaptive`` off it always drafts ``gamma``. With it on, it picks the gamma in
+    0..gamma_max that maximises expected tokens per second, E[tokens] / (gamma * t_draft +
+    t_verify(gamma)), with E[tokens] = (1 - a^(g+1)) / (1 - a) (Leviathan et al.), a the running
+    acceptance (exponentially decayed counts with a Beta(1, 1) prior), t_draft the measured time
+    per draft step and t_verify(g) the measured time of a target forward over g + 1 tokens.
+
+    Acceptance is tracked per *bucket*: a proposal may say how confident it is (an n-gram match
+    of length n, say), and each bucket keeps its own rate. A draft with no skill drives gamma to
+    0 (plain decoding); after ``probe_every`` such iterations it drafts one token to notice if
+    acceptance has come back, and each probe that fails doubles the wait (up to ``max_probe``),
+    so a useless draft costs almost nothing.
+    """
+
+    def __init__(
+        self,
+        gamma: int,
+        adaptive: bool,
+        t_verify: list[float],
+        decay: float = 0.9,
+        probe_every: int = 16,
+        max_probe: int = 256,
+    ):
+        self.gamma, self.adaptive = gamma, adaptive
+        self.t_verify = list(t_verify)  # index k: forward over k + 1 tokens
+        self.decay, self.probe_every, self.max_probe = decay, probe_every, max_probe
+        self.counts: dict[str | None, list[float]] = {}  # bucket -> [accepted, tested]
+        self.t_draft: float | None = None
+        self.zero_streak: dict[str | None, int] = {}
+        self.wait: dict[str | None, int] = {}
+        self.probing = False
+
+    def alpha(self, bucket: str | None = None) -> float:
+        acc, tested = self.counts.get(bucket, (1.0, 2.0))  # prior mean 0.5
+        return acc / tested
+
+    @staticmethod
+    def expected_tokens(alpha: float, g: int) -> float:
+        if alpha >= 1.0 - 1e-9:
+            return g + 1.0
+        return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+
+    def choose(self, limit: int, bucket: str | None = None) -> int:
+        self.probing = False
+        cap = max(0, min(self.gamma, limit))
+        if not self.adaptive or cap == 0:
+            return cap
+        if self.t_draft is None:
+            return min(cap, 2)  # measure the draft's cost first
+        a = self.alpha(bucket)
+        best = max(
+            range(cap + 1),
+            key=lambda g: self.expected_tokens(a, g) / (g * self.t_draft + self.t_verify[g]),
+        )
+        if best > 0:
+            self.zero_streak[bucket] = 0
+            return best
+        streak = self.zero_streak.get(bucket, 0) + 1
+        self.zero_streak[bucket] = streak
+        if streak >= self.wait.get(bucket, self.probe_every):
+            self.zero_streak[bucket] = 0
+            self.probing = True
+            return 1
+        return 0
+
+    def update(
+        self,
+        g: int,
+        tested: int,
+        accepted: int,
+        step_seconds: float | None,
+        t_verify: float,
+        bucket: str | None = None,
+    ) -> None:
+        """After an iteration that verified ``g`` draft tokens. ``step_seconds``: the measured
+        cost of one draft step this iteration (None: nothing measured)."""
+        if g > 0:
+            acc, n = self.counts.get(bucket, (1.0, 2.0))
+            self.counts[bucket] = [acc * self.decay + accepted, n * self.decay + tested]
+            if self.probing:
+                w = self.wait.get(bucket, self.probe_every)
+                self.wait[bucket] = self.probe_every if accepted else min(2 * w, self.max_probe)
+        if step_seconds is not None:
+            self.t_draft = (
+                step_seconds if self.t_draft is None else 0.8 * self.t_draft + 0.2 * step_seconds
+            )
+        if g < len(self.t_verify):  # a tree may verify more nodes than gamma
+            self.t_verify[g] = 0.8 * self.t_verify[g] + 0.2 * t_verify
+
+    def cost_ratio(self) -> float:
+        """c: one draft step in units of a one-token target step."""
+        return (self.t_draft or 0.0) / self.t_verify[0]
+
+
+class NoDraft:
+    """Plain autoregressive decoding through the same loop (gamma is always 0)."""
+
+    name = "none"
+    feature_layers: tuple[int, ...] = ()
+    draft_calls = 0
+
+    def start(self, state: DecodeState) -> None:
+        pass
+
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        return Proposal([], [])
+
+    def rollback(self, state: DecodeState, n_accepted: int) -> None:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeDecoder:
+    """Batch-size-1 speculative decoding of ``target`` with any proposer.
+
+    ``generate`` returns the new tokens; ``stats`` accumulates counters over calls.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        proposer,
+        sampling: Sampling,
+        gamma: int = 4,
+        adaptive: bool = True,
+        seed: int = 0,
+        calibrate: bool = True,
+    ):
+        if gamma < 0:
+            raise ValueError(f"gamma={gamma}: must be >= 0")
+        self.target, self.proposer, self.sampling = target, proposer, sampling
+        self.device = target.device
+        self.gamma = 0 if isinstance(proposer, NoDraft) else gamma
+        self.adaptive = adaptive
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.layers = tuple(getattr(proposer, "feature_layers", ()))
+        t_verify = (
+            self._calibrate()
+            if (calibrate and self.gamma and adaptive)
+            else [1.0 + 0.01 * k for k in range(self.gamma + 1)]
+        )
+        self.controller = GammaController(self.gamma, adaptive, t_verify)
+        self.stats = Stats()
+
+    # -- target forwards ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[int], cache: DynamicCache):
+        ids = torch.tensor([tokens], device=self.device)
+        out = self.target.model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(self.layers),
+        )
+        feats = None
+        if self.layers:
+            hs = out.hidden_states
+            feats = torch.stack([hs[self.target.layer_index(i)][0] for i in self.layers], dim=1)
+        return out.logits[0], feats
+
+    @torch.no_grad()
+    def _calibrate(self, prefix: int = 128, reps: int = 3) -> list[float]:
+        """Time target forwards over k + 1 tokens after a ``prefix``-token context."""
+        vocab = self.target.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        ctx = torch.randint(0, vocab, (prefix,), generator=g).tolist()
+        times = []
+        for k in range(self.gamma + 1):
+            runs = []
+            for _ in range(reps + 1):
+                cache = DynamicCache(config=self.target.config)
+                self._forward(ctx, cache)
+                _sync(self.device)
+                t = time.perf_counter()
+                self._forward(ctx[: k + 1], cache)
+                _sync(self.device)
+                runs.append(time.perf_counter() - t)
+            times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+        return times
+
+    # -- generation ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> list[int]:
+        if not prompt:
+            raise ValueError("empty prompt")
+        st = Stats()
+        t_start = time.perf_counter()
+        cache = DynamicCache(config=self.target.config)
+        feats = None
+        if len(prompt) > 1:
+            t = time.perf_counter()
+            _, feats = self._forward(prompt[:-1], cache)
+            _sync(self.device)
+            st.t_prefill += time.perf_counter() - t
+            st.prefill_calls += 1
+        state = DecodeState(
+            ids=list(prompt),
+            features=feats,
+            sampling=self.sampling,
+            generator=self.generator,
+            device=self.device,
+        )
+        calls0 = getattr(self.proposer, "draft_calls", 0)
+        t = time.perf_counter()
+        self.proposer.start(state)  # a draft model prefills the prompt here: counted as prefill
+        _sync(self.device)
+        st.t_prefill += time.perf_counter() - t
+        new: list[int] = []
+        ctl = self.controller
+        free = getattr(self.proposer, "free", False)
+        while len(new) < max_new_tokens:
+            limit = max_new_tokens - len(new) - 1
+            t = time.perf_counter()
+            if free and self.gamma and limit > 0:
+                # A proposer that costs nothing (a lookup) drafts first; the controller then
+                # decides how much of it to verify, knowing the proposal's confidence bucket.
+                prop = self.proposer.propose(state, min(self.gamma, limit))
+                drafted = len(prop)
+                g = ctl.choose(drafted, prop.bucket) if drafted else 0
+                prop = prop.truncated(g)
+            else:
+                g = ctl.choose(limit)
+                prop = self.proposer.propose(state, g) if g > 0 else Proposal([], [])
+                drafted = len(prop)
+            _sync(self.device)
+            t_draft = time.perf_counter() - t
+            base = len(state.ids) - 1  # cache length before this forward
+            t = time.perf_counter()
+            logits, f_new = (
+                self._forward([state.ids[-1]] + prop.tokens, cache)
+                if _is_chain(prop)
+                else self._forward_tree(state.ids[-1], prop, cache, base)
+            )
+            if self.sampling.greedy:
+                verdict = verify_greedy(prop.tokens, prop.parents, logits.argmax(-1).tolist())
+            else:
+                verdict = verify_sampled(
+                    prop.tokens, prop.parents, warp(logits, self.sampling), prop.q, self.generator
+                )
+            _sync(self.device)
+            t_verify = time.perf_counter() - t
+            path = verdict.path
+            keep_cache_positions(cache, base, [0] + [i + 1 for i in path])
+            if self.layers:
+                sel = f_new[[0] + [i + 1 for i in path]]
+                state.features = sel if state.features is None else torch.cat([state.features, sel])
+            emitted = [prop.tokens[i] for i in path] + [verdict.token]
+            for j, tok in enumerate(emitted):
+                if tok in stop_ids:
+                    emitted = emitted[: j + 1]
+                    break
+            state.ids.extend(emitted)
+            new.extend(emitted)
+            self.proposer.rollback(state, len(path))
+            # counters
+            depth = _depths(prop)
+            for d in depth:
+                st.drafted[d] += 1
+            max_depth = max(depth, default=0)
+            tested = min(len(path) + 1, max_depth)
+            for k in range(1, tested + 1):
+                st.tested[k] += 1
+                if k <= len(path):
+                    st.accepted[k] += 1
+            if len(prop):
+                st.accept_len[len(path)] += 1
+            st.gamma_used[len(prop)] += 1  # what was drafted (a lookup may find nothing)
+            st.target_calls += 1
+            st.t_target += t_verify
+            st.t_draft += t_draft
+            # Per-step draft cost: the proposer's own measure of its steps when it has one
+            # (it leaves out catching up on tokens committed while it was idle), else the
+            # drafting time over the tokens drafted.
+            step = getattr(self.proposer, "last_step_seconds", None)
+            if step is None and drafted:
+                step = t_draft / drafted
+            ctl.update(len(prop), tested, len(path), step, t_verify, prop.bucket)
+            if emitted[-1] in stop_ids:
+                break
+        new = new[:max_new_tokens]
+        st.new_tokens = len(new)
+        st.draft_calls = getattr(self.proposer, "draft_calls", 0) - calls0
+        st.t_total = time.perf_counter() - t_start
+        self.stats.merge(st)
+        self.last = st
+        return new
+
+    def _forward_tree(self, root: int, prop: Proposal, cache: DynamicCache, base: int):
+        """Verify a token tree in one forward: tree attention mask and depth position ids."""
+        n = len(prop)
+        anc = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        anc[0, 0] = True
+        depth = [0] * (n + 1)
+        for i, par in enumerate(prop.parents):
+            anc[i + 1] = anc[par + 1].clone()
+            anc[i + 1, i + 1] = True
+            depth[i + 1] = depth[par + 1] + 1
+        mask = torch.cat([torch.ones(n + 1, base, dtype=torch.bool), anc], dim=1)
+        ids = torch.tensor([[root] + prop.tokens], device=self.device)
+        pos = torch.tensor([[base + d for d in depth]], device=self.device)
+        out = self.target.model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            attention_mask=mask[None, None].to(self.device),
+            position_ids=pos,
+            output_hidden_states=bool(self.layers),
+        )
+        feats = None
+        if self.layers:
+            hs = out.hidden_states
+            feats = torch.stack([hs[self.target.layer_index(i)][0] for i in self.layers], dim=1)
+        return out.logits[0], feats
+
+
+def _is_chain(p: Proposal) -> bool:
+    return all(par == i - 1 for i, par in enumerate(p.parents))
+
+
+def _depths(p: Proposal) -> list[int]:
+    d: list[int] = []
+    for par in p.parents:
+        d.append(1 if par < 0 else d[par] + 1)
+    return d
+
+
+def predicted_speedup(alpha: float, gamma_used: Counter | dict, c: float) -> float:
+    """The paper's expected speedup, (1 - a^(g+1)) / ((1 - a)(g c + 1)) for a fixed gamma g;
+    with several gammas used, expected tokens over expected cost summed over iterations."""
+    if math.isnan(alpha) or not gamma_used:
+        return float("nan")
+    tokens = sum(n * GammaController.expected_tokens(alpha, g) for g, n in gamma_used.items())
+    cost = sum(n * (g * c + 1.0) for g, n in gamma_used.items())
+    return tokens / cost

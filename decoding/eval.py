@@ -1,0 +1,364 @@
+"""``specdraft-eval``: acceptance and speed of a draft against its target.
+
+    specdraft-eval draft=runs/x bench=mt_bench num_prompts=8 max_new_tokens=128 temperature=0
+
+For every prompt it decodes with plain autoregressive decoding and with speculative decoding,
+in the same process, interleaved (after a warm-up), and reports per category and overall: tau,
+alpha, alpha per draft position, tokens/s of both, speedup, the paper's predicted speedup from
+the measured alpha, gamma and draft cost, and (at T = 0) whether every output equals the
+plain-decoding output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from data.chat import prompt_ids
+from data.conversations import DataError
+from models.base import DraftError
+from models.sampling import Sampling
+from models.target import TargetConfig, TargetError, load_target
+
+from .bench import BenchError, load_bench
+from .decoder import NoDraft, SpeculativeDecoder, Stats, predicted_speedup
+from .drafts import draft_model_of, load_proposer
+
+CONVENTION = (
+    "tau = tokens emitted per target verification forward, counting the corrected/bonus token "
+    "(plain decoding has tau = 1; the prompt's prefill forward is not counted). alpha = accepted "
+    "draft tokens / tested draft tokens, a draft token at position k being tested when positions "
+    "1..k-1 were accepted (the per-token acceptance probability of the speedup formula); "
+    "alpha_per_position[k-1] = P(position k accepted | positions 1..k-1 accepted). "
+    "draft_acceptance_rate = accepted / drafted tokens (vLLM's convention). tau and alpha pool "
+    "all tokens of all prompts (not a mean of per-prompt means)."
+)
+
+
+@dataclass
+class EvalConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: str = "ngram"  # none | ngram | truncate:N | run dir | draft dir | HF model
+    bench: str = "mt_bench"  # mt_bench | spec_bench | sharegpt_val | path to a .jsonl
+    categories: list[str] | None = None  # keep only these categories
+    num_prompts: int | None = 8  # questions (None: all)
+    turns: int = 1  # turns per question fed (MT-bench has 2; later turns see earlier answers)
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    gamma: int = 4  # draft tokens per iteration (the maximum, with adaptive on)
+    adaptive: bool = True
+    ngram_max: int = 3
+    seed: int = 0
+    warmup_tokens: int = 16
+    compare_hf: bool = False  # also time transformers' assisted generation (draft LMs only)
+    report: str = "eval_report.json"
+    plot: str | None = None  # PNG path; default: the report path with .png
+    data_path: str | None = None  # for bench=sharegpt_val: the data (default: packaged ShareGPT)
+    val_fraction: float = 0.02  # for bench=sharegpt_val: must match training's split
+    split_seed: int = 0  # for bench=sharegpt_val: training's train.seed
+    max_val_records: int = 256  # for bench=sharegpt_val: training's data.max_val_records
+
+
+class EvalError(ValueError):
+    """An evaluation setting out of range; the message names it."""
+
+
+def _stats_row(spec: Stats, ar: Stats, c: float) -> dict[str, Any]:
+    tps = spec.new_tokens / spec.t_total if spec.t_total else float("nan")
+    ar_tps = ar.new_tokens / ar.t_total if ar.t_total else float("nan")
+    drafted = sum(spec.drafted.values())
+    accepted = sum(spec.accepted.values())
+    other = spec.t_total - spec.t_target - spec.t_draft - spec.t_prefill
+    return {
+        "tau": spec.tau,
+        "alpha": spec.alpha,
+        "alpha_per_position": spec.alpha_per_position(),
+        "draft_acceptance_rate": accepted / drafted if drafted else float("nan"),
+        "tokens_per_second": tps,
+        "ar_tokens_per_second": ar_tps,
+        "speedup": tps / ar_tps if ar_tps else float("nan"),
+        "predicted_speedup": predicted_speedup(spec.alpha, spec.gamma_used, c),
+        "target_calls": spec.target_calls,
+        "draft_calls": spec.draft_calls,
+        "new_tokens": spec.new_tokens,
+        "ar_new_tokens": ar.new_tokens,
+        "gamma_used": {str(k): v for k, v in sorted(spec.gamma_used.items())},
+        "accept_length_hist": {str(k): v for k, v in sorted(spec.accept_len.items())},
+        "time_s": {
+            "total": spec.t_total,
+            "target_forward": spec.t_target,
+            "prefill": spec.t_prefill,
+            "draft": spec.t_draft,
+            "other": other,
+            "other_fraction": other / spec.t_total if spec.t_total else float("nan"),
+        },
+    }
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    if cfg.gamma < 1:
+        raise EvalError(f"gamma={cfg.gamma}: must be >= 1 (use draft=none for plain decoding)")
+    if cfg.max_new_tokens < 1:
+        raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
+    if cfg.temperature < 0:
+        raise EvalError(f"temperature={cfg.temperature}: must be >= 0")
+    target = load_target(OmegaConf.to_object(cfg.target))
+    tok = target.tokenizer
+    questions = load_bench(
+        cfg.bench,
+        categories=cfg.categories,
+        num=cfg.num_prompts,
+        data_path=cfg.data_path,
+        val_fraction=cfg.val_fraction,
+        split_seed=cfg.split_seed,
+        max_val_records=cfg.max_val_records,
+    )
+    proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max)
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    ar = SpeculativeDecoder(target, NoDraft(), sampling, gamma=0, seed=cfg.seed)
+    spec = SpeculativeDecoder(
+        target, proposer, sampling, gamma=cfg.gamma, adaptive=cfg.adaptive, seed=cfg.seed
+    )
+    stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+    # warm-up: first-call costs (allocations, kernel selection) stay out of the timings
+    w = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
+    for dec in (ar, spec):
+        dec.generate(w, cfg.warmup_tokens, stop)
+        dec.stats = Stats()
+    per_cat: dict[str, dict[str, Stats]] = defaultdict(lambda: {"spec": Stats(), "ar": Stats()})
+    outputs, mismatches, n_turns = [], 0, 0
+    for q in tqdm(questions, desc="prompts", dynamic_ncols=True, file=sys.stderr):
+        histories = {"ar": [], "spec": []}
+        rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
+        for turn in q["turns"][: cfg.turns]:
+            outs = {}
+            for name, dec in (("ar", ar), ("spec", spec)):
+                msgs = histories[name] + [{"role": "user", "content": turn}]
+                new = dec.generate(prompt_ids(tok, msgs), cfg.max_new_tokens, stop)
+                per_cat[q["category"]][name].merge(dec.last)
+                text = tok.decode([t for t in new if t not in stop])
+                histories[name] = msgs + [{"role": "assistant", "content": text}]
+                outs[name] = new
+            n_turns += 1
+            same = outs["ar"] == outs["spec"]
+            mismatches += 0 if same else 1
+            rec["turns"].append(
+                {
+                    "spec_tokens": len(outs["spec"]),
+                    "ar_tokens": len(outs["ar"]),
+                    "identical": same,
+                    "text": tok.decode(outs["spec"]),
+                }
+            )
+        outputs.append(rec)
+
+    ar_step = ar.stats.t_target / max(1, ar.stats.target_calls)
+    drafted_steps = sum(g * n for g, n in spec.stats.gamma_used.items())
+    c = (spec.stats.t_draft / drafted_steps) / ar_step if drafted_steps else 0.0
+    report = _stats_row(spec.stats, ar.stats, c)
+    report.update(
+        {
+            "draft_cost_ratio": c,
+            "lossless": (mismatches == 0) if sampling.greedy else None,
+            "lossless_note": (
+                f"{n_turns - mismatches}/{n_turns} outputs identical to plain decoding"
+                if sampling.greedy
+                else "T > 0: outputs are samples; exactness is "
+                "proven and tested statistically, not compared per output"
+            ),
+            "convention": CONVENTION,
+            "per_category": {
+                cat: _stats_row(s["spec"], s["ar"], c) for cat, s in sorted(per_cat.items())
+            },
+            "settings": {
+                **OmegaConf.to_container(cfg, resolve=True),
+                "draft_description": draft_desc,
+                "target_identity": target.identity,
+                "device": str(target.device),
+                "dtype": str(target.dtype),
+                "torch_threads": torch.get_num_threads(),
+                "machine": platform.machine(),
+                "date": datetime.now(timezone.utc).isoformat(),
+            },
+            "outputs": outputs,
+        }
+    )
+    if cfg.compare_hf:
+        report["hf_assisted"] = _hf_assisted(target, proposer, questions, cfg, stop, report)
+    return _clean(report)
+
+
+def _hf_assisted(target, proposer, questions, cfg, stop, report) -> dict[str, Any]:
+    """transformers' assisted generation with the same draft model and prompts (first turns)."""
+    model = draft_model_of(proposer)
+    if model is None:
+        return {"skipped": "compare_hf needs a draft LM (an HF model or truncate:N)"}
+    tok = target.tokenizer
+    kw = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "do_sample": cfg.temperature > 0,
+        "assistant_model": model,
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": sorted(stop),
+    }
+    if cfg.temperature > 0:
+        kw.update(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p)
+    ours = SpeculativeDecoder(
+        target,
+        proposer,
+        Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
+        gamma=cfg.gamma,
+        adaptive=cfg.adaptive,
+        seed=cfg.seed,
+    )
+    n_hf = n_ours = 0
+    t_hf = t_ours = 0.0
+    for i, q in enumerate(questions):
+        ids = prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}])
+        x = torch.tensor([ids], device=target.device)
+        t = time.perf_counter()
+        out = target.model.generate(x, attention_mask=torch.ones_like(x), **kw)
+        dt = time.perf_counter() - t
+        new = out.shape[1] - len(ids)
+        t = time.perf_counter()
+        mine = ours.generate(ids, cfg.max_new_tokens, stop)
+        dt2 = time.perf_counter() - t
+        if i == 0:
+            continue  # warm-up
+        n_hf, t_hf = n_hf + new, t_hf + dt
+        n_ours, t_ours = n_ours + len(mine), t_ours + dt2
+    hf_tps = n_hf / t_hf if t_hf else float("nan")
+    ours_tps = n_ours / t_ours if t_ours else float("nan")
+    return {
+        "hf_tokens_per_second": hf_tps,
+        "ours_tokens_per_second": ours_tps,
+        "ours_over_hf": ours_tps / hf_tps if hf_tps else float("nan"),
+        "prompts": max(0, len(questions) - 1),
+        "hf_settings": {
+            k: getattr(model.generation_config, k, None)
+            for k in (
+                "num_assistant_tokens",
+                "num_assistant_tokens_schedule",
+                "assistant_confidence_threshold",
+            )
+        }
+        | {"note": "None: transformers' default"},
+    }
+
+
+def print_report(r: dict[str, Any], out=print) -> None:
+    def f(x, nd=2):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    out(
+        f"\ndraft: {r['settings']['draft_description']}   target: {r['settings']['target_identity']}"
+        f"   T={r['settings']['temperature']}   gamma<={r['settings']['gamma']}"
+        f"{' (adaptive)' if r['settings']['adaptive'] else ''}"
+    )
+    head = f"{'category':<16}{'tau':>6}{'alpha':>7}  {'alpha by position':<28}{'tok/s':>7}{'AR tok/s':>9}{'speedup':>8}"
+    out(head)
+    out("-" * len(head))
+    rows = list(r["per_category"].items()) + [("all", r)]
+    for name, s in rows:
+        pos = " ".join(f(a) for a in (s["alpha_per_position"] or [])[:6])
+        out(
+            f"{name:<16}{f(s['tau']):>6}{f(s['alpha']):>7}  {pos:<28}{f(s['tokens_per_second'], 1):>7}"
+            f"{f(s['ar_tokens_per_second'], 1):>9}{f(s['speedup']):>8}"
+        )
+    t = r["time_s"]
+    out(
+        f"predicted speedup {f(r['predicted_speedup'])} (alpha {f(r['alpha'], 3)}, c "
+        f"{f(r['draft_cost_ratio'], 3)}); gamma used {r['gamma_used']}; time outside model "
+        f"forwards {f(100 * (t['other_fraction'] or 0), 1)}%; lossless: {r['lossless']} "
+        f"({r['lossless_note']})"
+    )
+    if "hf_assisted" in r and "hf_tokens_per_second" in r["hf_assisted"]:
+        h = r["hf_assisted"]
+        out(
+            f"HF assisted generation: {f(h['hf_tokens_per_second'], 1)} tok/s; ours "
+            f"{f(h['ours_tokens_per_second'], 1)} tok/s ({f(h['ours_over_hf'])}x)"
+        )
+    out(f"convention: {r['convention']}")
+
+
+def plot_report(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    alphas = [x if x is not None else 0.0 for x in (r["alpha_per_position"] or [])]
+    a.bar(range(1, len(alphas) + 1), alphas, color="#4878d0")
+    a.set_xticks(range(1, len(alphas) + 1))
+    a.set_xlabel("draft position k")
+    a.set_ylabel("P(accepted | 1..k-1 accepted)")
+    a.set_ylim(0, 1)
+    a.set_title(f"acceptance by position (alpha {r['alpha'] or 0:.2f})")
+    hist = Counter({int(k): v for k, v in r["accept_length_hist"].items()})
+    xs = list(range(0, max(hist, default=0) + 1))
+    b.bar(xs, [hist[x] for x in xs], color="#ee854a")
+    b.set_xlabel("accepted draft tokens per verification (iterations that drafted)")
+    b.set_ylabel("iterations")
+    b.set_xticks(xs)
+    b.set_title(f"accepted length (tau {r['tau'] or 0:.2f})")
+    fig.suptitle(r["settings"]["draft_description"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+ConfigStore.instance().store(group="target", name="target_schema", node=TargetConfig)
+
+USER_ERRORS = (DataError, DraftError, TargetError, BenchError, EvalError)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
+def _main(cfg: DictConfig) -> None:
+    try:
+        r = evaluate(cfg)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    path = Path(cfg.report)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r, indent=1))
+    png = Path(cfg.plot) if cfg.plot else path.with_suffix(".png")
+    plot_report(r, png)
+    print_report(r)
+    print(f"report: {path}   plot: {png}")
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

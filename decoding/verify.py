@@ -1,0 +1,100 @@
+"""Pure functions of speculative verification: accepting a draft tree against the target's
+(warped) distributions.
+
+Exactness (Leviathan et al. 2023; Chen et al. 2023): a drafted token x drawn from q is accepted
+with probability min(1, p(x)/q(x)); on rejection the next token is drawn from the residual
+norm(max(0, p - q)); when every drafted token is accepted a bonus token is drawn from p. The
+output then has exactly the target's distribution p, whatever q is. Temperature, top-k and top-p
+are applied to both p and q before the test ("standardised sampling"), so the output follows
+the *warped* target distribution, as plain sampling with those settings would.
+
+A tree is verified by walking from the root: the children of the current node are tried in order
+(recursive rejection sampling); after each rejected child the target distribution becomes the
+residual of that child's draft distribution, and the next child is tested against it. With one
+child per node (a chain) this is the standard algorithm above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.sampling import Sampling, sample, warp  # noqa: F401  (re-exported)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): what the target still owes after a rejection. (V,) -> (V,).
+    If p <= q everywhere (only possible when p == q, where rejection has probability 0), p."""
+    r = (p - q).clamp_min(0.0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted draft node indices, root to deepest
+    token: int  # the token emitted after the path (correction or bonus)
+
+
+def children_of(parents: list[int], n: int) -> list[list[int]]:
+    """children[i + 1] = child node indices of node i (children[0]: of the root), in order."""
+    kids: list[list[int]] = [[] for _ in range(n + 1)]
+    for i, par in enumerate(parents):
+        kids[par + 1].append(i)
+    return kids
+
+
+def verify_greedy(tokens: list[int], parents: list[int], target_argmax: list[int]) -> Verdict:
+    """T = 0: follow the child whose token is the target's argmax; emit the argmax where none is.
+    target_argmax[i + 1] is the target's choice after node i ([0]: after the root)."""
+    kids = children_of(parents, len(tokens))
+    path: list[int] = []
+    cur = -1
+    while True:
+        want = target_argmax[cur + 1]
+        nxt = next((c for c in kids[cur + 1] if tokens[c] == want), None)
+        if nxt is None:
+            return Verdict(path, want)
+        path.append(nxt)
+        cur = nxt
+
+
+def verify_sampled(
+    tokens: list[int],
+    parents: list[int],
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """T > 0: recursive rejection sampling over the tree.
+
+    p: (N + 1, V) warped target distributions ([0]: after the root, [i + 1]: after node i).
+    q: (N, V) the warped draft distribution each node's token was drawn from, or None for a
+    deterministic proposer (a point mass on the proposed token).
+    """
+    kids = children_of(parents, len(tokens))
+    path: list[int] = []
+    cur = -1
+    while True:
+        dist = p[cur + 1]
+        moved = False
+        for c in kids[cur + 1]:
+            x = tokens[c]
+            qc = q[c] if q is not None else _one_hot(x, dist)
+            ratio = dist[x] / qc[x] if qc[x] > 0 else torch.ones(())
+            u = torch.rand((), generator=generator, device=dist.device)
+            if u < ratio:
+                path.append(c)
+                cur = c
+                moved = True
+                break
+            dist = residual(dist, qc)
+        if not moved:
+            return Verdict(path, sample(dist, generator))
+
+
+def _one_hot(x: int, like: torch.Tensor) -> torch.Tensor:
+    e = torch.zeros_like(like)
+    e[x] = 1.0
+    return e

@@ -1,0 +1,42 @@
+"""Sampling primitives shared by proposers and the decoder: decoding settings and the warped
+distributions that both the draft and the target are sampled/verified under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings. temperature == 0 means greedy (argmax) decoding and verification."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Logits (..., V) -> sampling probabilities (..., V) in float32 under temperature, top-k and
+    top-p (smallest set of most likely tokens with mass >= top_p). Not for greedy settings."""
+    x = logits.float() / s.temperature
+    if s.top_k and s.top_k < x.shape[-1]:
+        kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop_sorted = probs.cumsum(-1) - probs >= s.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=generator))

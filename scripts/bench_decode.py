@@ -1,0 +1,85 @@
+"""Decoding benchmark: specdraft-eval over several drafts and temperatures, one markdown table.
+
+    python scripts/bench_decode.py --drafts ngram truncate:4 runs/x --temperatures 0 1 \
+        [--num-prompts 8 --max-new-tokens 128 --bench mt_bench] [hydra overrides ...]
+
+Each (draft, temperature) pair is one `specdraft-eval` run (plain decoding and speculative
+decoding interleaved on the same prompts); reports are written next to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+import decoding.eval as ev  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafts", nargs="+", required=True)
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--bench", default="mt_bench")
+    ap.add_argument("--out", default="bench-decode")
+    args, extra = ap.parse_known_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for t in args.temperatures:
+        for d in args.drafts:
+            name = f"{Path(d).name or d}-T{t:g}".replace(":", "")
+            overrides = [
+                f"draft={d}",
+                f"temperature={t}",
+                f"num_prompts={args.num_prompts}",
+                f"max_new_tokens={args.max_new_tokens}",
+                f"bench={args.bench}",
+                f"report={out / name}.json",
+                *extra,
+            ]
+            with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+                cfg = compose("eval", overrides=overrides)
+            r = ev.evaluate(cfg)
+            (out / f"{name}.json").write_text(json.dumps(r, indent=1))
+            ev.plot_report(r, out / f"{name}.png")
+            ev.print_report(r)
+            rows.append((d, t, r))
+    print(
+        f"\n{date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, "
+        f"bench={args.bench}, {args.num_prompts} prompts, max_new_tokens={args.max_new_tokens}"
+    )
+    print(
+        "| draft | T | tau | alpha | alpha by position | tok/s | AR tok/s | speedup | predicted "
+        "| c | gamma used | outside forwards | lossless |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def f(x, nd=2):
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    for _d, t, r in rows:
+        pos = " ".join(f(a) for a in (r["alpha_per_position"] or [])[:5])
+        print(
+            f"| {r['settings']['draft_description']} | {t:g} | {f(r['tau'])} | {f(r['alpha'])} | "
+            f"{pos} | {f(r['tokens_per_second'], 1)} | {f(r['ar_tokens_per_second'], 1)} | "
+            f"{f(r['speedup'])} | {f(r['predicted_speedup'])} | {f(r['draft_cost_ratio'], 3)} | "
+            f"{r['gamma_used']} | {f(100 * r['time_s']['other_fraction'], 1)}% | {r['lossless']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

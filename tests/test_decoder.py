@@ -1,0 +1,211 @@
+"""The shared decoder end to end on tiny models: lossless greedy decoding for every proposer,
+exact sampling, draft == target, adaptive gamma, tree verification with cache surgery."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decoding.decoder import NoDraft, SpeculativeDecoder
+from decoding.proposers import DraftLMProposer, NGramProposer
+from models.base import Proposal
+from models.eagle import Eagle1Config, EagleHead
+from models.sampling import Sampling, warp
+from models.target import Target, TargetConfig
+from models.tiny import build_tiny_target
+
+PROMPT = [257, 72, 101, 108, 108, 111, 32, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 258]
+
+
+def proposers(target):
+    other, _ = build_tiny_target(seed=1)  # an unrelated random draft with the same vocabulary
+    return {
+        "ngram": NGramProposer(),
+        "draft_lm": DraftLMProposer(other),
+        "truncate:1": DraftLMProposer(target.truncated(1)),
+        "eagle": EagleHead(target, Eagle1Config()).proposer(),
+        "self": DraftLMProposer(target.model),
+    }
+
+
+def ar_greedy(target, prompt, n):
+    return SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(prompt, n)
+
+
+def test_plain_decoding_equals_transformers_generate(tiny_target):
+    ours = ar_greedy(tiny_target, PROMPT, 40)
+    ref = tiny_target.model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=40, min_new_tokens=40, do_sample=False
+    )[0, len(PROMPT) :].tolist()
+    assert ours == ref
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("name", ["ngram", "draft_lm", "truncate:1", "eagle", "self"])
+def test_greedy_speculative_equals_greedy_autoregressive(tiny_target, name, adaptive):
+    torch.manual_seed(0)
+    ref = ar_greedy(tiny_target, PROMPT, 48)
+    dec = SpeculativeDecoder(
+        tiny_target, proposers(tiny_target)[name], Sampling(), gamma=4, adaptive=adaptive
+    )
+    assert dec.generate(PROMPT, 48) == ref
+    assert dec.generate(PROMPT[:7], 20) == ar_greedy(tiny_target, PROMPT[:7], 20)  # state reset
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_identical_to_target_accepts_everything(tiny_target, temperature):
+    dec = SpeculativeDecoder(
+        tiny_target,
+        DraftLMProposer(tiny_target.model),
+        Sampling(temperature),
+        gamma=3,
+        adaptive=False,
+    )
+    dec.generate(PROMPT, 4 * 10)
+    s = dec.stats
+    assert s.alpha == 1.0 and s.tau == 4.0 and s.target_calls == 10
+    assert s.alpha_per_position() == [1.0, 1.0, 1.0]
+
+
+def test_stop_token_ends_generation(tiny_target):
+    ref = ar_greedy(tiny_target, PROMPT, 30)
+    stop = ref[7]
+    out = SpeculativeDecoder(
+        tiny_target, DraftLMProposer(tiny_target.model), Sampling(), gamma=4, adaptive=False
+    ).generate(PROMPT, 30, {stop})
+    assert out == ref[: ref.index(stop) + 1]
+
+
+def test_adaptive_gamma_stops_drafting_with_a_useless_draft(tiny_target):
+    class Wrong:
+        """Always proposes a token the target never picks first: alpha = 0."""
+
+        feature_layers = ()
+        draft_calls = 0
+
+        def start(self, state):
+            pass
+
+        def propose(self, state, gamma):
+            time.sleep(0.003 * gamma)  # a draft step that costs something, like a real one
+            return Proposal.chain([0] * gamma)
+
+        def rollback(self, state, n):
+            pass
+
+    dec = SpeculativeDecoder(tiny_target, Wrong(), Sampling(), gamma=4, adaptive=True)
+    out = dec.generate(PROMPT, 80)
+    assert out == ar_greedy(tiny_target, PROMPT, 80)
+    assert dec.stats.gamma_used[0] > 0.7 * dec.stats.target_calls
+    fixed = SpeculativeDecoder(tiny_target, Wrong(), Sampling(), gamma=4, adaptive=False)
+    fixed.generate(PROMPT, 20)
+    # gamma is fixed but never drafts past max_new_tokens (each iteration here emits 1 token)
+    assert fixed.stats.gamma_used == {4: 16, 3: 1, 2: 1, 1: 1, 0: 1}
+
+
+class OracleTree:
+    """Proposes, at each of ``depth`` levels, the token plain decoding will emit plus a wrong
+    sibling, in random order (and a wrong branch under the wrong sibling): exercises tree
+    attention, path selection and moving non-contiguous cache entries into place."""
+
+    feature_layers = ()
+    draft_calls = 0
+
+    def __init__(self, reference, prompt_len, depth=3, seed=0):
+        self.ref, self.n0, self.depth = reference, prompt_len, depth
+        self.rng = random.Random(seed)
+
+    def start(self, state):
+        pass
+
+    def propose(self, state, gamma):
+        done = len(state.ids) - self.n0
+        tokens, parents = [], []
+        parent = -1
+        for k in range(min(gamma, self.depth)):
+            if done + k >= len(self.ref):
+                break
+            right = self.ref[done + k]
+            wrong = (right + 1 + self.rng.randrange(50)) % 259
+            order = [right, wrong] if self.rng.random() < 0.5 else [wrong, right]
+            idx = {}
+            for tok in order:
+                tokens.append(tok)
+                parents.append(parent)
+                idx[tok] = len(tokens) - 1
+            tokens.append((wrong + 7) % 259)  # a child of the wrong sibling
+            parents.append(idx[wrong])
+            parent = idx[right]
+        return Proposal(tokens, parents)
+
+    def rollback(self, state, n):
+        pass
+
+
+def test_tree_verification_keeps_the_accepted_path(tiny_target):
+    ref = ar_greedy(tiny_target, PROMPT, 40)
+    dec = SpeculativeDecoder(
+        tiny_target, OracleTree(ref, len(PROMPT)), Sampling(), gamma=3, adaptive=False
+    )
+    assert dec.generate(PROMPT, 40) == ref
+    assert dec.stats.tau == 4.0  # every level's right token is in the tree
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    """A target and a draft over a 10-token vocabulary (tiny random Llamas)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=10,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        m = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            m.lm_head.weight.mul_(40.0)  # sharper, distinct distributions
+        return m
+
+    target = Target(make(0), None, "small-vocab", TargetConfig(name="test"))
+    return target, make(1)
+
+
+@pytest.mark.parametrize(
+    "s",
+    [Sampling(1.0), Sampling(1.0, top_k=4), Sampling(0.8, top_p=0.7)],
+    ids=["T1", "T1-topk4", "T0.8-topp0.7"],
+)
+def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s):
+    """Chi-square on the first two generated tokens (false-alarm rate 1e-3 per test)."""
+    target, draft = small_vocab_pair
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], s)
+        p2 = torch.stack(
+            [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
+        )
+    expected = (p1[:, None] * p2).flatten()
+    dec = SpeculativeDecoder(target, DraftLMProposer(draft), s, gamma=3, adaptive=False, seed=5)
+    n = 2500
+    counts = torch.zeros(100)
+    for _ in range(n):
+        a, b = dec.generate(prompt, 2)
+        counts[a * 10 + b] += 1
+    assert dec.stats.alpha < 0.95  # the draft really differs: rejections happen
+    e = expected * n
+    keep = e >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([e[keep], e[~keep].sum()[None]])
+    assert (counts[expected == 0] == 0).all()
+    mask = exp > 0
+    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3

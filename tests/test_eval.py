@@ -1,0 +1,213 @@
+"""specdraft-eval: the report, bench files, draft resolution and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from decoding.bench import BenchError, load_bench, read_bench_file
+from decoding.drafts import load_proposer
+from models.base import DraftError
+
+REQUIRED = [
+    "tau",
+    "alpha",
+    "alpha_per_position",
+    "tokens_per_second",
+    "ar_tokens_per_second",
+    "speedup",
+    "target_calls",
+    "new_tokens",
+    "draft_cost_ratio",
+    "predicted_speedup",
+    "lossless",
+    "convention",
+    "per_category",
+    "settings",
+]
+
+
+def _eval(args, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "decoding.eval", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_eval_cli_report_and_plot(tmp_path):
+    rep = tmp_path / "r.json"
+    r = _eval(
+        [
+            "target=tiny_random",
+            "draft=truncate:1",
+            "num_prompts=3",
+            "max_new_tokens=16",
+            "turns=2",
+            f"report={rep}",
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(rep.read_text())
+    for k in REQUIRED:
+        assert k in d, k
+    assert d["lossless"] is True  # T = 0: identical to plain decoding
+    assert d["tau"] >= 1.0 and d["new_tokens"] > 0
+    assert set(d["per_category"]) == {"writing", "roleplay", "reasoning"}  # spread over categories
+    assert len(d["outputs"][0]["turns"]) == 2  # MT-bench's second turn, fed the first answer
+    assert rep.with_suffix(".png").stat().st_size > 1000
+    assert "tau" in r.stdout and "speedup" in r.stdout
+
+
+def test_eval_at_temperature_one_reports_no_per_output_lossless(tmp_path):
+    rep = tmp_path / "r.json"
+    r = _eval(
+        [
+            "target=tiny_random",
+            "draft=ngram",
+            "num_prompts=2",
+            "max_new_tokens=12",
+            "temperature=1.0",
+            "top_p=0.9",
+            f"report={rep}",
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(rep.read_text())
+    assert d["lossless"] is None and d["settings"]["temperature"] == 1.0
+
+
+def test_eval_of_a_trained_run(tmp_path, data_file):
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import run
+
+    out = tmp_path / "run"
+    run(compose(tiny_overrides(data_file, out, **{"train.max_steps": 3})))
+    rep = tmp_path / "r.json"
+    for draft in (out, out / "final", out / "checkpoints" / "step_3"):
+        r = _eval(
+            [
+                "target=tiny_random",
+                f"draft={draft}",
+                "num_prompts=1",
+                "max_new_tokens=8",
+                f"report={rep}",
+            ]
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(rep.read_text())["settings"]["draft_description"].startswith("eagle1")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["gamma=0"], "gamma=0: must be >= 1"),
+        (["draft=/nonexistent/dir"], "cannot load"),
+        (["bench=/nonexistent.jsonl"], "no such file"),
+        (["categories=[nosuch]"], "categories=['nosuch']"),
+    ],
+)
+def test_eval_errors_are_one_line(args, needle, tmp_path):
+    r = _eval(["target=tiny_random", "num_prompts=1", f"report={tmp_path / 'r.json'}", *args])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_file_bad_line_is_named(tmp_path):
+    p = tmp_path / "b.jsonl"
+    p.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"turns": 5}\n')
+    with pytest.raises(BenchError, match=r"b.jsonl:2: needs \"turns\""):
+        read_bench_file(p)
+    p.write_text('{"question_id": 1, "turns": ["hi"]}\nnot json\n')
+    with pytest.raises(BenchError, match="b.jsonl:2: not valid JSON"):
+        read_bench_file(p)
+
+
+def test_shipped_benches():
+    mt = load_bench("mt_bench")
+    assert len(mt) == 80 and all(len(q["turns"]) == 2 for q in mt)
+    sb = load_bench("spec_bench")
+    assert len(sb) == 480
+    assert {q["category"] for q in sb} >= {
+        "translation",
+        "summarization",
+        "qa",
+        "math_reasoning",
+        "rag",
+        "writing",
+    }
+    assert [q["category"] for q in load_bench("mt_bench", num=3)] == [
+        "writing",
+        "roleplay",
+        "reasoning",
+    ]
+
+
+def test_unknown_checkpoint_kind_and_other_vocabulary(tmp_path, tiny_target):
+    weird = tmp_path / "weird"
+    weird.mkdir()
+    (weird / "config.json").write_text('{"hello": 1}')
+    with pytest.raises(DraftError, match="unknown checkpoint kind"):
+        load_proposer(str(weird), tiny_target)
+    kind = tmp_path / "kind"
+    kind.mkdir()
+    (kind / "config.json").write_text('{"specdraft": {"method": "medusa9"}}')
+    with pytest.raises(DraftError, match="unknown draft kind 'medusa9'"):
+        load_proposer(str(kind), tiny_target)
+    # an HF model whose tokenizer has a token the target's lacks
+    from models.tiny import build_tiny_target
+
+    model, tok = build_tiny_target(seed=3)
+    tok.add_tokens(["<extra>"])
+    other = tmp_path / "other"
+    model.save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(DraftError, match=r"differs from the target's at id 259"):
+        load_proposer(str(other), tiny_target)
+    with pytest.raises(DraftError, match="truncate:N"):
+        load_proposer("truncate:x", tiny_target)
+
+
+def test_eval_config_composes_and_rejects_typos():
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    import decoding.eval  # noqa: F401  registers the schema
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=["target=tiny_random", "draft=ngram"])
+        assert cfg.gamma == 4 and cfg.target.name == "tiny_random"
+        with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
+            compose("eval", overrides=["gama=3"])
+
+
+def test_sharegpt_val_prompts_are_the_training_validation_split(data_file, tmp_path):
+    from data.dataset import prepare_tokenized
+    from models.tiny import build_tiny_tokenizer
+
+    d = prepare_tokenized(
+        str(data_file),
+        build_tiny_tokenizer(),
+        max_length=512,
+        val_fraction=0.2,
+        max_val_records=5,
+        max_records=None,
+        seed=3,
+        cache_root=str(tmp_path),
+    )
+    qs = load_bench(
+        "sharegpt_val", data_path=str(data_file), val_fraction=0.2, split_seed=3, max_val_records=5
+    )
+    assert [q["question_id"] for q in qs] == list(d.val["id"])

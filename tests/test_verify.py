@@ -1,0 +1,110 @@
+"""Exactness of speculative verification as pure functions: the output distribution equals the
+(warped) target distribution for chains and trees, and the test notices a wrong residual."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import decoding.verify as verify
+from models.sampling import Sampling, warp
+
+V = 6
+ALPHA_TEST = 1e-3  # false-alarm rate of each chi-square test (seeds are fixed: deterministic)
+
+
+def _tables(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    p1 = torch.randn(V, generator=g) * 1.5  # target logits for token 1
+    p2 = torch.randn(V, V, generator=g) * 1.5  # target logits for token 2 given token 1
+    q1 = torch.randn(V, generator=g) * 1.5  # draft logits
+    q2 = torch.randn(V, V, generator=g) * 1.5
+    return p1, p2, q1, q2
+
+
+def _simulate(n: int, s: Sampling, seed: int, width: int = 1) -> torch.Tensor:
+    """Counts (V, V) of the first two emitted tokens over ``n`` speculative runs with a depth-2
+    draft; ``width`` > 1 drafts that many i.i.d. candidates at the root (a tree)."""
+    p1, p2, q1, q2 = _tables(0)
+    P1, P2, Q1, Q2 = warp(p1, s), warp(p2, s), warp(q1, s), warp(q2, s)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V)
+    for _ in range(n):
+        roots = [int(torch.multinomial(Q1, 1, generator=g)) for _ in range(width)]
+        tokens, parents, q = [], [], []
+        for r in roots:  # each root candidate gets one child drawn from q2(.|r)
+            tokens += [r, int(torch.multinomial(Q2[r], 1, generator=g))]
+            parents += [-1, len(tokens) - 2]
+            q += [Q1, Q2[r]]
+        # target distributions: after root, then after each node
+        rows = [P1]
+        for i, t in enumerate(tokens):
+            # after a depth-1 node: token 2's distribution; after depth 2: token 3's (not
+            # examined here, any distribution will do)
+            rows.append(P2[t] if parents[i] == -1 else P1)
+        v = verify.verify_sampled(tokens, parents, torch.stack(rows), torch.stack(q), g)
+        emitted = [tokens[i] for i in v.path] + [v.token]
+        if len(emitted) < 2:  # rejected at depth 1: the second token comes from p2(.|x1)
+            emitted.append(int(torch.multinomial(P2[emitted[0]], 1, generator=g)))
+        counts[emitted[0], emitted[1]] += 1
+    return counts
+
+
+def _expected(s: Sampling) -> torch.Tensor:
+    p1, p2, _, _ = _tables(0)
+    return warp(p1, s)[:, None] * warp(p2, s)
+
+
+def _pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    exp = (probs * n).flatten()
+    obs = counts.flatten()
+    keep = exp >= 5  # merge sparse cells into one, as chi-square needs
+    o = torch.cat([obs[keep], obs[~keep].sum()[None]])
+    e = torch.cat([exp[keep], exp[~keep].sum()[None]])
+    if e[-1] == 0:
+        o, e = o[:-1], e[:-1]
+    assert (o[e == 0] == 0).all(), "tokens outside the target's support were emitted"
+    return float(chisquare(o[e > 0].numpy(), e[e > 0].numpy()).pvalue)
+
+
+SETTINGS = [Sampling(1.0), Sampling(0.7, top_k=4), Sampling(1.0, top_p=0.8)]
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=["T1", "T0.7-topk4", "T1-topp0.8"])
+def test_chain_output_follows_target(s):
+    counts = _simulate(6000, s, seed=1)
+    assert _pvalue(counts, _expected(s)) > ALPHA_TEST
+
+
+def test_tree_with_two_root_candidates_follows_target():
+    counts = _simulate(6000, Sampling(1.0), seed=2, width=2)
+    assert _pvalue(counts, _expected(Sampling(1.0))) > ALPHA_TEST
+
+
+def test_test_detects_plain_p_instead_of_residual(monkeypatch):
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    counts = _simulate(6000, Sampling(1.0), seed=1)
+    assert _pvalue(counts, _expected(Sampling(1.0))) < ALPHA_TEST
+
+
+def test_greedy_verification_follows_argmax_through_a_tree():
+    # root children: 5 (wrong), 3 (right); node 3's children: 1 (right)
+    tokens, parents = [5, 3, 1, 2], [-1, -1, 1, 0]
+    argmax = [3, 0, 1, 4, 0]  # after root: 3; after node1 (tok 3): 1; after node2 (tok 1): 4
+    v = verify.verify_greedy(tokens, parents, argmax)
+    assert v.path == [1, 2] and v.token == 4
+
+
+def test_warp_top_k_and_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    p = warp(logits, Sampling(1.0, top_k=2))
+    assert (p[2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = logits.softmax(-1)
+    p = warp(logits, Sampling(1.0, top_p=float(full[0]) + 1e-3))  # needs the top two
+    assert (p[:2] > 0).all() and (p[2:] == 0).all()
+    for k, t in itertools.product([0, 3], [0.5, 2.0]):
+        assert torch.isclose(warp(logits, Sampling(t, top_k=k)).sum(), torch.tensor(1.0))
