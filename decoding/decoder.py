@@ -378,9 +378,10 @@ class SpeculativeDecoder:
             # Per-step draft cost: the proposer's own measure of its steps when it has one
             # (it leaves out catching up on tokens committed while it was idle), else the
             # drafting time over the tokens drafted.
-            step = getattr(self.proposer, "last_step_seconds", None)
-            if step is None and drafted:
-                step = t_draft / drafted
+            if hasattr(self.proposer, "last_step_seconds"):
+                step = self.proposer.last_step_seconds  # None: nothing clean to measure
+            else:
+                step = t_draft / drafted if drafted else None
             ctl.update(len(prop), tested, len(path), step, t_verify, prop.bucket)
             if emitted[-1] in stop_ids:
                 break

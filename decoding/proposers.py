@@ -108,7 +108,7 @@ class DraftLMProposer:
         times: list[float] = []
         t = time.perf_counter()
         logits = self._step(state.ids[self.fed :], state.device)
-        if self._fed_now <= 8:
+        if self._fed_now <= 2 or gamma == 1 and self._fed_now <= 4:
             times.append(time.perf_counter() - t)
         self.fed = len(state.ids)
         tokens: list[int] = []

@@ -205,11 +205,13 @@ def test_greedy_speculative_equals_autoregressive_on_smollm2(smollm2):
         smollm2.tokenizer,
         [{"role": "user", "content": "List three fruits, then list them again in the same order."}],
     )
-    ref = SpeculativeDecoder(smollm2, NoDraft(), Sampling(), calibrate=False).generate(prompt, 40)
-    hf = smollm2.model.generate(
-        torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False
-    )[0, len(prompt) :].tolist()
-    assert ref == hf
+    stop = {smollm2.tokenizer.eos_token_id}
+    ref = SpeculativeDecoder(smollm2, NoDraft(), Sampling(), calibrate=False).generate(
+        prompt, 40, stop
+    )
+    hf = smollm2.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
+    assert ref == hf[0, len(prompt) :].tolist()
+    assert len(ref) > 10
     torch.manual_seed(0)
     props = {
         "ngram": NGramProposer(),
@@ -218,4 +220,4 @@ def test_greedy_speculative_equals_autoregressive_on_smollm2(smollm2):
     }
     for name, prop in props.items():
         dec = SpeculativeDecoder(smollm2, prop, Sampling(), gamma=3, adaptive=False)
-        assert dec.generate(prompt, 40) == ref, name
+        assert dec.generate(prompt, 40, stop) == ref, name
