@@ -245,13 +245,16 @@ class SpeculativeDecoder:
     # -- target forwards ----------------------------------------------------------------
 
     @torch.no_grad()
-    def _forward(self, tokens: list[int], cache: DynamicCache):
+    def _forward(self, tokens: list[int], cache: DynamicCache, **extra):
+        """Target forward over ``tokens`` after ``cache``: logits (k, V) and the proposer's
+        features (k, L, H) or None. ``extra``: tree attention mask and position ids."""
         ids = torch.tensor([tokens], device=self.device)
         out = self.target.model(
             input_ids=ids,
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=bool(self.layers),
+            **extra,
         )
         feats = None
         if self.layers:
@@ -404,21 +407,13 @@ class SpeculativeDecoder:
             anc[i + 1, i + 1] = True
             depth[i + 1] = depth[par + 1] + 1
         mask = torch.cat([torch.ones(n + 1, base, dtype=torch.bool), anc], dim=1)
-        ids = torch.tensor([[root] + prop.tokens], device=self.device)
         pos = torch.tensor([[base + d for d in depth]], device=self.device)
-        out = self.target.model(
-            input_ids=ids,
-            past_key_values=cache,
-            use_cache=True,
+        return self._forward(
+            [root] + prop.tokens,
+            cache,
             attention_mask=mask[None, None].to(self.device),
             position_ids=pos,
-            output_hidden_states=bool(self.layers),
         )
-        feats = None
-        if self.layers:
-            hs = out.hidden_states
-            feats = torch.stack([hs[self.target.layer_index(i)][0] for i in self.layers], dim=1)
-        return out.logits[0], feats
 
 
 def _is_chain(p: Proposal) -> bool:
