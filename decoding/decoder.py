@@ -183,10 +183,6 @@ class GammaController:
         if g < len(self.t_verify):  # a tree may verify more nodes than gamma
             self.t_verify[g] = 0.8 * self.t_verify[g] + 0.2 * t_verify
 
-    def cost_ratio(self) -> float:
-        """c: one draft step in units of a one-token target step."""
-        return (self.t_draft or 0.0) / self.t_verify[0]
-
 
 class NoDraft:
     """Plain autoregressive decoding through the same loop (gamma is always 0)."""

@@ -87,7 +87,6 @@ class DraftLMProposer:
     @torch.no_grad()
     def _step(self, tokens: list[int], device: torch.device) -> torch.Tensor:
         self.draft_calls += 1
-        self._fed_now = len(tokens)
         ids = torch.tensor([tokens], device=device)
         logits = self.model(
             input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
@@ -106,9 +105,10 @@ class DraftLMProposer:
         # Time the steps that feed a few tokens; a long catch-up (after the decoder skipped
         # drafting for a while) is not what one more draft token costs.
         times: list[float] = []
+        n_feed = len(state.ids) - self.fed
         t = time.perf_counter()
         logits = self._step(state.ids[self.fed :], state.device)
-        if self._fed_now <= 2 or gamma == 1 and self._fed_now <= 4:
+        if n_feed <= 2 or gamma == 1 and n_feed <= 4:
             times.append(time.perf_counter() - t)
         self.fed = len(state.ids)
         tokens: list[int] = []

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.sampling import Sampling, sample, warp  # noqa: F401  (re-exported)
+from models.sampling import sample
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import run_module
 
 from decoding.bench import BenchError, load_bench, read_bench_file
 from decoding.drafts import load_proposer
@@ -33,15 +30,7 @@ REQUIRED = [
 
 
 def _eval(args, timeout=300):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "decoding.eval", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_module("decoding.eval", args, timeout)
 
 
 def test_eval_cli_report_and_plot(tmp_path):

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import CONF, ROOT, compose, read_metrics, tiny_overrides
+from conftest import CONF, ROOT, compose, read_metrics, run_module, tiny_overrides
 
 from trainer.checkpoint import latest_checkpoint, list_checkpoints
 from trainer.train import run
@@ -150,17 +150,8 @@ def test_cached_features_train_exactly_like_online(data_file, tmp_path):
     assert a == pytest.approx(b, rel=1e-5)
 
 
-def _cli(args, timeout=120, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.train", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kw,
-    )
+def _cli(args, timeout=120):
+    return run_module("trainer.train", args, timeout)
 
 
 def test_cli_tiny_run_under_a_minute(data_file, tmp_path):
