@@ -1,0 +1,105 @@
+"""specdraft-prepare: the target's own replies, resumable, refusing mixed settings."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import CONF, run_module
+
+from data.chat import prompt_ids
+from data.conversations import load_conversations
+
+
+def _cfg(data_file, out, **extra):
+    from hydra import compose, initialize_config_dir
+
+    import trainer.regenerate  # noqa: F401  registers the schema
+
+    o = {
+        "target": "tiny_random",
+        "data.path": str(data_file),
+        "out": str(out),
+        "max_new_tokens": 12,
+        "batch_size": 4,
+        "progress": "false",
+        "data.max_records": 10,
+    }
+    o.update(extra)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("prepare", overrides=[f"{k}={v}" for k, v in o.items()])
+
+
+def test_replies_are_the_targets_greedy_answers(tmp_path, data_file, tiny_target):
+    from trainer.regenerate import regenerate
+
+    out = tmp_path / "regen.jsonl"
+    meta = regenerate(_cfg(data_file, out, max_turns=1))
+    src, _ = load_conversations(data_file, 10)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert meta["records"] == len(got) == 10
+    assert [g["id"] for g in got] == [c.id for c in src]
+    tok = tiny_target.tokenizer
+    for s, g in zip(src[:4], got[:4], strict=True):
+        turns = g["conversations"]
+        # one regenerated reply (max_turns=1) after the user's turn, which is kept verbatim
+        assert [t["from"] for t in turns] == ["human", "gpt"]
+        assert turns[0]["value"] == s.messages[0]["content"]
+        p = torch.tensor([prompt_ids(tok, s.messages[:1])])
+        ref = tiny_target.model.generate(
+            p, do_sample=False, max_new_tokens=12, pad_token_id=tiny_target.pad_token_id
+        )[0, p.shape[1] :].tolist()
+        eos = tok.eos_token_id
+        ref = ref[: ref.index(eos)] if eos in ref else ref
+        assert turns[1]["value"] == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_resume_after_a_crash_gives_the_same_file(tmp_path, data_file):
+    from trainer.regenerate import regenerate
+
+    full = tmp_path / "full.jsonl"
+    regenerate(_cfg(data_file, full, temperature=1.0))
+    out = tmp_path / "cut.jsonl"
+    regenerate(_cfg(data_file, out, temperature=1.0))
+    # simulate a crash: the part keeps one finished batch and half a line, no merged file
+    part = tmp_path / "cut.jsonl.parts" / "rank0-of-1.jsonl"
+    lines = part.read_bytes().splitlines(keepends=True)
+    part.write_bytes(b"".join(lines[:4]) + lines[4][:10])
+    out.unlink()
+    regenerate(_cfg(data_file, out, temperature=1.0))
+    assert out.read_text() == full.read_text()
+    meta = json.loads((tmp_path / "cut.jsonl.meta.json").read_text())
+    assert meta["records"] == 10
+
+
+def test_different_settings_are_refused_naming_the_setting(tmp_path, data_file):
+    out = tmp_path / "r.jsonl"
+    common = [
+        "target=tiny_random",
+        f"data.path={data_file}",
+        f"out={out}",
+        "batch_size=4",
+        "data.max_records=4",
+        "progress=false",
+    ]
+    r = run_module("trainer.regenerate", common + ["max_new_tokens=8"])
+    assert r.returncode == 0, r.stderr
+    r = run_module("trainer.regenerate", common + ["max_new_tokens=9"])
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "max_new_tokens=8" in err[0] and "max_new_tokens=9" in err[0]
+    r = run_module("trainer.regenerate", common + ["max_new_tokens=0"])
+    assert r.returncode == 2 and "max_new_tokens=0" in r.stderr
+
+
+def test_output_trains(tmp_path, data_file):
+    """The regenerated file is ordinary training data."""
+    from conftest import compose, tiny_overrides
+
+    from trainer.regenerate import regenerate
+    from trainer.train import run
+
+    out = tmp_path / "regen.jsonl"
+    regenerate(_cfg(data_file, out, max_new_tokens=24, temperature=1.0, **{"data.max_records": 40}))
+    s = run(compose(tiny_overrides(out, tmp_path / "run", **{"train.max_steps": 3})))
+    assert s["step"] == 3
