@@ -25,7 +25,7 @@ from models.base import DecodeState, Proposal, crop_cache
 from models.sampling import Sampling, warp
 from models.target import Target
 
-from .verify import verify_greedy, verify_sampled
+from .verify import verify_greedy, verify_sampled, verify_typical
 
 
 def keep_cache_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
@@ -54,11 +54,21 @@ class Stats:
     target_calls: int = 0  # verification forwards (prefill excluded)
     prefill_calls: int = 0
     draft_calls: int = 0  # forwards of the draft model/head
+    draft_steps: int = 0  # sequential draft steps: a proposal's depth, summed over iterations
+    tree_iterations: int = 0  # iterations whose proposal was a tree (not a chain)
     new_tokens: int = 0
     t_target: float = 0.0  # seconds in verification forwards
     t_prefill: float = 0.0
     t_draft: float = 0.0
     t_total: float = 0.0  # wall time of generate(), prefill included
+    # typical acceptance only: summed TVD between each emitted token's distribution and the
+    # target's at that position, over ``tvd_tokens`` emitted tokens (0 for exact decoding)
+    tvd_sum: float = 0.0
+    tvd_tokens: int = 0
+
+    @property
+    def mean_tvd(self) -> float:
+        return self.tvd_sum / self.tvd_tokens if self.tvd_tokens else 0.0
 
     def merge(self, o: Stats) -> None:
         for k in ("drafted", "tested", "accepted", "accept_len", "gamma_used"):
@@ -67,11 +77,15 @@ class Stats:
             "target_calls",
             "prefill_calls",
             "draft_calls",
+            "draft_steps",
+            "tree_iterations",
             "new_tokens",
             "t_target",
             "t_prefill",
             "t_draft",
             "t_total",
+            "tvd_sum",
+            "tvd_tokens",
         ):
             setattr(self, k, getattr(self, k) + getattr(o, k))
 
@@ -221,9 +235,20 @@ class SpeculativeDecoder:
         adaptive: bool = True,
         seed: int = 0,
         calibrate: bool = True,
+        acceptance: str = "exact",
+        typical_epsilon: float = 0.09,
+        typical_delta: float = 0.3,
     ):
+        """``acceptance``: ``exact`` (speculative sampling: the output follows the target
+        exactly) or ``typical`` (Medusa's typical acceptance at T > 0 with ``typical_epsilon``
+        and ``typical_delta``: longer accepted runs, but the output distribution moves; the
+        per-token TVD is measured in ``stats``). Greedy decoding (T = 0) is exact either way."""
         if gamma < 0:
             raise ValueError(f"gamma={gamma}: must be >= 0")
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance={acceptance!r}: use exact or typical")
+        self.acceptance = acceptance
+        self.typical = (typical_epsilon, typical_delta)
         self.target, self.proposer, self.sampling = target, proposer, sampling
         self.device = target.device
         self.gamma = 0 if isinstance(proposer, NoDraft) else gamma
@@ -337,8 +362,17 @@ class SpeculativeDecoder:
                 if _is_chain(prop)
                 else self._forward_tree(state.ids[-1], prop, cache, base)
             )
+            tvd = None
             if self.sampling.greedy:
                 verdict = verify_greedy(prop.tokens, prop.parents, logits.argmax(-1).tolist())
+            elif self.acceptance == "typical":
+                verdict, tvd = verify_typical(
+                    prop.tokens,
+                    prop.parents,
+                    warp(logits, self.sampling),
+                    *self.typical,
+                    self.generator,
+                )
             else:
                 verdict = verify_sampled(
                     prop.tokens, prop.parents, warp(logits, self.sampling), prop.q, self.generator
@@ -357,12 +391,17 @@ class SpeculativeDecoder:
                     break
             state.ids.extend(emitted)
             new.extend(emitted)
+            if tvd is not None:
+                st.tvd_sum += sum(tvd[: len(emitted)])
+                st.tvd_tokens += len(emitted)
             self.proposer.rollback(state, len(path))
             # counters
             depth = _depths(prop)
             for d in depth:
                 st.drafted[d] += 1
             max_depth = max(depth, default=0)
+            st.draft_steps += max_depth
+            st.tree_iterations += 0 if _is_chain(prop) else 1
             tested = min(len(path) + 1, max_depth)
             for k in range(1, tested + 1):
                 st.tested[k] += 1

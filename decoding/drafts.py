@@ -6,6 +6,8 @@ truncate:N       the target's embedding + first N layers + head, untrained
 <run dir>        a training run (its final/ draft)
 <draft dir>      a saved draft (config.json with a "specdraft" key), e.g. final/ or
                  checkpoints/step_N/draft/ (a checkpoint folder works too)
+<export dir>     an EAGLE checkpoint in a serving layout (``specdraft-export`` output or a
+                 third-party one: SGLang/vLLM EAGLE-3, speculators, EAGLE-1 reference)
 <HF model>       a causal LM folder or hub id with the target's tokenizer
 """
 
@@ -18,7 +20,8 @@ import torch
 
 from models import METHODS
 from models.base import DraftError, read_draft_config
-from models.target import Target
+from models.export import ExportError, detect_format, import_draft
+from models.target import Target, TargetError, check_same_vocabulary
 
 from .decoder import NoDraft
 from .proposers import DraftLMProposer, NGramProposer
@@ -38,24 +41,17 @@ def resolve_draft_dir(path: Path) -> Path | None:
     return None
 
 
-def check_same_vocabulary(target_tok, draft_tok, where: str) -> None:
-    """Draft and target must share one tokenizer; name the first token that differs."""
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    if tv == dv:
-        return
-    t_by_id = {i: t for t, i in tv.items()}
-    d_by_id = {i: t for t, i in dv.items()}
-    for i in range(max(len(t_by_id), len(d_by_id))):
-        if t_by_id.get(i) != d_by_id.get(i):
-            raise DraftError(
-                f"{where}: the draft's tokenizer differs from the target's at id {i} "
-                f"(target {t_by_id.get(i)!r}, draft {d_by_id.get(i)!r}); speculative decoding "
-                "needs one vocabulary"
-            )
-
-
-def load_proposer(spec: str, target: Target, ngram_max: int = 3):
-    """Proposer and a short description for reports."""
+def load_proposer(spec: str, target: Target, ngram_max: int = 3, tree: dict | None = None):
+    """Proposer and a short description for reports. ``tree``: {"tree": "auto" | "chain" |
+    "dynamic" | "static", and the shape settings: "depth", "top_k", "total_tokens" (EAGLE-2
+    dynamic trees), "tree_nodes", "tree_file" (Medusa's static tree)}, for trained drafts."""
+    tree = tree or {"tree": "auto"}
+    if tree["tree"] not in ("auto", "chain") and (
+        spec in ("none", "ar", "ngram", "pld") or spec.startswith("truncate:")
+    ):
+        raise DraftError(
+            f"draft={spec}: tree={tree['tree']} needs a trained draft (EAGLE or Medusa)"
+        )
     if spec in ("none", "ar"):
         return NoDraft(), "none (plain autoregressive decoding)"
     if spec in ("ngram", "pld"):
@@ -87,7 +83,14 @@ def load_proposer(spec: str, target: Target, ngram_max: int = 3):
                     f"evaluating against {target.identity}"
                 )
             head = METHODS[method].load_draft(draft_dir, target)
-            return head.proposer(), f"{method} ({draft_dir})"
+            return _head_proposer(head, tree, f"{method} ({draft_dir})")
+        fmt = detect_format(path)
+        if fmt is not None:  # an exported or third-party EAGLE checkpoint (serving layout)
+            try:
+                head = import_draft(path, target, fmt)
+            except ExportError as e:
+                raise DraftError(str(e)) from None
+            return _head_proposer(head, tree, f"{head.cfg.name} ({path}, {fmt} layout)")
         if not (path / "config.json").exists():
             raise DraftError(
                 f"draft={spec}: a folder that is neither a run, a saved draft nor an "
@@ -105,6 +108,19 @@ def load_proposer(spec: str, target: Target, ngram_max: int = 3):
     return _hf_draft(spec, target)
 
 
+def _head_proposer(head, tree: dict, desc: str):
+    try:
+        prop = head.proposer(**tree)
+    except ValueError as e:
+        raise DraftError(f"{desc}: {e}") from None
+    if getattr(prop, "tree_depth", None) is None:
+        return prop, desc
+    if tree["tree"] == "dynamic":
+        args = ", ".join(f"{k}={tree[k]}" for k in ("depth", "top_k", "total_tokens"))
+        return prop, f"{desc}, dynamic tree ({args})"
+    return prop, f"{desc}, static tree ({len(prop.tree)} nodes, depth {prop.tree_depth})"
+
+
 def _hf_draft(spec: str, target: Target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,7 +131,10 @@ def _hf_draft(spec: str, target: Target):
         raise DraftError(
             f"draft={spec}: cannot load as an HF model ({str(e).splitlines()[0]})"
         ) from None
-    check_same_vocabulary(target.tokenizer, tok, f"draft={spec}")
+    try:
+        check_same_vocabulary(target.tokenizer, tok, f"draft={spec}")
+    except TargetError as e:
+        raise DraftError(str(e)) from None
     model = model.to(target.device).eval().requires_grad_(False)
     return DraftLMProposer(model, vocab_size=target.config.vocab_size), f"draft LM ({spec})"
 

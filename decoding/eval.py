@@ -59,10 +59,27 @@ class EvalConfig:
     turns: int = 1  # turns per question fed (MT-bench has 2; later turns see earlier answers)
     max_new_tokens: int = 128
     temperature: float = 0.0
-    top_k: int = 0
+    sample_top_k: int = 0  # top-k sampling filter (0: off), applied to target and draft alike
     top_p: float = 1.0
     gamma: int = 4  # draft tokens per iteration (the maximum, with adaptive on)
     adaptive: bool = True
+    # Trained drafts: auto (EAGLE: chain, Medusa: static), chain (gamma tokens), dynamic
+    # (EAGLE-2 tree) or static (Medusa's candidate tree). Trees are verified whole: gamma and
+    # adaptive are then unused.
+    tree: str = "auto"
+    depth: int = 5  # dynamic tree: draft steps
+    top_k: int = 8  # dynamic tree: children per expanded node, and nodes expanded per step
+    total_tokens: int = 32  # dynamic tree: nodes verified per target forward
+    tree_nodes: int | None = None  # static tree: rebuild with this many nodes (None: saved)
+    tree_file: str | None = None  # static tree: a JSON list of rank paths, e.g. [[0],[0,0]]
+    # exact (lossless speculative sampling) | typical (Medusa's typical acceptance at T > 0:
+    # not lossless; the report gives the mean per-token TVD from the target)
+    acceptance: str = "exact"
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    # for drafts that change the verifier (Medusa-2's adapter): also score the outputs under the
+    # original target (per-token TVD and greedy agreement, teacher-forced on the outputs)
+    compare_original: bool = True
     ngram_max: int = 3
     seed: int = 0
     warmup_tokens: int = 16
@@ -93,8 +110,14 @@ def _stats_row(spec: Stats, ar: Stats, c: float) -> dict[str, Any]:
         "tokens_per_second": tps,
         "ar_tokens_per_second": ar_tps,
         "speedup": tps / ar_tps if ar_tps else float("nan"),
-        "predicted_speedup": predicted_speedup(spec.alpha, spec.gamma_used, c),
+        # the formula is for chains; a tree's expected length depends on its shape
+        "predicted_speedup": (
+            predicted_speedup(spec.alpha, spec.gamma_used, c)
+            if not spec.tree_iterations
+            else float("nan")
+        ),
         "target_calls": spec.target_calls,
+        "tree_iterations": spec.tree_iterations,
         "draft_calls": spec.draft_calls,
         "new_tokens": spec.new_tokens,
         "ar_new_tokens": ar.new_tokens,
@@ -139,12 +162,36 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         split_seed=cfg.split_seed,
         max_val_records=cfg.max_val_records,
     )
-    proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max)
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    if cfg.tree not in ("auto", "chain", "dynamic", "static"):
+        raise EvalError(f"tree={cfg.tree!r}: use auto, chain, dynamic or static")
+    for key in ("depth", "top_k", "total_tokens"):
+        if cfg[key] < 1:
+            raise EvalError(f"{key}={cfg[key]}: must be >= 1")
+    if cfg.tree_nodes is not None and cfg.tree_nodes < 1:
+        raise EvalError(f"tree_nodes={cfg.tree_nodes}: must be >= 1")
+    if cfg.acceptance not in ("exact", "typical"):
+        raise EvalError(f"acceptance={cfg.acceptance!r}: use exact or typical")
+    tree = {
+        k: cfg[k] for k in ("tree", "depth", "top_k", "total_tokens", "tree_nodes", "tree_file")
+    }
+    proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max, tree=tree)
+    changed = getattr(getattr(proposer, "heads", None), "changes_target", lambda: None)()
+    sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
     ar = SpeculativeDecoder(target, NoDraft(), sampling, gamma=0, seed=cfg.seed)
+    # A tree is verified whole every iteration; the adaptive controller sizes chains only.
+    tree_depth = getattr(proposer, "tree_depth", None)
     spec = SpeculativeDecoder(
-        target, proposer, sampling, gamma=cfg.gamma, adaptive=cfg.adaptive, seed=cfg.seed
+        target,
+        proposer,
+        sampling,
+        gamma=tree_depth or cfg.gamma,
+        adaptive=cfg.adaptive and tree_depth is None,
+        seed=cfg.seed,
+        acceptance=cfg.acceptance,
+        typical_epsilon=cfg.typical_epsilon,
+        typical_delta=cfg.typical_delta,
     )
+    typical = cfg.acceptance == "typical" and not sampling.greedy
     stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
     # warm-up: first-call costs (allocations, kernel selection) stay out of the timings
     w = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
@@ -157,10 +204,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         histories = {"ar": [], "spec": []}
         rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
         for turn in q["turns"][: cfg.turns]:
-            outs = {}
+            outs, prompts = {}, {}
             for name, dec in (("ar", ar), ("spec", spec)):
                 msgs = histories[name] + [{"role": "user", "content": turn}]
-                new = dec.generate(prompt_ids(tok, msgs), cfg.max_new_tokens, stop)
+                prompts[name] = prompt_ids(tok, msgs)
+                new = dec.generate(prompts[name], cfg.max_new_tokens, stop)
                 per_cat[q["category"]][name].merge(dec.last)
                 text = tok.decode([t for t in new if t not in stop])
                 histories[name] = msgs + [{"role": "assistant", "content": text}]
@@ -170,6 +218,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             mismatches += 0 if same else 1
             rec["turns"].append(
                 {
+                    "ids": prompts["spec"] + outs["spec"],
+                    "prompt_len": len(prompts["spec"]),
                     "spec_tokens": len(outs["spec"]),
                     "ar_tokens": len(outs["ar"]),
                     "identical": same,
@@ -179,19 +229,31 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         outputs.append(rec)
 
     ar_step = ar.stats.t_target / max(1, ar.stats.target_calls)
-    drafted_steps = sum(g * n for g, n in spec.stats.gamma_used.items())
-    c = (spec.stats.t_draft / drafted_steps) / ar_step if drafted_steps else 0.0
+    steps = spec.stats.draft_steps  # sequential draft forwards (a tree level counts once)
+    c = (spec.stats.t_draft / steps) / ar_step if steps else 0.0
     report = _stats_row(spec.stats, ar.stats, c)
+    if sampling.greedy:
+        note = f"{n_turns - mismatches}/{n_turns} outputs identical to plain decoding"
+    elif typical:
+        note = (
+            f"NOT lossless: typical acceptance (epsilon {cfg.typical_epsilon}, delta "
+            f"{cfg.typical_delta}) moves the output distribution; mean per-token TVD from the "
+            f"target's own distribution {spec.stats.mean_tvd:.4f} over "
+            f"{spec.stats.tvd_tokens} emitted tokens"
+        )
+    else:
+        note = (
+            "T > 0: outputs are samples; exactness is proven and tested statistically, "
+            "not compared per output"
+        )
     report.update(
         {
             "draft_cost_ratio": c,
-            "lossless": (mismatches == 0) if sampling.greedy else None,
-            "lossless_note": (
-                f"{n_turns - mismatches}/{n_turns} outputs identical to plain decoding"
-                if sampling.greedy
-                else "T > 0: outputs are samples; exactness is "
-                "proven and tested statistically, not compared per output"
-            ),
+            "lossless": (mismatches == 0) if sampling.greedy else (False if typical else None),
+            "lossless_note": note,
+            "acceptance": "greedy" if sampling.greedy else cfg.acceptance,
+            "mean_tvd": spec.stats.mean_tvd if typical else None,
+            "verifier_changed": changed,
             "convention": CONVENTION,
             "per_category": {
                 cat: _stats_row(s["spec"], s["ar"], c) for cat, s in sorted(per_cat.items())
@@ -209,9 +271,44 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "outputs": outputs,
         }
     )
+    if changed and cfg.compare_original:
+        report["against_original"] = _against_original(target, proposer.heads, outputs, tok)
+    for rec in outputs:  # the token ids were kept for the comparison above only
+        for t in rec["turns"]:
+            t.pop("ids"), t.pop("prompt_len")
     if cfg.compare_hf:
         report["hf_assisted"] = _hf_assisted(target, proposer, questions, cfg, stop, report)
     return _clean(report)
+
+
+@torch.no_grad()
+def _against_original(target, heads, outputs: list[dict], tok) -> dict[str, Any]:
+    """How far a changed verifier (e.g. Medusa-2's adapted model) is from the original target
+    on what it generated: teacher-forced on each speculative output (first turns), the mean
+    TVD between the two next-token distributions and how often the original's greedy token
+    is the one emitted."""
+    tvd, agree, n = 0.0, 0, 0
+    for rec in outputs:
+        for turn in rec["turns"][:1]:
+            ids = turn["ids"]
+            if len(ids) < 2:
+                continue
+            x = torch.tensor([ids], device=target.device)
+            p = target.model(input_ids=x).logits[0, turn["prompt_len"] - 1 : -1].float()
+            with heads.original():
+                q = target.model(input_ids=x).logits[0, turn["prompt_len"] - 1 : -1].float()
+            emitted = x[0, turn["prompt_len"] :]
+            tvd += 0.5 * (p.softmax(-1) - q.softmax(-1)).abs().sum(-1).sum().item()
+            agree += int((q.argmax(-1) == emitted).sum())
+            n += emitted.numel()
+    return {
+        "tokens": n,
+        "mean_tvd_adapted_vs_original": tvd / n if n else None,
+        "original_greedy_agreement": agree / n if n else None,
+        "note": "teacher-forced on the speculative outputs (first turns): per-token total "
+        "variation distance between the adapted verifier and the original target, and how "
+        "often the original's argmax is the emitted token",
+    }
 
 
 def _hf_assisted(target, proposer, questions, cfg, stop, report) -> dict[str, Any]:
@@ -228,11 +325,11 @@ def _hf_assisted(target, proposer, questions, cfg, stop, report) -> dict[str, An
         "eos_token_id": sorted(stop),
     }
     if cfg.temperature > 0:
-        kw.update(temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p)
+        kw.update(temperature=cfg.temperature, top_k=cfg.sample_top_k or None, top_p=cfg.top_p)
     ours = SpeculativeDecoder(
         target,
         proposer,
-        Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
+        Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p),
         gamma=cfg.gamma,
         adaptive=cfg.adaptive,
         seed=cfg.seed,
@@ -278,8 +375,13 @@ def print_report(r: dict[str, Any], out=print) -> None:
 
     out(
         f"\ndraft: {r['settings']['draft_description']}   target: {r['settings']['target_identity']}"
-        f"   T={r['settings']['temperature']}   gamma<={r['settings']['gamma']}"
-        f"{' (adaptive)' if r['settings']['adaptive'] else ''}"
+        f"   T={r['settings']['temperature']}   "
+        + (
+            "whole tree verified each iteration"
+            if r.get("tree_iterations")
+            else f"gamma<={r['settings']['gamma']}"
+            f"{' (adaptive)' if r['settings']['adaptive'] else ''}"
+        )
     )
     head = f"{'category':<16}{'tau':>6}{'alpha':>7}  {'alpha by position':<28}{'tok/s':>7}{'AR tok/s':>9}{'speedup':>8}"
     out(head)
@@ -298,6 +400,15 @@ def print_report(r: dict[str, Any], out=print) -> None:
         f"forwards {f(100 * (t['other_fraction'] or 0), 1)}%; lossless: {r['lossless']} "
         f"({r['lossless_note']})"
     )
+    if r.get("verifier_changed"):
+        out(f"NOTE: {r['verifier_changed']}")
+        o = r.get("against_original")
+        if o and o.get("tokens"):
+            out(
+                f"  against the original target on these outputs: mean per-token TVD "
+                f"{f(o['mean_tvd_adapted_vs_original'], 4)}, original's greedy token emitted "
+                f"{f(100 * o['original_greedy_agreement'], 1)}% of the time"
+            )
     if "hf_assisted" in r and "hf_tokens_per_second" in r["hf_assisted"]:
         h = r["hf_assisted"]
         out(

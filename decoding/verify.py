@@ -98,3 +98,51 @@ def _one_hot(x: int, like: torch.Tensor) -> torch.Tensor:
     e = torch.zeros_like(like)
     e[x] = 1.0
     return e
+
+
+def typical_threshold(p: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
+    """Medusa's typical-acceptance threshold min(epsilon, delta * exp(-H(p))) per row of
+    p (..., V) -> (...)."""
+    logp = p.clamp_min(1e-30).log()
+    entropy = -(p * logp).sum(-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def verify_typical(
+    tokens: list[int],
+    parents: list[int],
+    p: torch.Tensor,
+    epsilon: float,
+    delta: float,
+    generator: torch.Generator | None,
+) -> tuple[Verdict, list[float]]:
+    """Typical acceptance (Cai et al. 2024), NOT distribution-preserving: a drafted token x
+    after node i is accepted when p_i(x) > min(epsilon, delta * exp(-H(p_i))). The longest
+    path of accepted nodes wins (ties: the earlier node); the token after it is sampled from p.
+
+    p: (N + 1, V) warped target distributions ([0]: after the root). Also returns, for every
+    emitted token, its total variation distance from what plain sampling would have emitted
+    there: an accepted draft token is a point mass where plain sampling draws from p, so
+    TVD = 1 - p(x); the sampled last token has TVD 0.
+    """
+    n = len(tokens)
+    thr = typical_threshold(p, epsilon, delta)  # (N + 1,)
+    ok = [False] * n
+    depth = [0] * n
+    best = -1
+    for i, par in enumerate(parents):  # parents come before children
+        prev_ok = par < 0 or ok[par]
+        ok[i] = prev_ok and bool(p[par + 1, tokens[i]] > thr[par + 1])
+        depth[i] = 1 if par < 0 else depth[par] + 1
+        if ok[i] and (best < 0 or depth[i] > depth[best]):
+            best = i
+    path: list[int] = []
+    node = best
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    path.reverse()
+    tvd = [1.0 - float(p[(parents[i] + 1), tokens[i]]) for i in path]
+    end = path[-1] + 1 if path else 0
+    token = sample(p[end], generator)
+    return Verdict(path, token), tvd + [0.0]

@@ -58,6 +58,34 @@ class DraftError(ValueError):
     """A draft checkpoint that cannot be used; the message names the folder and the problem."""
 
 
+# The modules LoRA adapts by default (Llama-family names; any HF decoder's names work).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_draft_config(
+    path: Path, method_cfg: object, target, format_version: int, **extra
+) -> None:
+    """``config.json`` of a saved draft: the method and its settings, the target it was trained
+    for (checked when it is loaded or evaluated), and any method-specific ``extra`` keys."""
+    from dataclasses import asdict
+
+    t = target
+    cfg = {
+        "specdraft": {"method": method_cfg.name, "format_version": format_version},
+        "method": asdict(method_cfg),
+        "target": {
+            "identity": t.identity,
+            "name": t.cfg.name,
+            "path": t.cfg.path,
+            "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_layers,
+            "vocab_size": t.config.vocab_size,
+        },
+        **extra,
+    }
+    (Path(path) / DRAFT_CONFIG).write_text(json.dumps(cfg, indent=1))
+
+
 def read_draft_config(path: str | Path) -> dict:
     p = Path(path)
     f = p / DRAFT_CONFIG

@@ -1,17 +1,29 @@
 """EAGLE draft heads: feature-level autoregression on the target's own hidden states.
 
 EAGLE-1 (Li et al. 2024): at position t the head reads the target's final feature f_t and the
-embedding of the next token x_{t+1}, projects [f_t; e(x_{t+1})] with FC(2H -> H), runs one
-decoder layer of the target's architecture, and predicts f_{t+1}; the target's frozen LM head
+embedding of the next token x_{t+1}, projects [e(x_{t+1}); f_t] with FC(2H -> H), runs one
+decoder layer of the target's architecture (without its input norm, as the reference), and
+predicts f_{t+1}; the target's frozen LM head
 turns predicted features into draft tokens. Loss = w_reg * SmoothL1(f_hat, f) + w_cls *
 CE(target distribution, draft distribution), with uniform noise on input features.
 
-Sections: config, module, pure loss functions, save/load.
+EAGLE-3 (Li et al. 2025): no feature regression. The head fuses three target layers (low, mid,
+high) with FC(3H -> H); its one decoder layer attends over [norm(e(x_{t+1})); norm(g_t)] (2H in
+its q/k/v projections) and keeps g_t as the residual stream; a final norm and a draft LM head
+over a reduced draft vocabulary (the most frequent assistant tokens; ``d2t``/``t2d`` map draft
+ids to target ids) give the draft distribution. Trained with "training-time test": the head is
+unrolled on its own hidden states for several steps with the decode-time attention pattern,
+step i weighted 0.8^i, each a soft cross-entropy against the target's distribution restricted
+to the draft vocabulary.
+
+EAGLE-2 (Li et al. 2024b) is decode-time only: ``EagleTreeProposer`` grows a context-aware
+dynamic draft tree with either head.
+
+Sections: config, module, pure loss functions, propose, save/load.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +35,6 @@ from torch import nn
 from transformers import DynamicCache
 
 from .base import (
-    DRAFT_CONFIG,
     DRAFT_WEIGHTS,
     DecodeState,
     DraftError,
@@ -32,6 +43,7 @@ from .base import (
     crop_cache,
     metric,
     read_draft_config,
+    write_draft_config,
 )
 from .sampling import sample, warp
 from .target import Target
@@ -48,6 +60,22 @@ class Eagle1Config:
     noise: float = 0.2  # uniform feature noise, U(-noise/2, noise/2) per element
     val_positions: int = 5  # draft positions rolled out on the head's own features at validation
     lm_head_chunk: int = 2048  # rows per LM-head chunk (bounds memory for large vocabularies)
+    # The reference EAGLE-1 (and vLLM/SGLang's loaders) drop the decoder layer's input norm:
+    # FC output goes straight into attention. True keeps the target layer's own input norm.
+    input_norm: bool = False
+
+
+@dataclass
+class Eagle3Config:
+    name: str = "eagle3"
+    # target hidden-state indices fused by FC(3H -> H); None: [2, L // 2, L - 3] (the paper's)
+    fuse_layers: list[int] | None = None
+    ttt_steps: int = 7  # training-time test: steps the head is unrolled on its own outputs
+    step_decay: float = 0.8  # loss weight of unrolled step i (0-based) is step_decay ** i
+    # reduced draft vocabulary; None: V // 6 rounded to a multiple of 1024, within [1024, 32768]
+    draft_vocab_size: int | None = None
+    val_positions: int = 5
+    lm_head_chunk: int = 2048
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,11 +93,14 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.layer = target.new_decoder_layer(0)
+        if not cfg.input_norm:
+            self.layer.input_layernorm = nn.Identity()
         # Plain attribute, not a submodule: the target is frozen and must not be saved,
         # wrapped by DDP, or handed to the optimizer.
         object.__setattr__(self, "target", target)
 
     feature_layers: tuple[int, ...] = (-1,)
+    config_class = Eagle1Config
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed_tokens(ids.to(self.target.device)).to(self.fc.weight.dtype)
@@ -78,6 +109,14 @@ class EagleHead(nn.Module):
         """Target LM head on features (..., H) -> (..., V), in float32."""
         w = self.target.lm_head.weight
         return F.linear(h.to(w.dtype), w).float()
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary, (..., H) -> (..., V) float32."""
+        return self.logits(h)
+
+    def initial_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """What the first step reads from the target's features (..., L, H) -> (..., H)."""
+        return features[..., 0, :].to(self.fc.weight.dtype)
 
     def step(
         self,
@@ -93,7 +132,8 @@ class EagleHead(nn.Module):
         True = attend, K = keys in ``cache`` after this call (None: plain causal).
         Returns predicted next features (B, Q, H).
         """
-        x = self.fc(torch.cat([feats.to(self.fc.weight.dtype), token_embeds], dim=-1))
+        # [embedding; feature], the reference's order, so its checkpoints map one to one
+        x = self.fc(torch.cat([token_embeds, feats.to(self.fc.weight.dtype)], dim=-1))
         cos, sin = self.target.rotary_embedding()(x, position_ids)
         return self.layer(
             x,
@@ -203,8 +243,21 @@ class EagleHead(nn.Module):
         c = self.cfg.lm_head_chunk
         return torch.cat([self.logits(h[i : i + c]).argmax(-1) for i in range(0, len(h), c)])
 
-    def proposer(self) -> EagleProposer:
-        """This head as a chain proposer for the shared decoder."""
+    def proposer(
+        self,
+        tree: str = "chain",
+        depth: int = 5,
+        top_k: int = 8,
+        total_tokens: int = 32,
+        **_other_methods_settings,
+    ) -> EagleProposer:
+        """This head as a proposer for the shared decoder: a chain (``tree="chain"`` or
+        ``"auto"``), or (``tree="dynamic"``) EAGLE-2's dynamic draft tree with ``depth``,
+        ``top_k``, ``total_tokens``."""
+        if tree == "dynamic":
+            return EagleTreeProposer(self, depth=depth, top_k=top_k, total_tokens=total_tokens)
+        if tree not in ("chain", "auto"):
+            raise ValueError(f"tree={tree!r}: EAGLE drafts use chain or dynamic")
         return EagleProposer(self)
 
     # -- save / load ---------------------------------------------------------------------
@@ -214,41 +267,221 @@ class EagleHead(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
-        t = self.target
-        cfg = {
-            "specdraft": {"method": self.cfg.name, "format_version": 1},
-            "method": asdict(self.cfg),
-            "target": {
-                "identity": t.identity,
-                "name": t.cfg.name,
-                "path": t.cfg.path,
-                "hidden_size": t.hidden_size,
-                "num_hidden_layers": t.num_layers,
-                "vocab_size": t.config.vocab_size,
-            },
-            "feature_layers": list(self.feature_layers),
-        }
-        (path / DRAFT_CONFIG).write_text(json.dumps(cfg, indent=2))
+        write_draft_config(path, self.cfg, self.target, 2, feature_layers=list(self.feature_layers))
 
     @classmethod
     def load_draft(cls, path: str | Path, target: Target) -> EagleHead:
         cfg = read_draft_config(path)
+        # EAGLE-1 drafts saved before format 2 kept the layer's input norm and read
+        # [feature; embedding]; they load as they were trained.
+        legacy = cfg["specdraft"]["method"] == "eagle1" and "input_norm" not in cfg["method"]
+        if legacy:
+            cfg["method"]["input_norm"] = True
         if cfg["target"]["hidden_size"] != target.hidden_size:
             raise DraftError(
                 f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
                 f"target {target.identity} has {target.hidden_size}"
             )
-        head = cls(target, Eagle1Config(**cfg["method"]))
+        head = cls(target, cls.config_class(**cfg["method"]))
         try:
             state = load_file(str(Path(path) / DRAFT_WEIGHTS))
         except Exception as e:  # safetensors raises several types for damaged files
             raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+        if legacy and "fc.weight" in state:
+            H = target.hidden_size
+            state["fc.weight"] = torch.cat(
+                [state["fc.weight"][:, H:], state["fc.weight"][:, :H]], 1
+            )
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise DraftError(
                 f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
             )
         return head.to(target.device)
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3: FC(3H -> H) over three target layers, one decoder layer whose attention reads
+    [norm(embedding); norm(hidden)] (2H), a final norm and a draft LM head over ``draft_vocab``
+    tokens. Parameter names follow the EAGLE-3 serving layout (``fc``, ``midlayer.*``,
+    ``norm``, ``lm_head``, buffers ``d2t``, ``t2d``), so export is a rename-free copy.
+
+    ``feature_layers`` = the three fused layers + the target's final (normed) hidden state,
+    from which the soft labels are computed through the target's LM head."""
+
+    config_class = Eagle3Config
+
+    def __init__(self, target: Target, cfg: Eagle3Config):
+        nn.Module.__init__(self)
+        H, L, V = target.hidden_size, target.num_layers, target.config.vocab_size
+        fuse = list(cfg.fuse_layers) if cfg.fuse_layers is not None else [2, L // 2, L - 3]
+        fuse = [min(max(i, 1), L) for i in fuse] if cfg.fuse_layers is None else fuse
+        if len(fuse) != 3:
+            raise DraftError(f"method.fuse_layers={fuse}: EAGLE-3 fuses exactly three layers")
+        # Non-negative and ascending: serving engines collect the fused states in layer order,
+        # so FC's input blocks must come in that order for an export to mean the same thing.
+        fuse = sorted(target.layer_index(i) for i in fuse)  # range check names a bad index
+        dv = cfg.draft_vocab_size or min(32768, max(1024, round(V / 6 / 1024) * 1024))
+        dv = min(dv, V)
+        if dv < 2:
+            raise DraftError(f"method.draft_vocab_size={dv}: must be >= 2")
+        self.cfg = cfg = Eagle3Config(
+            **{**asdict(cfg), "fuse_layers": fuse, "draft_vocab_size": dv}
+        )
+        self.feature_layers = (*fuse, -1)
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = layer = target.new_decoder_layer(0)
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; hidden]
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
+        norm_cls = type(target.model.get_decoder().norm)
+        eps = getattr(target.config, "rms_norm_eps", 1e-6)
+        layer.hidden_norm = norm_cls(H, eps=eps)
+        self.norm = norm_cls(H, eps=eps)
+        self.lm_head = nn.Linear(H, dv, bias=False)
+        # Identity mapping until init_from_data picks the frequent tokens (or a load fills it).
+        self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self.t2d[:dv] = True
+        with torch.no_grad():  # start the draft head from the target's rows for its tokens
+            self.lm_head.weight.copy_(target.lm_head.weight[:dv].float())
+        object.__setattr__(self, "target", target)
+
+    def init_from_data(self, train, log=print) -> None:
+        """Choose the draft vocabulary: the ``draft_vocab_size`` most frequent assistant tokens
+        of the training split (ties: lower id), and start the draft LM head from the target's
+        rows for them. ``train``: a tokenised split with ``input_ids`` and ``loss_mask``."""
+        counts = assistant_token_counts(train, self.t2d.numel())
+        d2t, t2d = draft_vocab(counts, self.lm_head.out_features)
+        covered = counts[d2t + torch.arange(len(d2t))].sum() / counts.sum().clamp_min(1)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        with torch.no_grad():
+            ids = (torch.arange(len(d2t)) + d2t).to(self.target.lm_head.weight.device)
+            self.lm_head.weight.copy_(self.target.lm_head.weight[ids].float())
+        log(
+            f"eagle3: draft vocabulary {len(d2t)} of {self.t2d.numel()} tokens, covering "
+            f"{covered:.1%} of {int(counts.sum())} assistant tokens in the training split"
+        )
+
+    # -- the head ------------------------------------------------------------------------
+
+    def initial_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        f = features[..., :3, :].to(self.fc.weight.dtype)
+        return self.fc(f.flatten(-2))
+
+    def step(self, h, token_embeds, position_ids, mask, cache=None):
+        """One pass: h, token_embeds (B, Q, H) -> the head's hidden state (B, Q, H), pre-norm
+        (the next step's input)."""
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(h)], dim=-1)
+        cos, sin = self.target.rotary_embedding()(h, position_ids)
+        a, _ = layer.self_attn(
+            hidden_states=x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            position_embeddings=(cos.to(h.dtype), sin.to(h.dtype)),
+        )
+        h = h + a
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target.embed_tokens(ids.to(self.target.device)).to(self.lm_head.weight.dtype)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., draft_vocab) float32."""
+        return self.lm_head(self.norm(h)).float()
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        d = self.draft_logits(h)
+        out = d.new_full((*d.shape[:-1], self.t2d.numel()), float("-inf"))
+        out[..., self.t2d] = d  # t2d is sorted, as d2t's targets are increasing
+        return out
+
+    def target_logits(self, f_final: torch.Tensor, draft_only: bool) -> torch.Tensor:
+        """Target LM head on its final hidden states (N, H): over the draft vocabulary
+        (N, draft_vocab) or the whole vocabulary (N, V), float32."""
+        w = self.target.lm_head.weight
+        if draft_only:
+            w = w[self.t2d]
+        return F.linear(f_final.to(w.dtype), w).float()
+
+    # -- training ------------------------------------------------------------------------
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> StepOutput:
+        f = batch["features"]  # (B, T, 4, H)
+        ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        k = min(self.cfg.ttt_steps, f.shape[1] - 1)
+        preds = self.unroll(self.initial_hidden(f), ids, attn, steps=k)
+        masks = position_mask(lm, attn, steps=k)
+        weights = [self.cfg.step_decay**i for i in range(k)]
+        # Soft labels once per position: every unrolled step reads the same target positions
+        # shifted, so computing them per step would repeat the (N, draft_vocab) product k times.
+        labelled = lm.bool() & attn.bool()
+        row_of = torch.full(lm.shape, -1, dtype=torch.long, device=lm.device)
+        row_of[labelled] = torch.arange(int(labelled.sum()), device=lm.device)
+        with torch.no_grad():
+            t_all = self.target_logits(f[:, :, 3][labelled], draft_only=True)  # (N, dv)
+        loss = f.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, torch.Tensor] = {}
+        for j, (pred, mask, w) in enumerate(zip(preds, masks, weights, strict=True), start=1):
+            rows = mask.nonzero(as_tuple=True)
+            n = rows[0].numel()
+            if n == 0:
+                loss = loss + 0.0 * pred.sum()
+                continue
+            t_logits = t_all[row_of[rows[0], rows[1] + j]]  # position_mask: s + j is labelled
+            d_logits = self.draft_logits(pred[rows])
+            ce = soft_cross_entropy(d_logits, t_logits)
+            loss = loss + w * ce
+            acc = (d_logits.argmax(-1) == t_logits.argmax(-1)).float().sum()
+            metrics[f"loss_step{j}"] = metric(ce * n, n)
+            metrics[f"acc_step{j}"] = metric(acc, n)
+        metrics["acc"] = metrics.get("acc_step1", metric(0.0, 0))
+        return StepOutput(loss=loss, metrics=metrics)
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """As EAGLE-1's: agreement of the draft's token (mapped to target ids) with the
+        target's argmax over its whole vocabulary, per draft position, rolled on its own
+        hidden states; plus the step-1 soft CE on the draft vocabulary."""
+        f = batch["features"]
+        ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        k = min(self.cfg.val_positions, f.shape[1] - 1)
+        preds = self.unroll(self.initial_hidden(f), ids, attn, steps=k)
+        masks = position_mask(lm, attn, steps=k)
+        out: dict[str, torch.Tensor] = {}
+        agreed_so_far = torch.ones_like(masks[0])
+        c = self.cfg.lm_head_chunk
+        for j, (pred, mask) in enumerate(zip(preds, masks, strict=True), start=1):
+            m = mask & agreed_so_far if j > 1 else mask
+            agree = torch.zeros_like(mask)
+            rows = mask.nonzero(as_tuple=True)
+            if rows[0].numel():
+                ph, tf = pred[rows], f[:, j:, 3][rows]
+                d = torch.cat(
+                    [self.draft_logits(ph[i : i + c]).argmax(-1) for i in range(0, len(ph), c)]
+                )
+                d = d + self.d2t[d]
+                t = torch.cat(
+                    [
+                        self.target_logits(tf[i : i + c], False).argmax(-1)
+                        for i in range(0, len(tf), c)
+                    ]
+                )
+                agree[rows] = d == t
+                if j == 1:
+                    ce = soft_cross_entropy(
+                        self.draft_logits(ph), self.target_logits(tf, draft_only=True)
+                    )
+                    out["loss_cls"] = metric(ce * rows[0].numel(), rows[0].numel())
+            out[f"top1_pos{j}"] = metric(agree[mask].float().sum(), mask.sum())
+            out[f"alpha_pos{j}"] = metric(agree[m].float().sum(), m.sum())
+            agreed_so_far = agreed_so_far & agree
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +515,7 @@ class EagleProposer:
             self._catch_up(state, upto=len(state.ids) - 2)
 
     def _choose(self, h: torch.Tensor, state: DecodeState, qs: list) -> int:
-        logits = self.head.logits(h)
+        logits = self.head.vocab_logits(h)
         if state.sampling.greedy:
             return int(logits.argmax())
         q = warp(logits, state.sampling)
@@ -294,7 +527,6 @@ class EagleProposer:
         """Feed committed pairs (f_t, x_{t+1}) for t = done..upto-1; returns the head's output
         (1, Q, H)."""
         head, dev = self.head, state.device
-        f = state.features[:, 0]  # fed positions 0..len(ids)-2
         q_len = upto - self.done
         pos = torch.arange(self.done, upto, device=dev)[None]
         emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=dev))
@@ -302,7 +534,8 @@ class EagleProposer:
         if self.done > 0 and q_len > 1:
             keys = torch.arange(upto, device=dev)
             mask = (keys[None, :] <= pos[0, :, None])[None, None]
-        h = head.step(f[self.done : upto][None], emb, pos, mask, self.cache)
+        h0 = head.initial_hidden(state.features[self.done : upto])  # fed positions only
+        h = head.step(h0[None], emb, pos, mask, self.cache)
         self.done = upto
         self.draft_calls += 1
         return h
@@ -335,6 +568,98 @@ class EagleProposer:
 
     def rollback(self, state: DecodeState, n_accepted: int) -> None:
         crop_cache(self.cache, self.done)
+
+
+class EagleTreeProposer(EagleProposer):
+    """EAGLE-2's context-aware dynamic draft tree, for either head.
+
+    From the pending token, take the draft's ``top_k`` tokens; then ``depth - 1`` times feed the
+    ``top_k`` newest nodes with the highest cumulative log-probability (the product of the
+    draft's probabilities along the path, its confidence that the path is accepted) in one
+    batched head step with tree attention, and give each its ``top_k`` children. Finally keep
+    the ``total_tokens`` nodes of highest cumulative score (ancestor-closed, since a child never
+    scores above its parent) as the tree to verify. Children are the draft's top-k, not samples,
+    so the proposal is deterministic (q = None): the decoder verifies it with point-mass
+    recursive rejection at T > 0, which keeps the target's distribution exactly.
+    """
+
+    name = "eagle-tree"
+
+    def __init__(self, head: EagleHead, depth: int = 5, top_k: int = 8, total_tokens: int = 32):
+        super().__init__(head)
+        for key, v in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+            if v < 1:
+                raise ValueError(f"{key}={v}: must be >= 1")
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.tree_depth = depth  # the decoder verifies the whole tree: no adaptive gamma
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        head, dev = self.head, state.device
+        depth = min(self.depth, gamma)
+        if depth < 1:
+            return Proposal([], [])
+        n = len(state.ids)
+        t0 = time.perf_counter()
+        h = self._catch_up(state, upto=n - 1)[0, -1]  # predicts the pending token's successor
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        depths: list[int] = []
+        out_h: dict[int, torch.Tensor] = {}  # node -> head output after feeding it
+        fed: list[int] = []  # nodes fed to the head's cache this call, in cache order
+
+        def add_children(parent: int, hidden: torch.Tensor, base: float, d: int) -> list[int]:
+            logp = head.vocab_logits(hidden).log_softmax(-1)
+            top = logp.topk(min(self.top_k, logp.numel()))
+            new = []
+            for lp, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                if lp == float("-inf"):
+                    break
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append(base + lp)
+                depths.append(d)
+                new.append(len(tokens) - 1)
+            return new
+
+        level = add_children(-1, h, 0.0, 1)
+        for d in range(1, depth):
+            frontier = sorted(level, key=lambda i: -scores[i])[: self.top_k]
+            if not frontier:
+                break
+            q = len(frontier)
+            hidden = torch.stack([h if parents[v] < 0 else out_h[parents[v]] for v in frontier])
+            emb = head._embed(torch.tensor([[tokens[v] for v in frontier]], device=dev))
+            # keys: committed pairs, earlier tree entries, these queries; a query sees the
+            # committed context, its own ancestors and itself
+            k_tree = fed + frontier
+            mask = torch.zeros(q, self.done + len(k_tree), dtype=torch.bool, device=dev)
+            mask[:, : self.done] = True
+            col = {v: self.done + i for i, v in enumerate(k_tree)}
+            for r, v in enumerate(frontier):
+                a = v
+                while a >= 0:
+                    if a in col:
+                        mask[r, col[a]] = True
+                    a = parents[a]
+            pos = torch.full((1, q), n - 2 + d, device=dev)
+            out = head.step(hidden[None], emb, pos, mask[None, None], self.cache)[0]
+            self.draft_calls += 1
+            fed.extend(frontier)
+            level = []
+            for r, v in enumerate(frontier):
+                out_h[v] = out[r]
+                level += add_children(v, out[r], scores[v], d + 1)
+        # rerank: best total_tokens by score; a parent sorts before its children
+        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
+        keep = sorted(order[: self.total_tokens], key=lambda i: (depths[i], -scores[i], i))
+        index = {v: j for j, v in enumerate(keep)}
+        self.last_step_seconds = (time.perf_counter() - t0) / depth
+        return Proposal(
+            [tokens[v] for v in keep],
+            [index[parents[v]] if parents[v] >= 0 else -1 for v in keep],
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,3 +702,32 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     Equals KL(p || q) + H(p): minimised, for fixed p, exactly at q = p."""
     p = teacher_logits.float().softmax(-1)
     return -(p * student_logits.float().log_softmax(-1)).sum(-1).mean()
+
+
+def assistant_token_counts(split, vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs on assistant (loss-mask) positions: (V,) int64.
+    ``split``: a tokenised ``datasets`` split with ``input_ids`` and ``loss_mask`` columns."""
+    import numpy as np
+
+    cols = split.with_format("arrow")[:]  # one Arrow table of the split's rows (indices applied)
+    ids = np.asarray(cols.column("input_ids").combine_chunks().flatten())
+    mask = np.asarray(cols.column("loss_mask").combine_chunks().flatten()).astype(bool)
+    return torch.from_numpy(
+        np.bincount(ids[mask], minlength=vocab_size)[:vocab_size].astype(np.int64)
+    )
+
+
+def draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``size`` most frequent token ids (ties: lower id first) as EAGLE-3's mappings.
+
+    counts: (V,). Returns d2t (size,) int64 with target_id = draft_id + d2t[draft_id], draft
+    ids ordered by target id; and t2d (V,) bool, True for tokens in the draft vocabulary."""
+    V = counts.numel()
+    if not 1 <= size <= V:
+        raise ValueError(f"draft vocabulary size {size} must be within 1..{V}")
+    # stable sort on -count keeps lower ids first among equal counts
+    order = torch.sort(-counts, stable=True).indices[:size]
+    chosen = torch.sort(order).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[chosen] = True
+    return chosen - torch.arange(size), t2d

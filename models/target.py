@@ -157,28 +157,39 @@ class Target:
     def rotary_embedding(self) -> nn.Module:
         return self.model.get_decoder().rotary_emb
 
-    def truncated(self, n_layers: int) -> nn.Module:
-        """A standalone causal LM made of this target's embedding, first ``n_layers`` decoder
-        layers, final norm and LM head (weights copied): an untrained same-tokenizer draft."""
+    def truncated(self, layers: int | list[int]) -> nn.Module:
+        """A standalone causal LM made of this target's embedding, some of its decoder layers,
+        final norm and LM head (weights copied): an untrained same-tokenizer draft.
+        ``layers``: keep the first N decoder layers, or these layer indices (in order)."""
         import copy
 
         n = self.num_layers
-        if not 1 <= n_layers < n:
-            raise TargetError(f"truncate:{n_layers}: choose 1..{n - 1} layers of {n}")
+        keep = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
+        if (
+            not 1 <= len(keep) < n
+            or len(set(keep)) != len(keep)
+            or not all(0 <= i < n for i in keep)
+        ):
+            raise TargetError(
+                f"truncate:{layers}: choose 1..{n - 1} distinct layers among 0..{n - 1}"
+            )
         cfg = copy.deepcopy(self.model.config)
-        cfg.num_hidden_layers = n_layers
+        cfg.num_hidden_layers = len(keep)
         if getattr(cfg, "layer_types", None):
-            cfg.layer_types = cfg.layer_types[:n_layers]
+            cfg.layer_types = [cfg.layer_types[i] for i in keep]
         model = type(self.model)(cfg).to(device=self.device, dtype=self.dtype)
-        state = {
-            k: v
-            for k, v in self.model.state_dict().items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers
-        }
+        state = {}
+        for k, v in self.model.state_dict().items():
+            if k.startswith("model.layers."):
+                i = int(k.split(".")[2])
+                if i not in keep:
+                    continue
+                k = f"model.layers.{keep.index(i)}." + k.split(".", 3)[3]
+            state[k] = v
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to embedding
         if missing or unexpected:
-            raise TargetError(f"truncate:{n_layers}: weights do not map ({missing or unexpected})")
+            raise TargetError(f"truncate:{layers}: weights do not map ({missing or unexpected})")
         return model.eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -197,6 +208,22 @@ class Target:
         )
         hs = out.hidden_states
         return torch.stack([hs[self.layer_index(i)] for i in layers], dim=2)
+
+
+def check_same_vocabulary(target_tok: Any, draft_tok: Any, where: str) -> None:
+    """Draft and target must share one tokenizer; name the first token that differs."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv == dv:
+        return
+    t_by_id = {i: t for t, i in tv.items()}
+    d_by_id = {i: t for t, i in dv.items()}
+    for i in range(max(len(t_by_id), len(d_by_id))):
+        if t_by_id.get(i) != d_by_id.get(i):
+            raise TargetError(
+                f"{where}: the draft's tokenizer differs from the target's at id {i} "
+                f"(target {t_by_id.get(i)!r}, draft {d_by_id.get(i)!r}); speculative decoding "
+                "needs one vocabulary"
+            )
 
 
 def load_target(cfg: TargetConfig) -> Target:

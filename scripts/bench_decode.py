@@ -2,9 +2,11 @@
 
     python scripts/bench_decode.py --drafts ngram truncate:4 runs/x --temperatures 0 1 \
         [--num-prompts 8 --max-new-tokens 128 --bench mt_bench] [hydra overrides ...]
+    python scripts/bench_decode.py --drafts "runs/e3;tree=dynamic;depth=5;top_k=8" runs/e3
 
-Each (draft, temperature) pair is one `specdraft-eval` run (plain decoding and speculative
-decoding interleaved on the same prompts); reports are written next to --out.
+A draft may carry its own eval overrides after ``;`` (e.g. a dynamic tree for one entry and a
+chain for another). Each (draft, temperature) pair is one `specdraft-eval` run (plain decoding
+and speculative decoding interleaved on the same prompts); reports are written to --out.
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for t in args.temperatures:
-        for d in args.drafts:
-            name = f"{Path(d).name or d}-T{t:g}".replace(":", "")
+        for entry in args.drafts:
+            d, *own = entry.split(";")
+            tag = "-".join(o.split("=")[-1] for o in own)
+            name = f"{Path(d).name or d}{'-' + tag if tag else ''}-T{t:g}".replace(":", "")
             overrides = [
                 f"draft={d}",
+                *own,
                 f"temperature={t}",
                 f"num_prompts={args.num_prompts}",
                 f"max_new_tokens={args.max_new_tokens}",

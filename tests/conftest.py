@@ -109,3 +109,31 @@ def run_module(module: str, args: list[str], timeout: int = 120) -> subprocess.C
         text=True,
         timeout=timeout,
     )
+
+
+def accelerate_launch(
+    nproc: int, args: list[str], timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --num_processes nproc -m trainer.train args`` on the CPU, output
+    captured. Several processes go through the torch-elastic launcher (``--multi_gpu``; with no
+    CUDA each trains on the CPU over gloo): accelerate's ``--cpu`` launches a single process
+    unless mpirun is configured."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu" if nproc > 1 else "--cpu",
+        "--num_processes",
+        str(nproc),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "trainer.train",
+        *args,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -103,3 +103,39 @@ def test_evaluate_reports_each_position(tiny_target):
         assert 0 <= s <= n and n > 0
     # alpha at position 1 is plain top-1 agreement
     assert torch.equal(m["alpha_pos1"], m["top1_pos1"])
+
+
+def test_reference_layout_has_no_input_norm_and_reads_embedding_first(tiny_target):
+    head = EagleHead(tiny_target, Eagle1Config())
+    assert not any("input_layernorm" in k for k in head.state_dict())
+    H = tiny_target.hidden_size
+    feats, emb = torch.randn(1, 1, H), torch.randn(1, 1, H)
+    with torch.no_grad():
+        head.fc.weight[:, H:] = 0.0  # only the first block: the embedding's
+        a = head.step(feats, emb, torch.zeros(1, 1, dtype=torch.long), None)
+        b = head.step(feats * 3, emb, torch.zeros(1, 1, dtype=torch.long), None)
+    assert torch.allclose(a, b)
+
+
+def test_drafts_saved_in_format_1_load_as_trained(tiny_target, tmp_path):
+    """Before format 2, EAGLE-1 kept the layer's input norm and read [feature; embedding]."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    old = EagleHead(tiny_target, Eagle1Config(input_norm=True)).eval()
+    old.save_draft(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    del cfg["method"]["input_norm"]
+    cfg["specdraft"]["format_version"] = 1
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    w = load_file(str(tmp_path / "d" / "model.safetensors"))
+    H = tiny_target.hidden_size
+    w["fc.weight"] = torch.cat([w["fc.weight"][:, H:], w["fc.weight"][:, :H]], 1)  # old order
+    save_file(w, str(tmp_path / "d" / "model.safetensors"))
+    loaded = EagleHead.load_draft(tmp_path / "d", tiny_target).eval()
+    assert loaded.cfg.input_norm is True
+    x, e, pos = torch.randn(1, 3, H), torch.randn(1, 3, H), torch.arange(3)[None]
+    with torch.no_grad():
+        assert torch.allclose(loaded.step(x, e, pos, None), old.step(x, e, pos, None))

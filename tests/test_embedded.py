@@ -221,3 +221,77 @@ def test_greedy_speculative_equals_autoregressive_on_smollm2(smollm2):
     for name, prop in props.items():
         dec = SpeculativeDecoder(smollm2, prop, Sampling(), gamma=3, adaptive=False)
         assert dec.generate(prompt, 40, stop) == ref, name
+
+
+@pytest.mark.parametrize(
+    "method,extra,formats",
+    [
+        (
+            "eagle3",
+            ["method.draft_vocab_size=2048", "method.ttt_steps=3"],
+            ["sglang", "speculators"],
+        ),
+        ("medusa1", ["method.num_heads=3"], ["medusa"]),
+        ("medusa2", ["method.num_heads=2", "method.lora_r=4"], ["medusa"]),
+        (
+            "distillspec",
+            ["method.num_layers=2", "method.on_policy=0.5", "method.gen_max_new_tokens=8"],
+            [],
+        ),
+    ],
+)
+def test_each_method_trains_decodes_losslessly_and_exports_on_smollm2(
+    tmp_path, smollm2, method, extra, formats
+):
+    """A few steps of every method on the real target and ShareGPT; the draft then decodes
+    greedily token for token like the target (a fresh target for Medusa-2, whose adapter
+    changes the verifier) and exports in its serving layouts."""
+    from data.chat import prompt_ids
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from decoding.drafts import load_proposer
+    from models.export import export
+    from models.sampling import Sampling
+    from models.target import TargetConfig, load_target
+    from trainer.train import run
+
+    out = tmp_path / "run"
+    s = run(
+        compose(
+            [
+                "target=smollm2_135m",
+                f"method={method}",
+                f"output_dir={out}",
+                "data.max_records=24",
+                "data.max_length=96",
+                "data.batch_size=2",
+                "train.max_steps=2",
+                "train.eval_every=0",
+                "train.save_every=0",
+                "train.progress=false",
+                "data.max_val_records=2",
+                "data.val_fraction=0.2",
+                "target.device=cpu",
+                *extra,
+            ]
+        )
+    )
+    assert s["reason"] == "finished" and s["step"] == 2 and s["val"]
+    target = (
+        load_target(TargetConfig(name="smollm2_135m", device="cpu"))
+        if method == "medusa2"
+        else smollm2
+    )
+    prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": "Name two colours."}])
+    stop = {target.tokenizer.eos_token_id}
+    prop, desc = load_proposer(str(out), target)
+    ref = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(
+        prompt, 24, stop
+    )
+    dec = SpeculativeDecoder(
+        target, prop, Sampling(), gamma=getattr(prop, "tree_depth", None) or 3, adaptive=False
+    )
+    assert dec.generate(prompt, 24, stop) == ref, desc
+    head = getattr(prop, "heads", None) or getattr(prop, "head", None)  # the loaded draft
+    for fmt in formats:
+        export(head, fmt, tmp_path / fmt, merge=method == "medusa2", log=lambda *_: None)
+        assert (tmp_path / fmt / "config.json").exists()

@@ -12,7 +12,15 @@ import sys
 import time
 
 import pytest
-from conftest import CONF, ROOT, compose, read_metrics, run_module, tiny_overrides
+from conftest import (
+    CONF,
+    ROOT,
+    accelerate_launch,
+    compose,
+    read_metrics,
+    run_module,
+    tiny_overrides,
+)
 
 from trainer.checkpoint import latest_checkpoint, list_checkpoints
 from trainer.train import run
@@ -134,17 +142,27 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(data_file, tmp_path):
     assert latest_checkpoint(out, log=msgs.append) is None
 
 
-def test_cached_features_train_exactly_like_online(data_file, tmp_path):
+@pytest.mark.parametrize(
+    "method,extra,layers",
+    [
+        ("eagle1", {"method.noise": 0.0}, 1),  # the final hidden state
+        ("eagle3", {"method.draft_vocab_size": 128, "method.ttt_steps": 2}, 4),  # 3 fused + final
+    ],
+)
+def test_cached_features_train_exactly_like_online(data_file, tmp_path, method, extra, layers):
     common = {
+        "method": method,
         "train.max_steps": 4,
         "train.eval_every": 0,
         "data.feature_dtype": "float32",
-        "method.noise": 0.0,
+        **extra,
     }
     _run(data_file, tmp_path / "online", **common)
     _run(data_file, tmp_path / "cached", **common, **{"data.cache_features": "true"})
     feats = list((tmp_path / "cache" / "features").iterdir())
     assert len(feats) == 2 and all((f / "done.json").exists() for f in feats)  # train + val
+    meta = json.loads((feats[0] / "done.json").read_text())
+    assert meta["bytes_per_token"] == layers * 64 * 4  # hidden 64, float32
     a = [r["loss"] for r in read_metrics(tmp_path / "online") if "loss" in r]
     b = [r["loss"] for r in read_metrics(tmp_path / "cached") if "loss" in r]
     assert a == pytest.approx(b, rel=1e-5)
@@ -271,33 +289,15 @@ def test_wandb_logger_offline(data_file, tmp_path):
 
 def test_accelerate_launch_runs_the_same_app(data_file, tmp_path):
     out = tmp_path / "acc"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run(
+    r = accelerate_launch(
+        1,
         [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--cpu",
-            "--num_processes",
-            "1",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "-m",
-            "trainer.train",
             "debug=default",
             f"data.path={data_file}",
             f"output_dir={out}",
             "train.max_steps=3",
             f"data.cache_dir={tmp_path / 'cache'}",
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -84,20 +84,31 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        save_draft(tmp / "draft")
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        files = {
-            str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()
-        }
-        _fsync_write(tmp / COMPLETE, json.dumps({"files": files}))
-        if final.exists():  # a re-run of the same step (after resume); replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            save_draft(tmp / "draft")
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            files = {
+                str(f.relative_to(tmp)): f.stat().st_size
+                for f in sorted(tmp.rglob("*"))
+                if f.is_file()
+            }
+            _fsync_write(tmp / COMPLETE, json.dumps({"files": files}))
+            if final.exists():  # a re-run of the same step (after resume); replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # disk full, permissions, a vanished mount: keep what was there
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = list_checkpoints(run_dir)
+        raise CheckpointError(
+            f"could not write checkpoint {final} ({type(e).__name__}: {e}); "
+            + (f"the previous checkpoint {prev[-1]} is intact" if prev else "no earlier one")
+            + "; free space and continue with resume=true"
+        ) from None
     accelerator.wait_for_everyone()
     return final
 

@@ -69,6 +69,7 @@ class TrainConfig:
     max_nonfinite: int = 10  # consecutive non-finite losses (each skipped) before the run stops
     threads: int | None = None  # torch CPU threads (None: torch's default)
     progress: bool = True
+    record_samples: bool = False  # samples-rank{r}.jsonl: the sample indices of every step
 
 
 @dataclass

@@ -105,12 +105,24 @@ def evaluate(
         with accelerator.autocast():
             add_metrics(acc, m.evaluate(batch))
     m.train(was_training)
-    keys = sorted(acc)
-    if not keys:
-        return {}
-    stacked = torch.stack([acc[k] for k in keys]).to(accelerator.device)
-    stacked = accelerator.reduce(stacked, reduction="sum")
-    return reduce_metrics(dict(zip(keys, stacked.cpu(), strict=True)))
+    return reduce_metrics(sum_across_processes(accelerator, acc))
+
+
+def sum_across_processes(accelerator: Any, acc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add up ``{name: [sum, count]}`` metrics over all processes. Processes may hold different
+    names (a rank whose shard never reached draft position 5 has no ``alpha_pos5``), so the
+    dictionaries are gathered as objects rather than reduced as one tensor."""
+    if accelerator.num_processes == 1:
+        return acc
+    from accelerate.utils import gather_object
+
+    total: dict[str, list[float]] = {}
+    for part in gather_object([{k: v.detach().cpu().tolist() for k, v in acc.items()}]):
+        for k, (s, c) in part.items():
+            t = total.setdefault(k, [0.0, 0.0])
+            t[0] += s
+            t[1] += c
+    return {k: torch.tensor(v) for k, v in total.items()}
 
 
 _STOPS = [None, "steps", "time", "signal"]
@@ -148,6 +160,7 @@ def fit(
     state: LoopState,
     run_dir: Path,
     log=print,
+    samples: Any = None,
 ) -> str:
     """Train until max_steps, epochs or max_minutes. Returns why it stopped:
     ``finished`` | ``time`` | ``signal`` | ``nonfinite``."""
@@ -199,9 +212,12 @@ def fit(
                 loader.set_epoch(state.epoch)
             for batch in loader:
                 state.batch_in_epoch += 1
+                if samples is not None:
+                    samples.log(state.step + 1, state.epoch, batch["index"].tolist())
                 ntok = int(batch["attention_mask"].sum())
                 state.tokens += ntok
                 window_tokens += ntok
+                updated = False  # an optimizer step happened (a skipped batch is no step)
                 with accelerator.accumulate(method):
                     batch = attach_features(batch, unwrapped, target)
                     with accelerator.autocast():
@@ -217,10 +233,12 @@ def fit(
                         optimizer.step()
                         if accelerator.sync_gradients:
                             scheduler.step()
+                            updated = True
                         optimizer.zero_grad(set_to_none=True)
                         add_metrics(window, {"loss": metric(out.loss.detach(), 1), **out.metrics})
                     else:
-                        # Skip this batch: no backward, no optimizer step for it.
+                        # Skip this batch: no backward, no optimizer step, and it does not
+                        # count as a step (the data moves on; the schedule does not).
                         optimizer.zero_grad(set_to_none=True)
                         state.nonfinite_skipped += 1
                         consecutive_bad += 1
@@ -234,12 +252,13 @@ def fit(
                 now = time.perf_counter()
                 state.elapsed += now - t_last
                 t_last = now
-                if not accelerator.sync_gradients:
+                if not updated:
                     continue
                 state.step += 1
                 bar.update(1)
                 if state.step % tc.log_every == 0:
-                    row = reduce_metrics(window)
+                    # every process's micro-batches: the loss of the global batch
+                    row = reduce_metrics(sum_across_processes(accelerator, window))
                     dt = max(now - window_start, 1e-9)
                     row["tokens_per_s"] = window_tokens * accelerator.num_processes / dt
                     row["lr"] = scheduler.get_last_lr()[0]

@@ -69,3 +69,33 @@ class Tracker:
 
 def _clean(v: float) -> float | None:
     return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+class SampleLog:
+    """``samples-rank{r}.jsonl``: which training samples each optimizer step consumed (one row
+    per micro-batch: step, epoch, sample indices), written by every process when
+    ``train.record_samples=true``; to audit data order, resume and sharding."""
+
+    def __init__(self, run_dir: str | Path, rank: int, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / f"samples-rank{rank}.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop micro-batches of steps after ``step`` (a crashed run's tail)."""
+        if not self.enabled or not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):
+                continue
+        self.path.write_text("".join(x + "\n" for x in keep))
+
+    def log(self, step: int, epoch: int, index: list[int]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "epoch": epoch, "index": index}) + "\n")

@@ -7,6 +7,7 @@ and the loop together.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -29,7 +30,8 @@ from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, val
 from .config import register_configs
 from .features import build_feature_store, feature_cache_key
 from .loop import LoopState, fit, make_schedule
-from .tracking import Tracker
+from .sweep import SUMMARY
+from .tracking import SampleLog, Tracker
 
 USER_ERRORS = (DataError, TargetError, DraftError, CheckpointError)
 
@@ -164,6 +166,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     method_cfg = OmegaConf.to_object(cfg.method)
     method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
+    if hasattr(method, "init_from_data"):  # e.g. a vocabulary chosen from the training data
+        method.init_from_data(data.train, log)
     n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
     log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
 
@@ -219,8 +223,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             IndexedDataset(data.val, val_store), batch_sampler=vb, collate_fn=collate
         )
 
+    # A method may ask for parameter groups (e.g. Medusa-2: heads at a multiple of the LoRA lr)
+    groups = (
+        method.param_groups(cfg.optim.lr)
+        if hasattr(method, "param_groups")
+        else [p for p in method.parameters() if p.requires_grad]
+    )
     optimizer = torch.optim.AdamW(
-        [p for p in method.parameters() if p.requires_grad],
+        groups,
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps,
@@ -243,6 +253,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         OmegaConf.to_container(cfg, resolve=True),
         enabled=accelerator.is_main_process,
     )
+    samples = SampleLog(run_dir, accelerator.process_index, cfg.train.record_samples)
     if cfg.resume not in (False, None, "false", "False"):
         ck = _resume_path(cfg.resume, run_dir, log)
         if ck is not None:
@@ -259,6 +270,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     setattr(state, k, v)
             state.world_size = accelerator.num_processes
             tracker.truncate_after(state.step)
+            samples.truncate_after(state.step)
             log(
                 f"resumed from {ck}: step {state.step}, epoch {state.epoch}, "
                 f"batch {state.batch_in_epoch} of the epoch"
@@ -282,6 +294,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         state=state,
         run_dir=run_dir,
         log=log,
+        samples=samples,
     )
     wall = time.perf_counter() - t_start
     final = None
@@ -305,6 +318,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     }
     if accelerator.is_main_process:
         _print_summary(summary, log)
+        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     return summary
 
 
@@ -376,7 +390,29 @@ def _hydra_main(cfg: DictConfig) -> dict:
         sys.exit(2)
 
 
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("target", "data", "method", "optim", "logger", "experiment", "debug")
+
+
+def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> str | None:
+    """A one-line message for a ``group=option`` argument whose option does not exist (Hydra's
+    own message spans a screen), or None."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS or value in ("null", "") or "(" in value:
+            continue
+        for v in value.split(","):  # multirun: method=eagle1,eagle3
+            if not (conf_dir / key / f"{v}.yaml").exists():
+                known = sorted(f.stem for f in (conf_dir / key).glob("*.yaml"))
+                return f"{key}={v}: no such {key} (choose from {', '.join(known)})"
+    return None
+
+
 def main() -> None:
+    msg = check_group_choices(sys.argv[1:])
+    if msg:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
     _hydra_main()
 
 

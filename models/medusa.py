@@ -1,0 +1,552 @@
+"""Medusa heads: extra LM heads on the target's last hidden state, each guessing one more token.
+
+Medusa-1 (Cai et al. 2024): K heads on the frozen target's final (normed) hidden state h_t;
+head k (0-based) predicts token x_{t+k+2}, one past the token the target's own LM head predicts.
+Each head is ``num_layers`` residual blocks (x + SiLU(Wx + b), zero-initialised so a fresh head
+starts as the target's head) and an LM head initialised from the target's. Loss: cross-entropy
+per head against the shifted labels, head k weighted ``head_decay ** k``.
+
+Medusa-2: the heads train jointly with a LoRA adapter on the backbone (``peft``). To keep the
+target's quality the backbone learns the *original* model's next-token distribution (the same
+network with its adapters disabled: no second copy in memory), by KL(original || adapted),
+weighted by ``backbone_weight`` after a sine warm-up; the heads learn the original model's
+distributions too (self-distillation). The saved draft holds the heads and the adapter (peft
+format); at decode time the adapted model is the verifier, so the output follows the *adapted*
+model, and ``specdraft-eval`` says so and measures how far it moved from the original.
+
+Decoding: one evaluation of all heads on the last verified hidden state gives each head's top
+tokens; a static candidate tree (``build_tree``: the node set maximising the expected accepted
+length under a node budget, from validation's per-head rank accuracies) picks which
+combinations to verify. The tree is saved with the draft and overridable at evaluation.
+
+Sections: config, module, pure loss functions and tree construction, propose, save/load.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .base import (
+    DRAFT_WEIGHTS,
+    LORA_TARGETS,
+    DecodeState,
+    DraftError,
+    Proposal,
+    StepOutput,
+    metric,
+    read_draft_config,
+    write_draft_config,
+)
+from .target import Target
+
+ADAPTER_DIR = "adapter"  # Medusa-2's LoRA adapter, peft format, inside the draft folder
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class Medusa1Config:
+    name: str = "medusa1"
+    num_heads: int = 4  # K: head k predicts the token k + 2 positions ahead
+    num_layers: int = 1  # residual blocks per head
+    head_decay: float = 0.8  # loss weight of head k (0-based) is head_decay ** k
+    soft_labels: bool = False  # learn the target's distribution instead of the data's tokens
+    top_k: int = 10  # ranks whose accuracy validation measures (what the tree can choose from)
+    tree_nodes: int = 64  # node budget of the static candidate tree built after training
+    lm_head_chunk: int = 2048  # rows per LM-head chunk at validation
+
+
+@dataclass
+class Medusa2Config(Medusa1Config):
+    name: str = "medusa2"
+    soft_labels: bool = True  # self-distillation: heads learn the original model's distribution
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    head_lr_ratio: float = 4.0  # the heads' lr as a multiple of optim.lr (the adapter's)
+    backbone_weight: float = 0.2  # weight of KL(original || adapted) on the backbone's tokens
+    backbone_warmup: int = 200  # training micro-batches over which that weight rises (sine)
+
+
+# ---------------------------------------------------------------------------------------------
+# Module
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W and b zero-initialised: a fresh block is exactly the identity
+    (the reference zeroes W only, which leaves a constant SiLU(b) offset)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """Medusa-1: K heads on the frozen target's last hidden state. Parameters ``heads.{k}.{j}``
+    (residual block j) and ``heads.{k}.{num_layers}`` (LM head): the Medusa checkpoint layout
+    with a ``heads.`` prefix. Buffers ``rank_hits`` (K, top_k) and ``rank_total`` (K,) count,
+    over validation, how often head k's rank-r token was the target's next token."""
+
+    config_class = Medusa1Config
+    feature_layers: tuple[int, ...] = (-1,)
+
+    def __init__(self, target: Target, cfg: Medusa1Config):
+        super().__init__()
+        if cfg.num_heads < 1 or cfg.num_layers < 0 or cfg.top_k < 1:
+            raise DraftError(
+                f"method.num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, "
+                f"top_k={cfg.top_k}: need num_heads >= 1, num_layers >= 0, top_k >= 1"
+            )
+        self.cfg = cfg
+        H, V = target.hidden_size, target.config.vocab_size
+        w = target.lm_head.weight.detach().float()
+        heads = []
+        for _ in range(cfg.num_heads):
+            lm = nn.Linear(H, V, bias=False)
+            with torch.no_grad():
+                lm.weight.copy_(w)
+            heads.append(nn.Sequential(*[ResBlock(H) for _ in range(cfg.num_layers)], lm))
+        self.heads = nn.ModuleList(heads)
+        self.register_buffer("rank_hits", torch.zeros(cfg.num_heads, cfg.top_k))
+        self.register_buffer("rank_total", torch.zeros(cfg.num_heads))
+        self.tree: list[tuple[int, ...]] | None = None  # set by load_draft / build
+        object.__setattr__(self, "target", target)
+
+    # -- the heads ---------------------------------------------------------------------------
+
+    def head_logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        """Head k on hidden states (..., H) -> logits (..., V) float32."""
+        w = self.heads[k][-1].weight
+        return self.heads[k](h.to(w.dtype)).float()
+
+    def target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.target.lm_head.weight
+        return F.linear(h.to(w.dtype), w).float()
+
+    def hidden(
+        self, batch: dict[str, torch.Tensor], teacher: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(student hidden states the heads read, teacher hidden states for soft labels, or
+        None without ``teacher``), (B, T, H). Medusa-1: both the frozen target's."""
+        f = batch["features"][:, :, 0]
+        return f, f
+
+    # -- training ----------------------------------------------------------------------------
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> StepOutput:
+        ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        self._new_validation = True  # the next validation measures the heads afresh
+        h, teacher = self.hidden(batch)
+        masks = head_masks(lm, attn, self.cfg.num_heads)
+        loss = self.extra_loss(batch, h, teacher, metrics := {})
+        for k, mask in enumerate(masks):
+            rows = mask.nonzero(as_tuple=True)
+            n = rows[0].numel()
+            if n == 0:
+                loss = loss + 0.0 * sum(p.sum() for p in self.heads[k].parameters())
+                continue
+            logits = self.head_logits(k, h[rows])
+            label_pos = (rows[0], rows[1] + k + 2)
+            if self.cfg.soft_labels:
+                with torch.no_grad():  # the target's distribution over x_{t+k+2}
+                    t_logits = self.target_logits(teacher[rows[0], rows[1] + k + 1])
+                ce = soft_cross_entropy(logits, t_logits)
+                labels = t_logits.argmax(-1)
+            else:
+                labels = ids[label_pos]
+                ce = F.cross_entropy(logits, labels)
+            loss = loss + self.cfg.head_decay**k * ce
+            metrics[f"loss_head{k + 1}"] = metric(ce.detach() * n, n)
+            metrics[f"acc_head{k + 1}"] = metric((logits.argmax(-1) == labels).float().sum(), n)
+        metrics["acc"] = metrics.get("acc_head1", metric(0.0, 0))
+        return StepOutput(loss=loss, metrics=metrics)
+
+    def extra_loss(self, batch, h, teacher, metrics) -> torch.Tensor:
+        """Loss terms besides the heads' (Medusa-2: the backbone's distillation)."""
+        return h.new_zeros((), dtype=torch.float32)
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per head k: how often its rank-r token (r < top_k) is the verifier's greedy next
+        token at that position (teacher-forced on the data; for Medusa-2 the verifier is the
+        adapted model): ``top1_head{k}`` and ``top{top_k}_head{k}`` (cumulative). The counts
+        also go to ``rank_hits`` (reset at the first validation batch after training steps),
+        from which the candidate tree is built."""
+        attn, lm = batch["attention_mask"], batch["loss_mask"]
+        if getattr(self, "_new_validation", False):  # counts describe the current heads only
+            self.rank_hits.zero_()
+            self.rank_total.zero_()
+            self._new_validation = False
+        h, _ = self.hidden(batch, teacher=False)
+        out: dict[str, torch.Tensor] = {}
+        K, R, c = self.cfg.num_heads, self.cfg.top_k, self.cfg.lm_head_chunk
+        for k, mask in enumerate(head_masks(lm, attn, K)):
+            rows = mask.nonzero(as_tuple=True)
+            n = rows[0].numel()
+            hits = torch.zeros(R, device=h.device)
+            for i in range(0, n, c):
+                r0, r1 = rows[0][i : i + c], rows[1][i : i + c]
+                top = self.head_logits(k, h[r0, r1]).topk(R, dim=-1).indices  # (n, R)
+                want = self.target_logits(h[r0, r1 + k + 1]).argmax(-1)  # the verifier's
+                hits += (top == want[:, None]).float().sum(0)
+            self.rank_hits[k] += hits.to(self.rank_hits.device)
+            self.rank_total[k] += n
+            out[f"top1_head{k + 1}"] = metric(hits[0], n)
+            out[f"top{R}_head{k + 1}"] = metric(hits.sum(), n)
+        return out
+
+    def rank_accuracy(self) -> list[list[float]]:
+        """(K, top_k) measured P(head k's rank-r token is the target's token); before any
+        validation, a prior that halves per rank and per head."""
+        if float(self.rank_total.min()) <= 0:
+            K, R = self.cfg.num_heads, self.cfg.top_k
+            return [[0.5 ** (k + 1) * 0.5**r for r in range(R)] for k in range(K)]
+        return (self.rank_hits / self.rank_total[:, None]).tolist()
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def candidate_tree(self, nodes: int | None = None) -> list[tuple[int, ...]]:
+        if self.tree is not None and nodes is None:
+            return self.tree
+        return build_tree(self.rank_accuracy(), nodes or self.cfg.tree_nodes)
+
+    def proposer(
+        self,
+        tree: str = "static",
+        tree_nodes: int | None = None,
+        tree_file: str | None = None,
+        **_other_methods_settings,
+    ) -> MedusaProposer:
+        """This draft as a proposer: ``tree="static"`` (or ``"auto"``: the saved candidate tree;
+        ``tree_nodes``: one of that many nodes built from the measured accuracies;
+        ``tree_file``: a JSON list of rank paths) or ``"chain"`` (each head's top-1; gamma
+        picks the depth)."""
+        if tree == "chain":
+            return MedusaProposer(self, None)
+        if tree not in ("static", "auto"):
+            raise ValueError(f"tree={tree!r}: Medusa drafts use static (the default) or chain")
+        paths = read_tree_file(tree_file, self.cfg) if tree_file else None
+        return MedusaProposer(self, paths or self.candidate_tree(tree_nodes))
+
+    def changes_target(self) -> str | None:
+        """What this draft does to the verifier (None: nothing)."""
+        return None
+
+    # -- save / load -------------------------------------------------------------------------
+
+    def save_draft(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            k: v.detach().contiguous().cpu()
+            for k, v in self.state_dict().items()
+            if k.startswith(("heads.", "rank_"))
+        }
+        save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
+        write_draft_config(
+            path,
+            self.cfg,
+            self.target,
+            1,
+            feature_layers=list(self.feature_layers),
+            rank_accuracy=self.rank_accuracy(),
+            tree=[list(p) for p in self.candidate_tree()],
+        )
+        self._save_extra(path)
+
+    def _save_extra(self, path: Path) -> None:
+        pass
+
+    @classmethod
+    def load_draft(cls, path: str | Path, target: Target) -> MedusaHeads:
+        path = Path(path)
+        cfg = read_draft_config(path)
+        t = cfg["target"]
+        if t["hidden_size"] != target.hidden_size or t["vocab_size"] != target.config.vocab_size:
+            raise DraftError(
+                f"{path}: heads were trained for hidden size {t['hidden_size']} and vocabulary "
+                f"{t['vocab_size']}; target {target.identity} has {target.hidden_size} and "
+                f"{target.config.vocab_size}"
+            )
+        head = cls._construct(target, cls.config_class(**cfg["method"]), path)
+        try:
+            state = load_file(str(path / DRAFT_WEIGHTS))
+        except Exception as e:  # safetensors raises several types for damaged files
+            raise DraftError(f"{path / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k.startswith(("heads.", "rank_"))]
+        if missing or unexpected:
+            raise DraftError(
+                f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
+            )
+        head.tree = [tuple(p) for p in cfg.get("tree") or []] or None
+        return head.to(target.device).eval()
+
+    @classmethod
+    def _construct(cls, target: Target, cfg: Medusa1Config, path: Path) -> MedusaHeads:
+        return cls(target, cfg)
+
+
+class Medusa2Heads(MedusaHeads):
+    """Medusa-2: the heads plus a LoRA adapter on the target's backbone, trained jointly with
+    self-distillation. The adapter is injected into ``target.model`` in place (peft), so the
+    target becomes the adapted model wherever it is used; ``original()`` is a context in which
+    the adapters are off (the original model, for teacher distributions and comparisons)."""
+
+    config_class = Medusa2Config
+    feature_layers: tuple[int, ...] = ()  # the backbone runs inside forward (it trains)
+
+    def __init__(self, target: Target, cfg: Medusa2Config, adapter: str | Path | None = None):
+        super().__init__(target, cfg)
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if isinstance(target.model, PeftModel):
+            raise DraftError("the target already carries a peft adapter; load a fresh target")
+        if adapter is None:
+            lora = LoraConfig(
+                r=cfg.lora_r,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=list(cfg.lora_target_modules),
+                bias="none",
+            )
+            try:
+                peft_model = get_peft_model(target.model, lora)
+            except ValueError as e:
+                raise DraftError(f"method.lora_target_modules: {e}") from None
+        else:  # a trained draft, for decoding: merge the adapter so the verifier runs at
+            # full speed (``original()`` unmerges again while it is active)
+            peft_model = PeftModel.from_pretrained(target.model, str(adapter), is_trainable=False)
+            peft_model.merge_adapter()
+        self.backbone = peft_model  # registered: the LoRA parameters train with the heads
+        target.model = peft_model
+        self.register_buffer("micro_batches", torch.zeros((), dtype=torch.long))
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The heads train at ``head_lr_ratio`` x the adapter's learning rate."""
+        heads = [p for p in self.heads.parameters() if p.requires_grad]
+        lora = [p for p in self.backbone.parameters() if p.requires_grad]
+        return [
+            {"params": heads, "lr": lr * self.cfg.head_lr_ratio},
+            {"params": lora, "lr": lr},
+        ]
+
+    def original(self):
+        """A context in which the target is the original model (adapters off)."""
+        return self.backbone.disable_adapter()
+
+    def changes_target(self) -> str | None:
+        return (
+            f"the verifier is the target with this draft's LoRA adapter (r={self.cfg.lora_r}), "
+            "not the original target: outputs follow the adapted model"
+        )
+
+    def _decoder(self):
+        return self.backbone.get_base_model().get_decoder()
+
+    def hidden(self, batch, teacher: bool = True):
+        ids = batch["input_ids"].to(self.target.device)
+        attn = batch["attention_mask"].to(self.target.device)
+        t = None
+        if teacher:
+            with torch.no_grad(), self.original():
+                t = self._decoder()(input_ids=ids, attention_mask=attn, use_cache=False)
+            t = t.last_hidden_state.detach()
+        student = self._decoder()(input_ids=ids, attention_mask=attn, use_cache=False)
+        return student.last_hidden_state, t
+
+    def extra_loss(self, batch, h, teacher, metrics):
+        """The backbone's self-distillation: KL(original || adapted) of the next-token
+        distribution on assistant positions, weighted by the warmed-up backbone weight."""
+        lm, attn = batch["loss_mask"], batch["attention_mask"]
+        m = lm[:, 1:].bool() & attn[:, 1:].bool() & attn[:, :-1].bool()
+        rows = m.nonzero(as_tuple=True)  # position t predicts the assistant token t + 1
+        if self.training:
+            self.micro_batches += 1
+        w = self.cfg.backbone_weight * warmup_factor(
+            int(self.micro_batches), self.cfg.backbone_warmup
+        )
+        n = rows[0].numel()
+        if n == 0:
+            return h.sum() * 0.0
+        kl = kl_divergence(self.target_logits(teacher[rows]), self.target_logits(h[rows]))
+        metrics["loss_backbone"] = metric(kl.detach() * n, n)
+        metrics["backbone_weight"] = metric(w * n, n)
+        return w * kl
+
+    def _save_extra(self, path: Path) -> None:
+        self.backbone.save_pretrained(str(path / ADAPTER_DIR))
+
+    @classmethod
+    def _construct(cls, target: Target, cfg: Medusa2Config, path: Path) -> Medusa2Heads:
+        adapter = path / ADAPTER_DIR
+        if not (adapter / "adapter_config.json").exists():
+            raise DraftError(f"{path}: a medusa2 draft needs its LoRA adapter in {ADAPTER_DIR}/")
+        return cls(target, cfg, adapter=adapter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions: masks, losses, schedule, tree
+
+
+def head_masks(
+    loss_mask: torch.Tensor, attention_mask: torch.Tensor, heads: int
+) -> list[torch.Tensor]:
+    """Where head k (0-based) is trained/scored: (B, T) bool each. Head k at position t
+    predicts x_{t+k+2}; that token must be an assistant token, and every position from t to
+    t+k+2 real (not padding). Positions whose label falls past the end are False."""
+    B, T = loss_mask.shape
+    real = attention_mask.bool()
+    pad = lambda x: torch.cat([x, x.new_zeros(B, heads + 2)], dim=1)  # noqa: E731
+    lm, real = pad(loss_mask.bool()), pad(real)
+    out = []
+    for k in range(heads):
+        m = lm[:, k + 2 : k + 2 + T].clone()
+        for i in range(0, k + 3):
+            m &= real[:, i : i + T]
+        out.append(m)
+    return out
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """-sum_x p(x) log q(x) averaged over rows; (N, V) logits, p = softmax(teacher)."""
+    p = teacher_logits.float().softmax(-1)
+    return -(p * student_logits.float().log_softmax(-1)).sum(-1).mean()
+
+
+def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) averaged over rows, p = softmax(teacher), q = softmax(student); (N, V)."""
+    lp = teacher_logits.float().log_softmax(-1)
+    lq = student_logits.float().log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1).mean()
+
+
+def warmup_factor(step: int, warmup: int) -> float:
+    """0 -> 1 over ``warmup`` steps along a sine quarter-wave (then 1)."""
+    if warmup <= 0 or step >= warmup:
+        return 1.0
+    return math.sin(0.5 * math.pi * step / warmup)
+
+
+def build_tree(acc: list[list[float]], nodes: int) -> list[tuple[int, ...]]:
+    """The candidate tree maximising the expected number of accepted tokens under a budget.
+
+    ``acc[d][r]``: probability that head d's rank-r token is the target's token at depth
+    d + 1 (given the path so far was accepted). A node is a path of ranks (r_1, ..., r_d): head
+    1's rank-r_1 token, then head 2's rank-r_2 token, ... Its path is accepted with probability
+    prod_i acc[i][r_i] (siblings exclude each other, so expectations add up), and the expected
+    accepted length of a tree is the sum over its nodes. Since a child's value never exceeds
+    its parent's, the ``nodes`` highest-valued paths are ancestor-closed and optimal; they are
+    found best-first. Returns paths ordered by depth, then value (parents before children).
+    """
+    if nodes < 1 or not acc:
+        return []
+    depth, ranks = len(acc), len(acc[0])
+    heap = [(-acc[0][r], (r,)) for r in range(ranks)]
+    heapq.heapify(heap)
+    chosen: list[tuple[float, tuple[int, ...]]] = []
+    while heap and len(chosen) < nodes:
+        neg, path = heapq.heappop(heap)
+        chosen.append((-neg, path))
+        if len(path) < depth:
+            for r in range(ranks):
+                heapq.heappush(heap, (neg * acc[len(path)][r], (*path, r)))
+    chosen.sort(key=lambda vp: (len(vp[1]), -vp[0], vp[1]))
+    return [p for _, p in chosen]
+
+
+def read_tree_file(path: str, cfg: Medusa1Config) -> list[tuple[int, ...]]:
+    """A candidate tree from a JSON list of rank paths, e.g. [[0], [1], [0, 0], [0, 1]]."""
+    try:
+        raw = json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DraftError(f"tree_file={path}: cannot read ({e})") from None
+    paths = []
+    for i, p in enumerate(raw if isinstance(raw, list) else [None]):
+        if not (
+            isinstance(p, list)
+            and 1 <= len(p) <= cfg.num_heads
+            and all(isinstance(r, int) and 0 <= r for r in p)
+        ):
+            raise DraftError(
+                f"tree_file={path}: entry {i} must be a list of 1..{cfg.num_heads} ranks >= 0"
+            )
+        paths.append(tuple(p))
+    have = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in have:
+            raise DraftError(f"tree_file={path}: {list(p)} has no parent {list(p[:-1])}")
+    return sorted(set(paths), key=lambda p: (len(p), p))
+
+
+def expected_length(acc: list[list[float]], tree: list[tuple[int, ...]]) -> float:
+    """Expected accepted draft tokens per verification of ``tree`` (greedy, independent heads)."""
+    return sum(math.prod(acc[i][r] for i, r in enumerate(p)) for p in tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Propose (decode time)
+
+
+class MedusaProposer:
+    """All heads once on the target's hidden state at the last verified position, then the
+    candidate tree's nodes as a proposal (or a chain of each head's top-1). Deterministic
+    (q = None): at T > 0 the decoder verifies it exactly by recursive rejection over point
+    masses, or with typical acceptance when asked."""
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, tree: list[tuple[int, ...]] | None):
+        self.heads = heads.eval()
+        self.tree = tree
+        if tree is not None:  # verified whole every iteration: no adaptive gamma
+            self.tree_depth = max(len(p) for p in tree)
+        self.feature_layers = (-1,)
+        self.draft_calls = 0
+        self.last_step_seconds: float | None = None
+
+    def start(self, state: DecodeState) -> None:
+        pass
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        t0 = time.perf_counter()
+        if state.features is None or gamma < 1:
+            return Proposal([], [])
+        h = state.features[-1, 0]  # the target's state where it predicted the pending token
+        if self.tree is None:
+            K = min(gamma, self.heads.cfg.num_heads)
+            toks = [int(self.heads.head_logits(k, h).argmax()) for k in range(K)]
+            self.draft_calls += 1
+            self.last_step_seconds = (time.perf_counter() - t0) / max(1, K)
+            return Proposal.chain(toks)
+        tree = [p for p in self.tree if len(p) <= gamma]
+        depth = max((len(p) for p in tree), default=0)
+        R = max((max(p) for p in tree), default=0) + 1
+        tops = [self.heads.head_logits(d, h).topk(R).indices.tolist() for d in range(depth)]
+        index = {p: i for i, p in enumerate(tree)}
+        tokens = [tops[len(p) - 1][p[-1]] for p in tree]
+        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in tree]
+        self.draft_calls += 1
+        self.last_step_seconds = (time.perf_counter() - t0) / max(1, depth)
+        return Proposal(tokens, parents)
+
+    def rollback(self, state: DecodeState, n_accepted: int) -> None:
+        pass

@@ -1,0 +1,342 @@
+"""EAGLE-3 head (fusion, training-time test, draft vocabulary) and EAGLE-2 dynamic trees."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import compose, run_module, tiny_overrides
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+from transformers import DynamicCache
+
+from decoding.decoder import SpeculativeDecoder
+from models.eagle import (
+    Eagle1Config,
+    Eagle3Config,
+    Eagle3Head,
+    EagleHead,
+    EagleTreeProposer,
+    draft_vocab,
+)
+from models.sampling import Sampling, warp
+
+
+def make_head(target, **kw):
+    torch.manual_seed(0)
+    return Eagle3Head(target, Eagle3Config(**{"draft_vocab_size": 64, **kw}))
+
+
+def make_batch(target, head, B=2, T=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    attn[1, T - 5 :] = 0
+    lm = attn.clone()
+    lm[:, :4] = 0
+    feats = target.features(ids, attn, tuple(head.feature_layers))
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": lm, "features": feats}
+
+
+# -- draft vocabulary (pure) -------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 50), min_size=2, max_size=40),
+    frac=st.floats(0.01, 1.0),
+)
+def test_draft_vocab_maps_the_most_frequent_tokens(counts, frac):
+    c = torch.tensor(counts)
+    size = max(1, int(len(counts) * frac))
+    d2t, t2d = draft_vocab(c, size)
+    target_ids = torch.arange(size) + d2t
+    assert t2d.sum() == size and t2d[target_ids].all()
+    assert (target_ids[1:] > target_ids[:-1]).all()  # ordered by target id, so t2d order works
+    # nothing left out is more frequent than anything kept
+    if size < len(counts):
+        assert c[~t2d].max() <= c[t2d].min()
+
+
+def test_init_from_data_chooses_frequent_assistant_tokens(tiny_target):
+    from datasets import Dataset
+
+    head = make_head(tiny_target, draft_vocab_size=4)
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[9, 9, 9, 9, 5, 5, 5, 7, 7, 1], [3, 3, 3, 2, 8]],
+            "loss_mask": [[1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1]],
+        }
+    )
+    head.init_from_data(ds, log=lambda *_: None)
+    chosen = (torch.arange(4) + head.d2t).tolist()
+    assert chosen == [1, 5, 7, 9]  # 3 is frequent but not on assistant tokens; 1 wins the tie
+    # the draft head starts from the target's rows for those tokens
+    assert torch.equal(head.lm_head.weight, tiny_target.lm_head.weight[chosen].float())
+    logits = head.vocab_logits(torch.randn(3, tiny_target.hidden_size))
+    assert torch.isinf(logits[:, ~head.t2d]).all() and torch.isfinite(logits[:, head.t2d]).all()
+
+
+# -- the head ----------------------------------------------------------------------------------
+
+
+def test_default_fuse_layers_and_vocabulary_size(tiny_target):
+    head = Eagle3Head(tiny_target, Eagle3Config())
+    L, V = tiny_target.num_layers, tiny_target.config.vocab_size
+    assert L == 2  # [2, L // 2, L - 3] clamped to 1..L, ascending, then the final state
+    assert head.feature_layers == (1, 1, 2, -1)
+    assert head.cfg.draft_vocab_size == min(V, 1024)
+    # negative ids count from the end; the saved order is ascending (the engines' order)
+    assert Eagle3Head(tiny_target, Eagle3Config(fuse_layers=[2, 0, -2])).cfg.fuse_layers == [
+        0,
+        1,
+        2,
+    ]
+    with pytest.raises(Exception, match="out of range"):
+        Eagle3Head(tiny_target, Eagle3Config(fuse_layers=[1, 2, 3]))
+    with pytest.raises(Exception, match="fuses exactly three"):
+        Eagle3Head(tiny_target, Eagle3Config(fuse_layers=[1, 2]))
+
+
+def test_unroll_matches_sequential_decoding(tiny_target):
+    head = make_head(tiny_target).eval()
+    b = make_batch(tiny_target, head)
+    with torch.no_grad():
+        h0 = head.initial_hidden(b["features"])
+        outs = head.unroll(h0, b["input_ids"], b["attention_mask"], steps=3)
+        ids = b["input_ids"][:1]
+        for s in (0, 6, 17):
+            cache = DynamicCache()
+            emb = head._embed(ids[:, 1 : s + 2])
+            mask = None if s == 0 else torch.tril(torch.ones(s + 1, s + 1, dtype=torch.bool))
+            h = head.step(
+                h0[:1, : s + 1],
+                emb,
+                torch.arange(s + 1)[None],
+                None if mask is None else mask[None, None],
+                cache,
+            )
+            prev = h[:, -1:]
+            assert torch.allclose(prev[0, 0], outs[0][0, s], atol=1e-5)
+            for j in (2, 3):
+                emb = head._embed(ids[:, s + j : s + j + 1])
+                prev = head.step(prev, emb, torch.tensor([[s + j - 1]]), None, cache)
+                assert torch.allclose(prev[0, 0], outs[j - 1][0, s], atol=1e-5), (s, j)
+
+
+def test_one_step_moves_every_draft_parameter_and_no_target_parameter(tiny_target):
+    head = make_head(tiny_target, ttt_steps=3)
+    before = copy.deepcopy(dict(head.named_parameters()))
+    before_target = {k: v.clone() for k, v in tiny_target.model.state_dict().items()}
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    out = head(make_batch(tiny_target, head))
+    assert {"loss_step1", "loss_step3", "acc_step2"} <= set(out.metrics)
+    out.loss.backward()
+    opt.step()
+    for k, v in head.named_parameters():
+        assert not torch.equal(v, before[k]), f"draft parameter {k} did not move"
+    for k, v in tiny_target.model.state_dict().items():
+        assert torch.equal(v, before_target[k]), f"target parameter {k} moved"
+    keys = set(head.state_dict())
+    assert all(k.split(".")[0] in {"fc", "midlayer", "norm", "lm_head", "d2t", "t2d"} for k in keys)
+    assert not any(k.startswith("embed") for k in keys)
+
+
+def test_training_time_test_weights_later_steps_less(tiny_target):
+    head = make_head(tiny_target, ttt_steps=3, step_decay=0.5)
+    b = make_batch(tiny_target, head)
+    out = head(b)
+    m = {k: (v[0] / v[1]).item() for k, v in out.metrics.items() if k.startswith("loss_step")}
+    expect = m["loss_step1"] + 0.5 * m["loss_step2"] + 0.25 * m["loss_step3"]
+    assert out.loss.item() == pytest.approx(expect, rel=1e-5)
+
+
+def test_loss_decreases_when_fitting_one_batch(tiny_target):
+    from models.eagle import position_mask
+
+    head = make_head(tiny_target, ttt_steps=2)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    b = make_batch(tiny_target, head)
+    # soft CE = KL + H(target): only the KL part can go; measure progress above the entropy
+    bound = 0.0
+    for j, m in enumerate(position_mask(b["loss_mask"], b["attention_mask"], 2), start=1):
+        t = head.target_logits(b["features"][:, j:, 3][m.nonzero(as_tuple=True)], True)
+        bound += 0.8 ** (j - 1) * -(t.softmax(-1) * t.log_softmax(-1)).sum(-1).mean().item()
+    first = None
+    for _ in range(30):
+        loss = head(b).loss
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() - bound < 0.5 * (first - bound)
+
+
+def test_save_load_round_trip_keeps_the_vocabulary(tiny_target, tmp_path):
+    head = make_head(tiny_target).eval()
+    head.d2t.copy_(torch.arange(64) * 2)  # target ids 0, 3, 6, ...
+    head.t2d.zero_()
+    head.t2d[torch.arange(64) * 3] = True
+    head.save_draft(tmp_path / "d")
+    loaded = Eagle3Head.load_draft(tmp_path / "d", tiny_target).eval()
+    assert loaded.cfg == head.cfg
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    h = torch.randn(2, tiny_target.hidden_size)
+    assert torch.equal(loaded.vocab_logits(h), head.vocab_logits(h))
+
+
+# -- decoding: chain and dynamic tree ------------------------------------------------------------
+
+
+PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114]
+
+
+def ar_greedy(target, prompt, n):
+    dec = SpeculativeDecoder(
+        target, EagleHead(target, Eagle1Config()).proposer(), Sampling(), gamma=0
+    )
+    return dec.generate(prompt, n)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", [None, (3, 2, 5), (4, 4, 12)])
+def test_greedy_output_equals_plain_greedy(tiny_target, kind, tree):
+    torch.manual_seed(1)
+    head = EagleHead(tiny_target, Eagle1Config()) if kind == "eagle1" else make_head(tiny_target)
+    head.eval()
+    ref = ar_greedy(tiny_target, PROMPT, 40)
+    if tree is None:
+        prop = head.proposer()
+    else:
+        d, k, n = tree
+        prop = head.proposer(tree="dynamic", depth=d, top_k=k, total_tokens=n)
+    dec = SpeculativeDecoder(
+        tiny_target, prop, Sampling(), gamma=tree[0] if tree else 3, adaptive=False
+    )
+    assert dec.generate(PROMPT, 40) == ref
+    assert dec.generate(PROMPT[:4], 40) == ar_greedy(tiny_target, PROMPT[:4], 40)
+
+
+def test_dynamic_tree_shape(tiny_target):
+    head = make_head(tiny_target).eval()
+    prop = EagleTreeProposer(head, depth=4, top_k=3, total_tokens=10)
+    from models.base import DecodeState
+
+    feats = tiny_target.features(
+        torch.tensor([PROMPT[:-1]]), torch.ones(1, 9, dtype=torch.long), tuple(head.feature_layers)
+    )[0]
+    state = DecodeState(PROMPT, feats, Sampling(), None, torch.device("cpu"))
+    prop.start(state)
+    p = prop.propose(state, 4)
+    assert len(p) == 10 and p.q is None
+    depth = []
+    for i, par in enumerate(p.parents):
+        assert par < i  # parents first
+        depth.append(1 if par < 0 else depth[par] + 1)
+    assert max(depth) <= 4 and sum(d == 1 for d in depth) <= 3
+    kids = {}
+    for i, par in enumerate(p.parents):
+        kids.setdefault(par, []).append(p.tokens[i])
+    assert all(len(set(v)) == len(v) for v in kids.values())  # siblings differ
+    prop.rollback(state, 0)
+    assert prop.cache.get_seq_length() == len(PROMPT) - 1  # tree entries cut back
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.target import Target, TargetConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40.0)
+    return Target(m, None, "small-vocab", TargetConfig(name="test"))
+
+
+@pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.8, top_p=0.7)], ids=["T1", "T0.8-p0.7"])
+def test_sampled_tree_output_follows_the_target(small_vocab_target, s):
+    """Chi-square on the first two tokens through a dynamic tree (false-alarm rate 1e-3)."""
+    target = small_vocab_target
+    prompt = [1, 2, 3]
+    torch.manual_seed(3)
+    head = EagleHead(target, Eagle1Config()).eval()
+    with torch.no_grad():
+        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], s)
+        p2 = torch.stack(
+            [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
+        )
+    expected = (p1[:, None] * p2).flatten()
+    prop = head.proposer(tree="dynamic", depth=2, top_k=8, total_tokens=16)
+    dec = SpeculativeDecoder(target, prop, s, gamma=2, adaptive=False, seed=5)
+    n = 2500
+    counts = torch.zeros(100)
+    for _ in range(n):
+        # 3 tokens, so the first iteration may draft two levels; the first two are scored
+        a, b = dec.generate(prompt, 3)[:2]
+        counts[a * 10 + b] += 1
+    # the tree is sometimes right, sometimes not: both branches of the test are exercised
+    assert 0.02 < dec.stats.alpha < 0.98
+    assert dec.stats.tree_iterations > 0
+    e = expected * n
+    keep = e >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([e[keep], e[~keep].sum()[None]])
+    assert (counts[expected == 0] == 0).all()
+    mask = exp > 0
+    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+
+def test_train_eagle3_then_eval_chain_and_tree(data_file, tmp_path):
+    from trainer.train import run
+
+    out = tmp_path / "run"
+    s = run(
+        compose(
+            tiny_overrides(
+                data_file,
+                out,
+                method="eagle3",
+                **{"train.max_steps": 3, "method.draft_vocab_size": 128},
+            )
+        )
+    )
+    assert s["step"] == 3 and "top1_pos1" in s["val"]
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["specdraft"]["method"] == "eagle3" and cfg["method"]["draft_vocab_size"] == 128
+    for extra in (["tree=chain"], ["tree=dynamic", "depth=3", "top_k=2", "total_tokens=6"]):
+        rep = tmp_path / "r.json"
+        r = run_module(
+            "decoding.eval",
+            [
+                "target=tiny_random",
+                f"draft={out}",
+                "num_prompts=2",
+                "max_new_tokens=16",
+                f"report={rep}",
+                *extra,
+            ],
+            300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        report = json.loads(rep.read_text())
+        assert report["lossless"] is True
+        assert ("tree" in report["settings"]["draft_description"]) == (extra[0] == "tree=dynamic")
+    r = run_module("decoding.eval", ["target=tiny_random", "draft=ngram", "tree=dynamic"])
+    assert r.returncode == 2 and "needs a trained draft" in r.stderr

@@ -1,0 +1,215 @@
+"""specdraft-export: every format round-trips through our reader; broken exports are errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import run_module
+from safetensors.torch import load_file, save_file
+
+from models import export as ex
+from models.eagle import Eagle1Config, Eagle3Config, Eagle3Head, EagleHead
+from models.export import ExportError, detect_format, export, import_draft
+from models.target import Target, TargetConfig
+from models.tiny import build_tiny_target
+
+
+@pytest.fixture(scope="module")
+def target4():
+    """A 4-layer tiny target, so that EAGLE-3 can fuse three distinct layers."""
+    model, tok = build_tiny_target(seed=1, num_layers=4)
+    return Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
+
+
+def eagle3(target, seed=0):
+    torch.manual_seed(seed)
+    head = Eagle3Head(target, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
+    with torch.no_grad():  # a chosen vocabulary (every third token), not the identity
+        head.d2t.copy_(torch.arange(64) * 2)
+        head.t2d.zero_()
+        head.t2d[torch.arange(64) * 3] = True
+        for p in head.parameters():  # livelier than the init, so proposals vary
+            p.add_(torch.randn_like(p) * 0.05)
+    return head
+
+
+def eagle1(target, seed=0):
+    torch.manual_seed(seed)
+    return EagleHead(target, Eagle1Config()).eval()
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators", "eagle1"])
+def test_export_round_trips(target4, tmp_path, fmt):
+    head = eagle1(target4) if fmt == "eagle1" else eagle3(target4)
+    out = tmp_path / fmt
+    summary = export(head, fmt, out, dtype="float32", log=lambda *_: None)
+    assert detect_format(out) == fmt
+    back = import_draft(out, target4)
+    prompt = ex.default_prompt(target4)
+    a, b = ex.proposals(head, prompt), ex.proposals(back, prompt)
+    assert torch.equal(a.pop("logits"), b.pop("logits"))  # bit for bit at equal precision
+    assert a == b and summary["chain"] == a["chain"]
+    cfg = json.loads((out / "config.json").read_text())
+    names = (
+        set(load_file(str(out / "model.safetensors")))
+        if fmt != "eagle1"
+        else set(torch.load(out / "pytorch_model.bin", weights_only=True))
+    )
+    if fmt == "eagle1":
+        assert cfg["bias"] is True and "layers.0.input_layernorm.weight" not in names
+        assert {"fc.bias", "embed_tokens.weight"} <= names
+    else:
+        assert "embed_tokens.weight" not in names and {"d2t", "t2d", "fc.weight"} <= names
+        prefix = "layers.0." if fmt == "speculators" else "midlayer."
+        assert f"{prefix}hidden_norm.weight" in names
+    if fmt == "sglang":  # SGLang counts layer outputs: our hidden_states index minus one
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    if fmt == "vllm":
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+        assert cfg["norm_before_residual"] is False
+    if fmt == "speculators":
+        assert cfg["speculators_config"]["verifier"]["name_or_path"]
+        assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+
+
+def test_bf16_export_is_compared_at_its_own_precision(target4, tmp_path):
+    export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
+    w = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.bfloat16 and w["d2t"].dtype == torch.int64
+
+
+def test_untrained_vocabulary_mapping_is_refused(target4, tmp_path):
+    head = Eagle3Head(target4, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64))
+    with pytest.raises(ExportError, match="d2t is all zeros"):
+        export(head, "sglang", tmp_path / "x", log=lambda *_: None)
+    assert not (tmp_path / "x").exists() and list(tmp_path.iterdir()) == []  # no debris
+
+
+def test_wrong_keys_and_shapes_are_named(target4, tmp_path, monkeypatch):
+    head = eagle3(target4)
+    real = ex.export_tensors
+
+    def extra_key(*a):
+        t = real(*a)
+        t["embed_tokens.weight"] = target4.embed_tokens.weight.detach().clone()
+        return t
+
+    monkeypatch.setattr(ex, "export_tensors", extra_key)
+    with pytest.raises(ExportError, match=r"unexpected keys \['embed_tokens.weight'\]"):
+        export(head, "vllm", tmp_path / "a", log=lambda *_: None)
+
+    def bad_shape(*a):
+        t = real(*a)
+        t["lm_head.weight"] = t["lm_head.weight"][:-1]
+        return t
+
+    monkeypatch.setattr(ex, "export_tensors", bad_shape)
+    with pytest.raises(ExportError, match="lm_head.weight has shape"):
+        export(head, "vllm", tmp_path / "b", log=lambda *_: None)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_wrong_layer_ids_are_caught_by_the_re_import(target4, tmp_path, monkeypatch):
+    """An SGLang config written with our index unshifted loads, but fuses other layers: the
+    comparison with the in-memory head must catch it."""
+    real = ex.export_config
+
+    def unshifted(head, fmt, *a):
+        cfg = real(head, fmt, *a)
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 1]
+        return cfg
+
+    monkeypatch.setattr(ex, "export_config", unshifted)
+    with pytest.raises(ExportError, match="logits differ"):
+        export(eagle3(target4), "sglang", tmp_path / "s", log=lambda *_: None)
+
+
+def test_existing_output_is_kept_without_force(target4, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists"):
+        export(eagle3(target4), "vllm", out, log=lambda *_: None)
+    assert (out / "keep.txt").read_text() == "mine"
+    export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
+    assert not (out / "keep.txt").exists() and detect_format(out) == "vllm"
+
+
+def test_checkpoint_without_d2t_is_refused_on_import(target4, tmp_path):
+    export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
+    f = tmp_path / "v" / "model.safetensors"
+    w = load_file(str(f))
+    del w["d2t"]
+    save_file(w, str(f))
+    with pytest.raises(ExportError, match="no d2t"):
+        import_draft(tmp_path / "v", target4)
+
+
+def test_eagle1_head_exports_only_as_eagle1(target4, tmp_path):
+    with pytest.raises(ExportError, match="exports EAGLE-3 drafts"):
+        export(eagle1(target4), "sglang", tmp_path / "x", log=lambda *_: None)
+    with pytest.raises(ExportError, match="exports EAGLE-1 drafts"):
+        export(eagle3(target4), "eagle1", tmp_path / "y", log=lambda *_: None)
+
+
+def test_cli_export_then_evaluate_the_export(data_file, tmp_path):
+    """Train on the tiny target, export with the CLI, then specdraft-eval the exported
+    folder: the decoder reads the serving layout and stays lossless."""
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import run
+
+    run_dir = tmp_path / "run"
+    run(compose(tiny_overrides(data_file, run_dir, **{"train.max_steps": 2})))
+    r = run_module("models.export", [str(run_dir), "--format", "eagle1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "re-imported: identical draft logits" in r.stdout
+    out = run_dir / "export-eagle1"
+    rep = tmp_path / "r.json"
+    r = run_module(
+        "decoding.eval",
+        [
+            "target=tiny_random",
+            f"draft={out}",
+            "num_prompts=2",
+            "max_new_tokens=12",
+            f"report={rep}",
+        ],
+        300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(rep.read_text())
+    assert report["lossless"] is True and "eagle1 layout" in report["settings"]["draft_description"]
+    r = run_module("models.export", [str(run_dir), "--format", "eagle1"])
+    assert r.returncode == 2 and "already exists" in r.stderr
+    r = run_module("models.export", [str(tmp_path), "--format", "vllm"])
+    assert r.returncode == 2 and "no saved draft" in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["medusa", "medusa-vllm"])
+def test_medusa_export_round_trips(target4, tmp_path, fmt):
+    from models.medusa import Medusa1Config, MedusaHeads
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(target4, Medusa1Config(num_heads=3, num_layers=2, top_k=4, tree_nodes=9))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = tmp_path / fmt
+    export(heads, fmt, out, dtype="float32", log=lambda *_: None)
+    assert detect_format(out) == fmt
+    cfg = json.loads((out / "config.json").read_text())
+    if fmt == "medusa":
+        assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, 2)
+        names = set(load_file(str(out / "medusa_lm_head.safetensors")))
+        assert {"0.0.linear.weight", "2.1.linear.bias", "1.2.weight"} <= names
+    else:
+        assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["medusa_fc_bias"]) == (3, 2, True)
+    back = import_draft(out, target4)
+    h = torch.randn(2, target4.hidden_size)
+    assert torch.equal(back.head_logits(2, h), heads.head_logits(2, h))
+    assert back.tree == heads.candidate_tree()
+    with pytest.raises(ExportError, match="--merge"):
+        export(heads, fmt, tmp_path / "m", merge=True, log=lambda *_: None)

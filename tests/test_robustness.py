@@ -1,0 +1,370 @@
+"""Staying up: malformed data, kill -9 and resume, failed checkpoint writes, non-finite losses,
+several processes, bad command lines, sweep summaries."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, accelerate_launch, compose, read_metrics, run_module, tiny_overrides
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from data.conversations import DataError, load_conversations
+from trainer.checkpoint import CheckpointError, latest_checkpoint, validate_checkpoint
+from trainer.train import check_group_choices, run
+
+# -- bad input: a fuzz test of the loader --------------------------------------------------------
+
+good = st.builds(
+    lambda q, a: {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]},
+    st.text(min_size=1).filter(str.strip),
+    st.text(min_size=1).filter(str.strip),
+)
+json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text()
+)
+junk_value = st.recursive(
+    json_leaf,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+)
+bad_record = st.one_of(
+    junk_value.filter(lambda v: not isinstance(v, dict)),  # not an object
+    st.dictionaries(st.sampled_from(["id", "text", "conv"]), junk_value, max_size=3),  # no turns
+    st.builds(lambda v: {"conversations": v}, json_leaf),  # turns not a list
+    st.builds(lambda t: {"conversations": [t]}, junk_value),  # a turn of any shape
+    st.builds(  # a role nobody knows
+        lambda r: {"conversations": [{"from": r, "value": "x"}, {"from": "gpt", "value": "y"}]},
+        st.text(max_size=6).filter(
+            lambda r: (
+                r.strip().lower()
+                not in {
+                    "human",
+                    "user",
+                    "gpt",
+                    "assistant",
+                    "system",
+                    "chatgpt",
+                    "bing",
+                    "bard",
+                    "model",
+                }
+            )
+        ),
+    ),
+    st.builds(  # empty text
+        lambda w: {
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": w}]
+        },
+        st.sampled_from(["", "  ", "\n\t"]),
+    ),
+    st.just({"messages": [{"role": "user", "content": "only a question"}]}),  # nothing to learn
+)
+raw_line = st.one_of(
+    st.just(b"{not json"),
+    st.just(b'{"conversations": [}'),
+    st.just(b"\xff\xfe\xfa invalid utf-8"),
+    st.just(b"[" * 50_000 + b"]" * 50_000),  # nesting deep enough to overflow a recursive parser
+    st.just(json.dumps({"conversations": [{"from": "human", "value": "x" * 2_000_000}]}).encode()),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    goods=st.lists(good, max_size=5),
+    bads=st.lists(bad_record, max_size=8),
+    raws=st.lists(raw_line, max_size=3),
+    order=st.randoms(),
+)
+def test_loader_survives_malformed_records_and_counts_every_rejection(
+    tmp_path_factory, goods, bads, raws, order
+):
+    lines = [json.dumps(r).encode() for r in goods + bads] + raws
+    order.shuffle(lines)
+    f = tmp_path_factory.mktemp("fuzz") / "data.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    try:
+        convs, report = load_conversations(f)
+    except DataError as e:
+        assert not goods and str(f) in str(e)  # nothing usable: one error naming the file
+        return
+    assert report.kept == len(convs) == len(goods)
+    assert report.read == report.kept + sum(report.rejected.values())
+    assert report.read == sum(1 for line in lines if line.strip())
+
+
+# -- kill -9 mid-epoch, then resume ----------------------------------------------------------------
+
+COMMON = {
+    "train.save_every": 4,
+    "train.keep_checkpoints": 10,
+    "train.eval_every": 0,
+    "train.log_every": 1,
+    "train.record_samples": "true",
+    "data.batch_size": 4,
+}
+
+
+def test_resume_after_kill_9_matches_an_uninterrupted_run(data_file, tmp_path):
+    steps = 36  # 2.5 epochs of 14 batches
+    # every run is its own process, as in real life (and bit-identical to each other)
+    ref = tmp_path / "ref"
+    r = run_module(
+        "trainer.train", tiny_overrides(data_file, ref, **{**COMMON, "train.max_steps": steps})
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    out = tmp_path / "killed"
+    args = tiny_overrides(data_file, out, **{**COMMON, "train.max_steps": steps})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "trainer.train", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    killed_at = 0
+    while time.time() < deadline:
+        rows = read_metrics(out) if (out / "metrics.jsonl").exists() else []
+        killed_at = max((r["step"] for r in rows), default=0)
+        if killed_at >= 18:  # mid-epoch 1 (steps 15..28), past the checkpoint at 16
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "the run finished before it could be killed"
+    p.send_signal(signal.SIGKILL)  # no handler runs: a machine lost mid-step
+    p.wait(timeout=30)
+    assert killed_at >= 18, "training never got far enough"
+    ck = latest_checkpoint(out)
+    assert ck is not None and int(ck.name.split("_")[1]) >= 16
+
+    r = run_module(
+        "trainer.train",
+        tiny_overrides(data_file, out, **{**COMMON, "train.max_steps": steps, "resume": "true"}),
+    )
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["step"] == steps
+    a = {r["step"]: r["loss"] for r in read_metrics(ref) if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    assert sorted(b) == list(range(1, steps + 1))  # each step logged once
+    for step in range(1, steps + 1):
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
+    # every sample of every finished epoch exactly once (the killed run's tail was dropped)
+    rows = [json.loads(x) for x in (out / "samples-rank0.jsonl").read_text().splitlines()]
+    ref_rows = [json.loads(x) for x in (ref / "samples-rank0.jsonl").read_text().splitlines()]
+    assert rows == ref_rows
+    n_train = len({i for r in ref_rows for i in r["index"]})
+    for epoch in (0, 1):  # finished epochs: the killed one (1) included
+        seen = [i for r in rows if r["epoch"] == epoch for i in r["index"]]
+        assert len(seen) == len(set(seen)) == n_train, epoch
+
+
+# -- a checkpoint write that fails halfway -----------------------------------------------------------
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(data_file, tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    real = Accelerator.save_state
+    calls = {"n": 0}
+
+    def flaky(self, output_dir=None, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint: half written, then the disk is full
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        return real(self, output_dir, **kw)
+
+    monkeypatch.setattr(Accelerator, "save_state", flaky)
+    out = tmp_path / "run"
+    over = {"train.max_steps": 9, "train.save_every": 3, "train.eval_every": 0}
+    with pytest.raises(CheckpointError, match=r"step_6.*No space left.*step_3 is intact"):
+        run(compose(tiny_overrides(data_file, out, **over)))
+    assert latest_checkpoint(out) == out / "checkpoints" / "step_3"
+    validate_checkpoint(out / "checkpoints" / "step_3")
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # no debris
+    monkeypatch.setattr(Accelerator, "save_state", real)
+    s = run(compose(tiny_overrides(data_file, out, **{**over, "resume": "true"})))
+    assert s["step"] == 9 and s["reason"] == "finished"
+
+
+def test_partial_checkpoint_is_named_and_skipped(data_file, tmp_path):
+    out = tmp_path / "run"
+    run(
+        compose(
+            tiny_overrides(
+                data_file,
+                out,
+                **{"train.max_steps": 6, "train.save_every": 3, "train.eval_every": 0},
+            )
+        )
+    )
+    (out / "checkpoints" / "step_6" / "COMPLETE").unlink()  # killed before the marker
+    with pytest.raises(CheckpointError, match="step_6: incomplete checkpoint"):
+        validate_checkpoint(out / "checkpoints" / "step_6")
+    msgs = []
+    assert latest_checkpoint(out, log=msgs.append) == out / "checkpoints" / "step_3"
+    assert "step_6" in msgs[0]
+
+
+# -- non-finite losses ---------------------------------------------------------------------------
+
+
+def test_nonfinite_losses_are_skipped_then_stop_the_run_with_a_checkpoint(
+    data_file, tmp_path, monkeypatch
+):
+    from models.eagle import EagleHead
+
+    real = EagleHead.forward
+    calls = {"n": 0}
+
+    def poisoned(self, batch):
+        out = real(self, batch)
+        calls["n"] += 1
+        if calls["n"] in (3,) or calls["n"] >= 6:  # one bad batch, later a run of them
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(EagleHead, "forward", poisoned)
+    out = tmp_path / "run"
+    s = run(
+        compose(
+            tiny_overrides(
+                data_file,
+                out,
+                **{
+                    "train.max_steps": 50,
+                    "train.max_nonfinite": 3,
+                    "train.eval_every": 0,
+                    "train.save_every": 0,
+                },
+            )
+        )
+    )
+    assert s["reason"] == "nonfinite" and s["final"] is None
+    # batches 1, 2, 4, 5 were good (batch 3 skipped alone); 6, 7, 8 bad in a row: stop at step 4
+    assert s["step"] == 4
+    ck = latest_checkpoint(out)
+    assert ck == out / "checkpoints" / "step_4"
+    state = json.loads((ck / "trainer_state.json").read_text())
+    assert state["nonfinite_skipped"] == 4
+
+
+# -- several processes -------------------------------------------------------------------------------
+
+
+def test_two_processes_match_one_with_the_same_global_batch(data_file, tmp_path):
+    from safetensors.torch import load_file
+
+    common = {
+        "train.max_steps": 6,
+        "train.eval_every": 0,
+        "train.save_every": 3,
+        "train.record_samples": "true",
+        "method.noise": 0.0,  # the only randomness in a step; it would differ per process
+        "data.batch_size": 2,
+        "train.threads": 1,
+        "optim.lr": 1e-3,
+        "train.log_every": 1,
+    }
+    common_lr = 1e-3
+    one = tmp_path / "one"
+    run(compose(tiny_overrides(data_file, one, **{**common, "train.grad_accum": 2})))
+    two = tmp_path / "two"
+    r = accelerate_launch(2, tiny_overrides(data_file, two, **common))
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the logged loss is the global batch's in both: the same at every step, up to the order
+    # of floating-point reductions
+    la = {r["step"]: r["loss"] for r in read_metrics(one) if "loss" in r}
+    lb = {r["step"]: r["loss"] for r in read_metrics(two) if "loss" in r}
+    assert sorted(la) == sorted(lb) == list(range(1, 7))
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], rel=1e-5), step
+    a = load_file(str(one / "final" / "model.safetensors"))
+    b = load_file(str(two / "final" / "model.safetensors"))
+    for k in a:  # Adam normalises updates, so weights agree to a fraction of one lr step
+        assert (a[k] - b[k]).abs().max() < 0.05 * common_lr, k
+    # each rank saw its own shard: together, step by step, the single run's micro-batches
+    r0 = [json.loads(x) for x in (two / "samples-rank0.jsonl").read_text().splitlines()]
+    r1 = [json.loads(x) for x in (two / "samples-rank1.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (one / "samples-rank0.jsonl").read_text().splitlines()]
+    for x, y in zip(r0, r1, strict=True):
+        assert x["step"] == y["step"] and not set(x["index"]) & set(y["index"])
+    assert sorted(i for r in r0 + r1 for i in r["index"]) == sorted(
+        i for r in ref for i in r["index"]
+    )
+    # only rank 0 writes logs and checkpoints
+    assert len(read_metrics(two)) >= 1
+    assert (two / "checkpoints" / "step_3").is_dir()
+    assert sorted(p.name for p in two.iterdir() if p.name.startswith("samples")) == [
+        "samples-rank0.jsonl",
+        "samples-rank1.jsonl",
+    ]
+
+
+def test_resume_with_another_process_count_mid_epoch_says_what_is_supported(data_file, tmp_path):
+    out = tmp_path / "run"
+    run(compose(tiny_overrides(data_file, out, **{"train.max_steps": 3, "train.eval_every": 0})))
+    r = accelerate_launch(
+        2, tiny_overrides(data_file, out, **{"train.max_steps": 6, "resume": "true"})
+    )
+    assert r.returncode != 0
+    assert "saved by 1 process(es) mid-epoch" in r.stderr and "epoch boundary" in r.stderr
+
+
+# -- command lines ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["method=medusa9"], "method=medusa9: no such method (choose from distillspec, eagle1"),
+        (["target=llama_huge"], "target=llama_huge: no such target"),
+        (["-m", "method=eagle1,nope"], "method=nope: no such method"),
+    ],
+)
+def test_unknown_group_options_are_one_line_errors(tmp_path, args, needle):
+    r = run_module("trainer.train", ["debug=default", f"output_dir={tmp_path / 'o'}", *args])
+    assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]
+    assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1
+
+
+def test_group_check_leaves_valid_and_sweep_syntax_alone():
+    assert check_group_choices(["method=eagle3", "train.max_steps=3", "data.path=x"]) is None
+    assert check_group_choices(["method=choice(eagle1,eagle3)", "experiment=null"]) is None
+
+
+# -- sweeps ----------------------------------------------------------------------------------------
+
+
+def test_sweep_writes_a_sortable_summary(data_file, tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_module(
+        "trainer.train",
+        [
+            "-m",
+            "debug=default",
+            f"data.path={data_file}",
+            "train.max_steps=2,4",
+            "optim.lr=1e-3",
+            "train.eval_every=0",
+            f"hydra.sweep.dir={sweep}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert len(rows) == 2 and all("train.max_steps=" in r["overrides"] for r in rows)
+    assert sorted(int(r["step"]) for r in rows) == [2, 4]
+    assert all("val/top1_pos1" in r and r["reason"] == "finished" for r in rows)
+    md = (sweep / "summary.md").read_text()
+    assert "sorted by val/alpha_pos1" in md and md.count("\n| ") >= 3
