@@ -114,6 +114,12 @@ class EagleHead(nn.Module):
         """The draft's logits over the target's vocabulary, (..., H) -> (..., V) float32."""
         return self.logits(h)
 
+    def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's ``k`` most likely tokens after each row of h (N, H): their
+        log-probabilities (N, k) and target-vocabulary ids (N, k), best first."""
+        top = self.logits(h).log_softmax(-1).topk(k, dim=-1)
+        return top.values, top.indices
+
     def initial_hidden(self, features: torch.Tensor) -> torch.Tensor:
         """What the first step reads from the target's features (..., L, H) -> (..., H)."""
         return features[..., 0, :].to(self.fc.weight.dtype)
@@ -395,6 +401,11 @@ class Eagle3Head(EagleHead):
         """(..., H) -> (..., draft_vocab) float32."""
         return self.lm_head(self.norm(h)).float()
 
+    def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # over the draft vocabulary only, then mapped to target ids (no V-wide tensor)
+        top = self.draft_logits(h).log_softmax(-1).topk(min(k, self.lm_head.out_features), dim=-1)
+        return top.values, top.indices + self.d2t[top.indices]
+
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         d = self.draft_logits(h)
         out = d.new_full((*d.shape[:-1], self.t2d.numel()), float("-inf"))
@@ -515,9 +526,9 @@ class EagleProposer:
             self._catch_up(state, upto=len(state.ids) - 2)
 
     def _choose(self, h: torch.Tensor, state: DecodeState, qs: list) -> int:
-        logits = self.head.vocab_logits(h)
         if state.sampling.greedy:
-            return int(logits.argmax())
+            return int(self.head.top_tokens(h[None], 1)[1][0, 0])
+        logits = self.head.vocab_logits(h)
         q = warp(logits, state.sampling)
         qs.append(q)
         return sample(q, state.generator)
@@ -609,21 +620,24 @@ class EagleTreeProposer(EagleProposer):
         out_h: dict[int, torch.Tensor] = {}  # node -> head output after feeding it
         fed: list[int] = []  # nodes fed to the head's cache this call, in cache order
 
-        def add_children(parent: int, hidden: torch.Tensor, base: float, d: int) -> list[int]:
-            logp = head.vocab_logits(hidden).log_softmax(-1)
-            top = logp.topk(min(self.top_k, logp.numel()))
+        def add_children(nodes: list[int], hidden: torch.Tensor, d: int) -> list[int]:
+            """Children (the draft's top_k) of every node in ``nodes`` (-1: the root) at once:
+            one LM-head product for the whole level. hidden: (len(nodes), H)."""
+            logp, ids = head.top_tokens(hidden, self.top_k)
             new = []
-            for lp, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                if lp == float("-inf"):
-                    break
-                tokens.append(tok)
-                parents.append(parent)
-                scores.append(base + lp)
-                depths.append(d)
-                new.append(len(tokens) - 1)
+            for parent, lps, toks in zip(nodes, logp.tolist(), ids.tolist(), strict=True):
+                base = scores[parent] if parent >= 0 else 0.0
+                for lp, tok in zip(lps, toks, strict=True):
+                    if lp == float("-inf"):
+                        break
+                    tokens.append(tok)
+                    parents.append(parent)
+                    scores.append(base + lp)
+                    depths.append(d)
+                    new.append(len(tokens) - 1)
             return new
 
-        level = add_children(-1, h, 0.0, 1)
+        level = add_children([-1], h[None], 1)
         for d in range(1, depth):
             frontier = sorted(level, key=lambda i: -scores[i])[: self.top_k]
             if not frontier:
@@ -647,10 +661,9 @@ class EagleTreeProposer(EagleProposer):
             out = head.step(hidden[None], emb, pos, mask[None, None], self.cache)[0]
             self.draft_calls += 1
             fed.extend(frontier)
-            level = []
             for r, v in enumerate(frontier):
                 out_h[v] = out[r]
-                level += add_children(v, out[r], scores[v], d + 1)
+            level = add_children(frontier, out, d + 1)
         # rerank: best total_tokens by score; a parent sorts before its children
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
         keep = sorted(order[: self.total_tokens], key=lambda i: (depths[i], -scores[i], i))

@@ -112,9 +112,9 @@ def run_module(module: str, args: list[str], timeout: int = 120) -> subprocess.C
 
 
 def accelerate_launch(
-    nproc: int, args: list[str], timeout: int = 300
+    nproc: int, args: list[str], timeout: int = 300, module: str = "trainer.train"
 ) -> subprocess.CompletedProcess:
-    """``accelerate launch --num_processes nproc -m trainer.train args`` on the CPU, output
+    """``accelerate launch --num_processes nproc -m module args`` on the CPU, output
     captured. Several processes go through the torch-elastic launcher (``--multi_gpu``; with no
     CUDA each trains on the CPU over gloo): accelerate's ``--cpu`` launches a single process
     unless mpirun is configured."""
@@ -132,7 +132,7 @@ def accelerate_launch(
         "--dynamo_backend",
         "no",
         "-m",
-        "trainer.train",
+        module,
         *args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -368,3 +368,44 @@ def test_sweep_writes_a_sortable_summary(data_file, tmp_path):
     assert all("val/top1_pos1" in r and r["reason"] == "finished" for r in rows)
     md = (sweep / "summary.md").read_text()
     assert "sorted by val/alpha_pos1" in md and md.count("\n| ") >= 3
+
+
+def test_feature_cache_is_built_in_shards_by_every_process(data_file, tmp_path):
+    out = tmp_path / "run"
+    r = accelerate_launch(
+        2,
+        tiny_overrides(
+            data_file,
+            out,
+            **{"train.max_steps": 2, "train.eval_every": 0, "data.cache_features": "true"},
+        ),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    stores = list((tmp_path / "cache" / "features").iterdir())
+    assert len(stores) == 2  # train and validation
+    for store in stores:
+        meta = json.loads((store / "done.json").read_text())
+        shards = set(meta["index"].values())
+        assert {s.split("_")[1] for s in shards} == {"r0", "r1"}  # both processes wrote
+        assert len(meta["index"]) == meta["samples"]  # and together every sample
+
+
+def test_regeneration_shards_over_processes_and_merges_in_input_order(data_file, tmp_path):
+    args = [
+        "target=tiny_random",
+        f"data.path={data_file}",
+        "data.max_records=12",
+        "max_new_tokens=6",
+        "batch_size=2",
+        "progress=false",
+        "temperature=1.0",  # sampled: the seeds must not depend on the sharding
+    ]
+    one = run_module("trainer.regenerate", [*args, f"out={tmp_path / 'one.jsonl'}"], 180)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = accelerate_launch(
+        2, [*args, f"out={tmp_path / 'two.jsonl'}"], module="trainer.regenerate"
+    )
+    assert two.returncode == 0, two.stderr[-2000:]
+    parts = sorted(p.name for p in (tmp_path / "two.jsonl.parts").glob("rank*.jsonl"))
+    assert parts == ["rank0-of-2.jsonl", "rank1-of-2.jsonl"]
+    assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
