@@ -65,6 +65,14 @@ class Stats:
     # target's at that position, over ``tvd_tokens`` emitted tokens (0 for exact decoding)
     tvd_sum: float = 0.0
     tvd_tokens: int = 0
+    # the proposer's own measure of one draft step (catching up on tokens committed while it
+    # was idle left out), summed over the iterations that measured one
+    step_seconds_sum: float = 0.0
+    step_samples: int = 0
+
+    @property
+    def draft_step_seconds(self) -> float | None:
+        return self.step_seconds_sum / self.step_samples if self.step_samples else None
 
     @property
     def mean_tvd(self) -> float:
@@ -86,6 +94,8 @@ class Stats:
             "t_total",
             "tvd_sum",
             "tvd_tokens",
+            "step_seconds_sum",
+            "step_samples",
         ):
             setattr(self, k, getattr(self, k) + getattr(o, k))
 
@@ -402,7 +412,11 @@ class SpeculativeDecoder:
             max_depth = max(depth, default=0)
             st.draft_steps += max_depth
             st.tree_iterations += 0 if _is_chain(prop) else 1
-            tested = min(len(path) + 1, max_depth)
+            # position k is tested when 1..k-1 were accepted and the accepted node at k-1 has
+            # children (for a chain: the draft reached depth k); a deeper branch elsewhere in a
+            # tree is not a test of the accepted path
+            parents_with_kids = set(prop.parents)
+            tested = len(path) + (1 if (path[-1] if path else -1) in parents_with_kids else 0)
             for k in range(1, tested + 1):
                 st.tested[k] += 1
                 if k <= len(path):
@@ -420,6 +434,9 @@ class SpeculativeDecoder:
                 step = self.proposer.last_step_seconds  # None: nothing clean to measure
             else:
                 step = t_draft / drafted if drafted else None
+            if step is not None and len(prop):
+                st.step_seconds_sum += step
+                st.step_samples += 1
             ctl.update(len(prop), tested, len(path), step, t_verify, prop.bucket)
             if emitted[-1] in stop_ids:
                 break

@@ -229,8 +229,16 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         outputs.append(rec)
 
     ar_step = ar.stats.t_target / max(1, ar.stats.target_calls)
-    steps = spec.stats.draft_steps  # sequential draft forwards (a tree level counts once)
-    c = (spec.stats.t_draft / steps) / ar_step if steps else 0.0
+    # c: one draft step over one plain target step. The proposer's own per-step measure when it
+    # has one (a draft that sat idle catches up on many tokens at once: that is not what one
+    # more draft step costs), else drafting time over sequential draft steps (a tree level
+    # counts once).
+    per_step = spec.stats.draft_step_seconds
+    steps = spec.stats.draft_steps
+    if per_step is not None:
+        c = per_step / ar_step
+    else:
+        c = (spec.stats.t_draft / steps) / ar_step if steps else 0.0
     report = _stats_row(spec.stats, ar.stats, c)
     if sampling.greedy:
         note = f"{n_turns - mismatches}/{n_turns} outputs identical to plain decoding"

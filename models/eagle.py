@@ -72,7 +72,8 @@ class Eagle3Config:
     fuse_layers: list[int] | None = None
     ttt_steps: int = 7  # training-time test: steps the head is unrolled on its own outputs
     step_decay: float = 0.8  # loss weight of unrolled step i (0-based) is step_decay ** i
-    # reduced draft vocabulary; None: V // 6 rounded to a multiple of 1024, within [1024, 32768]
+    # reduced draft vocabulary; None: a quarter of the target's (the reference's ratio, 32k of
+    # Llama-3's 128k), rounded to a multiple of 1024, within [1024, 32768]
     draft_vocab_size: int | None = None
     val_positions: int = 5
     lm_head_chunk: int = 2048
@@ -327,7 +328,7 @@ class Eagle3Head(EagleHead):
         # Non-negative and ascending: serving engines collect the fused states in layer order,
         # so FC's input blocks must come in that order for an export to mean the same thing.
         fuse = sorted(target.layer_index(i) for i in fuse)  # range check names a bad index
-        dv = cfg.draft_vocab_size or min(32768, max(1024, round(V / 6 / 1024) * 1024))
+        dv = cfg.draft_vocab_size or min(32768, max(1024, round(V / 4 / 1024) * 1024))
         dv = min(dv, V)
         if dv < 2:
             raise DraftError(f"method.draft_vocab_size={dv}: must be >= 2")

@@ -72,6 +72,8 @@ def main() -> None:
         "| c | gamma used | outside forwards | lossless |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    # (typical acceptance: "lossless" is False and the mean per-token TVD from the target
+    # follows in brackets)
 
     def f(x, nd=2):
         return "-" if x is None else f"{x:.{nd}f}"
@@ -82,7 +84,9 @@ def main() -> None:
             f"| {r['settings']['draft_description']} | {t:g} | {f(r['tau'])} | {f(r['alpha'])} | "
             f"{pos} | {f(r['tokens_per_second'], 1)} | {f(r['ar_tokens_per_second'], 1)} | "
             f"{f(r['speedup'])} | {f(r['predicted_speedup'])} | {f(r['draft_cost_ratio'], 3)} | "
-            f"{r['gamma_used']} | {f(100 * r['time_s']['other_fraction'], 1)}% | {r['lossless']} |"
+            f"{r['gamma_used']} | {f(100 * r['time_s']['other_fraction'], 1)}% | {r['lossless']}"
+            + (f" (TVD {r['mean_tvd']:.3f})" if r.get("mean_tvd") is not None else "")
+            + " |"
         )
 
 

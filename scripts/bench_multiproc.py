@@ -50,7 +50,10 @@ def train(nproc: int, threads: int, out: Path, args: list[str]) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t = time.perf_counter()
     subprocess.run(
-        [*cmd, *args, f"output_dir={out}", f"train.threads={threads}"], cwd=ROOT, env=env, check=True
+        [*cmd, *args, f"output_dir={out}", f"train.threads={threads}"],
+        cwd=ROOT,
+        env=env,
+        check=True,
     )
     return time.perf_counter() - t
 

@@ -340,3 +340,26 @@ def test_train_eagle3_then_eval_chain_and_tree(data_file, tmp_path):
         assert ("tree" in report["settings"]["draft_description"]) == (extra[0] == "tree=dynamic")
     r = run_module("decoding.eval", ["target=tiny_random", "draft=ngram", "tree=dynamic"])
     assert r.returncode == 2 and "needs a trained draft" in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_one_wide_tree_is_the_greedy_chain(tiny_target, kind):
+    """top_k = 1 leaves one path: it must be exactly what chain drafting proposes."""
+    from models.base import DecodeState
+
+    torch.manual_seed(2)
+    head = EagleHead(tiny_target, Eagle1Config()) if kind == "eagle1" else make_head(tiny_target)
+    head.eval()
+    with torch.no_grad():  # livelier than the init, so later tokens depend on earlier ones
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    ids = torch.tensor([PROMPT[:-1]])
+    feats = tiny_target.features(ids, torch.ones_like(ids), tuple(head.feature_layers))[0]
+    props = []
+    for prop in (head.proposer(), head.proposer(tree="dynamic", depth=5, top_k=1, total_tokens=5)):
+        state = DecodeState(list(PROMPT), feats, Sampling(), None, torch.device("cpu"))
+        prop.start(state)
+        props.append(prop.propose(state, 5))
+    chain, tree = props
+    assert tree.parents == [-1, 0, 1, 2, 3]
+    assert tree.tokens == chain.tokens
