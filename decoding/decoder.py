@@ -191,9 +191,11 @@ class GammaController:
         step_seconds: float | None,
         t_verify: float,
         bucket: str | None = None,
+        t_draft: float = 0.0,
     ) -> None:
         """After an iteration that verified ``g`` draft tokens. ``step_seconds``: the measured
-        cost of one draft step this iteration (None: nothing measured)."""
+        cost of one draft step this iteration (None: nothing measured); ``t_draft``: the
+        iteration's whole drafting time (used by ``TreeController``)."""
         if g > 0:
             acc, n = self.counts.get(bucket, (1.0, 2.0))
             self.counts[bucket] = [acc * self.decay + accepted, n * self.decay + tested]
@@ -206,6 +208,70 @@ class GammaController:
             )
         if g < len(self.t_verify):  # a tree may verify more nodes than gamma
             self.t_verify[g] = 0.8 * self.t_verify[g] + 0.2 * t_verify
+
+
+class TreeController:
+    """Whether to draft a tree this iteration (trees are verified whole: their size is the
+    proposer's). With ``adaptive`` on it compares the measured rate of tree iterations
+    (emitted tokens over drafting + verification seconds, decayed averages) with plain
+    decoding's (one token per single-token verification) and drafts only while trees are the
+    faster of the two; when they are not it probes with a tree now and then, waiting twice as
+    long after each probe that does not pay, as ``GammaController`` does for chains. So a tree
+    that costs more than it brings (a weak draft, or a device where verifying many tokens is
+    expensive) leaves decoding near plain speed instead of below it."""
+
+    def __init__(
+        self,
+        depth: int,
+        adaptive: bool,
+        t_plain: float,
+        decay: float = 0.9,
+        probe_every: int = 16,
+        max_probe: int = 256,
+    ):
+        self.gamma, self.adaptive = depth, adaptive
+        self.decay, self.probe_every, self.max_probe = decay, probe_every, max_probe
+        self.t_plain = t_plain  # seconds of a one-token verification
+        self.tree: list[float] | None = None  # decayed [tokens, seconds] of tree iterations
+        self.zero_streak, self.wait, self.probing = 0, probe_every, False
+
+    def rates(self) -> tuple[float, float]:
+        """(tree tokens per second, plain tokens per second)."""
+        plain = 1.0 / self.t_plain if self.t_plain > 0 else float("inf")
+        if self.tree is None:
+            return float("inf"), plain  # nothing measured yet: try a tree first
+        return self.tree[0] / max(self.tree[1], 1e-9), plain
+
+    def choose(self, limit: int, bucket: str | None = None) -> int:
+        self.probing = False
+        cap = max(0, min(self.gamma, limit))
+        if not self.adaptive or cap == 0:
+            return cap
+        tree, plain = self.rates()
+        if tree >= plain:
+            self.zero_streak = 0
+            return cap
+        self.zero_streak += 1
+        if self.zero_streak >= self.wait:
+            self.zero_streak, self.probing = 0, True
+            return cap
+        return 0
+
+    def update(self, g, tested, accepted, step_seconds, t_verify, bucket=None, t_draft=0.0):
+        if g == 0:
+            self.t_plain = 0.8 * self.t_plain + 0.2 * t_verify
+            return
+        sample = [accepted + 1.0, t_draft + t_verify]
+        if self.tree is None:
+            self.tree = sample
+        else:
+            self.tree = [
+                self.decay * a + (1 - self.decay) * b
+                for a, b in zip(self.tree, sample, strict=True)
+            ]
+        if self.probing:
+            tree, plain = self.rates()
+            self.wait = self.probe_every if tree >= plain else min(2 * self.wait, self.max_probe)
 
 
 class NoDraft:
@@ -270,7 +336,10 @@ class SpeculativeDecoder:
             if (calibrate and self.gamma and adaptive)
             else [1.0 + 0.01 * k for k in range(self.gamma + 1)]
         )
-        self.controller = GammaController(self.gamma, adaptive, t_verify)
+        if getattr(proposer, "tree_depth", None) is not None and self.gamma:
+            self.controller = TreeController(self.gamma, adaptive, t_verify[0])
+        else:
+            self.controller = GammaController(self.gamma, adaptive, t_verify)
         self.stats = Stats()
 
     # -- target forwards ----------------------------------------------------------------
@@ -437,7 +506,7 @@ class SpeculativeDecoder:
             if step is not None and len(prop):
                 st.step_seconds_sum += step
                 st.step_samples += 1
-            ctl.update(len(prop), tested, len(path), step, t_verify, prop.bucket)
+            ctl.update(len(prop), tested, len(path), step, t_verify, prop.bucket, t_draft=t_draft)
             if emitted[-1] in stop_ids:
                 break
         new = new[:max_new_tokens]

@@ -170,16 +170,16 @@ class DistillSpecStudent(nn.Module):
                 s = self.student_logits(hs_i)
                 with torch.no_grad():
                     t = self.teacher_logits(f_i)
-                return divergence(s, t, self.cfg.divergence, self.cfg.jsd_beta, T).sum(), s.detach()
+                d = divergence(s, t, self.cfg.divergence, self.cfg.jsd_beta, T).sum()
+                return d, acceptance_rate(s.detach(), t).sum()
 
             if self.training and torch.is_grad_enabled():
                 # recompute each chunk's (chunk, V) logits in the backward: memory stays bounded
-                d, s = checkpoint(chunk_loss, hs[i : i + c], f[i : i + c], use_reentrant=False)
+                d, a = checkpoint(chunk_loss, hs[i : i + c], f[i : i + c], use_reentrant=False)
             else:
-                d, s = chunk_loss(hs[i : i + c], f[i : i + c])
+                d, a = chunk_loss(hs[i : i + c], f[i : i + c])
             total = total + d
-            with torch.no_grad():
-                accept += acceptance_rate(s, self.teacher_logits(f[i : i + c])).sum()
+            accept += a.detach()
         loss = total / n
         metrics = {
             f"loss_{self.cfg.divergence}": metric(loss.detach() * n, n),
@@ -193,7 +193,7 @@ class DistillSpecStudent(nn.Module):
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """On held-out data (teacher-forced): the loss, the token-level acceptance estimate
         sum_x min(p, q) at temperature 1 (``accept_T1``, = 1 - TVD: what TVD optimises) and
-        at the loss temperature, and greedy agreement (``accept_T0``: argmax q = argmax p)."""
+        the greedy agreement (``accept_T0``: argmax q = argmax p, acceptance at T = 0)."""
         ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         rows = next_token_rows(lm, attn)
         n = rows[0].numel()

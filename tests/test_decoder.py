@@ -209,3 +209,36 @@ def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s):
     assert (counts[expected == 0] == 0).all()
     mask = exp > 0
     assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
+
+
+def test_tree_controller_drafts_only_while_trees_pay():
+    from decoding.decoder import TreeController
+
+    # a tree that never gets a token accepted and costs 1.5 plain steps: stop drafting it,
+    # apart from rare probes that back off
+    c = TreeController(depth=4, adaptive=True, t_plain=0.05)
+    drafted = 0
+    for _ in range(400):
+        g = c.choose(limit=100)
+        drafted += g > 0
+        c.update(g, 1, 0, None, 0.065 if g else 0.05, t_draft=0.01 if g else 0.0)
+    assert drafted < 20
+    # a tree that brings 2.5 tokens for 1.5 plain steps' time: keep drafting
+    c = TreeController(depth=4, adaptive=True, t_plain=0.05)
+    drafted = 0
+    for _ in range(100):
+        g = c.choose(limit=100)
+        drafted += g > 0
+        c.update(g, 3, 2 if g else 0, None, 0.065 if g else 0.05, t_draft=0.01 if g else 0.0)
+    assert drafted == 100
+    # fixed: always the whole tree (within the tokens left)
+    c = TreeController(depth=4, adaptive=False, t_plain=0.05)
+    assert c.choose(limit=100) == 4 and c.choose(limit=2) == 2
+
+
+def test_adaptive_tree_decoding_stays_lossless(tiny_target):
+    torch.manual_seed(0)
+    head = EagleHead(tiny_target, Eagle1Config()).eval()
+    prop = head.proposer(tree="dynamic", depth=3, top_k=3, total_tokens=8)
+    dec = SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=3, adaptive=True)
+    assert dec.generate(PROMPT, 48) == ar_greedy(tiny_target, PROMPT, 48)
