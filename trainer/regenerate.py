@@ -29,7 +29,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
@@ -216,7 +216,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     ]:
         if not ok:
             raise PrepareError(f"{key}={cfg[key]!r}: {why}")
-    state = PartialState()
+    # On the CPU the processes must be told so, or each one starts as a world of its own.
+    state = PartialState(cpu=str(cfg.target.device) == "cpu" or not torch.cuda.is_available())
     rank, world = state.process_index, state.num_processes
     out = Path(cfg.out).expanduser().resolve()
     source = data_path(cfg.data)
@@ -225,7 +226,9 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     convs, report = load_conversations(source, cfg.data.max_records)
     if rank == 0:
         print(report.summary(), flush=True)
-    target = load_target(cfg.target)
+    target_cfg = OmegaConf.to_object(cfg.target)
+    target_cfg.device = str(state.device)  # one device per process (cuda:<local rank>)
+    target = load_target(target_cfg)
     meta_file = out.parent / f"{out.name}.parts" / "settings.json"
     settings = _settings(cfg, target.identity, source)
     if rank == 0:
