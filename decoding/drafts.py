@@ -20,8 +20,9 @@ import torch
 
 from models import METHODS
 from models.base import DraftError, read_draft_config
+from models.distillspec import load_same_vocabulary_lm
 from models.export import ExportError, detect_format, import_draft
-from models.target import Target, TargetError, check_same_vocabulary
+from models.target import Target
 
 from .decoder import NoDraft
 from .proposers import DraftLMProposer, NGramProposer
@@ -122,20 +123,8 @@ def _head_proposer(head, tree: dict, desc: str):
 
 
 def _hf_draft(spec: str, target: Target):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=target.dtype)
-    except OSError as e:
-        raise DraftError(
-            f"draft={spec}: cannot load as an HF model ({str(e).splitlines()[0]})"
-        ) from None
-    try:
-        check_same_vocabulary(target.tokenizer, tok, f"draft={spec}")
-    except TargetError as e:
-        raise DraftError(str(e)) from None
-    model = model.to(target.device).eval().requires_grad_(False)
+    model = load_same_vocabulary_lm(spec, target, f"draft={spec}")
+    model = model.eval().requires_grad_(False)
     return DraftLMProposer(model, vocab_size=target.config.vocab_size), f"draft LM ({spec})"
 
 

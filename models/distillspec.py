@@ -341,17 +341,21 @@ def make_student(target: Target, cfg: DistillSpecConfig) -> nn.Module:
             return target.truncated(layers)
         except TargetError as e:
             raise DraftError(f"method.student=truncate: {e}") from None
+    return load_same_vocabulary_lm(cfg.student, target, f"method.student={cfg.student}")
+
+
+def load_same_vocabulary_lm(path: str, target: Target, what: str) -> nn.Module:
+    """An HF causal LM (folder or hub id) on the target's device and dtype, refused unless its
+    tokenizer's vocabulary is the target's (named after ``what`` in errors)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.student)
-        model = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=target.dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype)
     except OSError as e:
-        raise DraftError(
-            f"method.student={cfg.student}: cannot load ({str(e).splitlines()[0]})"
-        ) from None
+        raise DraftError(f"{what}: cannot load as an HF model ({str(e).splitlines()[0]})") from None
     try:
-        check_same_vocabulary(target.tokenizer, tok, f"method.student={cfg.student}")
+        check_same_vocabulary(target.tokenizer, tok, what)
     except TargetError as e:
         raise DraftError(str(e)) from None
     return model.to(target.device)

@@ -603,6 +603,7 @@ def export(
             if merge:
                 raise ExportError("--merge is for Medusa-2 drafts (a LoRA-adapted backbone)")
             summary = _build_eagle(head, fmt, dt, gamma, tmp)
+        _readable_by_others(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
@@ -615,6 +616,16 @@ def export(
         f"shapes against {head.target.identity}'s config; re-imported: {summary['checked']}"
     )
     return {"out": str(out), "format": fmt_name, "bytes": size, **summary}
+
+
+def _readable_by_others(folder: Path) -> None:
+    """Give the export the modes a plain ``mkdir``/``open`` would have (0777/0666 less the
+    umask): ``mkdtemp`` and safetensors' temporary files are private (0700/0600), which a
+    serving engine running as another user could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _build_eagle(head: EagleHead, fmt: Format, dt: torch.dtype, gamma: int, tmp: Path) -> dict:

@@ -2,7 +2,9 @@
 
     python scripts/bench_multiproc.py [--steps 20] [--records 400] [--nproc 2] [overrides...]
 
-Trains the same EAGLE-1 head twice on the embedded target with the same global batch: one
+(``--cpu`` with several processes would need mpirun; ``--multi_gpu`` starts them through
+torch-elastic, and with no CUDA each trains on the CPU over gloo, as ``scripts/accelerate/
+cpu_2proc.yaml`` does.) Trains the same EAGLE-1 head twice on the embedded target with the same global batch: one
 process with ``--nproc`` micro-batches of gradient accumulation (all cores as torch threads),
 and ``--nproc`` processes (DDP over gloo, cores split between them). Feature noise is off, so
 both runs take the same optimizer steps up to floating-point reduction order. Prints tokens/s
@@ -35,7 +37,7 @@ def train(nproc: int, threads: int, out: Path, args: list[str]) -> float:
             sys.executable,
             "-m",
             "accelerate.commands.launch",
-            "--cpu",
+            "--multi_gpu",  # the torch-elastic launcher; with no CUDA each process uses gloo
             "--num_processes",
             str(nproc),
             "--num_machines",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -72,6 +74,10 @@ def test_export_round_trips(target4, tmp_path, fmt):
     if fmt == "speculators":
         assert cfg["speculators_config"]["verifier"]["name_or_path"]
         assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [out, *out.iterdir()]:  # readable by a serving engine running as another user
+        assert stat.S_IMODE(p.stat().st_mode) == (0o777 if p.is_dir() else 0o666) & ~umask, p
 
 
 def test_bf16_export_is_compared_at_its_own_precision(target4, tmp_path):

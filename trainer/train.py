@@ -170,6 +170,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         method.init_from_data(data.train, log)
     n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
     log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
+    if accelerator.num_processes > 1:
+        log(f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value})")
 
     train_store = val_store = None
     if cfg.data.cache_features and method.feature_layers:
