@@ -1,9 +1,13 @@
 """Checkpoints: written to a temporary folder and renamed into place, so a crash or a full disk
 mid-write never damages the previous one.
 
-A checkpoint ``<run>/checkpoints/step_N/`` holds accelerate's state (draft weights, optimizer,
-scheduler, per-process RNG), ``trainer_state.json`` (step, epoch, data position, elapsed
+A checkpoint ``<run>/checkpoints/step_N/`` holds accelerate's state (the draft's trainable
+weights and buffers, optimizer, scheduler, per-process RNG), ``trainer_state.json`` (step, epoch, data position, elapsed
 time), the draft in its standalone format under ``draft/``, and ``COMPLETE`` written last.
+
+Frozen parameters (the target's own weights inside a draft, e.g. Medusa-2's backbone under its
+LoRA adapter) are left out: they are rebuilt from the target when the run starts, and saving
+them would put a copy of the target in every checkpoint (16 GB each for an 8B model).
 """
 
 from __future__ import annotations
@@ -113,10 +117,52 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator: Any, path: Path) -> dict:
-    state = validate_checkpoint(path)
+def frozen_names(model: Any) -> set[str]:
+    """State-dict names of ``model``'s frozen parameters (prefixed as its state dict is)."""
+    return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def drop_frozen_weights(models: list, weights: list[dict], _output_dir: str) -> None:
+    """accelerate save-state pre-hook: checkpoints keep only what training changes."""
+    for model, state in zip(models, weights, strict=False):  # FSDP/DeepSpeed: no weights here
+        for name in frozen_names(model):
+            state.pop(name, None)
+
+
+def _check_saved_weights(model: Any, path: Path) -> None:
+    """The checkpoint's weights must be exactly the model's trainable ones and buffers
+    (frozen parameters may be present: checkpoints written before they were left out)."""
+    from safetensors import safe_open
+
+    f = path / "model.safetensors"
+    if not f.exists():
+        return  # another layout (FSDP, DeepSpeed, pickled): accelerate checks it strictly
     try:
-        accelerator.load_state(str(path))
+        with safe_open(str(f), "pt") as sf:
+            saved = set(sf.keys())
+    except Exception as e:
+        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+    frozen = frozen_names(model)
+    wanted = set(model.state_dict()) - frozen
+    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted - frozen)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{f}: does not fit this draft (missing {missing[:3]}{'...' if len(missing) > 3 else ''}"
+            f", unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}); was it "
+            "written by another method or configuration?"
+        )
+
+
+def load_checkpoint(accelerator: Any, path: Path, model: Any = None) -> dict:
+    """Restore ``path`` into the prepared objects; ``model`` (the prepared draft) is checked
+    against the saved weights first, which may omit its frozen parameters."""
+    state = validate_checkpoint(path)
+    kwargs = {}
+    if model is not None and (path / "model.safetensors").exists():
+        _check_saved_weights(model, path)
+        kwargs["strict"] = False  # frozen parameters are not in the file; checked above
+    try:
+        accelerator.load_state(str(path), **kwargs)
     except Exception as e:  # torch/safetensors raise many types for damaged files
         raise CheckpointError(f"{path}: cannot restore ({type(e).__name__}: {e})") from None
     return state

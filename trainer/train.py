@@ -26,7 +26,13 @@ from models import METHODS
 from models.base import DraftError
 from models.target import TargetError, load_target
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, validate_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    drop_frozen_weights,
+    latest_checkpoint,
+    load_checkpoint,
+    validate_checkpoint,
+)
 from .config import register_configs
 from .features import build_feature_store, feature_cache_key
 from .loop import LoopState, fit, make_schedule
@@ -246,6 +252,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     method, optimizer, train_loader, scheduler = accelerator.prepare(
         method, optimizer, train_loader, scheduler
     )
+    accelerator.register_save_state_pre_hook(drop_frozen_weights)
     if val_loader is not None:
         val_loader = _to_device(val_loader, accelerator.device)
 
@@ -259,7 +266,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.resume not in (False, None, "false", "False"):
         ck = _resume_path(cfg.resume, run_dir, log)
         if ck is not None:
-            saved = load_checkpoint(accelerator, ck)
+            saved = load_checkpoint(accelerator, ck, method)
             if saved.get("world_size", 1) != accelerator.num_processes and saved.get(
                 "batch_in_epoch"
             ):
