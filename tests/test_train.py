@@ -22,7 +22,7 @@ from conftest import (
     tiny_overrides,
 )
 
-from trainer.checkpoint import latest_checkpoint, list_checkpoints
+from trainer.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
 from trainer.train import run
 
 GROUPS = ["target", "data", "method", "optim", "logger", "experiment", "debug"]
@@ -302,3 +302,61 @@ def test_accelerate_launch_runs_the_same_app(data_file, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "extra,kept,left_out",
+    [
+        # Medusa-2: the adapter and heads are saved, the backbone's own (frozen) weights are not
+        (
+            {"method": "medusa2", "method.num_heads": 2, "method.lora_r": 4},
+            ["lora_", "heads."],
+            ["base_layer", "embed_tokens.weight"],
+        ),
+        # DistillSpec, full fine-tuning of a student whose LM head is tied to its embedding
+        ({"method": "distillspec", "method.num_layers": 1}, ["student."], []),
+        # DistillSpec with a LoRA student: its frozen base stays out
+        (
+            {"method": "distillspec", "method.num_layers": 1, "method.lora": "true"},
+            ["lora_"],
+            ["base_layer"],
+        ),
+    ],
+    ids=["medusa2", "distillspec", "distillspec-lora"],
+)
+def test_checkpoints_hold_what_trains_and_resume_exactly(
+    data_file, tmp_path, extra, kept, left_out
+):
+    from safetensors import safe_open
+
+    steps = {"train.max_steps": 4, "train.save_every": 2, "train.eval_every": 0}
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(compose(tiny_overrides(data_file, full, **extra, **steps)))
+    ck = full / "checkpoints" / "step_2"
+    with safe_open(str(ck / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    for k in kept:
+        assert any(k in n for n in names), (k, sorted(names)[:10])
+    for k in left_out:
+        assert not any(k in n for n in names), (k, sorted(n for n in names if k in n)[:5])
+    # resume from step 2 as if the run had died there: the same losses afterwards
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ck, part / "checkpoints" / "step_2")
+    s = run(compose(tiny_overrides(data_file, part, **extra, **steps, resume="true")))
+    assert s["step"] == 4
+    a = {r["step"]: r["loss"] for r in read_metrics(full) if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(part) if "loss" in r}
+    for step in (3, 4):
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+def test_checkpoint_of_another_configuration_is_named_not_half_loaded(data_file, tmp_path):
+    medusa = {"method": "medusa2", "method.num_heads": 2, "method.lora_r": 4}
+    steps = {"train.max_steps": 2, "train.save_every": 2, "train.eval_every": 0}
+    run(compose(tiny_overrides(data_file, tmp_path / "a", **medusa, **steps)))
+    other = tmp_path / "b"
+    (other / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a/checkpoints/step_2", other / "checkpoints/step_2")
+    three = {**medusa, "method.num_heads": 3, "train.max_steps": 4, "resume": "true"}
+    with pytest.raises(CheckpointError, match="does not fit this draft"):
+        run(compose(tiny_overrides(data_file, other, **three, **{"train.eval_every": 0})))

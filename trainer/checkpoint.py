@@ -143,8 +143,18 @@ def _check_saved_weights(model: Any, path: Path) -> None:
     except Exception as e:
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
     frozen = frozen_names(model)
-    wanted = set(model.state_dict()) - frozen
-    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted - frozen)
+    state = model.state_dict()
+    wanted = set(state) - frozen
+    # tied weights (e.g. an LM head sharing the embedding) are saved once under one name
+    shared: dict[tuple, set[str]] = {}
+    for k, v in state.items():
+        if v.numel():
+            shared.setdefault((v.device, v.data_ptr()), set()).add(k)
+    covered = set(saved)
+    for names in shared.values():
+        if names & saved:
+            covered |= names
+    missing, unexpected = sorted(wanted - covered), sorted(saved - wanted - frozen)
     if missing or unexpected:
         raise CheckpointError(
             f"{f}: does not fit this draft (missing {missing[:3]}{'...' if len(missing) > 3 else ''}"
