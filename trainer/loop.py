@@ -172,8 +172,13 @@ def fit(
     window_start = time.perf_counter()
     consecutive_bad = 0
     reason = "finished"
+    try:  # the steps the epochs allow, when fewer than max_steps (a time budget may stop sooner)
+        per_epoch = math.ceil(len(train_loader) / max(1, tc.grad_accum))
+        total = min(tc.max_steps, per_epoch * tc.epochs)
+    except TypeError:
+        total = tc.max_steps
     bar = tqdm(
-        total=tc.max_steps,
+        total=total,
         initial=state.step,
         desc="train",
         dynamic_ncols=True,
