@@ -142,6 +142,7 @@ def _check_saved_weights(model: Any, path: Path) -> None:
             saved = set(sf.keys())
     except Exception as e:
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+
     frozen = frozen_names(model)
     state = model.state_dict()
     wanted = set(state) - frozen
@@ -168,7 +169,7 @@ def load_checkpoint(accelerator: Any, path: Path, model: Any = None) -> dict:
     against the saved weights first, which may omit its frozen parameters."""
     state = validate_checkpoint(path)
     kwargs = {}
-    if model is not None and (path / "model.safetensors").exists():
+    if model is not None and frozen_names(model) and (path / "model.safetensors").exists():
         _check_saved_weights(model, path)
         kwargs["strict"] = False  # frozen parameters are not in the file; checked above
     try:
