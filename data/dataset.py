@@ -272,18 +272,20 @@ class Collator:
 
 class IndexedDataset(torch.utils.data.Dataset):
     """A tokenised ``datasets.Dataset`` as torch samples, optionally joined with a feature store
-    (any object with ``get(index) -> Tensor (T, L, H)``)."""
+    (any object with ``get(index) -> Tensor (T, L, H)``), optionally cut to ``max_length``."""
 
-    def __init__(self, ds: Any, features: Any | None = None):
+    def __init__(self, ds: Any, features: Any | None = None, max_length: int | None = None):
         self.ds = ds
         self.features = features
+        self.max_length = max_length  # cut samples to this many tokens (None: as stored)
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, i: int) -> dict:
         row = self.ds[int(i)]
-        s = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], "index": int(i)}
+        n = self.max_length
+        s = {"input_ids": row["input_ids"][:n], "loss_mask": row["loss_mask"][:n], "index": int(i)}
         if self.features is not None:
-            s["features"] = self.features.get(int(i))
+            s["features"] = self.features.get(int(i))[:n]
         return s

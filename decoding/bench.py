@@ -52,7 +52,7 @@ def read_bench_file(path: Path) -> list[dict]:
 
 
 def sharegpt_val_prompts(
-    data_path: str | None, val_fraction: float, seed: int, max_val_records: int = 256
+    data_path: str | None, val_fraction: float, seed: int, max_val_records: int = 128
 ) -> list[dict]:
     """First user turns of the held-out split that training used: the same hash split and the
     same cap (training moves validation records past ``max_val_records`` back to training)."""
@@ -82,7 +82,7 @@ def load_bench(
     data_path: str | None = None,
     val_fraction: float = 0.02,
     split_seed: int = 0,
-    max_val_records: int = 256,
+    max_val_records: int = 128,
 ) -> list[dict]:
     if name == "mt_bench":
         qs = read_bench_file(SPEC_BENCH)[:MT_BENCH_SIZE]

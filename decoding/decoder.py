@@ -314,6 +314,7 @@ class SpeculativeDecoder:
         acceptance: str = "exact",
         typical_epsilon: float = 0.09,
         typical_delta: float = 0.3,
+        record_logits: bool = False,
     ):
         """``acceptance``: ``exact`` (speculative sampling: the output follows the target
         exactly) or ``typical`` (Medusa's typical acceptance at T > 0 with ``typical_epsilon``
@@ -324,6 +325,10 @@ class SpeculativeDecoder:
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance={acceptance!r}: use exact or typical")
         self.acceptance = acceptance
+        # keep, for the last generate() call, the target's logits row that decided each new
+        # token (``last_logits``): how a divergence between two decodings is classified
+        self.record_logits = record_logits
+        self.last_logits: list[torch.Tensor] | None = None
         self.typical = (typical_epsilon, typical_delta)
         self.target, self.proposer, self.sampling = target, proposer, sampling
         self.device = target.device
@@ -363,8 +368,13 @@ class SpeculativeDecoder:
         return out.logits[0], feats
 
     @torch.no_grad()
-    def _calibrate(self, prefix: int = 128, reps: int = 3) -> list[float]:
-        """Time target forwards over k + 1 tokens after a ``prefix``-token context."""
+    def _calibrate(self, prefix: int = 256, reps: int = 5) -> list[float]:
+        """Time target forwards over k + 1 tokens after a ``prefix``-token context, in the
+        target's own dtype (the median of ``reps`` after a warm-up). This is the real cost of
+        each shape on this machine: where verifying 2-3 tokens is slower than 5 (MKL's fp32
+        path for 2-3 rows on some CPUs), the controller sees it; in bf16 the table is flat
+        (docs/benchmarks.md). Iterations keep refining it (a decayed average of measured
+        verification times)."""
         vocab = self.target.config.vocab_size
         g = torch.Generator().manual_seed(0)
         ctx = torch.randint(0, vocab, (prefix,), generator=g).tolist()
@@ -416,6 +426,7 @@ class SpeculativeDecoder:
         _sync(self.device)
         st.t_prefill += time.perf_counter() - t
         new: list[int] = []
+        step_logits: list[torch.Tensor] = []
         ctl = self.controller
         free = getattr(self.proposer, "free", False)
         while len(new) < max_new_tokens:
@@ -464,6 +475,8 @@ class SpeculativeDecoder:
                 sel = f_new[[0] + [i + 1 for i in path]]
                 state.features = sel if state.features is None else torch.cat([state.features, sel])
             emitted = [prop.tokens[i] for i in path] + [verdict.token]
+            if self.record_logits:  # the target rows that decided each emitted token
+                step_logits.extend(logits[[0] + [i + 1 for i in path]].float().cpu())
             for j, tok in enumerate(emitted):
                 if tok in stop_ids:
                     emitted = emitted[: j + 1]
@@ -515,6 +528,7 @@ class SpeculativeDecoder:
         st.t_total = time.perf_counter() - t_start
         self.stats.merge(st)
         self.last = st
+        self.last_logits = step_logits[: len(new)] if self.record_logits else None
         return new
 
     def _forward_tree(self, root: int, prop: Proposal, cache: DynamicCache, base: int):
@@ -527,14 +541,23 @@ class SpeculativeDecoder:
             anc[i + 1] = anc[par + 1].clone()
             anc[i + 1, i + 1] = True
             depth[i + 1] = depth[par + 1] + 1
-        mask = torch.cat([torch.ones(n + 1, base, dtype=torch.bool), anc], dim=1)
+        allowed = torch.cat([torch.ones(n + 1, base, dtype=torch.bool), anc], dim=1)
         pos = torch.tensor([[base + d for d in depth]], device=self.device)
         return self._forward(
             [root] + prop.tokens,
             cache,
-            attention_mask=mask[None, None].to(self.device),
+            attention_mask=additive_mask(allowed, self.target.dtype)[None, None].to(self.device),
             position_ids=pos,
         )
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention pattern (True = attend) as the additive float mask that every
+    attention implementation reads the same way: 0 where allowed, the dtype's most negative
+    value elsewhere. (A boolean 4D mask is read as True = attend by SDPA but added as a 0/1 bias
+    by eager attention, which then masks nothing.)"""
+    m = torch.zeros(allowed.shape, dtype=dtype)
+    return m.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def _is_chain(p: Proposal) -> bool:

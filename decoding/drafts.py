@@ -9,6 +9,7 @@ truncate:N       the target's embedding + first N layers + head, untrained
 <export dir>     an EAGLE checkpoint in a serving layout (``specdraft-export`` output or a
                  third-party one: SGLang/vLLM EAGLE-3, speculators, EAGLE-1 reference)
 <HF model>       a causal LM folder or hub id with the target's tokenizer
+<short name>     a draft shipped in the repository (``models/shipped``), e.g. smollm2-eagle3
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from models import METHODS
 from models.base import DraftError, read_draft_config
 from models.distillspec import load_same_vocabulary_lm
 from models.export import ExportError, detect_format, import_draft
+from models.shipped import SHIPPED, shipped_draft
 from models.target import Target
 
 from .decoder import NoDraft
@@ -67,7 +69,10 @@ def load_proposer(spec: str, target: Target, ngram_max: int = 3, tree: dict | No
         return DraftLMProposer(
             target.truncated(n)
         ), f"truncate:{n} (untrained, target layers 0..{n - 1})"
-    path = Path(spec).expanduser()
+    shipped = shipped_draft(spec)
+    if spec in SHIPPED and shipped is None:
+        raise DraftError(f"draft={spec}: the shipped draft is missing from {SHIPPED[spec]}")
+    path = shipped if shipped is not None else Path(spec).expanduser()
     if path.exists():
         draft_dir = resolve_draft_dir(path)
         if draft_dir is not None:
@@ -110,6 +115,10 @@ def load_proposer(spec: str, target: Target, ngram_max: int = 3, tree: dict | No
 
 
 def _head_proposer(head, tree: dict, desc: str):
+    # a draft decodes in its target's dtype (bf16 where the machine has it), whatever precision
+    # its weights were trained or saved in
+    dtype = head.target.dtype
+    head = head.to(dtype=dtype)
     try:
         prop = head.proposer(**tree)
     except ValueError as e:

@@ -82,7 +82,9 @@ def verify_sampled(
         for c in kids[cur + 1]:
             x = tokens[c]
             qc = q[c] if q is not None else _one_hot(x, dist)
-            ratio = dist[x] / qc[x] if qc[x] > 0 else torch.ones(())
+            # q(x) = 0 means x could not have been drawn from q (no proposer does this); never
+            # let it emit a token the target gives probability 0
+            ratio = dist[x] / qc[x] if qc[x] > 0 else (dist[x] > 0).float()
             u = torch.rand((), generator=generator, device=dist.device)
             if u < ratio:
                 path.append(c)

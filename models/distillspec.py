@@ -334,14 +334,16 @@ class DistillSpecStudent(nn.Module):
 
 
 def make_student(target: Target, cfg: DistillSpecConfig) -> nn.Module:
-    """A fresh student: the target's chosen layers, or an HF model with the same tokenizer."""
+    """A fresh student: the target's chosen layers, or an HF model with the same tokenizer. Its
+    weights are float32 whatever the target's dtype: they are the master weights that training
+    updates (bf16 autocast computes with them)."""
     if cfg.student == "truncate":
         layers = cfg.student_layers if cfg.student_layers else cfg.num_layers
         try:
-            return target.truncated(layers)
+            return target.truncated(layers).float()
         except TargetError as e:
             raise DraftError(f"method.student=truncate: {e}") from None
-    return load_same_vocabulary_lm(cfg.student, target, f"method.student={cfg.student}")
+    return load_same_vocabulary_lm(cfg.student, target, f"method.student={cfg.student}").float()
 
 
 def load_same_vocabulary_lm(path: str, target: Target, what: str) -> nn.Module:

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .base import (
     DRAFT_WEIGHTS,
@@ -77,6 +78,92 @@ class Eagle3Config:
     draft_vocab_size: int | None = None
     val_positions: int = 5
     lm_head_chunk: int = 2048
+    # Layout variants of vLLM's speculators trainer (its CLI defaults are all True), so its
+    # checkpoints load and decode exactly; False everywhere is the EAGLE-3 reference layout.
+    norm_before_fc: bool = False  # an RMSNorm (``input_norm``) over the 3H concatenation
+    norm_before_residual: bool = False  # the residual stream is hidden_norm(h), not h
+    norm_output: bool = False  # the next step (and the LM head) read norm(h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention of the unrolled head (training-time test)
+
+EAGLE_ATTENTION = "specdraft_eagle"
+
+
+@dataclass
+class TTTLayout:
+    """How the keys of an unrolled head are laid out: ``span`` (S) positions of the first step
+    (the real context, attended causally), then S keys per later step, of which a query at
+    start s sees only its own start's (its drafted chain). ``key_valid`` (B, S) bool marks
+    non-padding positions of the first step."""
+
+    span: int
+    key_valid: torch.Tensor
+
+
+def ttt_attention_core(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: TTTLayout,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of unrolled step j for every start at once, without a (S x jS) mask.
+
+    query: (B, h, S, D); key, value: (B, kvh, j*S, D) (step 1's keys, then one block per later
+    step); h a multiple of kvh (grouped-query attention, no key copy). Query s attends to
+    first-step keys 0..s (valid ones) and to key s of every later block. Returns (B, h, S, D).
+    Scores are O(S^2 + jS) instead of O(j S^2), and softmax runs in float32."""
+    B, h, S, D = query.shape
+    kvh = key.shape[1]
+    g = h // kvh
+    j = key.shape[2] // S
+    q = query.reshape(B, kvh, g * S, D)
+    base = torch.matmul(q, key[:, :, :S].transpose(-1, -2)).view(B, kvh, g, S, S).float()
+    pos = torch.arange(S, device=query.device)
+    allowed = (pos[None, :] <= pos[:, None])[None] & layout.key_valid[:, None, :]  # (B, S, S)
+    scores = base.masked_fill(~allowed[:, None, None], float("-inf"))
+    if j > 1:
+        kd = key[:, :, S:].reshape(B, kvh, 1, j - 1, S, D)
+        qd = query.reshape(B, kvh, g, 1, S, D)
+        diag = (qd * kd).sum(-1).float().transpose(-1, -2)  # (B, kvh, g, S, j-1)
+        scores = torch.cat([scores, diag], dim=-1)
+    p = (scores * scaling).softmax(-1).to(value.dtype)
+    out = torch.matmul(p[..., :S].reshape(B, kvh, g * S, S), value[:, :, :S])
+    out = out.view(B, kvh, g, S, D)
+    if j > 1:
+        vd = value[:, :, S:].reshape(B, kvh, 1, j - 1, S, D)
+        pd = p[..., S:].transpose(-1, -2)[..., None]  # (B, kvh, g, j-1, S, 1)
+        out = out + (pd * vd).sum(3)
+    return out.reshape(B, h, S, D)
+
+
+def eagle_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    ttt: TTTLayout | None = None,
+    **kwargs,
+):
+    """The draft layer's attention function (transformers' ``AttentionInterface``): the
+    training-time-test layout when ``ttt`` is given, else SDPA (decode time: causal, or the
+    boolean tree mask the proposers build, which SDPA reads as True = attend whatever the
+    target's own attention implementation is)."""
+    if ttt is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = ttt_attention_core(query, key, value, ttt, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(EAGLE_ATTENTION, eagle_attention)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +180,7 @@ class EagleHead(nn.Module):
         H = target.hidden_size
         self.cfg = cfg
         self.fc = nn.Linear(2 * H, H, bias=True)
-        self.layer = target.new_decoder_layer(0)
+        self.layer = target.new_decoder_layer(0, EAGLE_ATTENTION)
         if not cfg.input_norm:
             self.layer.input_layernorm = nn.Identity()
         # Plain attribute, not a submodule: the target is frozen and must not be saved,
@@ -132,11 +219,13 @@ class EagleHead(nn.Module):
         position_ids: torch.Tensor,
         mask: torch.Tensor | None,
         cache: DynamicCache | None = None,
+        ttt: TTTLayout | None = None,
     ) -> torch.Tensor:
         """One pass of the head.
 
         feats, token_embeds: (B, Q, H); position_ids: (B, Q); mask: (B, 1, Q, K) bool with
-        True = attend, K = keys in ``cache`` after this call (None: plain causal).
+        True = attend, K = keys in ``cache`` after this call (None: plain causal); ``ttt``:
+        the unrolled-training key layout instead of a mask (see ``ttt_attention_core``).
         Returns predicted next features (B, Q, H).
         """
         # [embedding; feature], the reference's order, so its checkpoints map one to one
@@ -149,6 +238,7 @@ class EagleHead(nn.Module):
             past_key_values=cache,
             use_cache=cache is not None,
             position_embeddings=(cos.to(x.dtype), sin.to(x.dtype)),
+            ttt=ttt,
         )
 
     def unroll(
@@ -168,22 +258,17 @@ class EagleHead(nn.Module):
         B, T, H = feats.shape
         S = T - 1
         dev = feats.device
-        valid = attention_mask[:, :S].bool()
+        # padded keys are masked; padded queries still see key 0, so no row is empty
+        layout = TTTLayout(S, attention_mask[:, :S].bool())
         pos = torch.arange(S, device=dev)
-        causal = pos[None, :] <= pos[:, None]  # (S, S) key <= query
-        base = causal[None] & valid[:, None, :]  # (B, S, S)
-        eye = torch.eye(S, dtype=torch.bool, device=dev)
-        base = base | eye  # padded queries see themselves: no empty rows (NaN in SDPA)
         ids = torch.cat([input_ids, input_ids.new_zeros(B, steps)], dim=1)
         cache = DynamicCache() if steps > 1 else None
         outs: list[torch.Tensor] = []
         h = feats[:, :S]
         for j in range(1, steps + 1):
             emb = self._embed(ids[:, j : j + S])
-            blocks = [base] + [eye[None].expand(B, S, S)] * (j - 1)
-            mask = torch.cat(blocks, dim=-1)[:, None]
             position_ids = (pos + (j - 1)).expand(B, S)
-            h = self.step(h, emb, position_ids, mask, cache)
+            h = self.step(h, emb, position_ids, None, cache, ttt=layout)
             outs.append(h)
         return outs
 
@@ -337,7 +422,7 @@ class Eagle3Head(EagleHead):
         )
         self.feature_layers = (*fuse, -1)
         self.fc = nn.Linear(3 * H, H, bias=False)
-        self.midlayer = layer = target.new_decoder_layer(0)
+        self.midlayer = layer = target.new_decoder_layer(0, EAGLE_ATTENTION)
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; hidden]
             old = getattr(attn, name)
@@ -346,6 +431,8 @@ class Eagle3Head(EagleHead):
         eps = getattr(target.config, "rms_norm_eps", 1e-6)
         layer.hidden_norm = norm_cls(H, eps=eps)
         self.norm = norm_cls(H, eps=eps)
+        if cfg.norm_before_fc:
+            self.input_norm = norm_cls(3 * H, eps=eps)
         self.lm_head = nn.Linear(H, dv, bias=False)
         # Identity mapping until init_from_data picks the frequent tokens (or a load fills it).
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
@@ -375,14 +462,19 @@ class Eagle3Head(EagleHead):
     # -- the head ------------------------------------------------------------------------
 
     def initial_hidden(self, features: torch.Tensor) -> torch.Tensor:
-        f = features[..., :3, :].to(self.fc.weight.dtype)
-        return self.fc(f.flatten(-2))
+        f = features[..., :3, :].to(self.fc.weight.dtype).flatten(-2)
+        if self.cfg.norm_before_fc:
+            f = self.input_norm(f)
+        return self.fc(f)
 
-    def step(self, h, token_embeds, position_ids, mask, cache=None):
+    def step(self, h, token_embeds, position_ids, mask, cache=None, ttt=None):
         """One pass: h, token_embeds (B, Q, H) -> the head's hidden state (B, Q, H), pre-norm
         (the next step's input)."""
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(h)], dim=-1)
+        hn = layer.hidden_norm(h)
+        x = torch.cat([layer.input_layernorm(token_embeds), hn], dim=-1)
+        if self.cfg.norm_before_residual:
+            h = hn
         cos, sin = self.target.rotary_embedding()(h, position_ids)
         a, _ = layer.self_attn(
             hidden_states=x,
@@ -391,16 +483,19 @@ class Eagle3Head(EagleHead):
             past_key_values=cache,
             use_cache=cache is not None,
             position_embeddings=(cos.to(h.dtype), sin.to(h.dtype)),
+            ttt=ttt,
         )
         h = h + a
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h) if self.cfg.norm_output else h
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed_tokens(ids.to(self.target.device)).to(self.lm_head.weight.dtype)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., draft_vocab) float32."""
-        return self.lm_head(self.norm(h)).float()
+        """(..., H) -> (..., draft_vocab) float32. ``h`` is what ``step`` returns (already
+        normed when ``norm_output``)."""
+        return self.lm_head(h if self.cfg.norm_output else self.norm(h)).float()
 
     def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # over the draft vocabulary only, then mapped to target ids (no V-wide tensor)
@@ -435,8 +530,10 @@ class Eagle3Head(EagleHead):
         labelled = lm.bool() & attn.bool()
         row_of = torch.full(lm.shape, -1, dtype=torch.long, device=lm.device)
         row_of[labelled] = torch.arange(int(labelled.sum()), device=lm.device)
-        with torch.no_grad():
-            t_all = self.target_logits(f[:, :, 3][labelled], draft_only=True)  # (N, dv)
+        with torch.no_grad():  # (N, draft_vocab): the target's distribution, once per position
+            t_logits = self.target_logits(f[:, :, 3][labelled], draft_only=True)
+            t_prob, t_arg = t_logits.softmax(-1), t_logits.argmax(-1)
+            del t_logits
         loss = f.new_zeros((), dtype=torch.float32)
         metrics: dict[str, torch.Tensor] = {}
         for j, (pred, mask, w) in enumerate(zip(preds, masks, weights, strict=True), start=1):
@@ -445,12 +542,12 @@ class Eagle3Head(EagleHead):
             if n == 0:
                 loss = loss + 0.0 * pred.sum()
                 continue
-            t_logits = t_all[row_of[rows[0], rows[1] + j]]  # position_mask: s + j is labelled
+            idx = row_of[rows[0], rows[1] + j]  # position_mask: s + j is labelled
             d_logits = self.draft_logits(pred[rows])
-            ce = soft_cross_entropy(d_logits, t_logits)
+            ce = soft_cross_entropy_probs(d_logits, t_prob.index_select(0, idx))
             loss = loss + w * ce
-            acc = (d_logits.argmax(-1) == t_logits.argmax(-1)).float().sum()
-            metrics[f"loss_step{j}"] = metric(ce * n, n)
+            acc = (d_logits.detach().argmax(-1) == t_arg.index_select(0, idx)).float().sum()
+            metrics[f"loss_step{j}"] = metric(ce.detach() * n, n)
             metrics[f"acc_step{j}"] = metric(acc, n)
         metrics["acc"] = metrics.get("acc_step1", metric(0.0, 0))
         return StepOutput(loss=loss, metrics=metrics)
@@ -552,10 +649,19 @@ class EagleProposer:
         self.draft_calls += 1
         return h
 
+    @staticmethod
+    def _no_context(state: DecodeState) -> bool:
+        """A one-token prompt has had no target forward yet, so there is no feature to draft
+        from: the first iteration is a plain step (it produces one)."""
+        return state.features is None or len(state.ids) < 2
+
     @torch.no_grad()
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         head, dev = self.head, state.device
         n = len(state.ids)
+        if self._no_context(state):
+            self.last_step_seconds = None
+            return Proposal([], [])
         times: list[float] = []
         t = time.perf_counter()
         big = n - 1 - self.done > 8
@@ -609,7 +715,8 @@ class EagleTreeProposer(EagleProposer):
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         head, dev = self.head, state.device
         depth = min(self.depth, gamma)
-        if depth < 1:
+        if depth < 1 or self._no_context(state):
+            self.last_step_seconds = None
             return Proposal([], [])
         n = len(state.ids)
         t0 = time.perf_counter()
@@ -716,6 +823,15 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
     Equals KL(p || q) + H(p): minimised, for fixed p, exactly at q = p."""
     p = teacher_logits.float().softmax(-1)
     return -(p * student_logits.float().log_softmax(-1)).sum(-1).mean()
+
+
+def soft_cross_entropy_probs(
+    student_logits: torch.Tensor, teacher_probs: torch.Tensor
+) -> torch.Tensor:
+    """``soft_cross_entropy`` with the teacher given as probabilities (N, V), each row summing
+    to 1: -sum_x p(x) log q(x) averaged over rows, in one fused kernel (log-softmax, product
+    and sum) in float32."""
+    return F.cross_entropy(student_logits.float(), teacher_probs.float())
 
 
 def assistant_token_counts(split, vocab_size: int) -> torch.Tensor:

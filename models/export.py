@@ -128,9 +128,15 @@ def _target_dims(tc: Any) -> dict[str, int]:
 
 
 def expected_shapes(
-    fmt: Format, target_config: Any, draft_vocab_size: int | None, attn_bias: bool, mlp_bias: bool
+    fmt: Format,
+    target_config: Any,
+    draft_vocab_size: int | None,
+    attn_bias: bool,
+    mlp_bias: bool,
+    input_norm: bool = False,
 ) -> dict[str, tuple[int, ...]]:
-    """Every tensor a format holds and its shape, derived from the target's config."""
+    """Every tensor a format holds and its shape, derived from the target's config.
+    ``input_norm``: an EAGLE-3 head with speculators' norm over the fused 3H features."""
     d = _target_dims(target_config)
     H, hd, V = d["H"], d["head_dim"], d["V"]
     attn_in = 2 * H if fmt.method == "eagle3" else H  # EAGLE-3 attends over [emb; hidden]
@@ -164,6 +170,8 @@ def expected_shapes(
                 "t2d": (V,),
             }
         )
+        if input_norm:
+            s["input_norm.weight"] = (3 * H,)
     else:
         s.update({"fc.weight": (H, 2 * H), "fc.bias": (H,), "embed_tokens.weight": (V, H)})
     return s
@@ -254,8 +262,17 @@ def export_tensors(head: EagleHead, fmt: Format, dtype: torch.dtype) -> dict[str
                 f"fused layers {fuse}: serving engines need three distinct layers >= 1 "
                 "(they capture each once, from the first decoder layer's output on)"
             )
+        c = head.cfg
+        if (c.norm_before_fc or c.norm_output) and fmt.name != "speculators":
+            raise ExportError(
+                f"--format {fmt.name}: this head uses speculators' layout variants "
+                f"(norm_before_fc={c.norm_before_fc}, norm_output={c.norm_output}), which "
+                f"{fmt.description} cannot express; export it with --format speculators"
+            )
         for k, v in layer.items():
             out[fmt.layer_prefix + k] = v
+        if c.norm_before_fc:
+            out["input_norm.weight"] = head.input_norm.weight
         out["fc.weight"] = head.fc.weight
         out["norm.weight"] = head.norm.weight
         out["lm_head.weight"] = head.lm_head.weight
@@ -308,7 +325,7 @@ def export_config(head: EagleHead, fmt: Format, dtype: torch.dtype, gamma: int =
             "architectures": ["LlamaForCausalLMEagle3"],
             "draft_vocab_size": dv,
             "eagle_aux_hidden_state_layer_ids": fuse,
-            "norm_before_residual": False,
+            "norm_before_residual": head.cfg.norm_before_residual,
         }
     layer_cfg = {k: v for k, v in base.items() if k not in ("architectures", "torch_dtype")}
     return {
@@ -333,7 +350,13 @@ def export_config(head: EagleHead, fmt: Format, dtype: torch.dtype, gamma: int =
         },
         "transformer_layer_config": layer_cfg,
         "draft_vocab_size": dv,
-        "norm_before_residual": False,
+        # written out: speculators' own defaults for these differ between its config class and
+        # its trainer, so a loader must not guess
+        "norm_before_residual": head.cfg.norm_before_residual,
+        "norm_before_fc": head.cfg.norm_before_fc,
+        "norm_output": head.cfg.norm_output,
+        "fc_norm": False,
+        "embed_requires_grad": False,
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": fuse,
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -431,7 +454,16 @@ def import_draft(folder: str | Path, target: Target, fmt_name: str | None = None
                 "an EAGLE-3 draft proposes the wrong tokens"
             )
         dv = cfg.get("draft_vocab_size") or int(tensors["d2t"].numel())
-        head = Eagle3Head(target, Eagle3Config(fuse_layers=fuse, draft_vocab_size=dv))
+        if cfg.get("fc_norm"):
+            raise ExportError(
+                f"{folder / 'config.json'}: fc_norm=true (a norm per fused layer) is a "
+                "speculators layout this importer does not read"
+            )
+        flags = {
+            k: bool(cfg.get(k, False))
+            for k in ("norm_before_residual", "norm_before_fc", "norm_output")
+        }
+        head = Eagle3Head(target, Eagle3Config(fuse_layers=fuse, draft_vocab_size=dv, **flags))
         prefix, dst = fmt.layer_prefix, "midlayer."
         tensors.pop("embed_tokens.weight", None)  # ours is the target's
     renamed = {
@@ -459,10 +491,11 @@ def check_tensors(
     draft_vocab_size: int | None,
     attn_bias: bool,
     mlp_bias: bool,
+    input_norm: bool = False,
 ) -> dict[str, torch.Tensor]:
     path = folder / fmt.weights_file
     tensors = _load_tensors(path)
-    want = expected_shapes(fmt, target.config, draft_vocab_size, attn_bias, mlp_bias)
+    want = expected_shapes(fmt, target.config, draft_vocab_size, attn_bias, mlp_bias, input_norm)
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
     if missing or unexpected:
@@ -635,7 +668,9 @@ def _build_eagle(head: EagleHead, fmt: Format, dt: torch.dtype, gamma: int, tmp:
     _, attn_bias, mlp_bias = _layer_state(head)
     _write(tmp, fmt, tensors, config)
     dv = head.cfg.draft_vocab_size if fmt.method == "eagle3" else None
-    check_tensors(tmp, fmt, target, dv, attn_bias, mlp_bias)
+    check_tensors(
+        tmp, fmt, target, dv, attn_bias, mlp_bias, getattr(head.cfg, "norm_before_fc", False)
+    )
     check_config(tmp, fmt, head)
     back = import_draft(tmp, target, fmt.name)
     # the in-memory head at the export's precision: what an engine would run

@@ -16,6 +16,15 @@ class Sampling:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
 
+    def __post_init__(self):
+        # out-of-range settings would end in NaN distributions deep in the decoder
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if not self.top_k >= 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0: off)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0

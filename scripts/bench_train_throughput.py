@@ -1,11 +1,18 @@
-"""Training throughput, online target features vs the offline feature cache.
+"""Training throughput: tokens/s and achieved model FLOP/s against the machine's matmul rate.
 
-    python scripts/bench_train_throughput.py [--steps 30] [--records 200] [hydra overrides...]
+    python scripts/bench_train_throughput.py --method eagle3 --steps 30 --records 300 \
+        --modes "fp32-online:train.mixed_precision=no target.dtype=float32" \
+                "bf16-online:" "bf16-cached:data.cache_features=true" [hydra overrides...]
 
-Runs the same EAGLE-1 training twice on the embedded target and ShareGPT (unless overridden):
-once computing target features every step, once from the safetensors feature cache (built
-first; its build time is reported separately). Prints a markdown table of tokens/s (the mean
-over logged windows after the first, which holds warm-up) and the cache's bytes per token.
+Each mode is ``name:overrides`` (space-separated Hydra overrides on top of the shared ones) and
+is one short training run of ``--method`` on the embedded target and ShareGPT (or
+``data.path=...``). A run's tokens/s is the mean over its logged windows after the first (which
+holds warm-up); the feature cache, when a mode uses it, is built before the timed steps and its
+build time is reported apart. Model FLOPs per token are counted, not estimated: one training
+step (forward + backward of the draft, plus the target's forward when features are computed
+online) runs under ``torch.utils.flop_counter.FlopCounterMode`` on a batch of the run's own
+data. The matmul rate is measured here too (GEMMs of the target's shapes in fp32 and bf16), so
+"% of matmul peak" says how far the whole step is from what the machine's matrix units allow.
 """
 
 from __future__ import annotations
@@ -13,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import tempfile
 import time
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -23,32 +32,99 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 import trainer.train as tt  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def one(overrides: list[str]) -> tuple[float, float, Path]:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+def matmul_rate(dtype: torch.dtype, h: int, rows: int = 2048, reps: int = 10) -> float:
+    """GFLOP/s of (rows x h) @ (h x 4h) in ``dtype``: the shape of a transformer MLP."""
+    a = torch.randn(rows, h, dtype=dtype)
+    w = torch.randn(4 * h, h, dtype=dtype)
+    for _ in range(3):
+        torch.nn.functional.linear(a, w)
     t = time.perf_counter()
-    tt.run(cfg)
+    for _ in range(reps):
+        torch.nn.functional.linear(a, w)
+    return 2 * rows * h * 4 * h * reps / (time.perf_counter() - t) / 1e9
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def run_mode(overrides: list[str]) -> dict:
+    cfg = compose_cfg(overrides)
+    t = time.perf_counter()
+    summary = tt.run(cfg)
     wall = time.perf_counter() - t
     out = Path(cfg.output_dir)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][1:]
-    return sum(tps) / max(1, len(tps)), wall, out
+    return {"tokens_per_s": sum(tps) / max(1, len(tps)), "wall": wall, "summary": summary}
+
+
+def flops_per_token(overrides: list[str]) -> tuple[float, float, float]:
+    """(draft FLOPs/token for forward + backward, target forward FLOPs/token when features are
+    computed online, else 0, mean tokens per batch), counted on the run's first batch."""
+    from accelerate.utils import set_seed
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from data.dataset import Collator, IndexedDataset, LengthGroupedBatches, prepare_tokenized
+    from models import METHODS
+    from models.target import load_target
+    from trainer.loop import attach_features
+
+    cfg = compose_cfg(overrides)
+    set_seed(cfg.train.seed)
+    tcfg = OmegaConf.to_object(cfg.target)
+    target = load_target(tcfg)
+    data = prepare_tokenized(
+        tt.data_path(cfg.data),
+        target.tokenizer,
+        max_length=cfg.data.max_length,
+        val_fraction=cfg.data.val_fraction,
+        max_val_records=cfg.data.max_val_records,
+        max_records=cfg.data.max_records,
+        seed=cfg.train.seed,
+        cache_root=cfg.data.cache_dir,
+        log=lambda *a: None,
+    )
+    method = METHODS[cfg.method.name](target, OmegaConf.to_object(cfg.method))
+    if hasattr(method, "init_from_data"):
+        method.init_from_data(data.train, lambda *a: None)
+    sampler = LengthGroupedBatches(list(data.train["length"]), cfg.data.batch_size, 0)
+    batches = sampler.batches()[:3]
+    ds, collate = IndexedDataset(data.train), Collator(target.pad_token_id)
+    draft = target_f = tokens = 0.0
+    mp = tt._mixed_precision(cfg.train.mixed_precision, target.device) == "bf16"
+    for idx in batches:
+        batch = collate([ds[i] for i in idx])
+        tokens += int(batch["attention_mask"].sum())
+        with FlopCounterMode(display=False) as fc:
+            batch = attach_features(batch, method, target)
+        target_f += fc.get_total_flops()
+        with FlopCounterMode(display=False) as fc:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mp):
+                out = method(batch)
+            out.loss.backward()
+        draft += fc.get_total_flops()
+    return draft / tokens, target_f / tokens, tokens / len(batches)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--method", default="eagle3")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--records", type=int, default=200)
+    ap.add_argument("--records", type=int, default=300)
+    ap.add_argument("--modes", nargs="+", default=["bf16-online:"])
     args, extra = ap.parse_known_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
     base = [
-        "method=eagle1",
+        f"method={args.method}",
         f"data.max_records={args.records}",
         "data.max_length=512",
         "data.batch_size=4",
@@ -56,28 +132,64 @@ def main() -> None:
         "train.log_every=5",
         "train.eval_every=0",
         "train.save_every=0",
+        "train.progress=false",
         "data.max_val_records=8",
         f"data.cache_dir={tmp / 'cache'}",
         *extra,
     ]
-    online, _, _ = one(base + [f"output_dir={tmp / 'online'}"])
-    t = time.perf_counter()
-    cached, wall_c, out = one(base + [f"output_dir={tmp / 'cached'}", "data.cache_features=true"])
-    feats = sorted((tmp / "cache" / "features").iterdir())
-    bpt = json.loads((feats[0] / "done.json").read_text())["bytes_per_token"]
-    size = sum(f.stat().st_size for d in feats for f in d.iterdir())
+    H = 576
+    peak = {"fp32": matmul_rate(torch.float32, H), "bf16": matmul_rate(torch.bfloat16, H)}
+    results = []
+    for spec in args.modes:
+        name, _, ov = spec.partition(":")
+        overrides = base + shlex.split(ov) + [f"output_dir={tmp / name}"]
+        cached = "data.cache_features=true" in overrides
+        if cached:  # build the cache first: its cost is reported apart from the timed run
+            t = time.perf_counter()
+            warm = overrides[:-1] + [f"output_dir={tmp / (name + '-build')}", "train.max_steps=1"]
+            run_mode(warm)
+            build = time.perf_counter() - t
+        r = run_mode(overrides)
+        draft_f, target_f, tok_batch = flops_per_token(overrides)
+        model_f = draft_f + (0.0 if cached else target_f)
+        bf16 = "float32" not in ov and "mixed_precision=no" not in ov
+        achieved = model_f * r["tokens_per_s"] / 1e9
+        results.append(
+            {
+                "mode": name,
+                "overrides": ov,
+                "tokens_per_s": r["tokens_per_s"],
+                "draft_gflop_per_token": draft_f / 1e9,
+                "target_gflop_per_token": 0.0 if cached else target_f / 1e9,
+                "achieved_gflops": achieved,
+                "peak": peak["bf16" if bf16 else "fp32"],
+                "cache_build_s": build if cached else None,
+                "tokens_per_batch": tok_batch,
+            }
+        )
     print(
-        f"\nmachine: {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}"
+        f"\n{date.today()}, {platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}; method {args.method}, {args.steps} steps, batch 4, "
+        f"max_length 512, {args.records} ShareGPT records"
     )
-    print("| mode | training tokens/s |")
-    print("|---|---|")
-    print(f"| online (target forward every step) | {online:.0f} |")
-    print(f"| cached features | {cached:.0f} |")
     print(
-        f"\ncache: {bpt} bytes/token, {size / 2**20:.1f} MiB on disk; "
-        f"cached run incl. building the cache took {time.perf_counter() - t:.0f}s"
+        f"measured matmul rate ((2048 x {H}) @ ({H} x {4 * H})): fp32 {peak['fp32']:.0f} "
+        f"GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s"
     )
+    print(
+        "| mode | tokens/s | draft GFLOP/token (fwd+bwd) | target GFLOP/token | model GFLOP/s "
+        "| % of matmul rate | cache build |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        build = f"{r['cache_build_s']:.0f} s" if r["cache_build_s"] else "-"
+        print(
+            f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['draft_gflop_per_token']:.3f} | "
+            f"{r['target_gflop_per_token']:.3f} | {r['achieved_gflops']:.0f} | "
+            f"{100 * r['achieved_gflops'] / r['peak']:.0f}% | {build} |"
+        )
+    (tmp / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"results: {tmp / 'results.json'}")
 
 
 if __name__ == "__main__":

@@ -242,3 +242,80 @@ def test_adaptive_tree_decoding_stays_lossless(tiny_target):
     prop = head.proposer(tree="dynamic", depth=3, top_k=3, total_tokens=8)
     dec = SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=3, adaptive=True)
     assert dec.generate(PROMPT, 48) == ar_greedy(tiny_target, PROMPT, 48)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tree_forward_equals_each_branch_alone(attn):
+    """The target's logits at every node of a verified tree are those of a plain forward over
+    the prompt and that node's path: the tree mask hides every other branch, under eager
+    attention too (which adds a boolean mask as a 0/1 bias and so masks nothing)."""
+    from transformers import DynamicCache
+
+    model, tok = build_tiny_target(seed=0)
+    model.set_attn_implementation(attn)
+    target = Target(model.eval(), tok, f"tiny-{attn}", TargetConfig(name="tiny_random"))
+    prompt = PROMPT[:10]
+    prop = Proposal([40, 41, 42, 43, 44, 45], [-1, -1, 0, 0, 1, 2])
+    dec = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False)
+    cache = DynamicCache(config=model.config)
+    dec._forward(prompt[:-1], cache)
+    logits, _ = dec._forward_tree(prompt[-1], prop, cache, len(prompt) - 1)
+    for node in range(-1, len(prop)):
+        path, a = [], node
+        while a >= 0:
+            path.insert(0, prop.tokens[a])
+            a = prop.parents[a]
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + path])).logits[0, -1]
+        assert torch.allclose(logits[node + 1], ref, atol=1e-4), (attn, node)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tree_decoding_is_lossless_with_every_attention_implementation(attn):
+    """Tree verification must mask what it means to mask under any attention function: a
+    boolean 4D mask is added as a 0/1 bias by eager attention (masking nothing), so the decoder
+    hands the target an additive mask. EAGLE's own tree drafting is covered the same way."""
+    model, tok = build_tiny_target(seed=3)
+    model.set_attn_implementation(attn)
+    target = Target(model.eval(), tok, f"tiny-{attn}", TargetConfig(name="tiny_random"))
+    for seed in range(5):
+        torch.manual_seed(seed)
+        prompt = PROMPT[: 8 + seed]
+        ref = ar_greedy(target, prompt, 30)
+        tree = SpeculativeDecoder(
+            target, OracleTree(ref, len(prompt), seed=seed), Sampling(), gamma=3, adaptive=False
+        )
+        assert tree.generate(prompt, 30) == ref, (attn, seed, "oracle tree")
+        head = EagleHead(target, Eagle1Config())
+        dec = SpeculativeDecoder(
+            target,
+            head.proposer(tree="dynamic", depth=3, top_k=3, total_tokens=8),
+            Sampling(),
+            gamma=3,
+            adaptive=False,
+        )
+        assert dec.generate(prompt, 30) == ref, (attn, seed, "eagle tree")
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_eagle_proposers_start_from_a_one_token_prompt(tiny_target, tree):
+    """A one-token prompt has no prefill, so no features: the first step is a plain one."""
+    prop = EagleHead(tiny_target, Eagle1Config()).proposer(tree=tree, depth=3, top_k=3)
+    dec = SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=3, adaptive=False)
+    assert dec.generate(PROMPT[:1], 16) == ar_greedy(tiny_target, PROMPT[:1], 16)
+    assert sum(dec.stats.drafted.values()) > 0  # it drafted once a feature existed
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+    ],
+)
+def test_out_of_range_sampling_settings_are_refused(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        Sampling(**kwargs)

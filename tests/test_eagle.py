@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -22,7 +23,21 @@ def make_batch(target, B=2, T=24, seed=0):
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": lm, "features": feats}
 
 
-def test_unroll_matches_sequential_decoding(tiny_target):
+def _target(attn):
+    from models.target import Target, TargetConfig
+    from models.tiny import build_tiny_target
+
+    model, tok = build_tiny_target(seed=0)
+    model.set_attn_implementation(attn)
+    return Target(model.eval(), tok, f"tiny-{attn}", TargetConfig(name="tiny_random"))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_unroll_matches_sequential_decoding(attn):
+    """The unrolled training pattern (every start at once) equals drafting one start at a time
+    with masks, whatever the target's own attention implementation: the head's layer uses its
+    own attention function, which reads a boolean mask as True = attend."""
+    tiny_target = _target(attn)
     torch.manual_seed(0)
     head = EagleHead(tiny_target, Eagle1Config()).eval()
     b = make_batch(tiny_target)

@@ -127,16 +127,22 @@ def test_unroll_matches_sequential_decoding(tiny_target):
                 assert torch.allclose(prev[0, 0], outs[j - 1][0, s], atol=1e-5), (s, j)
 
 
-def test_one_step_moves_every_draft_parameter_and_no_target_parameter(tiny_target):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_step_moves_every_draft_parameter_and_no_target_parameter(tiny_target, bf16):
+    """Also under bf16 autocast (the default where the machine has bf16): the master weights
+    stay float32 and every one of them moves."""
     head = make_head(tiny_target, ttt_steps=3)
     before = copy.deepcopy(dict(head.named_parameters()))
     before_target = {k: v.clone() for k, v in tiny_target.model.state_dict().items()}
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    out = head(make_batch(tiny_target, head))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = head(make_batch(tiny_target, head))
+    assert out.loss.dtype == torch.float32
     assert {"loss_step1", "loss_step3", "acc_step2"} <= set(out.metrics)
     out.loss.backward()
     opt.step()
     for k, v in head.named_parameters():
+        assert v.dtype == torch.float32, k
         assert not torch.equal(v, before[k]), f"draft parameter {k} did not move"
     for k, v in tiny_target.model.state_dict().items():
         assert torch.equal(v, before_target[k]), f"target parameter {k} moved"

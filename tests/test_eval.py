@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import run_module
 
 from decoding.bench import BenchError, load_bench, read_bench_file
@@ -200,3 +201,60 @@ def test_sharegpt_val_prompts_are_the_training_validation_split(data_file, tmp_p
         "sharegpt_val", data_path=str(data_file), val_fraction=0.2, split_seed=3, max_val_records=5
     )
     assert [q["question_id"] for q in qs] == list(d.val["id"])
+
+
+def test_classify_divergence():
+    from decoding.eval import classify_divergence
+
+    row = torch.zeros(8)
+    row[3], row[5], row[6] = 10.0, 9.9, 4.0
+    logits = [row] * 4
+    assert classify_divergence([1, 3, 2], [1, 3, 2], logits, 0.5) is None
+    d = classify_divergence([1, 3, 2], [1, 5, 2], logits, 0.5)
+    assert d["position"] == 1 and d["near_tie"] and abs(d["logit_gap"] - 0.1) < 1e-5
+    d = classify_divergence([1, 3, 2], [1, 6, 2], logits, 0.5)
+    assert not d["near_tie"] and abs(d["logit_gap"] - 6.0) < 1e-5
+    # one side stopped where the other went on (a stop token compared with a word)
+    d = classify_divergence([1, 3], [1, 3, 5], logits, 0.5)
+    assert d["position"] == 2 and not d["near_tie"]
+
+
+def _eval_cfg(**over):
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    import decoding.eval  # noqa: F401  registers the schema
+
+    o = {"target": "tiny_random", "num_prompts": 3, "max_new_tokens": 24, "warmup_tokens": 2}
+    o.update(over)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("eval", overrides=[f"{k}={v}" for k, v in o.items()])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypatch):
+    """``lossless`` neither cries wolf nor hides a bug: an honest decoder is lossless in fp32
+    (identical outputs) and in bf16 (any parting is a near-tie); a decoder that accepts the
+    draft's first token without checking it is caught as a real divergence in both."""
+    import decoding.decoder as dec
+    from decoding.eval import evaluate
+    from decoding.verify import Verdict
+
+    honest = evaluate(_eval_cfg(draft="ngram", **{"target.dtype": dtype}, adaptive="false"))
+    assert honest["lossless"] is True
+    assert honest["near_tie_tolerance"]["dtype"] == dtype
+    if dtype == "float32":
+        assert honest["divergences"] == 0
+
+    real = dec.verify_greedy
+
+    def accepts_first_draft_token(tokens, parents, target_argmax):
+        v = real(tokens, parents, target_argmax)
+        if tokens and not v.path:  # a planted bug: keep a rejected first token anyway
+            return Verdict([0], target_argmax[1])
+        return v
+
+    monkeypatch.setattr(dec, "verify_greedy", accepts_first_draft_token)
+    buggy = evaluate(_eval_cfg(draft="ngram", **{"target.dtype": dtype}, adaptive="false"))
+    assert buggy["lossless"] is False
+    assert buggy["divergences"] > buggy["near_tie_divergences"]

@@ -25,9 +25,10 @@ def target4():
     return Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
 
 
-def eagle3(target, seed=0):
+def eagle3(target, seed=0, **flags):
     torch.manual_seed(seed)
-    head = Eagle3Head(target, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
+    cfg = Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64, **flags)
+    head = Eagle3Head(target, cfg).eval()
     with torch.no_grad():  # a chosen vocabulary (every third token), not the identity
         head.d2t.copy_(torch.arange(64) * 2)
         head.t2d.zero_()
@@ -78,6 +79,34 @@ def test_export_round_trips(target4, tmp_path, fmt):
     os.umask(umask)
     for p in [out, *out.iterdir()]:  # readable by a serving engine running as another user
         assert stat.S_IMODE(p.stat().st_mode) == (0o777 if p.is_dir() else 0o666) & ~umask, p
+
+
+SPECULATORS_FLAGS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+def test_speculators_layout_variants_round_trip(target4, tmp_path):
+    """Heads in the layout speculators' trainer writes (a norm over the fused features, a
+    normed residual, normed outputs fed forward) export and read back identically, and the
+    config says so explicitly; formats that cannot express them refuse with a message."""
+    head = eagle3(target4, **SPECULATORS_FLAGS)
+    assert "input_norm.weight" in head.state_dict()
+    out = tmp_path / "spec"
+    export(head, "speculators", out, dtype="float32", log=lambda *_: None)
+    cfg = json.loads((out / "config.json").read_text())
+    assert all(cfg[k] is True for k in SPECULATORS_FLAGS) and cfg["fc_norm"] is False
+    back = import_draft(out, target4)
+    assert all(getattr(back.cfg, k) for k in SPECULATORS_FLAGS)
+    prompt = ex.default_prompt(target4)
+    a, b = ex.proposals(head, prompt), ex.proposals(back, prompt)
+    assert torch.equal(a.pop("logits"), b.pop("logits")) and a == b
+    # the flags change what the head computes (a loader that ignored them would differ)
+    plain = eagle3(target4)
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if "input_norm" not in k})
+    assert not torch.equal(
+        ex.proposals(plain, prompt)["logits"], ex.proposals(head, prompt)["logits"]
+    )
+    with pytest.raises(ExportError, match="speculators"):
+        export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
 
 
 def test_bf16_export_is_compared_at_its_own_precision(target4, tmp_path):

@@ -6,7 +6,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.eagle import feature_regression_loss, position_mask, soft_cross_entropy
+from models.eagle import (
+    feature_regression_loss,
+    position_mask,
+    soft_cross_entropy,
+    soft_cross_entropy_probs,
+)
 
 logit_rows = st.integers(1, 6).flatmap(
     lambda n: st.integers(2, 12).flatmap(
@@ -36,6 +41,22 @@ def test_soft_ce_is_minimised_at_the_teacher(t, data):
     s = t.clone().float().requires_grad_(True)
     soft_cross_entropy(s, t).backward()
     assert s.grad.abs().max() < 1e-5  # stationary point at q = p
+
+
+@settings(max_examples=60, deadline=None)
+@given(logit_rows, st.data())
+def test_soft_ce_from_probabilities_equals_soft_ce_from_logits(t, data):
+    """The fused form (teacher as probabilities) is the same loss, with the same gradient."""
+    noise = torch.tensor(
+        data.draw(st.lists(st.floats(-3, 3), min_size=t.numel(), max_size=t.numel())), dtype=t.dtype
+    ).reshape(t.shape)
+    a = (t + noise).float().requires_grad_(True)
+    b = (t + noise).float().requires_grad_(True)
+    la, lb = soft_cross_entropy(a, t), soft_cross_entropy_probs(b, t.softmax(-1))
+    assert torch.allclose(la, lb, atol=1e-5)
+    la.backward()
+    lb.backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)
 
 
 def test_soft_ce_matches_hard_ce_for_one_hot_teacher():

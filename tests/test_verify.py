@@ -108,3 +108,13 @@ def test_warp_top_k_and_top_p():
     assert (p[:2] > 0).all() and (p[2:] == 0).all()
     for k, t in itertools.product([0, 3], [0.5, 2.0]):
         assert torch.isclose(warp(logits, Sampling(t, top_k=k)).sum(), torch.tensor(1.0))
+
+
+def test_a_token_the_draft_could_not_have_drawn_is_never_emitted_where_p_is_zero():
+    """q(x) = 0 for a drafted x is an inconsistent proposal (no proposer makes one); it must not
+    be accepted with probability 1, least of all where the target gives x probability 0."""
+    p = torch.tensor([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    q = torch.tensor([[0.0, 1.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    emitted = [verify.verify_sampled([0], [-1], p, q, g) for _ in range(2000)]
+    assert all(v.path == [] and v.token != 0 for v in emitted)

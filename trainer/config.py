@@ -20,7 +20,11 @@ class DataConfig:
     max_length: int = 2048
     max_records: int | None = None  # stop after this many usable conversations (file order)
     val_fraction: float = 0.02
-    max_val_records: int = 256
+    # Validation: at most this many held-out conversations (a hash split, so the same ones in
+    # every run with the same data and seed), each cut to val_max_length tokens: bounded cost,
+    # comparable numbers across runs
+    max_val_records: int = 128
+    val_max_length: int | None = 512
     batch_size: int = 4
     group_by_length: bool = True
     num_proc: int = 1  # processes for tokenisation (datasets.map)
@@ -54,12 +58,28 @@ class LoggerConfig:
 
 
 @dataclass
+class EvalAfterConfig:
+    """After training: measure the new draft with the speculative decoder (what
+    ``specdraft-eval`` does) on a few prompts, beside other drafts named in ``compare`` (e.g.
+    the shipped head), and print tau / alpha / speedup for each."""
+
+    enabled: bool = False
+    bench: str = "mt_bench"
+    num_prompts: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    compare: list[str] = field(default_factory=list)
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 1000  # optimizer steps; the run ends at max_steps, epochs or max_minutes
     epochs: int = 1
     max_minutes: float | None = None  # wall-clock budget for the training loop
     grad_accum: int = 1
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    # auto: bf16 autocast with fp32 master weights on GPUs and on CPUs with native bf16, else
+    # no (fp32) | no | bf16 | fp16
+    mixed_precision: str = "auto"
     log_every: int = 10
     eval_every: int = 200  # 0: only at the end
     eval_batches: int | None = None  # cap on validation batches (None: all)
@@ -70,6 +90,7 @@ class TrainConfig:
     threads: int | None = None  # torch CPU threads (None: torch's default)
     progress: bool = True
     record_samples: bool = False  # samples-rank{r}.jsonl: the sample indices of every step
+    eval_after: EvalAfterConfig = field(default_factory=EvalAfterConfig)
 
 
 @dataclass

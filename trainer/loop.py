@@ -177,13 +177,22 @@ def fit(
         total = min(tc.max_steps, per_epoch * tc.epochs)
     except TypeError:
         total = tc.max_steps
-    bar = tqdm(
-        total=total,
-        initial=state.step,
-        desc="train",
-        dynamic_ncols=True,
-        disable=not (tc.progress and accelerator.is_main_process),
-    )
+    show = tc.progress and accelerator.is_main_process
+    if max_seconds:  # a time budget: the bar counts its seconds (steps go in the postfix)
+        bar = tqdm(
+            total=round(max_seconds),
+            initial=min(round(state.elapsed), round(max_seconds)),
+            desc="train",
+            unit="s",
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s of budget [{elapsed}<{remaining}{postfix}]",
+            dynamic_ncols=True,
+            disable=not show,
+        )
+    else:
+        bar = tqdm(
+            total=total, initial=state.step, desc="train", dynamic_ncols=True, disable=not show
+        )
+    shown_elapsed = int(bar.n)
 
     def checkpoint():
         snapshot = {**state.__dict__, "last_val": dict(state.last_val)}
@@ -260,7 +269,12 @@ def fit(
                 if not updated:
                     continue
                 state.step += 1
-                bar.update(1)
+                if max_seconds:
+                    now_s = int(min(state.elapsed, max_seconds))
+                    bar.update(now_s - shown_elapsed)
+                    shown_elapsed = now_s
+                else:
+                    bar.update(1)
                 if state.step % tc.log_every == 0:
                     # every process's micro-batches: the loss of the global batch
                     row = reduce_metrics(sum_across_processes(accelerator, window))
@@ -270,10 +284,13 @@ def fit(
                     row["epoch"] = state.epoch
                     tracker.log(state.step, row)
                     bar.set_postfix(
-                        loss=f"{row.get('loss', float('nan')):.3f}",
-                        acc=f"{row.get('acc', float('nan')):.3f}",
-                        lr=f"{row['lr']:.1e}",
-                        tok_s=f"{row['tokens_per_s']:.0f}",
+                        ({"step": state.step} if max_seconds else {})
+                        | {
+                            "loss": f"{row.get('loss', float('nan')):.3f}",
+                            "acc": f"{row.get('acc', float('nan')):.3f}",
+                            "lr": f"{row['lr']:.1e}",
+                            "tok_s": f"{row['tokens_per_s']:.0f}",
+                        }
                     )
                     window, window_tokens, window_start = {}, 0, now
                 paused = time.perf_counter()

@@ -3,14 +3,15 @@
 EAGLE-3, HASS and Medusa-2 train on the target's own answers to the dataset's prompts
 (DistillSpec calls it sequence-level KD). This keeps every user turn, and replaces every
 assistant turn by the target's reply to the conversation so far (its own earlier replies
-included), turn by turn, batched over conversations with a KV cache (``generate``). The output
-is a ShareGPT-format JSONL that ``data.path=`` reads like any other file.
+included), turn by turn, with continuous batching over conversations and a KV cache
+(``models.target.generate_many``: a finished reply leaves the batch and the next prompt joins
+it). The output is a ShareGPT-format JSONL that ``data.path=`` reads like any other file.
 
     specdraft-prepare out=data/regen.jsonl data.max_records=2000 max_turns=1
     accelerate launch --num_processes 4 -m trainer.regenerate out=...   # sharded, then merged
 
 Resumable: each process appends finished conversations to its own part file (flushed and
-fsynced per batch); a restart skips the conversations already there. When every part is
+fsynced per conversation); a restart skips the conversations already there. When every part is
 complete, rank 0 merges them in the input's order into ``out`` (temp file + rename) and writes
 ``out`` + ``.meta.json`` (settings and counts). Restarting with different generation settings
 is refused, naming the setting, so one file never mixes two settings.
@@ -34,7 +35,8 @@ from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
 from data.conversations import Conversation, DataError, load_conversations
-from models.target import TargetConfig, TargetError, load_target
+from models.sampling import Sampling
+from models.target import GenRequest, TargetConfig, TargetError, generate_many, load_target
 
 from .config import DataConfig, register_configs
 
@@ -49,10 +51,12 @@ class PrepareConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_turns: int | None = None  # assistant turns regenerated per conversation (None: all)
-    batch_size: int = 8  # conversations generated together
+    batch_size: int = 64  # replies generated together (continuous batching)
     seed: int = 0
     progress: bool = True
 
+
+COUNTS = ("replies", "truncated", "reply_tokens", "stopped_context", "dropped")
 
 # Settings that change the output; a resumed run must use the same ones.
 _OUTPUT_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "max_turns", "seed")
@@ -111,94 +115,69 @@ def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
             )
 
 
-@torch.no_grad()
-def _generate(target, prompts: list[list[int]], cfg: DictConfig, seed: int):
-    """Replies (token lists, end-of-turn excluded) and whether each hit max_new_tokens."""
-    tok = target.tokenizer
-    pad = target.pad_token_id
-    n = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding: every row's last token is its own
-        ids[i, n - len(p) :] = torch.tensor(p)
-        mask[i, n - len(p) :] = 1
-    eos = target.model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    eos.add(tok.eos_token_id)
-    sample = cfg.temperature > 0
-    kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=cfg.max_new_tokens)
-    if sample:
-        kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
-    else:  # greedy; unset the model's own sampling defaults so generate does not warn
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    torch.manual_seed(seed)
-    out = target.model.generate(
-        input_ids=ids.to(target.device),
-        attention_mask=mask.to(target.device),
-        pad_token_id=pad,
-        eos_token_id=sorted(eos),
-        **kwargs,
-    )[:, n:].tolist()
-    replies, truncated = [], []
-    for row in out:
-        cut = next((j for j, t in enumerate(row) if t in eos), None)
-        replies.append(row[:cut] if cut is not None else row)
-        truncated.append(cut is None)
-    return replies, truncated
+class _Conversations:
+    """The regeneration of some conversations, turn by turn: hands out the prompt of each
+    conversation's next assistant turn and takes the reply back. Round r of a conversation is
+    its (r+1)-th assistant turn; its sampling seed depends only on the conversation's index in
+    the input, the round and ``cfg.seed``, so a resumed or differently sharded run draws the
+    same samples."""
 
+    def __init__(self, target, convs: list[tuple[int, Conversation]], cfg: DictConfig):
+        self.tok, self.cfg = target.tokenizer, cfg
+        # counted per conversation and handed over with its record, so a resumed run's totals
+        # count exactly the conversations written
+        self.counts = {i: dict.fromkeys(COUNTS, 0) for i, _ in convs}
+        self.convs = dict(convs)  # input index -> conversation
+        self.msgs = {i: [dict(m) for m in c.messages] for i, c in convs}
+        self.upto = dict.fromkeys(self.convs, 0)  # messages kept so far (regenerated prefix)
+        self.round = dict.fromkeys(self.convs, 0)
 
-def _regenerate_batch(target, convs: list[Conversation], cfg: DictConfig, index: int, counts):
-    """Rewrite the assistant turns of ``convs`` in place order: round r generates the r-th
-    assistant reply of every conversation that still has one (and still fits). Sampling seeds
-    depend on the batch's ``index`` in the input and the round only, so a resumed or differently
-    sharded run draws the same samples."""
-    tok = target.tokenizer
-    msgs = [[dict(m) for m in c.messages] for c in convs]
-    n_asst = [sum(m["role"] == "assistant" for m in ms) for ms in msgs]
-    rounds = max(n_asst) if cfg.max_turns is None else min(max(n_asst), cfg.max_turns)
-    upto = [0] * len(convs)  # messages kept so far (regenerated prefix)
-    alive = [True] * len(convs)
-    for r in range(rounds):
-        batch, prompts = [], []
-        for i, ms in enumerate(msgs):
-            if not alive[i]:
-                continue
-            # the index of the (r+1)-th assistant message
-            idx = [j for j, m in enumerate(ms) if m["role"] == "assistant"]
-            if r >= len(idx):
-                continue
-            p = prompt_ids(tok, ms[: idx[r]])
-            if len(p) + 1 >= cfg.data.max_length:
-                alive[i] = False
-                counts["stopped_context"] += 1
-                continue
-            batch.append((i, idx[r]))
-            prompts.append(p)
-        if not batch:
-            break
-        seed = (cfg.seed * 1_000_003 + index) * 1_009 + r
-        replies, truncated = _generate(target, prompts, cfg, seed)
-        for (i, j), reply, cut in zip(batch, replies, truncated, strict=True):
-            msgs[i][j]["content"] = tok.decode(reply, skip_special_tokens=True)
-            upto[i] = j + 1
-            counts["replies"] += 1
-            counts["truncated"] += int(cut)
-            counts["reply_tokens"] += len(reply)
-    out = []
-    for c, ms, k in zip(convs, msgs, upto, strict=True):
+    def next_request(self, i: int) -> GenRequest | None:
+        """The request for conversation i's next assistant turn, or None when it is done."""
+        cfg, ms = self.cfg, self.msgs[i]
+        r = self.round[i]
+        idx = [j for j, m in enumerate(ms) if m["role"] == "assistant"]
+        if r >= len(idx) or (cfg.max_turns is not None and r >= cfg.max_turns):
+            return None
+        p = prompt_ids(self.tok, ms[: idx[r]])
+        if len(p) + 1 >= cfg.data.max_length:
+            self.counts[i]["stopped_context"] += 1
+            return None
+        return GenRequest((i, idx[r]), p, (cfg.seed * 1_000_003 + i) * 1_009 + r)
+
+    def take_reply(self, key, reply: list[int], truncated: bool) -> GenRequest | None:
+        """Store a reply; returns the conversation's next request (None: it is finished)."""
+        i, j = key
+        self.msgs[i][j]["content"] = self.tok.decode(reply, skip_special_tokens=True)
+        self.upto[i] = j + 1
+        self.round[i] += 1
+        n = self.counts[i]
+        n["replies"] += 1
+        n["truncated"] += int(truncated)
+        n["reply_tokens"] += len(reply)
+        return self.next_request(i)
+
+    def record(self, i: int) -> tuple[dict, dict[str, int]]:
+        """The finished conversation as a ShareGPT record (or a dropped marker), and its
+        counts."""
+        c, k, n = self.convs[i], self.upto[i], self.counts.pop(i)
         if k == 0:  # not even the first reply fitted: a marker, so a resume skips it too
-            counts["dropped"] += 1
-            out.append({"id": c.id, "dropped": True})
-            continue
+            n["dropped"] += 1
+            return {"id": c.id, "dropped": True}, n
         turns = [
             {
                 "from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
                 "value": m["content"],
             }
-            for m in ms[:k]
+            for m in self.msgs[i][:k]
         ]
-        out.append({"id": c.id, "conversations": turns})
-    return out
+        return {"id": c.id, "conversations": turns}, n
+
+
+def _first_prompt_len(tok, conv: Conversation) -> int:
+    """Tokens of the prompt that the first assistant reply answers."""
+    i = next((j for j, m in enumerate(conv.messages) if m["role"] == "assistant"), None)
+    return len(prompt_ids(tok, conv.messages[:i])) if i is not None else 0
 
 
 def regenerate(cfg: DictConfig) -> dict[str, Any]:
@@ -237,37 +216,75 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     if rank != 0:
         _check_settings(meta_file, settings)
 
-    batches = [convs[i : i + cfg.batch_size] for i in range(0, len(convs), cfg.batch_size)]
-    mine = list(range(len(batches)))[rank::world]
+    # Conversations go to processes round-robin, each process serving its share shortest
+    # prompt first (rows that join the running batch together then need little padding); the
+    # merged output keeps the input's order.
+    first = [_first_prompt_len(target.tokenizer, c) for c in convs]
+    order = sorted(range(len(convs)), key=lambda i: first[i])
+    mine = order[rank::world]
     part = _part_path(out, rank, world)
     part.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(part)
     counts_file = part.parent / f"counts-rank{rank}-of-{world}.json"
-    counts = {k: 0 for k in ("replies", "truncated", "reply_tokens", "stopped_context", "dropped")}
+    counts = dict.fromkeys(COUNTS, 0)
     if counts_file.exists() and done:  # resumed: keep counting from where it stopped
         counts.update(json.loads(counts_file.read_text()))
-    new_tokens = 0
-    todo = [i for i in mine if not all(c.id in done for c in batches[i])]
+    todo = [i for i in mine if convs[i].id not in done]
+    work = _Conversations(target, [(i, convs[i]) for i in todo], cfg)
     t0 = time.time()
     bar = tqdm(
-        total=sum(len(batches[i]) for i in mine),
-        initial=sum(len(batches[i]) for i in mine) - sum(len(batches[i]) for i in todo),
+        total=len(mine),
+        initial=len(mine) - len(todo),
         desc=f"regenerating (rank {rank})" if world > 1 else "regenerating",
         unit="conv",
         disable=not cfg.progress,
     )
+    eos = target.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos.add(target.tokenizer.eos_token_id)
+    new_tokens = 0
+
     with open(part, "a", encoding="utf-8") as f:
-        for i in todo:
-            # a batch is written whole after it finishes, so a crash repeats at most one batch
-            before = counts["reply_tokens"]
-            for rec in _regenerate_batch(target, batches[i], cfg, i, counts):
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+        def finish(i: int) -> None:
+            # each conversation is written (and synced) when its last turn is done, so a
+            # crash repeats only the conversations in flight
+            nonlocal new_tokens
+            rec, n = work.record(i)
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+            for k, v in n.items():
+                counts[k] += v
             counts_file.write_text(json.dumps(counts))
-            new_tokens += counts["reply_tokens"] - before
-            bar.update(len(batches[i]))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
+            new_tokens += n["reply_tokens"]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
+
+        def on_done(key, reply, truncated):
+            nxt = work.take_reply(key, reply, truncated)
+            if nxt is None:
+                finish(key[0])
+                return ()
+            return (nxt,)
+
+        first_requests = []
+        for i in todo:
+            r = work.next_request(i)
+            if r is None:
+                finish(i)
+            else:
+                first_requests.append(r)
+        generate_many(
+            target.model,
+            first_requests,
+            cfg.max_new_tokens,
+            eos,
+            target.pad_token_id,
+            on_done,
+            Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
+            batch_size=cfg.batch_size,
+        )
     bar.close()
     counts_file.write_text(json.dumps(counts))
     state.wait_for_everyone()

@@ -24,7 +24,7 @@ from data.conversations import DataError
 from data.dataset import Collator, IndexedDataset, LengthGroupedBatches, prepare_tokenized
 from models import METHODS
 from models.base import DraftError
-from models.target import TargetError, load_target
+from models.target import TargetError, default_dtype, load_target
 
 from .checkpoint import (
     CheckpointError,
@@ -64,6 +64,12 @@ def check_config(cfg: DictConfig) -> None:
         ("train.max_nonfinite", t.max_nonfinite, t.max_nonfinite >= 1, "must be >= 1"),
         ("data.batch_size", d.batch_size, d.batch_size >= 1, "must be >= 1"),
         ("data.max_length", d.max_length, d.max_length >= 8, "must be >= 8"),
+        (
+            "data.val_max_length",
+            d.val_max_length,
+            d.val_max_length is None or d.val_max_length >= 8,
+            "must be >= 8",
+        ),
         (
             "data.max_records",
             d.max_records,
@@ -111,8 +117,10 @@ def data_path(cfg_data: DictConfig) -> str:
 
 
 def _mixed_precision(setting: str, device: torch.device) -> str:
+    """``auto``: bf16 autocast (fp32 master weights) wherever bf16 is native: CUDA, and CPUs
+    with AVX512-BF16 / AMX / Arm BF16; fp32 elsewhere."""
     if setting == "auto":
-        return "bf16" if device.type == "cuda" else "no"
+        return "bf16" if default_dtype(device) == torch.bfloat16 else "no"
     return setting
 
 
@@ -222,13 +230,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if len(data.val):
         # Validation is sharded by hand (rank::world) rather than through accelerate, which
         # would pad uneven shards with repeated samples and bias the metrics.
-        vl = list(data.val["length"])
+        cap = cfg.data.val_max_length
+        vl = [min(n, cap) if cap else n for n in data.val["length"]]
         order = sorted(range(len(vl)), key=lambda i: -vl[i])[
             accelerator.process_index :: accelerator.num_processes
         ]
         vb = [order[i : i + cfg.data.batch_size] for i in range(0, len(order), cfg.data.batch_size)]
         val_loader = torch.utils.data.DataLoader(
-            IndexedDataset(data.val, val_store), batch_sampler=vb, collate_fn=collate
+            IndexedDataset(data.val, val_store, cap), batch_sampler=vb, collate_fn=collate
         )
 
     # A method may ask for parameter groups (e.g. Medusa-2: heads at a multiple of the LoRA lr)
@@ -327,8 +336,60 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     }
     if accelerator.is_main_process:
         _print_summary(summary, log)
+        if cfg.train.eval_after.enabled and final is not None:
+            summary["eval_after"] = eval_after(cfg, final, run_dir, log)
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def eval_after(cfg: DictConfig, final: Path, run_dir: Path, log) -> list[dict[str, Any]]:
+    """Decode a few benchmark prompts plainly and speculatively with the draft just trained and
+    with each draft in ``train.eval_after.compare``; print and return one row per draft. Each
+    full report goes to ``run_dir/eval-<k>.json``."""
+    from decoding.eval import EvalConfig, evaluate
+
+    ea = cfg.train.eval_after
+    rows = []
+    for k, draft in enumerate([str(final), *ea.compare]):
+        ecfg = OmegaConf.structured(
+            EvalConfig(
+                target=OmegaConf.to_object(cfg.target),
+                draft=draft,
+                bench=ea.bench,
+                num_prompts=ea.num_prompts,
+                max_new_tokens=ea.max_new_tokens,
+                temperature=ea.temperature,
+                report=str(run_dir / f"eval-{k}.json"),
+            )
+        )
+        log(f"\nmeasuring {draft} on {ea.num_prompts} {ea.bench} prompts ...")
+        r = evaluate(ecfg)
+        Path(ecfg.report).write_text(json.dumps(r, indent=1))
+        rows.append(
+            {
+                "draft": "this run" if k == 0 else draft,
+                "tau": r["tau"],
+                "alpha": r["alpha"],
+                "speedup": r["speedup"],
+                "lossless": r["lossless"],
+                "report": ecfg.report,
+            }
+        )
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    log(
+        f"\nspeculative decoding of {ea.num_prompts} {ea.bench} prompts, {ea.max_new_tokens} new "
+        f"tokens, T={ea.temperature:g} (tau: tokens per target forward; speedup: tokens/s over "
+        "plain decoding on this machine):"
+    )
+    log(f"  {'draft':<28}{'tau':>6}{'alpha':>7}{'speedup':>9}  lossless")
+    for r in rows:
+        log(
+            f"  {r['draft']:<28}{f(r['tau']):>6}{f(r['alpha']):>7}{f(r['speedup']):>9}  {r['lossless']}"
+        )
+    return rows
 
 
 def _to_device(loader, device):
