@@ -125,17 +125,19 @@ def ttt_attention_core(
     allowed = (pos[None, :] <= pos[:, None])[None] & layout.key_valid[:, None, :]  # (B, S, S)
     scores = base.masked_fill(~allowed[:, None, None], float("-inf"))
     if j > 1:
-        kd = key[:, :, S:].reshape(B, kvh, 1, j - 1, S, D)
-        qd = query.reshape(B, kvh, g, 1, S, D)
-        diag = (qd * kd).sum(-1).float().transpose(-1, -2)  # (B, kvh, g, S, j-1)
+        # each query against its own start's key in every later block: one small matmul per
+        # position, (g, D) @ (D, j-1), batched over (B, kvh, S)
+        kd = key[:, :, S:].reshape(B, kvh, j - 1, S, D).permute(0, 1, 3, 4, 2)  # (.., S, D, j-1)
+        qd = query.reshape(B, kvh, g, S, D).transpose(2, 3)  # (B, kvh, S, g, D)
+        diag = torch.matmul(qd, kd).float().transpose(2, 3)  # (B, kvh, g, S, j-1)
         scores = torch.cat([scores, diag], dim=-1)
     p = (scores * scaling).softmax(-1).to(value.dtype)
     out = torch.matmul(p[..., :S].reshape(B, kvh, g * S, S), value[:, :, :S])
     out = out.view(B, kvh, g, S, D)
     if j > 1:
-        vd = value[:, :, S:].reshape(B, kvh, 1, j - 1, S, D)
-        pd = p[..., S:].transpose(-1, -2)[..., None]  # (B, kvh, g, j-1, S, 1)
-        out = out + (pd * vd).sum(3)
+        vd = value[:, :, S:].reshape(B, kvh, j - 1, S, D).transpose(2, 3)  # (B, kvh, S, j-1, D)
+        pd = p[..., S:].transpose(2, 3)  # (B, kvh, S, g, j-1)
+        out = out + torch.matmul(pd, vd).transpose(2, 3)  # (B, kvh, g, S, D)
     return out.reshape(B, h, S, D)
 
 
@@ -190,8 +192,16 @@ class EagleHead(nn.Module):
     feature_layers: tuple[int, ...] = (-1,)
     config_class = Eagle1Config
 
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the head computes in: autocast's when it is on (inputs cast to it once,
+        not to float32 and back at every layer), else its weights'."""
+        dev = self.fc.weight.device.type
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+        return self.fc.weight.dtype
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.target.embed_tokens(ids.to(self.target.device)).to(self.fc.weight.dtype)
+        return self.target.embed_tokens(ids.to(self.target.device)).to(self._compute_dtype())
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Target LM head on features (..., H) -> (..., V), in float32."""
@@ -210,7 +220,7 @@ class EagleHead(nn.Module):
 
     def initial_hidden(self, features: torch.Tensor) -> torch.Tensor:
         """What the first step reads from the target's features (..., L, H) -> (..., H)."""
-        return features[..., 0, :].to(self.fc.weight.dtype)
+        return features[..., 0, :].to(self._compute_dtype())
 
     def step(
         self,
@@ -229,7 +239,7 @@ class EagleHead(nn.Module):
         Returns predicted next features (B, Q, H).
         """
         # [embedding; feature], the reference's order, so its checkpoints map one to one
-        x = self.fc(torch.cat([token_embeds, feats.to(self.fc.weight.dtype)], dim=-1))
+        x = self.fc(torch.cat([token_embeds, feats.to(token_embeds.dtype)], dim=-1))
         cos, sin = self.target.rotary_embedding()(x, position_ids)
         return self.layer(
             x,
@@ -462,7 +472,7 @@ class Eagle3Head(EagleHead):
     # -- the head ------------------------------------------------------------------------
 
     def initial_hidden(self, features: torch.Tensor) -> torch.Tensor:
-        f = features[..., :3, :].to(self.fc.weight.dtype).flatten(-2)
+        f = features[..., :3, :].to(self._compute_dtype()).flatten(-2)
         if self.cfg.norm_before_fc:
             f = self.input_norm(f)
         return self.fc(f)
@@ -489,13 +499,12 @@ class Eagle3Head(EagleHead):
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h) if self.cfg.norm_output else h
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.target.embed_tokens(ids.to(self.target.device)).to(self.lm_head.weight.dtype)
-
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., draft_vocab) float32. ``h`` is what ``step`` returns (already
-        normed when ``norm_output``)."""
-        return self.lm_head(h if self.cfg.norm_output else self.norm(h)).float()
+    def draft_logits(self, h: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """(..., H) -> (..., draft_vocab), float32 unless ``float32=False`` (the compute
+        dtype, for a loss that reads them once). ``h`` is what ``step`` returns (already normed
+        when ``norm_output``)."""
+        z = self.lm_head(h if self.cfg.norm_output else self.norm(h))
+        return z.float() if float32 else z
 
     def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # over the draft vocabulary only, then mapped to target ids (no V-wide tensor)
@@ -543,7 +552,7 @@ class Eagle3Head(EagleHead):
                 loss = loss + 0.0 * pred.sum()
                 continue
             idx = row_of[rows[0], rows[1] + j]  # position_mask: s + j is labelled
-            d_logits = self.draft_logits(pred[rows])
+            d_logits = self.draft_logits(pred[rows], float32=False)
             ce = soft_cross_entropy_probs(d_logits, t_prob.index_select(0, idx))
             loss = loss + w * ce
             acc = (d_logits.detach().argmax(-1) == t_arg.index_select(0, idx)).float().sum()
@@ -828,9 +837,10 @@ def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tenso
 def soft_cross_entropy_probs(
     student_logits: torch.Tensor, teacher_probs: torch.Tensor
 ) -> torch.Tensor:
-    """``soft_cross_entropy`` with the teacher given as probabilities (N, V), each row summing
-    to 1: -sum_x p(x) log q(x) averaged over rows, in one fused kernel (log-softmax, product
-    and sum) in float32."""
+    """``soft_cross_entropy`` with the teacher given as probabilities: student logits (N, V)
+    (any float dtype), teacher probabilities (N, V), rows summing to 1 -> -sum_x p(x) log q(x)
+    averaged over rows, a float32 scalar, through torch's fused cross-entropy with probability
+    targets (one log-softmax, product and sum)."""
     return F.cross_entropy(student_logits.float(), teacher_probs.float())
 
 

