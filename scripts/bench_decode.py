@@ -85,6 +85,11 @@ def main() -> None:
             f"{pos} | {f(r['tokens_per_second'], 1)} | {f(r['ar_tokens_per_second'], 1)} | "
             f"{f(r['speedup'])} | {f(r['predicted_speedup'])} | {f(r['draft_cost_ratio'], 3)} | "
             f"{r['gamma_used']} | {f(100 * r['time_s']['other_fraction'], 1)}% | {r['lossless']}"
+            + (
+                f" ({r['divergences']} divergences, {r['near_tie_divergences']} near-ties)"
+                if r.get("divergences")
+                else ""
+            )
             + (f" (TVD {r['mean_tvd']:.3f})" if r.get("mean_tvd") is not None else "")
             + " |"
         )

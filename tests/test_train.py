@@ -361,3 +361,18 @@ def test_checkpoint_of_another_configuration_is_named_not_half_loaded(data_file,
     three = {**medusa, "method.num_heads": 3, "train.max_steps": 4, "resume": "true"}
     with pytest.raises(CheckpointError, match="does not fit this draft"):
         run(compose(tiny_overrides(data_file, other, **three, **{"train.eval_every": 0})))
+
+
+def test_one_process_may_train_again_with_another_mixed_precision():
+    """accelerate keeps one process-wide state; a notebook or a test session that trains in
+    fp32 and then in bf16 must not be refused (CI failed on this once)."""
+    from accelerate import Accelerator
+
+    from trainer.train import _allow_new_precision
+
+    _allow_new_precision("no")
+    assert Accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
+    _allow_new_precision("bf16")
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+    _allow_new_precision("no")
+    assert Accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
