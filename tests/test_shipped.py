@@ -30,7 +30,11 @@ def test_shipped_draft_is_present_bf16_and_small(name):
     assert torch.bfloat16 in dtypes and torch.float32 not in dtypes
 
 
-@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+@pytest.mark.parametrize(
+    "tree",
+    [{"tree": "chain"}, {"tree": "dynamic", "depth": 4, "top_k": 4, "total_tokens": 16}],
+    ids=["chain", "dynamic"],
+)
 def test_shipped_eagle3_decodes_greedily_lossless_on_two_prompts(tree):
     from data.chat import prompt_ids
     from decoding.decoder import NoDraft, SpeculativeDecoder
@@ -39,10 +43,12 @@ def test_shipped_eagle3_decodes_greedily_lossless_on_two_prompts(tree):
     from models.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(name="smollm2_135m", device="cpu", dtype="float32"))
-    prop, desc = load_proposer("smollm2-eagle3", target, tree={"tree": tree})
+    prop, desc = load_proposer("smollm2-eagle3", target, tree=tree)
     assert "eagle3" in desc
     stop = {target.tokenizer.eos_token_id}
-    dec = SpeculativeDecoder(target, prop, Sampling(), gamma=4, adaptive=False)
+    dec = SpeculativeDecoder(
+        target, prop, Sampling(), gamma=getattr(prop, "tree_depth", None) or 4, adaptive=False
+    )
     for text in PROMPTS:
         prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": text}])
         ref = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(
