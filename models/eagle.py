@@ -625,10 +625,14 @@ class EagleProposer:
         self.cache: DynamicCache | None = None
         self.done = 0  # committed pairs held by the head's cache
 
-    def start(self, state: DecodeState) -> None:
+    def reset(self) -> None:
+        """Forget every fed pair (an empty draft KV cache)."""
         self.cache = DynamicCache()
         self.done = 0
         self.last_step_seconds = None
+
+    def start(self, state: DecodeState) -> None:
+        self.reset()
         if len(state.ids) > 2:  # the prompt's pairs now, so drafting times only draft steps
             self._catch_up(state, upto=len(state.ids) - 2)
 

@@ -90,16 +90,26 @@ class Format:
     weights_file: str
     layer_prefix: str  # where the decoder layer's parameters live
     description: str
+    # The format carries the target's input embedding (``embed_tokens.weight``, frozen): its
+    # own loader reads it from the checkpoint rather than from the verifier.
+    embeds: bool = False
 
 
 FORMATS = {
     "sglang": Format("sglang", "eagle3", "model.safetensors", "midlayer.", "EAGLE-3 for SGLang"),
     "vllm": Format("vllm", "eagle3", "model.safetensors", "midlayer.", "EAGLE-3 for vLLM"),
+    # speculators' Eagle3DraftModel.from_pretrained leaves embed_tokens zero when a checkpoint
+    # lacks it (its own trainer always writes it); vLLM reads it when present.
     "speculators": Format(
-        "speculators", "eagle3", "model.safetensors", "layers.0.", "EAGLE-3, vLLM speculators"
+        "speculators",
+        "eagle3",
+        "model.safetensors",
+        "layers.0.",
+        "EAGLE-3, vLLM speculators",
+        embeds=True,
     ),
     "eagle1": Format(
-        "eagle1", "eagle1", "pytorch_model.bin", "layers.0.", "EAGLE-1 reference layout"
+        "eagle1", "eagle1", "pytorch_model.bin", "layers.0.", "EAGLE-1 reference layout", True
     ),
     "medusa": Format(
         "medusa",
@@ -173,7 +183,9 @@ def expected_shapes(
         if input_norm:
             s["input_norm.weight"] = (3 * H,)
     else:
-        s.update({"fc.weight": (H, 2 * H), "fc.bias": (H,), "embed_tokens.weight": (V, H)})
+        s.update({"fc.weight": (H, 2 * H), "fc.bias": (H,)})
+    if fmt.embeds:
+        s["embed_tokens.weight"] = (V, H)
     return s
 
 
@@ -292,6 +304,7 @@ def export_tensors(head: EagleHead, fmt: Format, dtype: torch.dtype) -> dict[str
             out[fmt.layer_prefix + k] = v
         out["fc.weight"] = head.fc.weight
         out["fc.bias"] = head.fc.bias
+    if fmt.embeds:
         out["embed_tokens.weight"] = head.target.embed_tokens.weight
     return {
         k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
@@ -557,9 +570,9 @@ def proposals(head: EagleHead, prompt: list[int], gamma: int = 6) -> dict[str, l
     out: dict[str, Any] = {}
     catch = head.proposer()
     state = DecodeState(list(prompt), feats, Sampling(), None, target.device)
-    catch.start(state)
+    catch.reset()  # not start(): that feeds the prompt's pairs already
     h = catch._catch_up(state, upto=len(prompt) - 1)  # the head over every committed pair
-    out["logits"] = head.vocab_logits(h[0])  # (T, V); -inf outside a draft vocabulary
+    out["logits"] = head.vocab_logits(h[0])  # (T - 1, V); -inf outside a draft vocabulary
     for name, prop in (
         ("chain", head.proposer()),
         ("tree", head.proposer(tree="dynamic", depth=4, top_k=4, total_tokens=16)),
