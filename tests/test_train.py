@@ -88,6 +88,30 @@ def test_run_writes_metrics_checkpoints_and_final(data_file, tmp_path):
         assert (ck / f).exists()
 
 
+def test_lr_schedule_decays_over_the_steps_the_epochs_allow(data_file, tmp_path):
+    """With epochs binding before max_steps, the schedule ends at the last step of the last
+    epoch (it once decayed over max_steps and stayed near the peak)."""
+    out = tmp_path / "run"
+    s = _run(
+        data_file,
+        out,
+        **{
+            "train.max_steps": 100000,
+            "train.epochs": 1,
+            "train.log_every": 1,
+            "train.eval_every": 0,
+            "optim.schedule": "linear",
+            "optim.warmup_steps": 0,
+            "optim.min_lr_ratio": 0.0,
+        },
+    )
+    lrs = [r["lr"] for r in read_metrics(out) if "lr" in r]
+    n = s["step"]
+    assert len(lrs) == n > 2 and all(b < a for a, b in zip(lrs, lrs[1:]))
+    peak = compose(tiny_overrides(data_file, out)).optim.lr
+    assert lrs[-1] == pytest.approx(peak / n, rel=1e-6)  # 1 - (n-1)/n of the peak
+
+
 @pytest.fixture(scope="module")
 def full_run(data_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("full") / "run"

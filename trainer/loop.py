@@ -32,13 +32,15 @@ class LoopState:
     world_size: int = 1
     last_val: dict[str, float] = field(default_factory=dict)
     last_val_step: int = -1
+    planned_steps: int = 0  # min(max_steps, the steps the epochs allow); set by fit()
 
 
 def make_schedule(cfg: Any, max_steps: int, max_seconds: float | None, state: LoopState):
     """lr multiplier for LambdaLR: linear warmup, then cosine/linear decay to ``min_lr_ratio``.
-    Progress is the larger of step/max_steps and elapsed/max_minutes, so time-budgeted runs
-    decay too. A plain function on purpose: LambdaLR saves (and on load overwrites) the
-    attributes of callable objects, and the progress lives in ``state``, saved by the loop."""
+    Progress is the larger of step/planned steps and elapsed/max_minutes, so time-budgeted runs
+    decay too; the planned steps are ``state.planned_steps`` (the fewer of ``max_steps`` and
+    what the epochs allow, set by ``fit``) or ``max_steps`` before that. A plain function on
+    purpose: LambdaLR saves (and on load overwrites) the attributes of callable objects, and the progress lives in ``state``, saved by the loop."""
     if cfg.schedule not in ("cosine", "linear", "constant"):
         raise ValueError(f"optim.schedule={cfg.schedule!r}: use cosine, linear or constant")
 
@@ -47,7 +49,8 @@ def make_schedule(cfg: Any, max_steps: int, max_seconds: float | None, state: Lo
             return (step + 1) / cfg.warmup_steps
         if cfg.schedule == "constant":
             return 1.0
-        p = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
+        total = state.planned_steps or max_steps
+        p = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
         if max_seconds:
             p = max(p, state.elapsed / max_seconds)
         p = min(max(p, 0.0), 1.0)
@@ -177,6 +180,7 @@ def fit(
         total = min(tc.max_steps, per_epoch * tc.epochs)
     except TypeError:
         total = tc.max_steps
+    state.planned_steps = total  # the lr schedule decays over these
     show = tc.progress and accelerator.is_main_process
     if max_seconds:  # a time budget: the bar counts its seconds (steps go in the postfix)
         bar = tqdm(
@@ -251,6 +255,7 @@ def fit(
                                 method.parameters(), cfg.optim.max_grad_norm
                             )
                             add_metrics(window, {"grad_norm": metric(gn, 1)})
+                        step_lr = scheduler.get_last_lr()[0]  # what this step used
                         optimizer.step()
                         if accelerator.sync_gradients:
                             scheduler.step()
@@ -287,7 +292,7 @@ def fit(
                     row = reduce_metrics(sum_across_processes(accelerator, window))
                     dt = max(now - window_start, 1e-9)
                     row["tokens_per_s"] = window_tokens * accelerator.num_processes / dt
-                    row["lr"] = scheduler.get_last_lr()[0]
+                    row["lr"] = step_lr
                     row["epoch"] = state.epoch
                     # training tokens so far (all processes) and seconds of training: the
                     # x-axes of learning curves that survive resumes
