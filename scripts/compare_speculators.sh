@@ -40,31 +40,58 @@ if [ ! -d prep_256/hidden_states ] && [ ! -f prep_256/.done ]; then
   kill $SERVER 2>/dev/null || true
   touch prep_256/.done
 fi
-SPEC_THREADS=$THREADS /usr/bin/time -v python "$PEER/train_cpu.py" --verifier-name-or-path "$SMOL" \
+rm -rf runs/spec
+SPEC_THREADS=$THREADS python "$PEER/train_cpu.py" --verifier-name-or-path "$SMOL" \
   --data-path prep_256 --speculator-type eagle3 --draft-attn-impl sdpa \
   --loss-implementation eager --hidden-states-dtype float32 --total-seq-len 256 \
   --num-workers 0 --epochs 1 --log-freq 10 --draft-vocab-size 8192 --optimizer adamw \
   --save-path runs/spec --log-dir runs/spec/logs 2>&1 | tee logs-speculators.txt
+# Their training time: from the first logged step to "Training epoch 1/1 completed" (log
+# timestamps, 1 s resolution; validation and model loading excluded, as in ours). Their tokens:
+# steps x the mean row length of prep_256 (one <= 256-token row per step).
+THEIR_STEPS=$(python -c "import json; print(json.load(open('runs/spec/0/training_state.json'))['global_step'])")
+python - "$THEIR_STEPS" <<'PY' | tee throughput-speculators.txt
+import re, sys
+from datetime import datetime
+from datasets import load_from_disk
+steps = int(sys.argv[1])
+text = open("logs-speculators.txt", errors="replace").read()
+stamps = [(m.start(), m.group(1)) for m in re.finditer(r"\[(\d\d:\d\d:\d\d)\]", text)]
+def stamp_before(pos):
+    return datetime.strptime([s for p, s in stamps if p <= pos][-1], "%H:%M:%S")
+t0 = stamp_before(text.index("train/loss_0="))
+t1 = stamp_before(text.index("Training epoch 1/1 completed"))
+d = load_from_disk("prep_256")
+mean = sum(int(x) for x in d["seq_len"]) / len(d)
+sec = (t1 - t0).total_seconds()
+print(f"speculators: {steps} steps in {sec:.0f} s, ~{steps * mean:.0f} tokens "
+      f"({mean:.0f}/row): {steps * mean / sec:.0f} tokens/s")
+PY
 
-# -- ours: the same rows, length, vocabulary, epoch, TTT steps (3, undecayed), optimizer (AdamW
-# lr 1e-3, betas 0.9/0.999, weight decay 0.01, linear decay to 0, clip 1.0) and validation
-# share (10%); one conversation per step (theirs packs 256 tokens per step: ~1 row).
+# -- ours: the same rows, length, vocabulary, TTT steps (3, undecayed), optimizer (AdamW lr 1e-3,
+# betas 0.9/0.999, weight decay 0.01, linear decay to 0, clip 1.0) and validation share (10%);
+# one conversation per step (theirs packs 256 tokens per step: ~1 row).
 OURS=(method=eagle3 "data.path=$WORK/data/sharegpt_${ROWS}.jsonl" data.max_length=256
   data.batch_size=1 data.val_fraction=0.1 data.max_val_records=64 data.cache_features=true
-  method.draft_vocab_size=8192 method.ttt_steps=3 method.step_decay=1.0 train.epochs=1
-  train.max_steps=100000 train.eval_every=0 train.save_every=0 train.log_every=10
+  method.draft_vocab_size=8192 method.ttt_steps=3 method.step_decay=1.0
+  train.eval_every=0 train.save_every=0 train.log_every=10
   "train.threads=$THREADS" optim.lr=1e-3 "optim.betas=[0.9,0.999]" optim.weight_decay=0.01
   optim.schedule=linear optim.min_lr_ratio=0.0 optim.warmup_steps=3 optim.max_grad_norm=1.0)
 # build the feature cache first (theirs is built by generate-offline-data, also untimed)
 specdraft-train "${OURS[@]}" train.max_steps=1 "output_dir=$WORK/runs/ours-cache" train.progress=false
-specdraft-train "${OURS[@]}" "output_dir=$WORK/runs/ours" 2>&1 | tee logs-ours.txt
+# throughput: one epoch (we keep fewer rows than they do: a conversation whose first assistant
+# token lies beyond 256 is dropped, where their prepare-data splits long conversations)
+rm -rf runs/ours runs/ours-equal
+specdraft-train "${OURS[@]}" train.epochs=1 "output_dir=$WORK/runs/ours" 2>&1 | tee logs-ours.txt
+# acceptance at equal steps: as many optimizer steps as theirs took (into a second epoch)
+specdraft-train "${OURS[@]}" train.epochs=2 "train.max_steps=$THEIR_STEPS" \
+  "output_dir=$WORK/runs/ours-equal" 2>&1 | tee logs-ours-equal.txt
 
 # -- both heads through our evaluator: MT-bench first turns, T=0, chains of 3 (fixed gamma, so
 # every position is tested)
-CK=$(ls -d runs/spec/*/ | grep -v logs | sort -V | tail -1)
-for d in "$CK" "$WORK/runs/ours"; do
+for d in runs/spec/0 "$WORK/runs/ours-equal"; do
   name=$(basename "$d")
   specdraft-eval "draft=$d" bench=mt_bench "num_prompts=$PROMPTS" max_new_tokens=96 \
     temperature=0 tree=chain gamma=3 adaptive=false "report=$WORK/eval-$name.json"
 done
-echo "speculators checkpoint: $CK; logs: logs-speculators.txt, logs-ours.txt; reports: eval-*.json"
+echo "logs: logs-speculators.txt, logs-ours.txt, logs-ours-equal.txt; reports: eval-*.json"
