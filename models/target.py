@@ -296,14 +296,50 @@ def load_target(cfg: TargetConfig) -> Target:
     if getattr(tok, "chat_template", None) is None:
         raise TargetError(f"{where}: the tokenizer has no chat template")
     model = model.to(device)
-    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    return Target(model, tok, target_identity(where, model.config.to_dict()), cfg)
+
+
+# config keys that say how a model was loaded or saved, not what it computes
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "_name_or_path",
+        "_commit_hash",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+    }
+)
+
+
+def _stable_config(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _stable_config(v) for k, v in d.items() if k not in _VOLATILE_CONFIG_KEYS}
+    return d
+
+
+def target_identity(where: str, config: dict, sample_bytes: int = 1 << 20) -> str:
+    """``<folder or hub name>:<12 hex>``: a hash of the model's config (less how it was loaded:
+    dtype, attention implementation, transformers version) and, for a local folder, of each
+    weight file's name, size and three ``sample_bytes`` samples of its content (start, middle,
+    end). The same weights give the same identity on any machine and at any dtype (a draft
+    trained here is recognised on a fresh machine that converted the target again); weights
+    changed in place give another (no stale feature cache is reused)."""
+    h = hashlib.sha256(json.dumps(_stable_config(config), sort_keys=True, default=str).encode())
     local = Path(where).expanduser()
-    if local.is_dir():  # weights changed in place must not reuse old feature caches
+    if local.is_dir():
         for f in sorted(local.glob("*.safetensors")) + sorted(local.glob("*.bin")):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    cfg_hash = h.hexdigest()[:12]
-    return Target(model, tok, f"{Path(where).name}:{cfg_hash}", cfg)
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with f.open("rb") as fh:
+                for at in sorted(
+                    {0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)}
+                ):
+                    fh.seek(at)
+                    h.update(fh.read(sample_bytes))
+    return f"{Path(where).name}:{h.hexdigest()[:12]}"
 
 
 @dataclass
