@@ -107,9 +107,45 @@ def test_lr_schedule_decays_over_the_steps_the_epochs_allow(data_file, tmp_path)
     )
     lrs = [r["lr"] for r in read_metrics(out) if "lr" in r]
     n = s["step"]
-    assert len(lrs) == n > 2 and all(b < a for a, b in zip(lrs, lrs[1:]))
+    assert len(lrs) == n > 2 and all(b < a for a, b in zip(lrs, lrs[1:], strict=False))
     peak = compose(tiny_overrides(data_file, out)).optim.lr
     assert lrs[-1] == pytest.approx(peak / n, rel=1e-6)  # 1 - (n-1)/n of the peak
+
+
+def test_init_from_starts_at_a_saved_drafts_weights(data_file, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from models.base import DraftError
+
+    a = tmp_path / "a"
+    _run(data_file, a, **{"train.max_steps": 3, "train.eval_every": 0})
+    b = tmp_path / "b"
+    _run(
+        data_file,
+        b,
+        **{
+            "train.init_from": str(a),
+            "train.max_steps": 1,
+            "optim.lr": 1e-12,
+            "train.eval_every": 0,
+        },
+    )
+    wa, wb = (
+        load_file(str(a / "final" / "model.safetensors")),
+        load_file(str(b / "final" / "model.safetensors")),
+    )
+    assert wa.keys() == wb.keys()
+    for k in wa:  # one step at lr 1e-12 from a's weights: a's weights
+        torch.testing.assert_close(wb[k].float(), wa[k].float(), atol=1e-6, rtol=0)
+    fresh = tmp_path / "fresh"
+    _run(data_file, fresh, **{"train.max_steps": 1, "optim.lr": 1e-12, "train.eval_every": 0})
+    wf = load_file(str(fresh / "final" / "model.safetensors"))
+    assert any(not torch.allclose(wf[k].float(), wa[k].float()) for k in wa)  # not by chance
+    with pytest.raises(DraftError, match="is a eagle1 draft; this run trains eagle3"):
+        _run(data_file, tmp_path / "c", **{"method": "eagle3", "train.init_from": str(a)})
+    with pytest.raises(DraftError, match="not a saved draft"):
+        _run(data_file, tmp_path / "d", **{"train.init_from": str(tmp_path / "nothing")})
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,10 @@ class TrainConfig:
     threads: int | None = None  # torch CPU threads (None: torch's default)
     progress: bool = True
     record_samples: bool = False  # samples-rank{r}.jsonl: the sample indices of every step
+    # start from a saved draft's weights (a run dir, saved draft or checkpoint folder, or a
+    # shipped name such as smollm2-eagle3) instead of a fresh head; an EAGLE-3 draft keeps its
+    # draft vocabulary. The optimizer starts fresh (``resume=`` continues a run exactly).
+    init_from: str | None = None
     eval_after: EvalAfterConfig = field(default_factory=EvalAfterConfig)
 
 

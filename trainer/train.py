@@ -196,7 +196,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     method_cfg = OmegaConf.to_object(cfg.method)
     method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
-    if hasattr(method, "init_from_data"):  # e.g. a vocabulary chosen from the training data
+    if cfg.train.init_from:
+        init_from_draft(method, str(cfg.train.init_from), target, method_cfg.name, log)
+    elif hasattr(method, "init_from_data"):  # e.g. a vocabulary chosen from the training data
         method.init_from_data(data.train, log)
     n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
     log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
@@ -422,6 +424,43 @@ def _to_device(loader, device):
             return len(self.inner)
 
     return _Moved(loader)
+
+
+def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
+    """Load a saved draft's weights (and buffers: an EAGLE-3 draft vocabulary) into ``method``
+    before training. ``spec``: a run dir, a saved draft or checkpoint folder, or a shipped name.
+    ``DraftError`` naming the folder when it is no saved draft, another method, or a draft
+    whose shapes this run's settings do not match."""
+    from decoding.drafts import resolve_draft_dir
+    from models.base import read_draft_config
+    from models.shipped import shipped_draft
+
+    path = shipped_draft(spec) or Path(spec).expanduser()
+    folder = resolve_draft_dir(path) if path.exists() else None
+    if folder is None:
+        raise DraftError(
+            f"train.init_from={spec}: not a saved draft, run directory or shipped draft name"
+        )
+    kind = read_draft_config(folder)["specdraft"].get("method")
+    if kind != name:
+        raise DraftError(
+            f"train.init_from={spec}: {folder} is a {kind} draft; this run trains {name}"
+        )
+    src = METHODS[kind].load_draft(folder, target)
+    mine, theirs = method.state_dict(), src.state_dict()
+    bad = [k for k in mine if k in theirs and mine[k].shape != theirs[k].shape]
+    missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    if bad or missing or extra:
+        what = (
+            f"{bad[0]} is {tuple(theirs[bad[0]].shape)} there, {tuple(mine[bad[0]].shape)} here"
+            if bad
+            else (f"it lacks {missing[:3]}" if missing else f"it has {extra[:3]}, this run not")
+        )
+        raise DraftError(
+            f"train.init_from={spec}: {folder} does not fit this run's method settings ({what})"
+        )
+    method.load_state_dict(theirs)
+    log(f"init_from: started from the weights of {folder}")
 
 
 def _fused_adamw_ok(groups) -> bool:
