@@ -25,7 +25,13 @@ from models.base import DecodeState, Proposal, crop_cache
 from models.sampling import Sampling, warp
 from models.target import Target
 
-from .verify import verify_greedy, verify_sampled, verify_typical
+from .verify import (
+    lenient_tvd,
+    verify_greedy,
+    verify_greedy_lenient,
+    verify_sampled,
+    verify_typical,
+)
 
 
 def keep_cache_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
@@ -61,10 +67,13 @@ class Stats:
     t_prefill: float = 0.0
     t_draft: float = 0.0
     t_total: float = 0.0  # wall time of generate(), prefill included
-    # typical acceptance only: summed TVD between each emitted token's distribution and the
-    # target's at that position, over ``tvd_tokens`` emitted tokens (0 for exact decoding)
+    # typical acceptance and lenience < 1 at T > 0: summed TVD between each emitted token's
+    # distribution and the target's at that position, over ``tvd_tokens`` emitted tokens (0 for
+    # exact decoding)
     tvd_sum: float = 0.0
     tvd_tokens: int = 0
+    # lenience < 1 at T = 0: accepted draft tokens that are not the target's argmax
+    off_argmax: int = 0
     # the proposer's own measure of one draft step (catching up on tokens committed while it
     # was idle left out), summed over the iterations that measured one
     step_seconds_sum: float = 0.0
@@ -94,6 +103,7 @@ class Stats:
             "t_total",
             "tvd_sum",
             "tvd_tokens",
+            "off_argmax",
             "step_seconds_sum",
             "step_samples",
         ):
@@ -315,16 +325,36 @@ class SpeculativeDecoder:
         typical_epsilon: float = 0.09,
         typical_delta: float = 0.3,
         record_logits: bool = False,
+        lenience: float = 1.0,
     ):
         """``acceptance``: ``exact`` (speculative sampling: the output follows the target
         exactly) or ``typical`` (Medusa's typical acceptance at T > 0 with ``typical_epsilon``
         and ``typical_delta``: longer accepted runs, but the output distribution moves; the
-        per-token TVD is measured in ``stats``). Greedy decoding (T = 0) is exact either way."""
+        per-token TVD is measured in ``stats``). Greedy decoding (T = 0) is exact either way.
+
+        ``lenience`` l in (0, 1]: 1 is exact; below 1 a drafted x is accepted with probability
+        min(1, p(x) / (l q(x))) at T > 0 (chains only; the per-token TVD from the target is
+        measured in ``stats``), and when p(x) >= l * max p at T = 0 (``stats.off_argmax``
+        counts accepted tokens that are not the argmax). NOT lossless below 1."""
         if gamma < 0:
             raise ValueError(f"gamma={gamma}: must be >= 0")
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance={acceptance!r}: use exact or typical")
+        if not 0.0 < lenience <= 1.0:
+            raise ValueError(f"lenience={lenience}: must be in (0, 1] (1: exact)")
+        if lenience < 1.0 and acceptance == "typical":
+            raise ValueError(
+                f"lenience={lenience} with acceptance=typical: two lossy acceptance rules at "
+                "once; use one"
+            )
+        tree = getattr(proposer, "tree_depth", None) is not None
+        if lenience < 1.0 and tree and not sampling.greedy:
+            raise ValueError(
+                f"lenience={lenience} at T > 0 is implemented for chains (its TVD is exact "
+                "there); use tree=chain, or T = 0"
+            )
         self.acceptance = acceptance
+        self.lenience = lenience
         # keep, for the last generate() call, the target's logits row that decided each new
         # token (``last_logits``): how a divergence between two decodings is classified
         self.record_logits = record_logits
@@ -453,8 +483,19 @@ class SpeculativeDecoder:
                 else self._forward_tree(state.ids[-1], prop, cache, base)
             )
             tvd = None
-            if self.sampling.greedy:
+            if self.sampling.greedy and self.lenience < 1.0:
+                verdict, off = verify_greedy_lenient(
+                    prop.tokens, prop.parents, logits, self.lenience
+                )
+                st.off_argmax += off
+            elif self.sampling.greedy:
                 verdict = verify_greedy(prop.tokens, prop.parents, logits.argmax(-1).tolist())
+            elif self.lenience < 1.0:
+                p = warp(logits, self.sampling)
+                verdict = verify_sampled(
+                    prop.tokens, prop.parents, p, prop.q, self.generator, self.lenience
+                )
+                tvd = _lenient_chain_tvd(prop, p, len(verdict.path), self.lenience)
             elif self.acceptance == "typical":
                 verdict, tvd = verify_typical(
                     prop.tokens,
@@ -569,6 +610,20 @@ def _depths(p: Proposal) -> list[int]:
     for par in p.parents:
         d.append(1 if par < 0 else d[par] + 1)
     return d
+
+
+def _lenient_chain_tvd(prop: Proposal, p: torch.Tensor, accepted: int, lenience: float):
+    """Per emitted token of a lenient chain step: the TVD from p of the distribution that
+    emitted it (``lenient_tvd`` at each tested position; 0 for the bonus token after a fully
+    accepted chain, which is drawn from p)."""
+    n = len(prop)
+    out = []
+    for k in range(min(accepted + 1, n)):  # positions tested: the accepted ones + the rejected
+        q = prop.q[k] if prop.q is not None else torch.zeros_like(p[k])
+        if prop.q is None:
+            q[prop.tokens[k]] = 1.0
+        out.append(lenient_tvd(p[k], q, lenience))
+    return out + [0.0] * (accepted + 1 - len(out))
 
 
 def predicted_speedup(alpha: float, gamma_used: Counter | dict, c: float) -> float:

@@ -60,18 +60,56 @@ def verify_greedy(tokens: list[int], parents: list[int], target_argmax: list[int
         cur = nxt
 
 
+def verify_greedy_lenient(
+    tokens: list[int], parents: list[int], logits: torch.Tensor, lenience: float
+) -> tuple[Verdict, int]:
+    """T = 0 with lenience l in (0, 1), NOT exact: a drafted token x is accepted when the
+    target's p(x) >= l * max p (the first such child, in draft order); the token after the
+    accepted path is the target's argmax. logits: (N + 1, V) ([0]: after the root). Also
+    returns how many accepted tokens are not the target's argmax (what plain greedy decoding
+    would have emitted there)."""
+    kids = children_of(parents, len(tokens))
+    p = logits.float().softmax(-1)
+    top = p.max(-1)
+    path: list[int] = []
+    off = 0
+    cur = -1
+    while True:
+        row = cur + 1
+        nxt = next((c for c in kids[row] if p[row, tokens[c]] >= lenience * top.values[row]), None)
+        if nxt is None:
+            return Verdict(path, int(top.indices[row])), off
+        off += int(tokens[nxt] != int(top.indices[row]))
+        path.append(nxt)
+        cur = nxt
+
+
+def lenient_tvd(p: torch.Tensor, q: torch.Tensor, lenience: float) -> float:
+    """Total variation distance from p of what one lenient step emits: a draft x ~ q accepted
+    with probability min(1, p(x) / (l q(x))), else a token from norm(max(0, p - q)). Emitted:
+    e = min(q, p / l) + (1 - sum min(q, p / l)) * norm(max(0, p - q)); returns 1/2 |e - p|_1
+    (0 at l = 1, where e = p)."""
+    acc = torch.minimum(q, p / lenience)
+    e = acc + (1.0 - acc.sum()).clamp_min(0.0) * residual(p, q)
+    return float(0.5 * (e - p).abs().sum())
+
+
 def verify_sampled(
     tokens: list[int],
     parents: list[int],
     p: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | None,
+    lenience: float = 1.0,
 ) -> Verdict:
     """T > 0: recursive rejection sampling over the tree.
 
     p: (N + 1, V) warped target distributions ([0]: after the root, [i + 1]: after node i).
     q: (N, V) the warped draft distribution each node's token was drawn from, or None for a
     deterministic proposer (a point mass on the proposed token).
+    lenience: l in (0, 1]; a drafted x is accepted with probability min(1, p(x) / (l q(x))).
+    l = 1 is exact speculative sampling; l < 1 accepts more and is NOT exact (``lenient_tvd``
+    measures how far one step's output moves from p).
     """
     kids = children_of(parents, len(tokens))
     path: list[int] = []
@@ -84,7 +122,7 @@ def verify_sampled(
             qc = q[c] if q is not None else _one_hot(x, dist)
             # q(x) = 0 means x could not have been drawn from q (no proposer does this); never
             # let it emit a token the target gives probability 0
-            ratio = dist[x] / qc[x] if qc[x] > 0 else (dist[x] > 0).float()
+            ratio = dist[x] / (lenience * qc[x]) if qc[x] > 0 else (dist[x] > 0).float()
             u = torch.rand((), generator=generator, device=dist.device)
             if u < ratio:
                 path.append(c)

@@ -72,16 +72,20 @@ def main() -> None:
         "| c | gamma used | outside forwards | lossless |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    # (typical acceptance: "lossless" is False and the mean per-token TVD from the target
-    # follows in brackets)
+    # (typical acceptance and lenience < 1: "lossless" is False and the mean per-token TVD from
+    # the target, or at T = 0 the share of tokens that are not the target's argmax, follows in
+    # brackets)
 
     def f(x, nd=2):
         return "-" if x is None else f"{x:.{nd}f}"
 
     for _d, t, r in rows:
         pos = " ".join(f(a) for a in (r["alpha_per_position"] or [])[:5])
+        desc = r["settings"]["draft_description"]
+        if r.get("lenience", 1.0) < 1:
+            desc += f", lenience {r['lenience']:g}"
         print(
-            f"| {r['settings']['draft_description']} | {t:g} | {f(r['tau'])} | {f(r['alpha'])} | "
+            f"| {desc} | {t:g} | {f(r['tau'])} | {f(r['alpha'])} | "
             f"{pos} | {f(r['tokens_per_second'], 1)} | {f(r['ar_tokens_per_second'], 1)} | "
             f"{f(r['speedup'])} | {f(r['predicted_speedup'])} | {f(r['draft_cost_ratio'], 3)} | "
             f"{r['gamma_used']} | {f(100 * r['time_s']['other_fraction'], 1)}% | {r['lossless']}"
@@ -91,6 +95,11 @@ def main() -> None:
                 else ""
             )
             + (f" (TVD {r['mean_tvd']:.3f})" if r.get("mean_tvd") is not None else "")
+            + (
+                f" ({100 * r['off_argmax_rate']:.1f}% of tokens off the argmax)"
+                if r.get("off_argmax_rate") is not None
+                else ""
+            )
             + " |"
         )
 

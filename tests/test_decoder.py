@@ -319,3 +319,46 @@ def test_eagle_proposers_start_from_a_one_token_prompt(tiny_target, tree):
 def test_out_of_range_sampling_settings_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
         Sampling(**kwargs)
+
+
+def test_lenience_accepts_more_and_says_how_far_it_moves(tiny_target):
+    """lenience < 1 (lossy): at T = 0 more drafted tokens are accepted than with exact
+    verification and the accepted ones that are not the target's argmax are counted; at T > 0
+    the per-token TVD from the target is measured. l = 1 is exact."""
+    draft = proposers(tiny_target)["truncate:1"]
+    runs = {}
+    for len_ in (1.0, 0.3):
+        dec = SpeculativeDecoder(
+            tiny_target, draft, Sampling(), gamma=3, adaptive=False, lenience=len_
+        )
+        out = dec.generate(PROMPT, 48)
+        runs[len_] = (out, dec.stats)
+    assert runs[1.0][0] == ar_greedy(tiny_target, PROMPT, 48) and runs[1.0][1].off_argmax == 0
+    exact, lenient = runs[1.0][1], runs[0.3][1]
+    assert lenient.alpha > exact.alpha and lenient.off_argmax > 0
+    dec = SpeculativeDecoder(
+        tiny_target, draft, Sampling(1.0), gamma=3, adaptive=False, seed=1, lenience=0.3
+    )
+    dec.generate(PROMPT, 48)
+    assert dec.stats.tvd_tokens == dec.stats.new_tokens and dec.stats.mean_tvd > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"lenience": 0.0}, "lenience=0.0"),
+        ({"lenience": 1.5}, "lenience=1.5"),
+        ({"lenience": 0.5, "acceptance": "typical"}, "two lossy"),
+    ],
+)
+def test_out_of_range_lenience_is_refused(tiny_target, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SpeculativeDecoder(tiny_target, NGramProposer(), Sampling(1.0), gamma=2, **kwargs)
+
+
+def test_lenience_with_trees_at_t_above_zero_is_refused(tiny_target):
+    prop = EagleHead(tiny_target, Eagle1Config()).proposer(
+        tree="dynamic", depth=2, top_k=2, total_tokens=4
+    )
+    with pytest.raises(ValueError, match="tree=chain"):
+        SpeculativeDecoder(tiny_target, prop, Sampling(1.0), gamma=2, lenience=0.5)

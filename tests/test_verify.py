@@ -118,3 +118,61 @@ def test_a_token_the_draft_could_not_have_drawn_is_never_emitted_where_p_is_zero
     g = torch.Generator().manual_seed(0)
     emitted = [verify.verify_sampled([0], [-1], p, q, g) for _ in range(2000)]
     assert all(v.path == [] and v.token != 0 for v in emitted)
+
+
+# -- lenience (lossy, measured) -----------------------------------------------------------------
+
+
+def _one_step_lenient(n: int, lenience: float, seed: int) -> tuple[torch.Tensor, int]:
+    """Counts of the first emitted token over ``n`` one-token lenient chains, and how many of
+    the drafted tokens were accepted."""
+    p1, _, q1, _ = _tables(0)
+    P, Q = warp(p1, Sampling(1.0)), warp(q1, Sampling(1.0))
+    g = torch.Generator().manual_seed(seed)
+    counts, acc = torch.zeros(V), 0
+    rows = torch.stack([P, P])  # after the root; after the drafted token (bonus, unused here)
+    for _ in range(n):
+        x = int(torch.multinomial(Q, 1, generator=g))
+        v = verify.verify_sampled([x], [-1], rows, Q[None], g, lenience=lenience)
+        acc += len(v.path)
+        counts[x if v.path else v.token] += 1
+    return counts, acc
+
+
+@pytest.mark.parametrize("lenience", [1.0, 0.5])
+def test_lenient_step_emits_the_stated_distribution(lenience):
+    """A drafted x ~ q is accepted with probability min(1, p(x) / (l q(x))); the emitted
+    token follows min(q, p / l) + (1 - sum min(q, p / l)) norm(max(0, p - q)) (= p at l = 1),
+    and acceptance is sum_x min(q, p / l)."""
+    p1, _, q1, _ = _tables(0)
+    P, Q = warp(p1, Sampling(1.0)), warp(q1, Sampling(1.0))
+    a = torch.minimum(Q, P / lenience)
+    e = a + (1 - a.sum()) * verify.residual(P, Q)
+    n = 8000
+    counts, acc = _one_step_lenient(n, lenience, seed=3)
+    assert _pvalue(counts[None], e[None]) > ALPHA_TEST
+    assert abs(acc / n - float(a.sum())) < 4 * (0.25 / n) ** 0.5  # 4 binomial SEs
+    tvd = verify.lenient_tvd(P, Q, lenience)
+    assert tvd == pytest.approx(float(0.5 * (e - P).abs().sum()), abs=1e-6)
+    if lenience == 1.0:
+        assert tvd < 1e-6
+    else:  # it accepts more often than exact sampling, and moves the output
+        assert float(a.sum()) > float(torch.minimum(Q, P).sum()) and tvd > 0.01
+
+
+def test_lenient_step_at_half_is_not_the_target():
+    """The statistical test can tell a lenient step from the target's own distribution."""
+    p1, _, _, _ = _tables(0)
+    counts, _ = _one_step_lenient(8000, 0.5, seed=3)
+    assert _pvalue(counts[None], warp(p1, Sampling(1.0))[None]) < ALPHA_TEST
+
+
+def test_lenient_greedy_accepts_within_the_factor_of_the_top_token():
+    # after the root: probabilities ~ [0.5, 0.3, 0.2]; token 1 is within 0.5 x top, token 2 not
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.6, 0.3, 0.1]]))
+    v, off = verify.verify_greedy_lenient([1, 2], [-1, 0], logits, 0.5)
+    assert v.path == [0, 1] and v.token == 0 and off == 1  # token 1 is off the argmax; 2 is it
+    v, off = verify.verify_greedy_lenient([2, 2], [-1, 0], logits, 0.5)
+    assert v.path == [] and v.token == 0 and off == 0  # 0.2 < 0.25: rejected, argmax emitted
+    v, off = verify.verify_greedy_lenient([1, 2], [-1, 0], logits, 0.7)
+    assert v.path == [] and v.token == 0  # 0.3 < 0.35
