@@ -96,7 +96,9 @@ def main() -> None:
         f"\n{target.identity}, {args.dtype}, {len(qs)} {args.bench} prompts (from #{args.skip}), "
         f"{positions} positions, greedy"
     )
-    print("| k | max abs change, any logit | chosen token's logit | top-1/top-2 gap | argmax flips | largest 1-token gap at a flip |")
+    print(
+        "| k | max abs change, any logit | chosen token's logit | top-1/top-2 gap | argmax flips | largest 1-token gap at a flip |"
+    )
     print("|---|---|---|---|---|---|")
     for k, st in stats.items():
         gaps = [g for _, _, g in st["flips"]]

@@ -55,7 +55,9 @@ def main() -> None:
     tmp.replace(dst / DRAFT_WEIGHTS)
     shutil.copyfile(src / "config.json", dst / "config.json")
     cfg = json.loads((dst / "config.json").read_text())
-    print(f"shipped {src} as {args.name}: {dst} ({mb:.1f} MB, bf16; method {cfg['specdraft']['method']})")
+    print(
+        f"shipped {src} as {args.name}: {dst} ({mb:.1f} MB, bf16; method {cfg['specdraft']['method']})"
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ speculators = pytest.importorskip(
 )
 
 
-@pytest.mark.parametrize("flags", [{}, {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}])
+@pytest.mark.parametrize(
+    "flags", [{}, {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}]
+)
 def test_speculators_loads_our_export_and_gives_our_logits(tmp_path, flags):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
