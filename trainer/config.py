@@ -46,6 +46,13 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine/linear)
+    # optim=muon (trainer/optim.py): Muon on the hidden matrices, AdamW (the settings above) on
+    # the rest; defaults are speculators' (muon_lr unset = lr)
+    muon_lr: float | None = None
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    muon_ns_steps: int = 5
+    muon_adjust_lr_fn: str = "match_rms_adamw"  # match_rms_adamw | original
 
 
 @dataclass
