@@ -5,6 +5,7 @@
 # both heads measured by specdraft-eval on the same prompts.
 #
 #   bash scripts/compare_speculators.sh PEER_DIR WORK_DIR [THREADS]
+#   OPTIMIZER=muon bash scripts/compare_speculators.sh ...   # both trainers with Muon + AdamW
 #
 # PEER_DIR: the CPU harness for speculators (../shared/peers/speculators: extract_sharegpt.py,
 # fake_vllm_hs.py, train_cpu.py). WORK_DIR: where the venv, data, runs and reports go. The venv
@@ -17,6 +18,8 @@ THREADS=${3:-2}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 ROWS=${ROWS:-300}
 PROMPTS=${PROMPTS:-20}
+OPTIMIZER=${OPTIMIZER:-adamw}   # adamw | muon: passed to both trainers
+TAG=$([ "$OPTIMIZER" = adamw ] && echo "" || echo "-$OPTIMIZER")
 cd "$WORK"
 if [ ! -x venv/bin/python ]; then
   python3 -m venv venv
@@ -40,22 +43,22 @@ if [ ! -d prep_256/hidden_states ] && [ ! -f prep_256/.done ]; then
   kill $SERVER 2>/dev/null || true
   touch prep_256/.done
 fi
-rm -rf runs/spec
+rm -rf "runs/spec$TAG"
 SPEC_THREADS=$THREADS python "$PEER/train_cpu.py" --verifier-name-or-path "$SMOL" \
   --data-path prep_256 --speculator-type eagle3 --draft-attn-impl sdpa \
   --loss-implementation eager --hidden-states-dtype float32 --total-seq-len 256 \
-  --num-workers 0 --epochs 1 --log-freq 10 --draft-vocab-size 8192 --optimizer adamw \
-  --save-path runs/spec --log-dir runs/spec/logs 2>&1 | tee logs-speculators.txt
+  --num-workers 0 --epochs 1 --log-freq 10 --draft-vocab-size 8192 --optimizer "$OPTIMIZER" \
+  --save-path "runs/spec$TAG" --log-dir "runs/spec$TAG/logs" 2>&1 | tee "logs-speculators$TAG.txt"
 # Their training time: from the first logged step to "Training epoch 1/1 completed" (log
 # timestamps, 1 s resolution; validation and model loading excluded, as in ours). Their tokens:
 # steps x the mean row length of prep_256 (one <= 256-token row per step).
-THEIR_STEPS=$(python -c "import json; print(json.load(open('runs/spec/0/training_state.json'))['global_step'])")
-python - "$THEIR_STEPS" <<'PY' | tee throughput-speculators.txt
+THEIR_STEPS=$(python -c "import json; print(json.load(open('runs/spec$TAG/0/training_state.json'))['global_step'])")
+python - "$THEIR_STEPS" "$TAG" <<'PY' | tee "throughput-speculators$TAG.txt"
 import re, sys
 from datetime import datetime
 from datasets import load_from_disk
 steps = int(sys.argv[1])
-text = open("logs-speculators.txt", errors="replace").read()
+text = open(f"logs-speculators{sys.argv[2]}.txt", errors="replace").read()
 stamps = [(m.start(), m.group(1)) for m in re.finditer(r"\[(\d\d:\d\d:\d\d)\]", text)]
 def stamp_before(pos):
     return datetime.strptime([s for p, s in stamps if p <= pos][-1], "%H:%M:%S")
@@ -76,21 +79,21 @@ OURS=(method=eagle3 "data.path=$WORK/data/sharegpt_${ROWS}.jsonl" data.max_lengt
   method.draft_vocab_size=8192 method.ttt_steps=3 method.step_decay=1.0
   train.eval_every=0 train.save_every=0 train.log_every=10
   "train.threads=$THREADS" optim.lr=1e-3 "optim.betas=[0.9,0.999]" optim.weight_decay=0.01
-  optim.schedule=linear optim.min_lr_ratio=0.0 optim.warmup_steps=3 optim.max_grad_norm=1.0)
+  "optim=$OPTIMIZER" optim.schedule=linear optim.min_lr_ratio=0.0 optim.warmup_steps=3 optim.max_grad_norm=1.0)
 # build the feature cache first (theirs is built by generate-offline-data, also untimed)
 specdraft-train "${OURS[@]}" train.max_steps=1 "output_dir=$WORK/runs/ours-cache" train.progress=false
 # throughput: one epoch (we keep fewer rows than they do: a conversation whose first assistant
 # token lies beyond 256 is dropped, where their prepare-data splits long conversations)
-rm -rf runs/ours runs/ours-equal
-specdraft-train "${OURS[@]}" train.epochs=1 "output_dir=$WORK/runs/ours" 2>&1 | tee logs-ours.txt
+rm -rf "runs/ours$TAG" "runs/ours-equal$TAG"
+specdraft-train "${OURS[@]}" train.epochs=1 "output_dir=$WORK/runs/ours$TAG" 2>&1 | tee "logs-ours$TAG.txt"
 # acceptance at equal steps: as many optimizer steps as theirs took (into a second epoch)
 specdraft-train "${OURS[@]}" train.epochs=2 "train.max_steps=$THEIR_STEPS" \
-  "output_dir=$WORK/runs/ours-equal" 2>&1 | tee logs-ours-equal.txt
+  "output_dir=$WORK/runs/ours-equal$TAG" 2>&1 | tee "logs-ours-equal$TAG.txt"
 
 # -- both heads through our evaluator: MT-bench first turns, T=0, chains of 3 (fixed gamma, so
 # every position is tested)
-for d in runs/spec/0 "$WORK/runs/ours-equal"; do
-  name=$(basename "$d")
+for d in "runs/spec$TAG/0" "$WORK/runs/ours-equal$TAG"; do
+  name=$(basename "$(dirname "$d")")-$(basename "$d")
   specdraft-eval "draft=$d" bench=mt_bench "num_prompts=$PROMPTS" max_new_tokens=96 \
     temperature=0 tree=chain gamma=3 adaptive=false "report=$WORK/eval-$name.json"
 done
