@@ -46,6 +46,7 @@ from .base import (
     read_draft_config,
     write_draft_config,
 )
+from .losses import check_head_loss, head_loss, soft_cross_entropy
 from .sampling import sample, warp
 from .target import Target
 
@@ -61,6 +62,9 @@ class Eagle1Config:
     noise: float = 0.2  # uniform feature noise, U(-noise/2, noise/2) per element
     val_positions: int = 5  # draft positions rolled out on the head's own features at validation
     lm_head_chunk: int = 2048  # rows per LM-head chunk (bounds memory for large vocabularies)
+    loss: str = (
+        "ce"  # token loss against the target: ce (soft cross-entropy) | tvd (models/losses.py)
+    )
     # The reference EAGLE-1 (and vLLM/SGLang's loaders) drop the decoder layer's input norm:
     # FC output goes straight into attention. True keeps the target layer's own input norm.
     input_norm: bool = False
@@ -78,6 +82,7 @@ class Eagle3Config:
     draft_vocab_size: int | None = None
     val_positions: int = 5
     lm_head_chunk: int = 2048
+    loss: str = "ce"  # per unrolled step, against the target: ce | tvd (models/losses.py)
     # Layout variants of vLLM's speculators trainer (its CLI defaults are all True), so its
     # checkpoints load and decode exactly; False everywhere is the EAGLE-3 reference layout.
     norm_before_fc: bool = False  # an RMSNorm (``input_norm``) over the 3H concatenation
@@ -180,6 +185,7 @@ class EagleHead(nn.Module):
     def __init__(self, target: Target, cfg: Eagle1Config):
         super().__init__()
         H = target.hidden_size
+        check_head_loss(cfg.loss)
         self.cfg = cfg
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.layer = target.new_decoder_layer(0, EAGLE_ATTENTION)
@@ -299,7 +305,7 @@ class EagleHead(nn.Module):
             with torch.no_grad():
                 t_logits = self.logits(f_next)
             d_logits = self.logits(p_hat)
-            cls = soft_cross_entropy(d_logits, t_logits)
+            cls = head_loss(self.cfg.loss, d_logits, t_logits.softmax(-1))
             acc = (d_logits.argmax(-1) == t_logits.argmax(-1)).float().sum()
         loss = self.cfg.w_reg * reg + self.cfg.w_cls * cls
         metrics = {
@@ -415,6 +421,7 @@ class Eagle3Head(EagleHead):
 
     def __init__(self, target: Target, cfg: Eagle3Config):
         nn.Module.__init__(self)
+        check_head_loss(cfg.loss)
         H, L, V = target.hidden_size, target.num_layers, target.config.vocab_size
         fuse = list(cfg.fuse_layers) if cfg.fuse_layers is not None else [2, L // 2, L - 3]
         fuse = [min(max(i, 1), L) for i in fuse] if cfg.fuse_layers is None else fuse
@@ -553,7 +560,7 @@ class Eagle3Head(EagleHead):
                 continue
             idx = row_of[rows[0], rows[1] + j]  # position_mask: s + j is labelled
             d_logits = self.draft_logits(pred[rows], float32=False)
-            ce = soft_cross_entropy_probs(d_logits, t_prob.index_select(0, idx))
+            ce = head_loss(self.cfg.loss, d_logits, t_prob.index_select(0, idx))
             loss = loss + w * ce
             acc = (d_logits.detach().argmax(-1) == t_arg.index_select(0, idx)).float().sum()
             metrics[f"loss_step{j}"] = metric(ce.detach() * n, n)
@@ -828,24 +835,6 @@ def feature_regression_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.T
     if pred.shape[0] == 0:
         return pred.sum() * 0.0
     return F.smooth_l1_loss(pred.float(), target.float())
-
-
-def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """-sum_x p(x) log q(x) averaged over rows; logits (N, V), p = softmax(teacher).
-
-    Equals KL(p || q) + H(p): minimised, for fixed p, exactly at q = p."""
-    p = teacher_logits.float().softmax(-1)
-    return -(p * student_logits.float().log_softmax(-1)).sum(-1).mean()
-
-
-def soft_cross_entropy_probs(
-    student_logits: torch.Tensor, teacher_probs: torch.Tensor
-) -> torch.Tensor:
-    """``soft_cross_entropy`` with the teacher given as probabilities: student logits (N, V)
-    (any float dtype), teacher probabilities (N, V), rows summing to 1 -> -sum_x p(x) log q(x)
-    averaged over rows, a float32 scalar, through torch's fused cross-entropy with probability
-    targets (one log-softmax, product and sum)."""
-    return F.cross_entropy(student_logits.float(), teacher_probs.float())
 
 
 def assistant_token_counts(split, vocab_size: int) -> torch.Tensor:

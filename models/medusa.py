@@ -47,6 +47,7 @@ from .base import (
     read_draft_config,
     write_draft_config,
 )
+from .losses import check_head_loss, head_loss
 from .target import Target
 
 ADAPTER_DIR = "adapter"  # Medusa-2's LoRA adapter, peft format, inside the draft folder
@@ -62,6 +63,7 @@ class Medusa1Config:
     num_layers: int = 1  # residual blocks per head
     head_decay: float = 0.8  # loss weight of head k (0-based) is head_decay ** k
     soft_labels: bool = False  # learn the target's distribution instead of the data's tokens
+    loss: str = "ce"  # ce | tvd (models/losses.py); with hard labels tvd is 1 - q(label)
     top_k: int = 10  # ranks whose accuracy validation measures (what the tree can choose from)
     tree_nodes: int = 64  # node budget of the static candidate tree built after training
     lm_head_chunk: int = 2048  # rows per LM-head chunk at validation
@@ -109,6 +111,7 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, target: Target, cfg: Medusa1Config):
         super().__init__()
+        check_head_loss(cfg.loss)
         if cfg.num_heads < 1 or cfg.num_layers < 0 or cfg.top_k < 1:
             raise DraftError(
                 f"method.num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, "
@@ -167,11 +170,15 @@ class MedusaHeads(nn.Module):
             if self.cfg.soft_labels:
                 with torch.no_grad():  # the target's distribution over x_{t+k+2}
                     t_logits = self.target_logits(teacher[rows[0], rows[1] + k + 1])
-                ce = soft_cross_entropy(logits, t_logits)
+                ce = head_loss(self.cfg.loss, logits, t_logits.softmax(-1))
                 labels = t_logits.argmax(-1)
             else:
                 labels = ids[label_pos]
-                ce = F.cross_entropy(logits, labels)
+                if self.cfg.loss == "tvd":  # against a one-hot p: 1 - q(label)
+                    q = logits.float().softmax(-1)
+                    ce = 1.0 - q.gather(-1, labels[:, None]).mean()
+                else:
+                    ce = F.cross_entropy(logits, labels)
             loss = loss + self.cfg.head_decay**k * ce
             metrics[f"loss_head{k + 1}"] = metric(ce.detach() * n, n)
             metrics[f"acc_head{k + 1}"] = metric((logits.argmax(-1) == labels).float().sum(), n)
@@ -423,12 +430,6 @@ def head_masks(
             m &= real[:, i : i + T]
         out.append(m)
     return out
-
-
-def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """-sum_x p(x) log q(x) averaged over rows; (N, V) logits, p = softmax(teacher)."""
-    p = teacher_logits.float().softmax(-1)
-    return -(p * student_logits.float().log_softmax(-1)).sum(-1).mean()
 
 
 def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:

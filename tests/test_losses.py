@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.eagle import (
-    feature_regression_loss,
-    position_mask,
+from models.eagle import feature_regression_loss, position_mask
+from models.losses import (
+    head_loss,
     soft_cross_entropy,
     soft_cross_entropy_probs,
+    total_variation_probs,
 )
 
 logit_rows = st.integers(1, 6).flatmap(
@@ -68,6 +70,34 @@ def test_soft_ce_matches_hard_ce_for_one_hot_teacher():
         torch.nn.functional.cross_entropy(student, labels),
         atol=1e-5,
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(logit_rows, st.data())
+def test_tvd_is_one_minus_the_acceptance_rate_and_zero_only_at_the_teacher(t, data):
+    """method.loss=tvd: 0.5 sum |p - q| = 1 - sum min(p, q) (speculative sampling's rejection
+    probability at T = 1), in [0, 1], symmetric, 0 at q = p and positive elsewhere."""
+    noise = torch.tensor(
+        data.draw(st.lists(st.floats(-3, 3), min_size=t.numel(), max_size=t.numel())), dtype=t.dtype
+    ).reshape(t.shape)
+    s = t + noise
+    p, q = t.softmax(-1), s.softmax(-1)
+    tvd = total_variation_probs(s, p)
+    assert torch.allclose(tvd.double(), 1 - torch.minimum(p, q).sum(-1).mean(), atol=1e-5)
+    assert -1e-6 <= tvd <= 1 + 1e-6
+    assert torch.allclose(tvd, total_variation_probs(t, q), atol=1e-5)
+    assert total_variation_probs(t, p) < 1e-5
+    if (p - q).abs().max() > 1e-3:
+        assert tvd > 0
+
+
+def test_head_loss_selects_and_names_a_bad_choice():
+    s, t = torch.randn(4, 7), torch.randn(4, 7)
+    p = t.softmax(-1)
+    assert torch.equal(head_loss("ce", s, p), soft_cross_entropy_probs(s, p))
+    assert torch.equal(head_loss("tvd", s, p), total_variation_probs(s, p))
+    with pytest.raises(ValueError, match="method.loss='kl'"):
+        head_loss("kl", s, p)
 
 
 @settings(max_examples=40, deadline=None)

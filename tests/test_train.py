@@ -112,6 +112,22 @@ def test_lr_schedule_decays_over_the_steps_the_epochs_allow(data_file, tmp_path)
     assert lrs[-1] == pytest.approx(peak / n, rel=1e-6)  # 1 - (n-1)/n of the peak
 
 
+@pytest.mark.parametrize(
+    "method,key", [("eagle1", "loss_cls"), ("eagle3", "loss_step1"), ("medusa1", "loss_head1")]
+)
+def test_every_head_trains_with_the_acceptance_loss(data_file, tmp_path, method, key):
+    """method.loss=tvd: the logged token loss is a total variation (in [0, 1]) and falls."""
+    out = tmp_path / "run"
+    extra = {"method": method, "method.loss": "tvd", "train.max_steps": 8, "train.eval_every": 0}
+    extra["optim.lr"] = 3e-3
+    assert _run(data_file, out, **extra)["step"] == 8
+    vals = [r[key] for r in read_metrics(out) if key in r]
+    assert len(vals) == 8 and all(0.0 <= v <= 1.0 for v in vals)
+    assert min(vals[-3:]) < vals[0]
+    with pytest.raises(Exception, match="method.loss='kl'"):
+        _run(data_file, tmp_path / "bad", **{**extra, "method.loss": "kl"})
+
+
 def test_init_from_starts_at_a_saved_drafts_weights(data_file, tmp_path):
     import torch
     from safetensors.torch import load_file

@@ -1,0 +1,59 @@
+"""Losses a draft head can train with against the target's distribution, chosen per method by
+``method.loss`` (EAGLE-1, EAGLE-3, Medusa):
+
+- ``ce``: soft cross-entropy -sum_x p(x) log q(x), the heads' default (EAGLE, Medusa-2's
+  self-distillation); minimised at q = p, with gradients everywhere.
+- ``tvd``: total variation 0.5 sum_x |p(x) - q(x)| = 1 - sum_x min(p(x), q(x)), one minus
+  the probability that speculative sampling at T = 1 accepts a token drawn from q: the
+  acceptance rate itself, DistillSpec's best divergence on the embedded target.
+
+Pure functions of logits (N, V) and teacher probabilities (N, V), mean over rows, float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import DraftError
+
+HEAD_LOSSES = ("ce", "tvd")
+
+
+def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """-sum_x p(x) log q(x) averaged over rows; logits (N, V), p = softmax(teacher).
+
+    Equals KL(p || q) + H(p): minimised, for fixed p, exactly at q = p."""
+    p = teacher_logits.float().softmax(-1)
+    return -(p * student_logits.float().log_softmax(-1)).sum(-1).mean()
+
+
+def soft_cross_entropy_probs(
+    student_logits: torch.Tensor, teacher_probs: torch.Tensor
+) -> torch.Tensor:
+    """-sum_x p(x) log q(x) averaged over rows, through torch's fused cross-entropy with
+    probability targets. student logits any float dtype; teacher rows sum to 1."""
+    return F.cross_entropy(student_logits.float(), teacher_probs.float())
+
+
+def total_variation_probs(
+    student_logits: torch.Tensor, teacher_probs: torch.Tensor
+) -> torch.Tensor:
+    """0.5 sum_x |p(x) - q(x)| averaged over rows, in [0, 1]; 0 exactly where q = p."""
+    q = student_logits.float().softmax(-1)
+    return 0.5 * (teacher_probs.float() - q).abs().sum(-1).mean()
+
+
+def head_loss(kind: str, student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    if kind == "ce":
+        return soft_cross_entropy_probs(student_logits, teacher_probs)
+    if kind == "tvd":
+        return total_variation_probs(student_logits, teacher_probs)
+    raise ValueError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
+
+
+def check_head_loss(kind: str) -> str:
+    """``kind`` if it names a head loss, else a one-line error naming ``method.loss``."""
+    if kind not in HEAD_LOSSES:
+        raise DraftError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
+    return kind
