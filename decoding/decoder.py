@@ -27,6 +27,7 @@ from models.target import Target
 
 from .verify import (
     lenient_tvd,
+    one_hot,
     verify_greedy,
     verify_greedy_lenient,
     verify_sampled,
@@ -616,12 +617,9 @@ def _lenient_chain_tvd(prop: Proposal, p: torch.Tensor, accepted: int, lenience:
     """Per emitted token of a lenient chain step: the TVD from p of the distribution that
     emitted it (``lenient_tvd`` at each tested position; 0 for the bonus token after a fully
     accepted chain, which is drawn from p)."""
-    n = len(prop)
     out = []
-    for k in range(min(accepted + 1, n)):  # positions tested: the accepted ones + the rejected
-        q = prop.q[k] if prop.q is not None else torch.zeros_like(p[k])
-        if prop.q is None:
-            q[prop.tokens[k]] = 1.0
+    for k in range(min(accepted + 1, len(prop))):  # tested: the accepted ones + the rejected
+        q = prop.q[k] if prop.q is not None else one_hot(prop.tokens[k], p[k])
         out.append(lenient_tvd(p[k], q, lenience))
     return out + [0.0] * (accepted + 1 - len(out))
 

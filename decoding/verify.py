@@ -119,7 +119,7 @@ def verify_sampled(
         moved = False
         for c in kids[cur + 1]:
             x = tokens[c]
-            qc = q[c] if q is not None else _one_hot(x, dist)
+            qc = q[c] if q is not None else one_hot(x, dist)
             # q(x) = 0 means x could not have been drawn from q (no proposer does this); never
             # let it emit a token the target gives probability 0
             ratio = dist[x] / (lenience * qc[x]) if qc[x] > 0 else (dist[x] > 0).float()
@@ -134,7 +134,7 @@ def verify_sampled(
             return Verdict(path, sample(dist, generator))
 
 
-def _one_hot(x: int, like: torch.Tensor) -> torch.Tensor:
+def one_hot(x: int, like: torch.Tensor) -> torch.Tensor:
     e = torch.zeros_like(like)
     e[x] = 1.0
     return e

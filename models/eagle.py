@@ -62,9 +62,7 @@ class Eagle1Config:
     noise: float = 0.2  # uniform feature noise, U(-noise/2, noise/2) per element
     val_positions: int = 5  # draft positions rolled out on the head's own features at validation
     lm_head_chunk: int = 2048  # rows per LM-head chunk (bounds memory for large vocabularies)
-    loss: str = (
-        "ce"  # token loss against the target: ce (soft cross-entropy) | tvd (models/losses.py)
-    )
+    loss: str = "ce"  # token term against the target: ce | tvd (models/losses.py)
     # The reference EAGLE-1 (and vLLM/SGLang's loaders) drop the decoder layer's input norm:
     # FC output goes straight into attention. True keeps the target layer's own input norm.
     input_norm: bool = False

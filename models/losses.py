@@ -52,6 +52,17 @@ def head_loss(kind: str, student_logits: torch.Tensor, teacher_probs: torch.Tens
     raise ValueError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
 
 
+def hard_label_loss(kind: str, student_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``head_loss`` against one-hot targets (a head trained on the data's tokens): ``ce`` is
+    cross-entropy, ``tvd`` is 1 - q(label), without building the (N, V) one-hot rows."""
+    if kind == "ce":
+        return F.cross_entropy(student_logits.float(), labels)
+    if kind == "tvd":
+        q = student_logits.float().softmax(-1)
+        return 1.0 - q.gather(-1, labels[:, None]).mean()
+    raise ValueError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
+
+
 def check_head_loss(kind: str) -> str:
     """``kind`` if it names a head loss, else a one-line error naming ``method.loss``."""
     if kind not in HEAD_LOSSES:

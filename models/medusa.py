@@ -47,7 +47,7 @@ from .base import (
     read_draft_config,
     write_draft_config,
 )
-from .losses import check_head_loss, head_loss
+from .losses import check_head_loss, hard_label_loss, head_loss
 from .target import Target
 
 ADAPTER_DIR = "adapter"  # Medusa-2's LoRA adapter, peft format, inside the draft folder
@@ -174,11 +174,7 @@ class MedusaHeads(nn.Module):
                 labels = t_logits.argmax(-1)
             else:
                 labels = ids[label_pos]
-                if self.cfg.loss == "tvd":  # against a one-hot p: 1 - q(label)
-                    q = logits.float().softmax(-1)
-                    ce = 1.0 - q.gather(-1, labels[:, None]).mean()
-                else:
-                    ce = F.cross_entropy(logits, labels)
+                ce = hard_label_loss(self.cfg.loss, logits, labels)
             loss = loss + self.cfg.head_decay**k * ce
             metrics[f"loss_head{k + 1}"] = metric(ce.detach() * n, n)
             metrics[f"acc_head{k + 1}"] = metric((logits.argmax(-1) == labels).float().sum(), n)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from models.eagle import feature_regression_loss, position_mask
 from models.losses import (
+    hard_label_loss,
     head_loss,
     soft_cross_entropy,
     soft_cross_entropy_probs,
@@ -89,6 +90,17 @@ def test_tvd_is_one_minus_the_acceptance_rate_and_zero_only_at_the_teacher(t, da
     assert total_variation_probs(t, p) < 1e-5
     if (p - q).abs().max() > 1e-3:
         assert tvd > 0
+
+
+def test_hard_label_loss_is_head_loss_against_one_hot_rows():
+    s, labels = torch.randn(5, 9), torch.randint(0, 9, (5,))
+    one_hot = torch.zeros(5, 9).scatter(1, labels[:, None], 1.0)
+    for kind in ("ce", "tvd"):
+        assert torch.allclose(
+            hard_label_loss(kind, s, labels), head_loss(kind, s, one_hot), atol=1e-6
+        )
+    with pytest.raises(ValueError, match="method.loss='kl'"):
+        hard_label_loss("kl", s, labels)
 
 
 def test_head_loss_selects_and_names_a_bad_choice():

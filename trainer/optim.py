@@ -46,8 +46,9 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, groups: list[Any]) -> to
     muon_groups, adamw_groups = [], []
     for g in groups:
         rest = {k: v for k, v in g.items() if k != "params"}
-        mp = [p for p in g["params"] if goes_to_muon(names.get(id(p), ""), p)]
-        ap = [p for p in g["params"] if not goes_to_muon(names.get(id(p), ""), p)]
+        to_muon = [goes_to_muon(names.get(id(p), ""), p) for p in g["params"]]
+        mp = [p for p, m in zip(g["params"], to_muon, strict=True) if m]
+        ap = [p for p, m in zip(g["params"], to_muon, strict=True) if not m]
         if mp:
             scale = g.get("lr", cfg.lr) / cfg.lr  # a group's lr multiple carries over
             muon_groups.append({**rest, "params": mp, "lr": (cfg.muon_lr or cfg.lr) * scale})
