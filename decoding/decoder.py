@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from models.base import DecodeState, Proposal, crop_cache
+from models.base import DecodeState, Proposal, Proposer, crop_cache
 from models.sampling import Sampling, warp
 from models.target import Target
 
@@ -285,21 +285,13 @@ class TreeController:
             self.wait = self.probe_every if tree >= plain else min(2 * self.wait, self.max_probe)
 
 
-class NoDraft:
+class NoDraft(Proposer):
     """Plain autoregressive decoding through the same loop (gamma is always 0)."""
 
     name = "none"
-    feature_layers: tuple[int, ...] = ()
-    draft_calls = 0
-
-    def start(self, state: DecodeState) -> None:
-        pass
 
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         return Proposal([], [])
-
-    def rollback(self, state: DecodeState, n_accepted: int) -> None:
-        pass
 
 
 def _sync(device: torch.device) -> None:
@@ -348,7 +340,11 @@ class SpeculativeDecoder:
                 f"lenience={lenience} with acceptance=typical: two lossy acceptance rules at "
                 "once; use one"
             )
-        tree = getattr(proposer, "tree_depth", None) is not None
+        if not isinstance(proposer, Proposer):
+            raise TypeError(
+                f"{type(proposer).__name__} is not a models.base.Proposer (the decoder's contract)"
+            )
+        tree = proposer.tree_depth is not None
         if lenience < 1.0 and tree and not sampling.greedy:
             raise ValueError(
                 f"lenience={lenience} at T > 0 is implemented for chains (its TVD is exact "
@@ -366,13 +362,13 @@ class SpeculativeDecoder:
         self.gamma = 0 if isinstance(proposer, NoDraft) else gamma
         self.adaptive = adaptive
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.layers = tuple(getattr(proposer, "feature_layers", ()))
+        self.layers = tuple(proposer.feature_layers)
         t_verify = (
             self._calibrate()
             if (calibrate and self.gamma and adaptive)
             else [1.0 + 0.01 * k for k in range(self.gamma + 1)]
         )
-        if getattr(proposer, "tree_depth", None) is not None and self.gamma:
+        if tree and self.gamma:
             self.controller = TreeController(self.gamma, adaptive, t_verify[0])
         else:
             self.controller = GammaController(self.gamma, adaptive, t_verify)
@@ -451,7 +447,7 @@ class SpeculativeDecoder:
             generator=self.generator,
             device=self.device,
         )
-        calls0 = getattr(self.proposer, "draft_calls", 0)
+        calls0 = self.proposer.draft_calls
         t = time.perf_counter()
         self.proposer.start(state)  # a draft model prefills the prompt here: counted as prefill
         _sync(self.device)
@@ -459,7 +455,7 @@ class SpeculativeDecoder:
         new: list[int] = []
         step_logits: list[torch.Tensor] = []
         ctl = self.controller
-        free = getattr(self.proposer, "free", False)
+        free = self.proposer.free
         while len(new) < max_new_tokens:
             limit = max_new_tokens - len(new) - 1
             t = time.perf_counter()
@@ -554,7 +550,7 @@ class SpeculativeDecoder:
             # Per-step draft cost: the proposer's own measure of its steps when it has one
             # (it leaves out catching up on tokens committed while it was idle), else the
             # drafting time over the tokens drafted.
-            if hasattr(self.proposer, "last_step_seconds"):
+            if self.proposer.measures_steps:
                 step = self.proposer.last_step_seconds  # None: nothing clean to measure
             else:
                 step = t_draft / drafted if drafted else None
@@ -566,7 +562,7 @@ class SpeculativeDecoder:
                 break
         new = new[:max_new_tokens]
         st.new_tokens = len(new)
-        st.draft_calls = getattr(self.proposer, "draft_calls", 0) - calls0
+        st.draft_calls = self.proposer.draft_calls - calls0
         st.t_total = time.perf_counter() - t_start
         self.stats.merge(st)
         self.last = st

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from models import METHODS
-from models.base import DraftError, read_draft_config
-from models.distillspec import load_same_vocabulary_lm
-from models.export import ExportError, detect_format, import_draft
+from models.base import DecodeSettings, DraftError, ExportError, read_draft_config
+from models.draft_lm import load_same_vocabulary_lm
+from models.export import detect_format, import_draft
 from models.shipped import SHIPPED, shipped_draft
 from models.target import Target
 
@@ -44,17 +44,16 @@ def resolve_draft_dir(path: Path) -> Path | None:
     return None
 
 
-def load_proposer(spec: str, target: Target, ngram_max: int = 3, tree: dict | None = None):
-    """Proposer and a short description for reports. ``tree``: {"tree": "auto" | "chain" |
-    "dynamic" | "static", and the shape settings: "depth", "top_k", "total_tokens" (EAGLE-2
-    dynamic trees), "tree_nodes", "tree_file" (Medusa's static tree)}, for trained drafts."""
-    tree = tree or {"tree": "auto"}
-    if tree["tree"] not in ("auto", "chain") and (
+def load_proposer(
+    spec: str, target: Target, ngram_max: int = 3, tree: DecodeSettings | None = None
+):
+    """Proposer and a short description for reports. ``tree``: how a trained draft proposes
+    (chain, EAGLE-2 dynamic tree, Medusa static tree; see ``DecodeSettings``)."""
+    tree = tree or DecodeSettings()
+    if tree.tree not in ("auto", "chain") and (
         spec in ("none", "ar", "ngram", "pld") or spec.startswith("truncate:")
     ):
-        raise DraftError(
-            f"draft={spec}: tree={tree['tree']} needs a trained draft (EAGLE or Medusa)"
-        )
+        raise DraftError(f"draft={spec}: tree={tree.tree} needs a trained draft (EAGLE or Medusa)")
     if spec in ("none", "ar"):
         return NoDraft(), "none (plain autoregressive decoding)"
     if spec in ("ngram", "pld"):
@@ -114,19 +113,19 @@ def load_proposer(spec: str, target: Target, ngram_max: int = 3, tree: dict | No
     return _hf_draft(spec, target)
 
 
-def _head_proposer(head, tree: dict, desc: str):
+def _head_proposer(head, tree: DecodeSettings, desc: str):
     # a draft decodes in its target's dtype (bf16 where the machine has it), whatever precision
     # its weights were trained or saved in
     dtype = head.target.dtype
     head = head.to(dtype=dtype)
     try:
-        prop = head.proposer(**tree)
+        prop = head.proposer(tree)
     except ValueError as e:
         raise DraftError(f"{desc}: {e}") from None
-    if getattr(prop, "tree_depth", None) is None:
+    if prop.tree_depth is None:
         return prop, desc
-    if tree["tree"] == "dynamic":
-        args = ", ".join(f"{k}={tree[k]}" for k in ("depth", "top_k", "total_tokens"))
+    if tree.tree == "dynamic":
+        args = ", ".join(f"{k}={getattr(tree, k)}" for k in ("depth", "top_k", "total_tokens"))
         return prop, f"{desc}, dynamic tree ({args})"
     return prop, f"{desc}, static tree ({len(prop.tree)} nodes, depth {prop.tree_depth})"
 
@@ -139,4 +138,4 @@ def _hf_draft(spec: str, target: Target):
 
 def draft_model_of(proposer) -> torch.nn.Module | None:
     """The HF model behind a draft-LM proposer (for transformers' assisted generation)."""
-    return getattr(proposer, "model", None) if isinstance(proposer, DraftLMProposer) else None
+    return proposer.model if isinstance(proposer, DraftLMProposer) else None

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
 from data.conversations import DataError
-from models.base import DraftError
+from models.base import DecodeSettings, DraftError
 from models.sampling import Sampling
 from models.target import TargetConfig, TargetError, load_target
 
@@ -228,11 +228,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise EvalError(f"acceptance={cfg.acceptance!r}: use exact or typical")
     if not 0 < cfg.lenience <= 1:
         raise EvalError(f"lenience={cfg.lenience}: must be in (0, 1] (1: exact)")
-    tree = {
-        k: cfg[k] for k in ("tree", "depth", "top_k", "total_tokens", "tree_nodes", "tree_file")
-    }
+    tree = DecodeSettings(
+        **{k: cfg[k] for k in ("tree", "depth", "top_k", "total_tokens", "tree_nodes", "tree_file")}
+    )
     proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max, tree=tree)
-    changed = getattr(getattr(proposer, "heads", None), "changes_target", lambda: None)()
+    method = proposer.method  # the trained draft behind it, if any
+    changed = method.changes_target() if method is not None else None
     sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
     ar = SpeculativeDecoder(
         target, NoDraft(), sampling, gamma=0, seed=cfg.seed, record_logits=sampling.greedy
@@ -240,7 +241,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     tolerance = NEAR_TIE_TOLERANCE.get(target.dtype, 0.5)
     # A tree is verified whole; with adaptive on, the decoder drafts one only while trees are
     # measured to be faster than plain decoding (chains: it sizes gamma).
-    tree_depth = getattr(proposer, "tree_depth", None)
+    tree_depth = proposer.tree_depth
     spec = SpeculativeDecoder(
         target,
         proposer,
@@ -395,7 +396,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         }
     )
     if changed and cfg.compare_original:
-        report["against_original"] = _against_original(target, proposer.heads, outputs, tok)
+        report["against_original"] = _against_original(target, method, outputs, tok)
     for rec in outputs:  # the token ids were kept for the comparison above only
         for t in rec["turns"]:
             t.pop("ids"), t.pop("prompt_len")

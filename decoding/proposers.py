@@ -1,22 +1,15 @@
-"""Proposers that are not trained methods: n-gram prompt lookup here; a draft causal LM (a small
+"""Proposers that are no trained method: n-gram prompt lookup here; a draft causal LM (a small
 HF model, ``truncate:N`` made of the target's own first N layers, a DistillSpec student) is
-``DraftLMProposer``, which lives with DistillSpec in ``models/distillspec.py``, as EAGLE's and
-Medusa's proposers live with their methods. All follow one interface:
-
-    feature_layers: tuple[int, ...]       target hidden states it needs (none here)
-    start(state)                          a new sequence begins
-    propose(state, gamma) -> Proposal     draft gamma tokens after state.ids
-    rollback(state, n_accepted)           state.ids now holds the committed tokens; cut caches
-    draft_calls: int                      forwards run so far
-"""
+``models.draft_lm.DraftLMProposer``; EAGLE's and Medusa's proposers live in their method
+folders. All implement the one decode-time contract, ``models.base.Proposer``."""
 
 from __future__ import annotations
 
-from models.base import DecodeState, Proposal
-from models.distillspec import DraftLMProposer  # noqa: F401  (re-exported: one import place)
+from models.base import DecodeState, Proposal, Proposer
+from models.draft_lm import DraftLMProposer  # noqa: F401  (re-exported: one import place)
 
 
-class NGramProposer:
+class NGramProposer(Proposer):
     """Prompt lookup decoding (Saxena 2023): find the most recent earlier occurrence of the
     last n tokens (n from ``max_ngram`` down to ``min_ngram``) and propose what followed it.
     Deterministic, so at T > 0 its proposal is a point mass (the decoder handles that exactly).
@@ -25,15 +18,10 @@ class NGramProposer:
     """
 
     name = "ngram"
-    feature_layers: tuple[int, ...] = ()
-    draft_calls = 0
     free = True  # no model: the decoder looks first, then decides how much to verify
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def start(self, state: DecodeState) -> None:
-        pass
 
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         ids = state.ids
@@ -49,6 +37,3 @@ class NGramProposer:
                         # accepted far more often than a 1-gram one
                         return Proposal.chain(follow, bucket=f"ngram{n}")
         return Proposal([], [])
-
-    def rollback(self, state: DecodeState, n_accepted: int) -> None:
-        pass

@@ -1,21 +1,29 @@
-"""Draft methods, one file each, and the frozen target. ``METHODS`` maps a method name (the
-``method.name`` config value, also stored in every saved draft) to its module class."""
+"""Draft methods, one folder each, and the frozen target.
 
-from .distillspec import DistillSpecConfig, DistillSpecStudent
-from .eagle import Eagle1Config, Eagle3Config, Eagle3Head, EagleHead
-from .medusa import Medusa1Config, Medusa2Config, Medusa2Heads, MedusaHeads
+The registry: one line per method folder. ``METHODS`` maps a method name (the ``method.name``
+config value, also stored in every saved draft) to its module class (its config dataclass is
+``METHODS[name].config_class``); ``FORMATS`` maps an export format name (``--format``) to the
+``ExportFormat`` that writes and reads it. ``draft=`` resolves saved drafts through ``METHODS``
+and serving-layout checkpoints through ``FORMATS``.
+"""
 
-METHODS = {
-    "eagle1": EagleHead,
-    "eagle3": Eagle3Head,
-    "medusa1": MedusaHeads,
-    "medusa2": Medusa2Heads,
-    "distillspec": DistillSpecStudent,
+from . import distillspec, eagle, hass, medusa, mlp_speculator
+from .base import DraftMethod, ExportFormat
+from .eagle import export as eagle_export
+from .medusa import export as medusa_export
+from .mlp_speculator import export as mlp_speculator_export
+
+METHODS: dict[str, type[DraftMethod]] = {
+    "eagle1": eagle.EagleHead,
+    "eagle3": eagle.Eagle3Head,
+    "hass": hass.HassHead,
+    "medusa1": medusa.MedusaHeads,
+    "medusa2": medusa.Medusa2Heads,
+    "distillspec": distillspec.DistillSpecStudent,
+    "mlp_speculator": mlp_speculator.MLPSpeculator,
 }
-METHOD_CONFIGS = {
-    "eagle1": Eagle1Config,
-    "eagle3": Eagle3Config,
-    "medusa1": Medusa1Config,
-    "medusa2": Medusa2Config,
-    "distillspec": DistillSpecConfig,
+FORMATS: dict[str, ExportFormat] = {
+    f.name: f
+    for f in (*eagle_export.FORMATS, *medusa_export.FORMATS, *mlp_speculator_export.FORMATS)
 }
+METHOD_CONFIGS = {name: cls.config_class for name, cls in METHODS.items()}

@@ -1,15 +1,17 @@
-"""The one contract between the training loop and a draft method.
+"""The named contracts between the shared machinery and a draft method.
 
-A method is an ``nn.Module`` whose registered parameters are exactly what it trains (the frozen
-target is held by reference, never registered), with:
+Three contracts, each a small base class whose optional hooks have no-op defaults and whose
+required hooks are abstract (a method that forgets one cannot be instantiated, and the error
+names the hook):
 
-- ``feature_layers``: target hidden-state indices it reads (see ``models.target``); the loop
-  fills ``batch["features"]`` (B, T, len(feature_layers), H) from the target or from the
-  on-disk cache before calling the method.
-- ``forward(batch) -> StepOutput``: the training loss and metrics.
-- ``evaluate(batch) -> metrics``: validation metrics (no gradients).
-- ``save_draft(dir)`` / ``load_draft(dir, target)``: the draft's own weights and config,
-  loadable without any training state.
+- ``DraftMethod``: what the training loop (trainer/), the evaluator (decoding/eval.py) and the
+  exporter (models/export.py) call on a trained draft.
+- ``Proposer``: what the shared decoder (decoding/decoder.py) calls at decode time.
+- ``ExportFormat``: what the generic export pipeline (models/export.py) calls to write, check
+  and read back one serving layout.
+
+Nothing outside these classes is looked up by ``getattr``. Each method lives in its own folder
+(``models/eagle/``, ``models/medusa/``, ...) and is made known by one line in ``models/__init__``.
 
 Metrics are ``{name: tensor([sum, count])}``, detached, so that they add up across steps and
 processes and are divided only when logged (no ``.item()`` in the hot path).
@@ -17,11 +19,15 @@ processes and are divided only when logged (no ``.item()`` in the hot path).
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 DRAFT_CONFIG = "config.json"
 DRAFT_WEIGHTS = "model.safetensors"
@@ -56,6 +62,10 @@ def reduce_metrics(acc: dict[str, torch.Tensor]) -> dict[str, float]:
 
 class DraftError(ValueError):
     """A draft checkpoint that cannot be used; the message names the folder and the problem."""
+
+
+class ExportError(RuntimeError):
+    """An export that failed a check; the message names the file, key and problem."""
 
 
 # The modules LoRA adapts by default (Llama-family names; any HF decoder's names work).
@@ -154,3 +164,180 @@ def crop_cache(cache, length: int) -> None:
     n = cache.get_seq_length()
     if n > length:
         cache.crop(-(n - length))
+
+
+@dataclass
+class DecodeSettings:
+    """How a trained draft proposes (``specdraft-eval``'s tree settings): ``tree`` is auto (the
+    method's default), chain, dynamic (EAGLE-2's tree: ``depth``, ``top_k``, ``total_tokens``)
+    or static (Medusa's candidate tree: ``tree_nodes`` or ``tree_file``). A method reads the
+    fields it uses and rejects a ``tree`` it does not draft."""
+
+    tree: str = "auto"
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 32
+    tree_nodes: int | None = None
+    tree_file: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The contracts
+
+
+class Proposer(abc.ABC):
+    """Decode-time contract: everything the shared decoder reads from a drafter.
+
+    ``propose`` is required; the rest have defaults a simple drafter keeps."""
+
+    name: str = "proposer"
+    #: target hidden-state indices the decoder passes in ``DecodeState.features``
+    feature_layers: tuple[int, ...] = ()
+    #: draft forwards run so far (the decoder reports the difference per sequence)
+    draft_calls: int = 0
+    #: costs nothing (a lookup): the decoder asks for a proposal first, then decides how much of
+    #: it to verify, instead of sizing gamma before drafting
+    free: bool = False
+    #: not None: proposes trees of this depth, verified whole (no adaptive gamma)
+    tree_depth: int | None = None
+    #: True: ``last_step_seconds`` is this proposer's own measure of one draft step (None after
+    #: a propose call with nothing clean to measure); False: the decoder divides drafting time
+    #: by tokens drafted
+    measures_steps: bool = False
+    last_step_seconds: float | None = None
+    #: the trained draft behind the proposer (the evaluator asks it whether it changes the
+    #: target), None for model-free drafters
+    method: DraftMethod | None = None
+
+    def start(self, state: DecodeState) -> None:  # noqa: B027 (a no-op default)
+        """A new sequence begins (``state.ids`` is the prompt)."""
+
+    @abc.abstractmethod
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        """Draft up to ``gamma`` tokens (a chain) or a tree of depth ``gamma`` after
+        ``state.ids``."""
+
+    def rollback(self, state: DecodeState, n_accepted: int) -> None:  # noqa: B027 (a no-op default)
+        """``state.ids`` now holds the committed tokens; cut any draft cache back to them."""
+
+
+class DraftMethod(nn.Module, abc.ABC):
+    """Training-, evaluation- and export-time contract of a draft method.
+
+    An ``nn.Module`` whose registered parameters are exactly what it trains (the frozen target
+    is held by reference, never registered). ``config_class`` is its config dataclass, the one
+    place its defaults live (``conf/method/*.yaml`` only selects it); the loop fills
+    ``batch["features"]`` (B, T, len(feature_layers), H) from the target or the on-disk cache
+    before calling ``forward``."""
+
+    config_class: ClassVar[type]
+    feature_layers: tuple[int, ...] = ()
+
+    # -- training (trainer/) -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def forward(self, batch: dict[str, torch.Tensor]) -> StepOutput:
+        """Training loss and metrics for one batch."""
+
+    @abc.abstractmethod
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Validation metrics for one batch (called under no_grad)."""
+
+    def init_from_data(self, train, log=print) -> None:  # noqa: B027 (a no-op default)
+        """Once, before training from scratch (not on resume or ``train.init_from``): settings
+        chosen from the training split, e.g. EAGLE-3's draft vocabulary."""
+
+    def param_groups(self, lr: float) -> list:
+        """What the optimizer trains: parameters, or param-group dicts (e.g. Medusa-2's heads at
+        a multiple of the LoRA learning rate)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- saving (a draft folder: config.json with a "specdraft" key + weights) ------------
+
+    @abc.abstractmethod
+    def save_draft(self, path: str | Path) -> None:
+        """The draft's own weights and config, loadable without any training state."""
+
+    @classmethod
+    @abc.abstractmethod
+    def load_draft(cls, path: str | Path, target) -> DraftMethod:
+        """The draft saved at ``path``, for ``target``; ``DraftError`` naming the folder."""
+
+    # -- decoding (decoding/) -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def proposer(self, settings: DecodeSettings | None = None) -> Proposer:
+        """This draft as a proposer for the shared decoder; ``ValueError`` for settings it does
+        not support (e.g. a tree shape it cannot draft)."""
+
+    def changes_target(self) -> str | None:
+        """None if the verifier is the original target; else what changed it (Medusa-2's and a
+        LoRA student's adapters): the evaluator then compares against the original."""
+        return None
+
+    def original(self) -> contextlib.AbstractContextManager:
+        """Inside it, the target computes as the original (adapters disabled)."""
+        return contextlib.nullcontext()
+
+    # -- exporting (models/export.py) -----------------------------------------------------
+
+    def probe(self, prompt: list[int]) -> torch.Tensor | None:
+        """Draft logits on a fixed prompt that an export, read back, must reproduce (beside
+        identical proposals); None: proposals only."""
+        return None
+
+    def export_view(self, dtype: torch.dtype) -> DraftMethod:
+        """This draft as an export holds it, at ``dtype`` (what a serving engine runs): by
+        default a copy of the module in that dtype."""
+        ref = type(self)(self.target, self.cfg)
+        ref.load_state_dict(self.state_dict())
+        return ref.to(self.target.device, dtype).eval()
+
+    def export_checks(self) -> dict[str, DecodeSettings]:
+        """The decode settings (by a short name) whose proposals an export must reproduce."""
+        return {"chain": DecodeSettings(tree="chain")}
+
+
+class ExportFormat(abc.ABC):
+    """One serving layout of one or more methods, as the generic export pipeline
+    (``models/export.py``) drives it: write ``tensors`` + ``config`` to a temporary folder;
+    check every key and shape against ``expected`` (derived from the *target's* config and the
+    written config, never from the draft module) and ``check``; ``read`` the folder back;
+    compare the read-back draft's probe and proposals with the trained one; move into place."""
+
+    name: str
+    methods: tuple[str, ...]  # the ``method.name`` values it exports
+    weights_file: str
+    description: str
+    serve_hint: str = ""  # a README line: how an engine serves it
+
+    @abc.abstractmethod
+    def tensors(self, draft: DraftMethod, dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def config(self, draft: DraftMethod, dtype: torch.dtype, **opts: Any) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def expected(self, config: dict[str, Any], target_config: Any) -> dict[str, tuple]:
+        """Every tensor name the folder must hold, and its shape."""
+
+    @abc.abstractmethod
+    def read(self, folder: Path, target, config: dict[str, Any]) -> DraftMethod:
+        """The draft in ``folder`` (an export, or a third-party checkpoint in this layout)."""
+
+    @abc.abstractmethod
+    def detect(self, folder: Path, config: dict[str, Any]) -> bool:
+        """Whether ``folder`` (with its parsed config.json) is in this layout."""
+
+    def check(self, path: Path, tensors: dict[str, torch.Tensor], config: dict, draft) -> None:  # noqa: B027 (a no-op default)
+        """Checks beyond keys, shapes and finiteness (e.g. a consistent vocabulary mapping)."""
+
+    def extra(self, draft: DraftMethod, tmp: Path, dtype, **opts: Any) -> str | None:
+        """Write and check anything beside the weights (Medusa-2's merged base model) in
+        ``tmp``; refuse options the format has no use for. Returns a line for the summary, or
+        None. ``opts`` holds ``out`` (the final folder) and the CLI's format options."""
+        return None
+
+    def readme_lines(self, draft: DraftMethod, config: dict[str, Any]) -> list[str]:
+        """Format-specific lines for the export's README (``config``: as written)."""
+        return []

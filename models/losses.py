@@ -63,8 +63,44 @@ def hard_label_loss(kind: str, student_logits: torch.Tensor, labels: torch.Tenso
     raise ValueError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
 
 
+def top_k_distillation(
+    student_logits: torch.Tensor, teacher_probs: torch.Tensor, k: int
+) -> torch.Tensor:
+    """HASS's harmonized objective: -sum_{x in top-k(p)} p(x) log q(x) averaged over rows,
+    i.e. the soft cross-entropy restricted to the teacher's k most likely tokens (the ones a
+    draft tree ranks and the verifier accepts). logits (N, V), teacher rows sum to 1. Equals
+    ``soft_cross_entropy_probs`` when k >= V; non-negative; no gradient reaches the logit of a
+    token outside the top k except through the normaliser."""
+    k = min(k, teacher_probs.shape[-1])
+    p, idx = teacher_probs.float().topk(k, dim=-1)
+    logq = student_logits.float().log_softmax(-1).gather(-1, idx)
+    return -(p * logq).sum(-1).mean()
+
+
 def check_head_loss(kind: str) -> str:
     """``kind`` if it names a head loss, else a one-line error naming ``method.loss``."""
     if kind not in HEAD_LOSSES:
         raise DraftError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
     return kind
+
+
+# Masks of heads that predict k + 2 tokens ahead (Medusa heads, MLP speculator stages)
+
+
+def head_masks(
+    loss_mask: torch.Tensor, attention_mask: torch.Tensor, heads: int
+) -> list[torch.Tensor]:
+    """Where head k (0-based) of a multi-token head is trained/scored: (B, T) bool each. Head k at position t
+    predicts x_{t+k+2}; that token must be an assistant token, and every position from t to
+    t+k+2 real (not padding). Positions whose label falls past the end are False."""
+    B, T = loss_mask.shape
+    real = attention_mask.bool()
+    pad = lambda x: torch.cat([x, x.new_zeros(B, heads + 2)], dim=1)  # noqa: E731
+    lm, real = pad(loss_mask.bool()), pad(real)
+    out = []
+    for k in range(heads):
+        m = lm[:, k + 2 : k + 2 + T].clone()
+        for i in range(0, k + 3):
+            m &= real[:, i : i + T]
+        out.append(m)
+    return out

@@ -42,6 +42,7 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     seed: int = 0  # tiny_random only: weights are a function of this seed
+    tiny_layers: int = 2  # tiny_random only: decoder layers (EAGLE-3 exports need >= 4)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -268,9 +269,12 @@ def load_target(cfg: TargetConfig) -> Target:
     if cfg.path is None and cfg.name == "tiny_random":
         from .tiny import build_tiny_target
 
-        model, tok = build_tiny_target(cfg.seed)
+        if cfg.tiny_layers < 1:
+            raise TargetError(f"target.tiny_layers={cfg.tiny_layers}: must be >= 1")
+        model, tok = build_tiny_target(cfg.seed, num_layers=cfg.tiny_layers)
         model = model.to(device=device, dtype=dtype)
-        return Target(model, tok, f"tiny_random(seed={cfg.seed})", cfg)
+        layers = f", layers={cfg.tiny_layers}" if cfg.tiny_layers != 2 else ""
+        return Target(model, tok, f"tiny_random(seed={cfg.seed}{layers})", cfg)
     if cfg.path is not None:
         where = cfg.path
     elif cfg.name == "smollm2_135m":

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from decoding.decoder import NoDraft, SpeculativeDecoder
 from decoding.proposers import DraftLMProposer, NGramProposer
-from models.base import Proposal
+from models.base import DecodeSettings, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead
 from models.sampling import Sampling, warp
 from models.target import Target, TargetConfig
@@ -81,7 +81,7 @@ def test_stop_token_ends_generation(tiny_target):
 
 
 def test_adaptive_gamma_stops_drafting_with_a_useless_draft(tiny_target):
-    class Wrong:
+    class Wrong(Proposer):
         """Always proposes a token the target never picks first: alpha = 0."""
 
         feature_layers = ()
@@ -107,7 +107,7 @@ def test_adaptive_gamma_stops_drafting_with_a_useless_draft(tiny_target):
     assert fixed.stats.gamma_used == {4: 16, 3: 1, 2: 1, 1: 1, 0: 1}
 
 
-class OracleTree:
+class OracleTree(Proposer):
     """Proposes, at each of ``depth`` levels, the token plain decoding will emit plus a wrong
     sibling, in random order (and a wrong branch under the wrong sibling): exercises tree
     attention, path selection and moving non-contiguous cache entries into place."""
@@ -239,7 +239,7 @@ def test_tree_controller_drafts_only_while_trees_pay():
 def test_adaptive_tree_decoding_stays_lossless(tiny_target):
     torch.manual_seed(0)
     head = EagleHead(tiny_target, Eagle1Config()).eval()
-    prop = head.proposer(tree="dynamic", depth=3, top_k=3, total_tokens=8)
+    prop = head.proposer(DecodeSettings(tree="dynamic", depth=3, top_k=3, total_tokens=8))
     dec = SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=3, adaptive=True)
     assert dec.generate(PROMPT, 48) == ar_greedy(tiny_target, PROMPT, 48)
 
@@ -289,7 +289,7 @@ def test_tree_decoding_is_lossless_with_every_attention_implementation(attn):
         head = EagleHead(target, Eagle1Config())
         dec = SpeculativeDecoder(
             target,
-            head.proposer(tree="dynamic", depth=3, top_k=3, total_tokens=8),
+            head.proposer(DecodeSettings(tree="dynamic", depth=3, top_k=3, total_tokens=8)),
             Sampling(),
             gamma=3,
             adaptive=False,
@@ -300,7 +300,9 @@ def test_tree_decoding_is_lossless_with_every_attention_implementation(attn):
 @pytest.mark.parametrize("tree", ["chain", "dynamic"])
 def test_eagle_proposers_start_from_a_one_token_prompt(tiny_target, tree):
     """A one-token prompt has no prefill, so no features: the first step is a plain one."""
-    prop = EagleHead(tiny_target, Eagle1Config()).proposer(tree=tree, depth=3, top_k=3)
+    prop = EagleHead(tiny_target, Eagle1Config()).proposer(
+        DecodeSettings(tree=tree, depth=3, top_k=3)
+    )
     dec = SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=3, adaptive=False)
     assert dec.generate(PROMPT[:1], 16) == ar_greedy(tiny_target, PROMPT[:1], 16)
     assert sum(dec.stats.drafted.values()) > 0  # it drafted once a feature existed
@@ -358,7 +360,7 @@ def test_out_of_range_lenience_is_refused(tiny_target, kwargs, needle):
 
 def test_lenience_with_trees_at_t_above_zero_is_refused(tiny_target):
     prop = EagleHead(tiny_target, Eagle1Config()).proposer(
-        tree="dynamic", depth=2, top_k=2, total_tokens=4
+        DecodeSettings(tree="dynamic", depth=2, top_k=2, total_tokens=4)
     )
     with pytest.raises(ValueError, match="tree=chain"):
         SpeculativeDecoder(tiny_target, prop, Sampling(1.0), gamma=2, lenience=0.5)

@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 from transformers import DynamicCache
 
 from decoding.decoder import SpeculativeDecoder
+from models.base import DecodeSettings
 from models.eagle import (
     Eagle1Config,
     Eagle3Config,
@@ -218,7 +219,7 @@ def test_greedy_output_equals_plain_greedy(tiny_target, kind, tree):
         prop = head.proposer()
     else:
         d, k, n = tree
-        prop = head.proposer(tree="dynamic", depth=d, top_k=k, total_tokens=n)
+        prop = head.proposer(DecodeSettings(tree="dynamic", depth=d, top_k=k, total_tokens=n))
     dec = SpeculativeDecoder(
         tiny_target, prop, Sampling(), gamma=tree[0] if tree else 3, adaptive=False
     )
@@ -286,7 +287,7 @@ def test_sampled_tree_output_follows_the_target(small_vocab_target, s):
             [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
         )
     expected = (p1[:, None] * p2).flatten()
-    prop = head.proposer(tree="dynamic", depth=2, top_k=8, total_tokens=16)
+    prop = head.proposer(DecodeSettings(tree="dynamic", depth=2, top_k=8, total_tokens=16))
     dec = SpeculativeDecoder(target, prop, s, gamma=2, adaptive=False, seed=5)
     n = 2500
     counts = torch.zeros(100)
@@ -362,7 +363,10 @@ def test_a_one_wide_tree_is_the_greedy_chain(tiny_target, kind):
     ids = torch.tensor([PROMPT[:-1]])
     feats = tiny_target.features(ids, torch.ones_like(ids), tuple(head.feature_layers))[0]
     props = []
-    for prop in (head.proposer(), head.proposer(tree="dynamic", depth=5, top_k=1, total_tokens=5)):
+    for prop in (
+        head.proposer(),
+        head.proposer(DecodeSettings(tree="dynamic", depth=5, top_k=1, total_tokens=5)),
+    ):
         state = DecodeState(list(PROMPT), feats, Sampling(), None, torch.device("cpu"))
         prop.start(state)
         props.append(prop.propose(state, 5))

@@ -287,11 +287,9 @@ def test_each_method_trains_decodes_losslessly_and_exports_on_smollm2(
     ref = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(
         prompt, 24, stop
     )
-    dec = SpeculativeDecoder(
-        target, prop, Sampling(), gamma=getattr(prop, "tree_depth", None) or 3, adaptive=False
-    )
+    dec = SpeculativeDecoder(target, prop, Sampling(), gamma=prop.tree_depth or 3, adaptive=False)
     assert dec.generate(prompt, 24, stop) == ref, desc
-    head = getattr(prop, "heads", None) or getattr(prop, "head", None)  # the loaded draft
+    head = prop.method  # the loaded draft
     for fmt in formats:
         export(head, fmt, tmp_path / fmt, merge=method == "medusa2", log=lambda *_: None)
         assert (tmp_path / fmt / "config.json").exists()

@@ -11,6 +11,7 @@ import torch
 from conftest import run_module
 from safetensors.torch import load_file, save_file
 
+from models import FORMATS
 from models import export as ex
 from models.eagle import Eagle1Config, Eagle3Config, Eagle3Head, EagleHead
 from models.export import ExportError, detect_format, export, import_draft
@@ -126,14 +127,15 @@ def test_untrained_vocabulary_mapping_is_refused(target4, tmp_path):
 
 def test_wrong_keys_and_shapes_are_named(target4, tmp_path, monkeypatch):
     head = eagle3(target4)
-    real = ex.export_tensors
+    fmt = FORMATS["vllm"]
+    real = fmt.tensors
 
     def extra_key(*a):
         t = real(*a)
         t["embed_tokens.weight"] = target4.embed_tokens.weight.detach().clone()
         return t
 
-    monkeypatch.setattr(ex, "export_tensors", extra_key)
+    monkeypatch.setattr(fmt, "tensors", extra_key)
     with pytest.raises(ExportError, match=r"unexpected keys \['embed_tokens.weight'\]"):
         export(head, "vllm", tmp_path / "a", log=lambda *_: None)
 
@@ -142,7 +144,7 @@ def test_wrong_keys_and_shapes_are_named(target4, tmp_path, monkeypatch):
         t["lm_head.weight"] = t["lm_head.weight"][:-1]
         return t
 
-    monkeypatch.setattr(ex, "export_tensors", bad_shape)
+    monkeypatch.setattr(fmt, "tensors", bad_shape)
     with pytest.raises(ExportError, match="lm_head.weight has shape"):
         export(head, "vllm", tmp_path / "b", log=lambda *_: None)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -151,14 +153,15 @@ def test_wrong_keys_and_shapes_are_named(target4, tmp_path, monkeypatch):
 def test_wrong_layer_ids_are_caught_by_the_re_import(target4, tmp_path, monkeypatch):
     """An SGLang config written with our index unshifted loads, but fuses other layers: the
     comparison with the in-memory head must catch it."""
-    real = ex.export_config
+    fmt = FORMATS["sglang"]
+    real = fmt.config
 
-    def unshifted(head, fmt, *a):
-        cfg = real(head, fmt, *a)
+    def unshifted(head, *a, **kw):
+        cfg = real(head, *a, **kw)
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 1]
         return cfg
 
-    monkeypatch.setattr(ex, "export_config", unshifted)
+    monkeypatch.setattr(fmt, "config", unshifted)
     with pytest.raises(ExportError, match="logits differ"):
         export(eagle3(target4), "sglang", tmp_path / "s", log=lambda *_: None)
 
@@ -185,9 +188,9 @@ def test_checkpoint_without_d2t_is_refused_on_import(target4, tmp_path):
 
 
 def test_eagle1_head_exports_only_as_eagle1(target4, tmp_path):
-    with pytest.raises(ExportError, match="exports EAGLE-3 drafts"):
+    with pytest.raises(ExportError, match="exports eagle3 or hass drafts; this is eagle1"):
         export(eagle1(target4), "sglang", tmp_path / "x", log=lambda *_: None)
-    with pytest.raises(ExportError, match="exports EAGLE-1 drafts"):
+    with pytest.raises(ExportError, match="exports eagle1 drafts"):
         export(eagle3(target4), "eagle1", tmp_path / "y", log=lambda *_: None)
 
 

@@ -13,6 +13,7 @@ from models.losses import (
     head_loss,
     soft_cross_entropy,
     soft_cross_entropy_probs,
+    top_k_distillation,
     total_variation_probs,
 )
 
@@ -90,6 +91,35 @@ def test_tvd_is_one_minus_the_acceptance_rate_and_zero_only_at_the_teacher(t, da
     assert total_variation_probs(t, p) < 1e-5
     if (p - q).abs().max() > 1e-3:
         assert tvd > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(logit_rows, st.data())
+def test_top_k_distillation_is_soft_ce_on_the_teachers_top_k(t, data):
+    """HASS's objective: all of soft CE at k = V, non-negative, growing with k, and blind to
+    the teacher's mass outside its top k."""
+    V = t.shape[-1]
+    noise = torch.tensor(
+        data.draw(st.lists(st.floats(-3, 3), min_size=t.numel(), max_size=t.numel())), dtype=t.dtype
+    ).reshape(t.shape)
+    s, p = (t + noise).float(), t.float().softmax(-1)
+    full = soft_cross_entropy_probs(s, p)
+    assert torch.allclose(top_k_distillation(s, p, V), full, atol=1e-5)
+    assert torch.allclose(top_k_distillation(s, p, V + 7), full, atol=1e-5)
+    k = data.draw(st.integers(1, V))
+    part = top_k_distillation(s, p, k)
+    assert 0 <= part <= full + 1e-5
+    if k < V:
+        assert part <= top_k_distillation(s, p, k + 1) + 1e-6
+        # moving teacher mass among tokens outside the top k changes nothing
+        idx = p.topk(k, dim=-1).indices
+        inside = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, idx, True)
+        q = torch.where(
+            inside, p, p.flip(-1) * 0 + p.masked_fill(inside, 0).sum(-1, keepdim=True) / (V - k)
+        )
+        assert torch.allclose(top_k_distillation(s, q, k), part, atol=1e-5) or not torch.equal(
+            q.topk(k, dim=-1).indices.sort(-1).values, idx.sort(-1).values
+        )
 
 
 def test_hard_label_loss_is_head_loss_against_one_hot_rows():

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from decoding.decoder import NoDraft, SpeculativeDecoder
 from decoding.verify import typical_threshold, verify_typical
+from models.base import DecodeSettings
 from models.medusa import (
     Medusa1Config,
     Medusa2Config,
@@ -172,9 +173,9 @@ def test_greedy_medusa_decoding_is_lossless(tiny_target, tree):
         PROMPT, 40
     )
     heads = trained_like(tiny_target)
-    prop = heads.proposer(tree=tree)
+    prop = heads.proposer(DecodeSettings(tree=tree))
     dec = SpeculativeDecoder(
-        tiny_target, prop, Sampling(), gamma=getattr(prop, "tree_depth", 3), adaptive=False
+        tiny_target, prop, Sampling(), gamma=prop.tree_depth or 3, adaptive=False
     )
     assert dec.generate(PROMPT, 40) == ref
     if tree == "static":  # every iteration but the last (one token left: nothing drafted)

@@ -39,16 +39,15 @@ def test_shipped_eagle3_decodes_greedily_lossless_on_two_prompts(tree):
     from data.chat import prompt_ids
     from decoding.decoder import NoDraft, SpeculativeDecoder
     from decoding.drafts import load_proposer
+    from models.base import DecodeSettings
     from models.sampling import Sampling
     from models.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(name="smollm2_135m", device="cpu", dtype="float32"))
-    prop, desc = load_proposer("smollm2-eagle3", target, tree=tree)
+    prop, desc = load_proposer("smollm2-eagle3", target, tree=DecodeSettings(**tree))
     assert "eagle3" in desc
     stop = {target.tokenizer.eos_token_id}
-    dec = SpeculativeDecoder(
-        target, prop, Sampling(), gamma=getattr(prop, "tree_depth", None) or 4, adaptive=False
-    )
+    dec = SpeculativeDecoder(target, prop, Sampling(), gamma=prop.tree_depth or 4, adaptive=False)
     for text in PROMPTS:
         prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": text}])
         ref = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(

@@ -199,7 +199,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
     if cfg.train.init_from:
         init_from_draft(method, str(cfg.train.init_from), target, method_cfg.name, log)
-    elif hasattr(method, "init_from_data"):  # e.g. a vocabulary chosen from the training data
+    else:  # e.g. EAGLE-3's vocabulary, chosen from the training data
         method.init_from_data(data.train, log)
     n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
     log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
@@ -260,11 +260,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
 
     # A method may ask for parameter groups (e.g. Medusa-2: heads at a multiple of the LoRA lr)
-    groups = (
-        method.param_groups(cfg.optim.lr)
-        if hasattr(method, "param_groups")
-        else [p for p in method.parameters() if p.requires_grad]
-    )
+    groups = method.param_groups(cfg.optim.lr)
     optimizer = build_optimizer(OmegaConf.to_object(cfg.optim), method, groups)
     state = LoopState(world_size=accelerator.num_processes)
     max_seconds = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None

@@ -24,64 +24,34 @@ Sections: config, module, pure loss functions, propose, save/load.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import DynamicCache
 
-from .base import (
-    LORA_TARGETS,
-    DecodeState,
+from ..base import (
+    DecodeSettings,
     DraftError,
-    Proposal,
+    DraftMethod,
     StepOutput,
-    crop_cache,
     metric,
     read_draft_config,
     write_draft_config,
 )
-from .sampling import sample, warp
-from .target import Target, TargetError, check_same_vocabulary
+from ..draft_lm import DraftLMProposer, load_same_vocabulary_lm
+from ..target import Target, TargetError
+from .config import DistillSpecConfig
 
 STUDENT_DIR = "student"  # the distilled draft LM, a standalone HF folder inside the draft folder
 DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
 
 # ---------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class DistillSpecConfig:
-    name: str = "distillspec"
-    student: str = "truncate"  # truncate (made from the target) | HF folder or hub id
-    num_layers: int = 4  # truncate: keep the target's first N decoder layers ...
-    student_layers: list[int] | None = None  # ... or exactly these (e.g. [0, 7, 14, 21, 29])
-    lora: bool = False  # train a LoRA adapter instead of every weight (merged when saved)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    divergence: str = "fkl"  # fkl | rkl | jsd | tvd
-    jsd_beta: float = 0.5  # jsd: weight of the teacher in the mixture (0: fkl, 1: rkl)
-    temperature: float = 1.0  # both distributions at this temperature
-    chunk: int = 512  # positions per loss chunk: (chunk, V) logits live at a time
-    on_policy: float = 0.0  # fraction of micro-batches whose replies the student writes
-    gen_max_new_tokens: int = 128  # on-policy replies
-    gen_temperature: float = 1.0  # 0: greedy; match the decoding the draft will serve
-    gen_top_p: float = 1.0
-    gen_top_k: int = 0
-
-
-# ---------------------------------------------------------------------------------------------
 # Module
 
 
-class DistillSpecStudent(nn.Module):
+class DistillSpecStudent(DraftMethod):
     """The student LM as a method: its parameters (or its LoRA adapter's) are what trains.
     ``feature_layers = (-1,)``: the loop supplies the target's final hidden state, from which
     the teacher's logits come through the target's frozen LM head; on-policy micro-batches
@@ -279,13 +249,12 @@ class DistillSpecStudent(nn.Module):
 
     # -- decoding ----------------------------------------------------------------------------
 
-    def proposer(self, tree: str = "auto", **_other_methods_settings) -> DraftLMProposer:
+    def proposer(self, settings: DecodeSettings | None = None) -> DraftLMProposer:
+        tree = (settings or DecodeSettings()).tree
         if tree not in ("auto", "chain"):
             raise ValueError(f"tree={tree!r}: a draft LM proposes chains")
-        return DraftLMProposer(self.merged().eval(), vocab_size=self.target.config.vocab_size)
-
-    def changes_target(self) -> str | None:
-        return None
+        vocab = self.target.config.vocab_size
+        return DraftLMProposer(self.merged().eval(), vocab_size=vocab, method=self)
 
     def merged(self) -> nn.Module:
         """The student as a plain causal LM (a LoRA adapter merged into a copy)."""
@@ -346,23 +315,6 @@ def make_student(target: Target, cfg: DistillSpecConfig) -> nn.Module:
     return load_same_vocabulary_lm(cfg.student, target, f"method.student={cfg.student}").float()
 
 
-def load_same_vocabulary_lm(path: str, target: Target, what: str) -> nn.Module:
-    """An HF causal LM (folder or hub id) on the target's device and dtype, refused unless its
-    tokenizer's vocabulary is the target's (named after ``what`` in errors)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype)
-    except OSError as e:
-        raise DraftError(f"{what}: cannot load as an HF model ({str(e).splitlines()[0]})") from None
-    try:
-        check_same_vocabulary(target.tokenizer, tok, what)
-    except TargetError as e:
-        raise DraftError(str(e)) from None
-    return model.to(target.device)
-
-
 # ---------------------------------------------------------------------------------------------
 # Pure loss functions
 
@@ -414,87 +366,3 @@ def acceptance_rate(student_logits: torch.Tensor, teacher_logits: torch.Tensor) 
     p = teacher_logits.float().softmax(-1)
     q = student_logits.float().softmax(-1)
     return torch.minimum(p, q).sum(-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Propose (decode time): any draft causal LM
-
-
-class DraftLMProposer:
-    """A causal LM with the target's tokenizer, drafting autoregressively with its own KV cache
-    (standard speculative sampling). At T > 0 it samples from its warped distribution and
-    hands the distributions to the verifier; at T = 0 it drafts argmax tokens. Used for
-    DistillSpec students, ``truncate:N`` and any HF draft model."""
-
-    name = "draft_lm"
-    feature_layers: tuple[int, ...] = ()
-
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
-        self.model = model.eval()
-        # Same tokenizer, but embedding matrices are often padded to different sizes: compare
-        # distributions over the target's vocabulary.
-        self.vocab_size = vocab_size
-        self.draft_calls = 0
-        self.cache: DynamicCache | None = None
-        self.fed = 0  # committed tokens held by the draft's cache
-        self.last_step_seconds: float | None = None
-
-    def start(self, state: DecodeState) -> None:
-        self.cache = DynamicCache(config=self.model.config)
-        self.fed = 0
-        self.last_step_seconds = None
-        if len(state.ids) > 1:  # prefill the prompt now, so drafting times only draft steps
-            self._step(state.ids[:-1], state.device)
-            self.fed = len(state.ids) - 1
-
-    @torch.no_grad()
-    def _step(self, tokens: list[int], device: torch.device) -> torch.Tensor:
-        self.draft_calls += 1
-        ids = torch.tensor([tokens], device=device)
-        logits = self.model(
-            input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
-        ).logits[0, -1]
-        v = self.vocab_size
-        if v is not None and logits.shape[-1] != v:
-            if logits.shape[-1] > v:
-                logits = logits[:v]
-            else:
-                logits = torch.cat(
-                    [logits, logits.new_full((v - logits.shape[-1],), float("-inf"))]
-                )
-        return logits
-
-    def propose(self, state: DecodeState, gamma: int) -> Proposal:
-        # Time the steps that feed a few tokens; a long catch-up (after the decoder skipped
-        # drafting for a while) is not what one more draft token costs.
-        times: list[float] = []
-        n_feed = len(state.ids) - self.fed
-        t = time.perf_counter()
-        logits = self._step(state.ids[self.fed :], state.device)
-        if n_feed <= 2 or gamma == 1 and n_feed <= 4:
-            times.append(time.perf_counter() - t)
-        self.fed = len(state.ids)
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(gamma):
-            if state.sampling.greedy:
-                x = int(logits.argmax())
-            else:
-                q = warp(logits, state.sampling)
-                x = sample(q, state.generator)
-                qs.append(q)
-            tokens.append(x)
-            if i < gamma - 1:
-                t = time.perf_counter()
-                logits = self._step([x], state.device)
-                times.append(time.perf_counter() - t)
-        self.last_step_seconds = sum(times) / len(times) if times else None
-        return Proposal.chain(tokens, torch.stack(qs) if qs else None)
-
-    def rollback(self, state: DecodeState, n_accepted: int) -> None:
-        # The cache holds the old committed tokens plus the drafted tokens fed after them; the
-        # accepted ones are still valid.
-        held = self.cache.get_seq_length()
-        keep = min(held, self.fed + n_accepted)
-        crop_cache(self.cache, keep)
-        self.fed = keep

@@ -27,8 +27,6 @@ from __future__ import annotations
 import heapq
 import json
 import math
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,51 +34,22 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .base import (
+from ..base import (
     DRAFT_WEIGHTS,
-    LORA_TARGETS,
-    DecodeState,
+    DecodeSettings,
     DraftError,
-    Proposal,
+    DraftMethod,
     StepOutput,
     metric,
     read_draft_config,
     write_draft_config,
 )
-from .losses import check_head_loss, hard_label_loss, head_loss
-from .target import Target
+from ..losses import check_head_loss, hard_label_loss, head_loss, head_masks
+from ..target import Target
+from .config import Medusa1Config, Medusa2Config
+from .proposer import MedusaProposer
 
 ADAPTER_DIR = "adapter"  # Medusa-2's LoRA adapter, peft format, inside the draft folder
-
-# ---------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class Medusa1Config:
-    name: str = "medusa1"
-    num_heads: int = 4  # K: head k predicts the token k + 2 positions ahead
-    num_layers: int = 1  # residual blocks per head
-    head_decay: float = 0.8  # loss weight of head k (0-based) is head_decay ** k
-    soft_labels: bool = False  # learn the target's distribution instead of the data's tokens
-    loss: str = "ce"  # ce | tvd (models/losses.py); with hard labels tvd is 1 - q(label)
-    top_k: int = 10  # ranks whose accuracy validation measures (what the tree can choose from)
-    tree_nodes: int = 64  # node budget of the static candidate tree built after training
-    lm_head_chunk: int = 2048  # rows per LM-head chunk at validation
-
-
-@dataclass
-class Medusa2Config(Medusa1Config):
-    name: str = "medusa2"
-    soft_labels: bool = True  # self-distillation: heads learn the original model's distribution
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    head_lr_ratio: float = 4.0  # the heads' lr as a multiple of optim.lr (the adapter's)
-    backbone_weight: float = 0.2  # weight of KL(original || adapted) on the backbone's tokens
-    backbone_warmup: int = 200  # training micro-batches over which that weight rises (sine)
-
 
 # ---------------------------------------------------------------------------------------------
 # Module
@@ -100,7 +69,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftMethod):
     """Medusa-1: K heads on the frozen target's last hidden state. Parameters ``heads.{k}.{j}``
     (residual block j) and ``heads.{k}.{num_layers}`` (LM head): the Medusa checkpoint layout
     with a ``heads.`` prefix. Buffers ``rank_hits`` (K, top_k) and ``rank_total`` (K,) count,
@@ -230,27 +199,51 @@ class MedusaHeads(nn.Module):
             return self.tree
         return build_tree(self.rank_accuracy(), nodes or self.cfg.tree_nodes)
 
-    def proposer(
-        self,
-        tree: str = "static",
-        tree_nodes: int | None = None,
-        tree_file: str | None = None,
-        **_other_methods_settings,
-    ) -> MedusaProposer:
+    def proposer(self, settings: DecodeSettings | None = None) -> MedusaProposer:
         """This draft as a proposer: ``tree="static"`` (or ``"auto"``: the saved candidate tree;
         ``tree_nodes``: one of that many nodes built from the measured accuracies;
         ``tree_file``: a JSON list of rank paths) or ``"chain"`` (each head's top-1; gamma
         picks the depth)."""
-        if tree == "chain":
+        s = settings or DecodeSettings()
+        if s.tree == "chain":
             return MedusaProposer(self, None)
-        if tree not in ("static", "auto"):
-            raise ValueError(f"tree={tree!r}: Medusa drafts use static (the default) or chain")
-        paths = read_tree_file(tree_file, self.cfg) if tree_file else None
-        return MedusaProposer(self, paths or self.candidate_tree(tree_nodes))
+        if s.tree not in ("static", "auto"):
+            raise ValueError(f"tree={s.tree!r}: Medusa drafts use static (the default) or chain")
+        paths = read_tree_file(s.tree_file, self.cfg) if s.tree_file else None
+        return MedusaProposer(self, paths or self.candidate_tree(s.tree_nodes))
 
-    def changes_target(self) -> str | None:
-        """What this draft does to the verifier (None: nothing)."""
-        return None
+    @torch.no_grad()
+    def probe(self, prompt: list[int]) -> torch.Tensor:
+        """Every head's logits (K, V) on the target's state at the last fed position of
+        ``prompt`` (where the decoder's proposer reads it)."""
+        h = self._prompt_state(prompt)
+        return torch.stack([self.head_logits(k, h) for k in range(self.cfg.num_heads)])
+
+    def _prompt_state(self, prompt: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt[:-1]], device=self.target.device)
+        return self.target.features(ids, torch.ones_like(ids), (-1,))[0, -1, 0]
+
+    def export_checks(self) -> dict[str, DecodeSettings]:
+        return {"chain": DecodeSettings(tree="chain"), "tree": DecodeSettings(tree="static")}
+
+    def export_view(self, dtype: torch.dtype) -> MedusaHeads:
+        """The heads alone (a Medusa-2 adapter is exported as a merged base model, if at all),
+        with this draft's candidate tree, at ``dtype``."""
+        ref = MedusaHeads(
+            self.target,
+            Medusa1Config(
+                **{
+                    k: getattr(self.cfg, k)
+                    for k in Medusa1Config.__dataclass_fields__
+                    if k != "name"
+                }
+            ),
+        )
+        ref.load_state_dict(
+            {k: v for k, v in self.state_dict().items() if k.startswith("heads.")}, strict=False
+        )
+        ref.tree = self.candidate_tree()
+        return ref.to(self.target.device, dtype).eval()
 
     # -- save / load -------------------------------------------------------------------------
 
@@ -409,25 +402,6 @@ class Medusa2Heads(MedusaHeads):
 # Pure functions: masks, losses, schedule, tree
 
 
-def head_masks(
-    loss_mask: torch.Tensor, attention_mask: torch.Tensor, heads: int
-) -> list[torch.Tensor]:
-    """Where head k (0-based) is trained/scored: (B, T) bool each. Head k at position t
-    predicts x_{t+k+2}; that token must be an assistant token, and every position from t to
-    t+k+2 real (not padding). Positions whose label falls past the end are False."""
-    B, T = loss_mask.shape
-    real = attention_mask.bool()
-    pad = lambda x: torch.cat([x, x.new_zeros(B, heads + 2)], dim=1)  # noqa: E731
-    lm, real = pad(loss_mask.bool()), pad(real)
-    out = []
-    for k in range(heads):
-        m = lm[:, k + 2 : k + 2 + T].clone()
-        for i in range(0, k + 3):
-            m &= real[:, i : i + T]
-        out.append(m)
-    return out
-
-
 def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """KL(p || q) averaged over rows, p = softmax(teacher), q = softmax(student); (N, V)."""
     lp = teacher_logits.float().log_softmax(-1)
@@ -496,54 +470,3 @@ def read_tree_file(path: str, cfg: Medusa1Config) -> list[tuple[int, ...]]:
 def expected_length(acc: list[list[float]], tree: list[tuple[int, ...]]) -> float:
     """Expected accepted draft tokens per verification of ``tree`` (greedy, independent heads)."""
     return sum(math.prod(acc[i][r] for i, r in enumerate(p)) for p in tree)
-
-
-# ---------------------------------------------------------------------------------------------
-# Propose (decode time)
-
-
-class MedusaProposer:
-    """All heads once on the target's hidden state at the last verified position, then the
-    candidate tree's nodes as a proposal (or a chain of each head's top-1). Deterministic
-    (q = None): at T > 0 the decoder verifies it exactly by recursive rejection over point
-    masses, or with typical acceptance when asked."""
-
-    name = "medusa"
-
-    def __init__(self, heads: MedusaHeads, tree: list[tuple[int, ...]] | None):
-        self.heads = heads.eval()
-        self.tree = tree
-        if tree is not None:  # verified whole every iteration: no adaptive gamma
-            self.tree_depth = max(len(p) for p in tree)
-        self.feature_layers = (-1,)
-        self.draft_calls = 0
-        self.last_step_seconds: float | None = None
-
-    def start(self, state: DecodeState) -> None:
-        pass
-
-    @torch.no_grad()
-    def propose(self, state: DecodeState, gamma: int) -> Proposal:
-        t0 = time.perf_counter()
-        if state.features is None or gamma < 1:
-            return Proposal([], [])
-        h = state.features[-1, 0]  # the target's state where it predicted the pending token
-        if self.tree is None:
-            K = min(gamma, self.heads.cfg.num_heads)
-            toks = [int(self.heads.head_logits(k, h).argmax()) for k in range(K)]
-            self.draft_calls += 1
-            self.last_step_seconds = (time.perf_counter() - t0) / max(1, K)
-            return Proposal.chain(toks)
-        tree = [p for p in self.tree if len(p) <= gamma]
-        depth = max((len(p) for p in tree), default=0)
-        R = max((max(p) for p in tree), default=0) + 1
-        tops = [self.heads.head_logits(d, h).topk(R).indices.tolist() for d in range(depth)]
-        index = {p: i for i, p in enumerate(tree)}
-        tokens = [tops[len(p) - 1][p[-1]] for p in tree]
-        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in tree]
-        self.draft_calls += 1
-        self.last_step_seconds = (time.perf_counter() - t0) / max(1, depth)
-        return Proposal(tokens, parents)
-
-    def rollback(self, state: DecodeState, n_accepted: int) -> None:
-        pass

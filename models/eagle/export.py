@@ -1,0 +1,457 @@
+"""EAGLE's serving layouts, driven by the generic pipeline in ``models/export.py``.
+
+``sglang``       EAGLE-3 as SGLang's ``LlamaForCausalLMEagle3`` reads it: ``model.safetensors``
+                 with ``fc``, ``midlayer.*``, ``norm``, ``lm_head`` (draft vocabulary), ``d2t``,
+                 ``t2d`` and no ``embed_tokens`` (the target's is shared); ``config.json`` with
+                 ``draft_vocab_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``.
+                 SGLang counts layer id k as the *output* of decoder layer k, i.e. one less
+                 than our (transformers ``hidden_states``) index.
+``vllm``         the same weights for vLLM's ``LlamaForCausalLMEagle3``; the fused layers go in a
+                 top-level ``eagle_aux_hidden_state_layer_ids``, counted as vLLM does (id k =
+                 the *input* of decoder layer k, our index unchanged), and
+                 ``norm_before_residual: false`` is written out (vLLM's defaults differ by path).
+``speculators``  EAGLE-3 in vLLM's ``speculators`` format: ``speculators_config`` (algorithm,
+                 greedy proposal, verifier), ``transformer_layer_config``, weights
+                 ``layers.0.*`` instead of ``midlayer.*``, with the target's ``embed_tokens``
+                 (speculators' loader leaves it zero when a checkpoint lacks it).
+``eagle1``       the EAGLE-1 reference layout (SafeAILab/EAGLE; vLLM's and SGLang's EAGLE-1
+                 loaders): ``pytorch_model.bin`` with ``embed_tokens``, ``fc`` (with bias),
+                 ``layers.0.*`` without an input norm; a one-layer ``config.json`` of the
+                 target's architecture with ``"bias": true``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..base import ExportError, ExportFormat
+from ..export import cast, load_tensors, verifier_name
+from .config import Eagle1Config, Eagle3Config
+from .model import Eagle3Head, EagleHead
+
+# Methods whose drafts are EAGLE-3 heads at serving time (HASS trains one differently)
+EAGLE3_LIKE = ("eagle3", "hass")
+
+# Per-layer parameter names of the Llama decoder layer that every format stores. A target whose
+# decoder layer names its parameters otherwise cannot be exported to these layouts.
+LAYER_KEYS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def target_dims(tc: Any) -> dict[str, int]:
+    H = tc.hidden_size
+    heads = tc.num_attention_heads
+    return {
+        "H": H,
+        "head_dim": getattr(tc, "head_dim", None) or H // heads,
+        "heads": heads,
+        "kv": getattr(tc, "num_key_value_heads", None) or heads,
+        "I": tc.intermediate_size,
+        "V": tc.vocab_size,
+    }
+
+
+def llama_config(target, dtype: torch.dtype) -> dict[str, Any]:
+    """A one-layer Llama config with the target's dimensions (what the engines' EAGLE loaders
+    build their draft layer from). Rope settings are written in both the old (``rope_theta``,
+    ``rope_scaling``) and the new (``rope_parameters``) spelling, for old and new loaders."""
+    tc = target.config
+    d = target_dims(tc)
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+    if scaling and scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": d["H"],
+        "intermediate_size": d["I"],
+        "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["kv"],
+        "head_dim": d["head_dim"],
+        "num_hidden_layers": 1,
+        "hidden_act": getattr(tc, "hidden_act", "silu"),
+        "max_position_embeddings": getattr(tc, "max_position_embeddings", 4096),
+        "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_theta": theta, **(scaling or {"rope_type": "default"})},
+        "attention_bias": bool(getattr(tc, "attention_bias", False)),
+        "mlp_bias": bool(getattr(tc, "mlp_bias", False)),
+        "vocab_size": d["V"],
+        "tie_word_embeddings": False,
+        "bos_token_id": getattr(tc, "bos_token_id", None),
+        "eos_token_id": getattr(tc, "eos_token_id", None),
+        "pad_token_id": getattr(tc, "pad_token_id", None),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+
+
+def layer_state(head: EagleHead) -> tuple[dict[str, torch.Tensor], bool, bool]:
+    """The head's decoder layer parameters, keyed relative to the layer, and whether it has
+    attention / MLP biases. Refuses layers with parameters the Llama layout has no place for."""
+    layer = head.midlayer if isinstance(head, Eagle3Head) else head.layer
+    state = dict(layer.state_dict())
+    allowed = {f"{k}.{w}" for k in LAYER_KEYS for w in ("weight", "bias")}
+    allowed |= {"input_layernorm.weight", "post_attention_layernorm.weight", "hidden_norm.weight"}
+    odd = sorted(k for k in state if k not in allowed)
+    if odd:
+        raise ExportError(
+            f"the draft's decoder layer ({type(layer).__name__}) has parameters the Llama "
+            f"EAGLE layout has no place for: {odd[:5]}"
+        )
+    return state, "self_attn.q_proj.bias" in state, "mlp.gate_proj.bias" in state
+
+
+def _layer_config(config: dict) -> dict:
+    return config.get("transformer_layer_config", config)
+
+
+class EagleFormat(ExportFormat):
+    """What the EAGLE layouts share: one Llama decoder layer under ``layer_prefix``, FC, and
+    for EAGLE-3 the draft vocabulary and its mapping."""
+
+    layer_prefix = "midlayer."
+    weights_file = "model.safetensors"
+    embeds = False  # carries the target's input embedding (frozen) for its loader
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def extra(self, draft, tmp: Path, dtype, merge: bool = False, **_: Any) -> None:
+        if merge:
+            raise ExportError("--merge is for Medusa-2 drafts (a LoRA-adapted backbone)")
+        return None
+
+    def tensors(self, draft: EagleHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        layer, _, _ = layer_state(draft)
+        out = {self.layer_prefix + k: v for k, v in layer.items()}
+        out.update(self.head_tensors(draft))
+        if self.embeds:
+            out["embed_tokens.weight"] = draft.target.embed_tokens.weight
+        return cast(out, dtype)
+
+    def head_tensors(self, draft) -> dict[str, torch.Tensor]:
+        c = draft.cfg
+        fuse = c.fuse_layers
+        if len(set(fuse)) != 3 or min(fuse) < 1:
+            raise ExportError(
+                f"fused layers {fuse}: serving engines need three distinct layers >= 1 "
+                "(they capture each once, from the first decoder layer's output on)"
+            )
+        if (c.norm_before_fc or c.norm_output) and self.name != "speculators":
+            raise ExportError(
+                f"--format {self.name}: this head uses speculators' layout variants "
+                f"(norm_before_fc={c.norm_before_fc}, norm_output={c.norm_output}), which "
+                f"{self.description} cannot express; export it with --format speculators"
+            )
+        out = {
+            "fc.weight": draft.fc.weight,
+            "norm.weight": draft.norm.weight,
+            "lm_head.weight": draft.lm_head.weight,
+            "d2t": draft.d2t.to(torch.int64),
+            "t2d": draft.t2d.to(torch.bool),
+        }
+        if c.norm_before_fc:
+            out["input_norm.weight"] = draft.input_norm.weight
+        return out
+
+    def base_config(self, draft, dtype) -> dict[str, Any]:
+        base = llama_config(draft.target, dtype)
+        _, base["attention_bias"], base["mlp_bias"] = layer_state(draft)
+        return base
+
+    # -- checking --------------------------------------------------------------------------
+
+    def expected(self, config: dict, target_config: Any) -> dict[str, tuple]:
+        """Every tensor and its shape, from the target's config and the written config (its
+        biases, draft vocabulary size and norm flags)."""
+        d = target_dims(target_config)
+        H, hd, V = d["H"], d["head_dim"], d["V"]
+        layer = _layer_config(config)
+        eagle3 = self.methods == EAGLE3_LIKE
+        attn_in = 2 * H if eagle3 else H  # EAGLE-3 attends over [emb; hidden]
+        p = self.layer_prefix
+        s: dict[str, tuple] = {
+            f"{p}self_attn.q_proj.weight": (d["heads"] * hd, attn_in),
+            f"{p}self_attn.k_proj.weight": (d["kv"] * hd, attn_in),
+            f"{p}self_attn.v_proj.weight": (d["kv"] * hd, attn_in),
+            f"{p}self_attn.o_proj.weight": (H, d["heads"] * hd),
+            f"{p}mlp.gate_proj.weight": (d["I"], H),
+            f"{p}mlp.up_proj.weight": (d["I"], H),
+            f"{p}mlp.down_proj.weight": (H, d["I"]),
+            f"{p}post_attention_layernorm.weight": (H,),
+        }
+        if layer.get("attention_bias"):
+            for n in ("q", "k", "v"):
+                s[f"{p}self_attn.{n}_proj.bias"] = (s[f"{p}self_attn.{n}_proj.weight"][0],)
+        if layer.get("mlp_bias"):
+            for n in ("gate", "up", "down"):
+                s[f"{p}mlp.{n}_proj.bias"] = (s[f"{p}mlp.{n}_proj.weight"][0],)
+        if eagle3:
+            dv = config.get("draft_vocab_size")
+            s.update(
+                {
+                    f"{p}input_layernorm.weight": (H,),
+                    f"{p}hidden_norm.weight": (H,),
+                    "fc.weight": (H, 3 * H),
+                    "norm.weight": (H,),
+                    "lm_head.weight": (dv, H),
+                    "d2t": (dv,),
+                    "t2d": (V,),
+                }
+            )
+            if config.get("norm_before_fc"):
+                s["input_norm.weight"] = (3 * H,)
+        else:
+            s.update({"fc.weight": (H, 2 * H), "fc.bias": (H,)})
+        if self.embeds:
+            s["embed_tokens.weight"] = (V, H)
+        return s
+
+    def check(self, path: Path, tensors: dict, config: dict, draft) -> None:
+        f = path.parent / "config.json"
+        tc = draft.target.config
+        layer = _layer_config(config)
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+            if layer.get(key) != getattr(tc, key):
+                raise ExportError(f"{f}: {key}={layer.get(key)}, the target has {getattr(tc, key)}")
+        if layer.get("num_hidden_layers") != 1:
+            raise ExportError(
+                f"{f}: num_hidden_layers={layer.get('num_hidden_layers')}, expected 1"
+            )
+        if self.methods != EAGLE3_LIKE:
+            return
+        if config.get("draft_vocab_size") != draft.cfg.draft_vocab_size:
+            raise ExportError(f"{f}: draft_vocab_size={config.get('draft_vocab_size')}")
+        d2t, t2d = tensors["d2t"], tensors["t2d"]
+        if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+            raise ExportError(
+                f"{path}: d2t must be int64 and t2d bool (got {d2t.dtype}, {t2d.dtype})"
+            )
+        if not d2t.any():
+            raise ExportError(
+                f"{path}: d2t is all zeros, the mapping of a head whose draft vocabulary was "
+                "never chosen; engines would load it and silently propose wrong tokens"
+            )
+        ids = torch.arange(len(d2t)) + d2t
+        V = t2d.numel()
+        if ids.min() < 0 or ids.max() >= V or not (ids[1:] > ids[:-1]).all():
+            raise ExportError(f"{path}: d2t maps to target ids outside 0..{V - 1} or repeats one")
+        if int(t2d.sum()) != len(d2t) or not t2d[ids].all():
+            raise ExportError(f"{path}: t2d does not mark exactly the tokens d2t maps to")
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def fused_layers(self, config: dict) -> list[int] | None:
+        return config.get("eagle_aux_hidden_state_layer_ids")
+
+    def read(self, folder: Path, target, config: dict) -> EagleHead:
+        tensors = load_tensors(folder / self.weights_file)
+        L = target.num_layers
+        fuse = self.fused_layers(config) or [2, L // 2, L - 3]  # the engines' default
+        if "d2t" not in tensors:
+            raise ExportError(
+                f"{folder / self.weights_file}: no d2t; without the draft-to-target mapping "
+                "an EAGLE-3 draft proposes the wrong tokens"
+            )
+        dv = config.get("draft_vocab_size") or int(tensors["d2t"].numel())
+        if config.get("fc_norm"):
+            raise ExportError(
+                f"{folder / 'config.json'}: fc_norm=true (a norm per fused layer) is a "
+                "speculators layout this importer does not read"
+            )
+        flags = {
+            k: bool(config.get(k, False))
+            for k in ("norm_before_residual", "norm_before_fc", "norm_output")
+        }
+        head = Eagle3Head(target, Eagle3Config(fuse_layers=fuse, draft_vocab_size=dv, **flags))
+        tensors.pop("embed_tokens.weight", None)  # ours is the target's
+        return self._load(head, tensors, "midlayer.", folder)
+
+    def _load(self, head: EagleHead, tensors: dict, dst: str, folder: Path) -> EagleHead:
+        p = self.layer_prefix
+        renamed = {(dst + k[len(p) :] if k.startswith(p) else k): v for k, v in tensors.items()}
+        own = head.state_dict()
+        renamed = {k: v.to(own[k].dtype) if k in own else v for k, v in renamed.items()}
+        missing, unexpected = head.load_state_dict(renamed, strict=False)
+        if missing or unexpected:
+            raise ExportError(
+                f"{folder}: weights do not fit an {head.cfg.name} head for "
+                f"{head.target.identity} (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
+        return head
+
+    def readme_lines(self, draft, config: dict) -> list[str]:
+        if self.methods != EAGLE3_LIKE:
+            return []
+        t = draft.target
+        return [
+            f"- fused target layers (transformers hidden_states index): "
+            f"{draft.cfg.fuse_layers}; draft vocabulary {draft.cfg.draft_vocab_size} of "
+            f"{t.config.vocab_size}"
+        ]
+
+
+class SGLangEagle3(EagleFormat):
+    name, methods, description = "sglang", EAGLE3_LIKE, "EAGLE-3 for SGLang"
+    serve_hint = (
+        "SGLang: `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this dir>`"
+    )
+
+    def config(self, draft, dtype, **_: Any) -> dict:
+        return {
+            **self.base_config(draft, dtype),
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": draft.cfg.draft_vocab_size,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in draft.cfg.fuse_layers],
+                "use_aux_hidden_state": True,
+            },
+        }
+
+    def fused_layers(self, config: dict) -> list[int] | None:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return [i + 1 for i in ids] if ids else None  # SGLang counts layer outputs
+
+    def detect(self, folder: Path, config: dict) -> bool:
+        archs = config.get("architectures") or []
+        return (
+            any("Eagle3" in a for a in archs)
+            and "eagle_aux_hidden_state_layer_ids" not in config
+            and "speculators_model_type" not in config
+        )
+
+
+VLLM_HINT = (
+    'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
+    '"num_speculative_tokens": 3}\'`'
+)
+
+
+class VLLMEagle3(EagleFormat):
+    name, methods, description = "vllm", EAGLE3_LIKE, "EAGLE-3 for vLLM"
+    serve_hint = VLLM_HINT
+
+    def config(self, draft, dtype, **_: Any) -> dict:
+        return {
+            **self.base_config(draft, dtype),
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": draft.cfg.draft_vocab_size,
+            "eagle_aux_hidden_state_layer_ids": list(draft.cfg.fuse_layers),
+            "norm_before_residual": draft.cfg.norm_before_residual,
+        }
+
+    def detect(self, folder: Path, config: dict) -> bool:
+        archs = config.get("architectures") or []
+        return (
+            any("Eagle3" in a for a in archs)
+            and "eagle_aux_hidden_state_layer_ids" in config
+            and "speculators_model_type" not in config
+        )
+
+
+class SpeculatorsEagle3(EagleFormat):
+    name, methods, description = "speculators", EAGLE3_LIKE, "EAGLE-3, vLLM speculators"
+    layer_prefix = "layers.0."
+    embeds = True
+    serve_hint = VLLM_HINT
+
+    def config(self, draft, dtype, gamma: int = 3, **_: Any) -> dict:
+        base = self.base_config(draft, dtype)
+        target, c = draft.target, draft.cfg
+        layer_cfg = {k: v for k, v in base.items() if k not in ("architectures", "torch_dtype")}
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": gamma,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {
+                    "name_or_path": verifier_name(target),
+                    "architectures": list(getattr(target.config, "architectures", None) or []),
+                },
+            },
+            "transformer_layer_config": layer_cfg,
+            "draft_vocab_size": c.draft_vocab_size,
+            # written out: speculators' own defaults for these differ between its config class
+            # and its trainer, so a loader must not guess
+            "norm_before_residual": c.norm_before_residual,
+            "norm_before_fc": c.norm_before_fc,
+            "norm_output": c.norm_output,
+            "fc_norm": False,
+            "embed_requires_grad": False,
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": list(c.fuse_layers),
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
+
+    def check(self, path: Path, tensors: dict, config: dict, draft) -> None:
+        super().check(path, tensors, config, draft)
+        v = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+        if not v:
+            raise ExportError(f"{path.parent / 'config.json'}: verifier.name_or_path is empty")
+
+    def detect(self, folder: Path, config: dict) -> bool:
+        return config.get("speculators_model_type") == "eagle3"
+
+
+class Eagle1Reference(EagleFormat):
+    name, methods, description = "eagle1", ("eagle1",), "EAGLE-1 reference layout"
+    weights_file = "pytorch_model.bin"
+    layer_prefix = "layers.0."
+    embeds = True
+    serve_hint = "EAGLE reference / vLLM / SGLang EAGLE-1 loaders: point them at this dir."
+
+    def head_tensors(self, draft) -> dict[str, torch.Tensor]:
+        if draft.cfg.input_norm:
+            raise ExportError(
+                "this EAGLE-1 head keeps an input norm on its decoder layer (method.input_norm="
+                "true), which the reference layout has no place for; retrain with the default"
+            )
+        return {"fc.weight": draft.fc.weight, "fc.bias": draft.fc.bias}
+
+    def config(self, draft, dtype, **_: Any) -> dict:
+        return {**self.base_config(draft, dtype), "bias": True}  # the reference reads it for FC
+
+    def read(self, folder: Path, target, config: dict) -> EagleHead:
+        tensors = load_tensors(folder / self.weights_file)
+        tensors.pop("embed_tokens.weight", None)
+        head = EagleHead(target, Eagle1Config(input_norm=False))
+        return self._load(head, tensors, "layer.", folder)
+
+    def detect(self, folder: Path, config: dict) -> bool:
+        # a one-layer config beside weights holding FC over [emb; feature]
+        weights = folder / self.weights_file
+        if config.get("num_hidden_layers") != 1 or not weights.exists():
+            return False
+        try:
+            keys = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
+        except Exception:
+            return False
+        return (
+            isinstance(keys, dict) and "fc.weight" in keys and "layers.0.mlp.up_proj.weight" in keys
+        )
+
+
+FORMATS = (SGLangEagle3(), VLLMEagle3(), SpeculatorsEagle3(), Eagle1Reference())

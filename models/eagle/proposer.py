@@ -1,0 +1,207 @@
+"""EAGLE proposers for the shared decoder: a chain (EAGLE-1/3) and EAGLE-2's dynamic draft
+tree, for either head."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from ..base import DecodeState, Proposal, Proposer, crop_cache
+from ..sampling import sample, warp
+
+if TYPE_CHECKING:
+    from .model import EagleHead
+
+
+class EagleProposer(Proposer):
+    """Chain drafting with an EAGLE head for the shared decoder.
+
+    The head keeps its own KV cache over (feature, next token) pairs. Pairs for committed
+    tokens use the target's real features (from the verification forwards); each drafted step
+    feeds the head's own predicted feature with the token just drafted. After verification the
+    drafted entries are cut and the next call catches up on the newly committed pairs in one
+    pass, so nothing is recomputed.
+    """
+
+    name = "eagle"
+    measures_steps = True
+
+    def __init__(self, head: EagleHead):
+        self.head = self.method = head.eval()
+        self.feature_layers = tuple(head.feature_layers)
+        self.draft_calls = 0
+        self.cache: DynamicCache | None = None
+        self.done = 0  # committed pairs held by the head's cache
+
+    def reset(self) -> None:
+        """Forget every fed pair (an empty draft KV cache)."""
+        self.cache = DynamicCache()
+        self.done = 0
+        self.last_step_seconds = None
+
+    def start(self, state: DecodeState) -> None:
+        self.reset()
+        if len(state.ids) > 2:  # the prompt's pairs now, so drafting times only draft steps
+            self._catch_up(state, upto=len(state.ids) - 2)
+
+    def _choose(self, h: torch.Tensor, state: DecodeState, qs: list) -> int:
+        if state.sampling.greedy:
+            return int(self.head.top_tokens(h[None], 1)[1][0, 0])
+        logits = self.head.vocab_logits(h)
+        q = warp(logits, state.sampling)
+        qs.append(q)
+        return sample(q, state.generator)
+
+    @torch.no_grad()
+    def _catch_up(self, state: DecodeState, upto: int) -> torch.Tensor:
+        """Feed committed pairs (f_t, x_{t+1}) for t = done..upto-1; returns the head's output
+        (1, Q, H)."""
+        head, dev = self.head, state.device
+        q_len = upto - self.done
+        pos = torch.arange(self.done, upto, device=dev)[None]
+        emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=dev))
+        mask = None
+        if self.done > 0 and q_len > 1:
+            keys = torch.arange(upto, device=dev)
+            mask = (keys[None, :] <= pos[0, :, None])[None, None]
+        h0 = head.initial_hidden(state.features[self.done : upto])  # fed positions only
+        h = head.step(h0[None], emb, pos, mask, self.cache)
+        self.done = upto
+        self.draft_calls += 1
+        return h
+
+    @staticmethod
+    def _no_context(state: DecodeState) -> bool:
+        """A one-token prompt has had no target forward yet, so there is no feature to draft
+        from: the first iteration is a plain step (it produces one)."""
+        return state.features is None or len(state.ids) < 2
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        head, dev = self.head, state.device
+        n = len(state.ids)
+        if self._no_context(state):
+            self.last_step_seconds = None
+            return Proposal([], [])
+        times: list[float] = []
+        t = time.perf_counter()
+        big = n - 1 - self.done > 8
+        h = self._catch_up(state, upto=n - 1)[:, -1:]  # predicts the pending token's feature
+        if not big:  # a long catch-up is not what one more draft step costs
+            times.append(time.perf_counter() - t)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(gamma):
+            t = time.perf_counter()
+            x = self._choose(h[0, -1], state, qs)
+            tokens.append(x)
+            if i < gamma - 1:
+                p = torch.tensor([[n - 1 + i]], device=dev)
+                h = head.step(h, head._embed(torch.tensor([[x]], device=dev)), p, None, self.cache)
+                self.draft_calls += 1
+            times.append(time.perf_counter() - t)
+        # each draft token costs one head step and one LM head; the catch-up step (when it
+        # was short) stands for the step that produced the first token's feature
+        self.last_step_seconds = sum(times) / gamma if gamma else None
+        return Proposal.chain(tokens, torch.stack(qs) if qs else None)
+
+    def rollback(self, state: DecodeState, n_accepted: int) -> None:
+        crop_cache(self.cache, self.done)
+
+
+class EagleTreeProposer(EagleProposer):
+    """EAGLE-2's context-aware dynamic draft tree, for either head.
+
+    From the pending token, take the draft's ``top_k`` tokens; then ``depth - 1`` times feed the
+    ``top_k`` newest nodes with the highest cumulative log-probability (the product of the
+    draft's probabilities along the path, its confidence that the path is accepted) in one
+    batched head step with tree attention, and give each its ``top_k`` children. Finally keep
+    the ``total_tokens`` nodes of highest cumulative score (ancestor-closed, since a child never
+    scores above its parent) as the tree to verify. Children are the draft's top-k, not samples,
+    so the proposal is deterministic (q = None): the decoder verifies it with point-mass
+    recursive rejection at T > 0, which keeps the target's distribution exactly.
+    """
+
+    name = "eagle-tree"
+
+    def __init__(self, head: EagleHead, depth: int = 5, top_k: int = 8, total_tokens: int = 32):
+        super().__init__(head)
+        for key, v in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+            if v < 1:
+                raise ValueError(f"{key}={v}: must be >= 1")
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.tree_depth = depth  # the decoder verifies the whole tree: no adaptive gamma
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        head, dev = self.head, state.device
+        depth = min(self.depth, gamma)
+        if depth < 1 or self._no_context(state):
+            self.last_step_seconds = None
+            return Proposal([], [])
+        n = len(state.ids)
+        t0 = time.perf_counter()
+        h = self._catch_up(state, upto=n - 1)[0, -1]  # predicts the pending token's successor
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        depths: list[int] = []
+        out_h: dict[int, torch.Tensor] = {}  # node -> head output after feeding it
+        fed: list[int] = []  # nodes fed to the head's cache this call, in cache order
+
+        def add_children(nodes: list[int], hidden: torch.Tensor, d: int) -> list[int]:
+            """Children (the draft's top_k) of every node in ``nodes`` (-1: the root) at once:
+            one LM-head product for the whole level. hidden: (len(nodes), H)."""
+            logp, ids = head.top_tokens(hidden, self.top_k)
+            new = []
+            for parent, lps, toks in zip(nodes, logp.tolist(), ids.tolist(), strict=True):
+                base = scores[parent] if parent >= 0 else 0.0
+                for lp, tok in zip(lps, toks, strict=True):
+                    if lp == float("-inf"):
+                        break
+                    tokens.append(tok)
+                    parents.append(parent)
+                    scores.append(base + lp)
+                    depths.append(d)
+                    new.append(len(tokens) - 1)
+            return new
+
+        level = add_children([-1], h[None], 1)
+        for d in range(1, depth):
+            frontier = sorted(level, key=lambda i: -scores[i])[: self.top_k]
+            if not frontier:
+                break
+            q = len(frontier)
+            hidden = torch.stack([h if parents[v] < 0 else out_h[parents[v]] for v in frontier])
+            emb = head._embed(torch.tensor([[tokens[v] for v in frontier]], device=dev))
+            # keys: committed pairs, earlier tree entries, these queries; a query sees the
+            # committed context, its own ancestors and itself
+            k_tree = fed + frontier
+            mask = torch.zeros(q, self.done + len(k_tree), dtype=torch.bool, device=dev)
+            mask[:, : self.done] = True
+            col = {v: self.done + i for i, v in enumerate(k_tree)}
+            for r, v in enumerate(frontier):
+                a = v
+                while a >= 0:
+                    if a in col:
+                        mask[r, col[a]] = True
+                    a = parents[a]
+            pos = torch.full((1, q), n - 2 + d, device=dev)
+            out = head.step(hidden[None], emb, pos, mask[None, None], self.cache)[0]
+            self.draft_calls += 1
+            fed.extend(frontier)
+            for r, v in enumerate(frontier):
+                out_h[v] = out[r]
+            level = add_children(frontier, out, d + 1)
+        # rerank: best total_tokens by score; a parent sorts before its children
+        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
+        keep = sorted(order[: self.total_tokens], key=lambda i: (depths[i], -scores[i], i))
+        index = {v: j for j, v in enumerate(keep)}
+        self.last_step_seconds = (time.perf_counter() - t0) / depth
+        return Proposal(
+            [tokens[v] for v in keep],
+            [index[parents[v]] if parents[v] >= 0 else -1 for v in keep],
+        )
