@@ -232,6 +232,21 @@ class LengthGroupedBatches(torch.utils.data.Sampler[list[int]]):
         return int(n) if self.drop_last else math.ceil(n)
 
 
+def validation_batches(
+    lengths: list[int], batch_size: int, rank: int = 0, world_size: int = 1, cap: int | None = None
+) -> list[list[int]]:
+    """This process's validation batches: conversations longest first (``cap``: lengths cut
+    there), dealt out rank::world_size, in batches of ``batch_size``. Every conversation is in
+    exactly one process's batches, none twice (a distributed sampler pads uneven shards with
+    repeats, which would bias the metrics), and the split depends only on the lengths, so the
+    same held-out set gives the same numbers in every run."""
+    if batch_size < 1:
+        raise DataError(f"data.batch_size={batch_size}: must be at least 1")
+    vl = [min(n, cap) if cap else n for n in lengths]
+    order = sorted(range(len(vl)), key=lambda i: -vl[i])[rank::world_size]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
 class Collator:
     """Right-pad a list of samples into tensors.
 

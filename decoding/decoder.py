@@ -319,6 +319,8 @@ class SpeculativeDecoder:
         typical_delta: float = 0.3,
         record_logits: bool = False,
         lenience: float = 1.0,
+        stop_rule=None,
+        traces: list | None = None,
     ):
         """``acceptance``: ``exact`` (speculative sampling: the output follows the target
         exactly) or ``typical`` (Medusa's typical acceptance at T > 0 with ``typical_epsilon``
@@ -328,7 +330,14 @@ class SpeculativeDecoder:
         ``lenience`` l in (0, 1]: 1 is exact; below 1 a drafted x is accepted with probability
         min(1, p(x) / (l q(x))) at T > 0 (chains only; the per-token TVD from the target is
         measured in ``stats``), and when p(x) >= l * max p at T = 0 (``stats.off_argmax``
-        counts accepted tokens that are not the argmax). NOT lossless below 1."""
+        counts accepted tokens that are not the argmax). NOT lossless below 1.
+
+        ``stop_rule``: a learned rule (DISCO, ``decoding.disco.DiscoStop``) that the proposer
+        consults after each drafted token of a chain, stopping the draft early where it
+        predicts a rejection; it decides only how many tokens are drafted, so the output
+        distribution is the target's whatever it says. ``traces``: a list that receives, per
+        drafting iteration, the draft's signals for each drafted token and how many were
+        accepted (what the stop rule is trained on)."""
         if gamma < 0:
             raise ValueError(f"gamma={gamma}: must be >= 0")
         if acceptance not in ("exact", "typical"):
@@ -345,6 +354,14 @@ class SpeculativeDecoder:
                 f"{type(proposer).__name__} is not a models.base.Proposer (the decoder's contract)"
             )
         tree = proposer.tree_depth is not None
+        if (stop_rule is not None or traces is not None) and (not proposer.gives_signals or tree):
+            what = "a learned stop rule" if stop_rule is not None else "acceptance traces"
+            raise ValueError(
+                f"{what} needs a drafter that reports its signals while drafting a chain "
+                f"(EAGLE chains, draft LMs); {type(proposer).__name__}"
+                f"{' (a tree)' if tree else ''} does not"
+            )
+        self.stop_rule, self.traces = stop_rule, traces
         if lenience < 1.0 and tree and not sampling.greedy:
             raise ValueError(
                 f"lenience={lenience} at T > 0 is implemented for chains (its TVD is exact "
@@ -446,6 +463,8 @@ class SpeculativeDecoder:
             sampling=self.sampling,
             generator=self.generator,
             device=self.device,
+            signals=self.stop_rule is not None or self.traces is not None,
+            stop=self.stop_rule,
         )
         calls0 = self.proposer.draft_calls
         t = time.perf_counter()
@@ -470,15 +489,22 @@ class SpeculativeDecoder:
                 g = ctl.choose(limit)
                 prop = self.proposer.propose(state, g) if g > 0 else Proposal([], [])
                 drafted = len(prop)
+            # a proposer's own extra tokens in the same forward (lookahead's Jacobi window),
+            # only in iterations that draft
+            side = self.proposer.side_branch(state) if (g > 0 or drafted) else None
             _sync(self.device)
             t_draft = time.perf_counter() - t
             base = len(state.ids) - 1  # cache length before this forward
             t = time.perf_counter()
             logits, f_new = (
                 self._forward([state.ids[-1]] + prop.tokens, cache)
-                if _is_chain(prop)
-                else self._forward_tree(state.ids[-1], prop, cache, base)
+                if _is_chain(prop) and side is None
+                else self._forward_tree(state.ids[-1], prop, cache, base, side)
             )
+            if side is not None:
+                n_main = len(prop) + 1
+                logits, side_logits = logits[:n_main], logits[n_main:]
+                f_new = f_new[:n_main] if f_new is not None else None
             tvd = None
             if self.sampling.greedy and self.lenience < 1.0:
                 verdict, off = verify_greedy_lenient(
@@ -525,6 +551,16 @@ class SpeculativeDecoder:
                 st.tvd_sum += sum(tvd[: len(emitted)])
                 st.tvd_tokens += len(emitted)
             self.proposer.rollback(state, len(path))
+            if side is not None:
+                self.proposer.side_logits(state, side_logits)
+            if self.traces is not None and prop.signals is not None and len(prop):
+                self.traces.append(
+                    {
+                        "signals": [[round(v, 6) for v in r] for r in prop.signals.tolist()],
+                        "accepted": len(path),
+                        "drafted": len(prop),
+                    }
+                )
             # counters
             depth = _depths(prop)
             for d in depth:
@@ -557,7 +593,10 @@ class SpeculativeDecoder:
             if step is not None and len(prop):
                 st.step_seconds_sum += step
                 st.step_samples += 1
-            ctl.update(len(prop), tested, len(path), step, t_verify, prop.bucket, t_draft=t_draft)
+            # an iteration that carried a side branch cost more than a plain step even when the
+            # proposal was empty: the tree controller must not book it as plain decoding
+            g_used = len(prop) if side is None else max(1, len(prop))
+            ctl.update(g_used, tested, len(path), step, t_verify, prop.bucket, t_draft=t_draft)
             if emitted[-1] in stop_ids:
                 break
         new = new[:max_new_tokens]
@@ -569,20 +608,31 @@ class SpeculativeDecoder:
         self.last_logits = step_logits[: len(new)] if self.record_logits else None
         return new
 
-    def _forward_tree(self, root: int, prop: Proposal, cache: DynamicCache, base: int):
-        """Verify a token tree in one forward: tree attention mask and depth position ids."""
+    def _forward_tree(self, root: int, prop: Proposal, cache: DynamicCache, base: int, side=None):
+        """Verify a token tree in one forward: tree attention mask and depth position ids.
+        A proposer's ``side`` branch (``SideBranch``) rides along after the tree: its tokens
+        see the context, the root and each other as it says, and no tree node sees them."""
         n = len(prop)
-        anc = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m = len(side.tokens) if side is not None else 0
+        anc = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool)
         anc[0, 0] = True
         depth = [0] * (n + 1)
         for i, par in enumerate(prop.parents):
             anc[i + 1] = anc[par + 1].clone()
             anc[i + 1, i + 1] = True
             depth[i + 1] = depth[par + 1] + 1
-        allowed = torch.cat([torch.ones(n + 1, base, dtype=torch.bool), anc], dim=1)
+        if m:
+            if side.allowed.shape != (m, m) or min(side.offsets) < 1:
+                raise ValueError(
+                    f"side branch of {m} tokens: allowed must be ({m}, {m}) and offsets >= 1"
+                )
+            anc[n + 1 :, 0] = True
+            anc[n + 1 :, n + 1 :] = side.allowed | torch.eye(m, dtype=torch.bool)
+            depth += list(side.offsets)
+        allowed = torch.cat([torch.ones(n + 1 + m, base, dtype=torch.bool), anc], dim=1)
         pos = torch.tensor([[base + d for d in depth]], device=self.device)
         return self._forward(
-            [root] + prop.tokens,
+            [root] + prop.tokens + (list(side.tokens) if m else []),
             cache,
             attention_mask=additive_mask(allowed, self.target.dtype)[None, None].to(self.device),
             position_ids=pos,

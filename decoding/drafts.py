@@ -2,6 +2,7 @@
 
 none             plain autoregressive decoding (the baseline)
 ngram            prompt lookup decoding (no model)
+lookahead        lookahead decoding: Jacobi n-grams from the target itself (no model)
 truncate:N       the target's embedding + first N layers + head, untrained
 <run dir>        a training run (its final/ draft)
 <draft dir>      a saved draft (config.json with a "specdraft" key), e.g. final/ or
@@ -27,6 +28,7 @@ from models.shipped import SHIPPED, shipped_draft
 from models.target import Target
 
 from .decoder import NoDraft
+from .lookahead import LookaheadProposer
 from .proposers import DraftLMProposer, NGramProposer
 
 
@@ -45,19 +47,31 @@ def resolve_draft_dir(path: Path) -> Path | None:
 
 
 def load_proposer(
-    spec: str, target: Target, ngram_max: int = 3, tree: DecodeSettings | None = None
+    spec: str,
+    target: Target,
+    ngram_max: int = 3,
+    tree: DecodeSettings | None = None,
+    lookahead: tuple[int, int, int] = (5, 4, 5),
 ):
     """Proposer and a short description for reports. ``tree``: how a trained draft proposes
-    (chain, EAGLE-2 dynamic tree, Medusa static tree; see ``DecodeSettings``)."""
+    (chain, EAGLE-2 dynamic tree, Medusa static tree; see ``DecodeSettings``). ``lookahead``:
+    lookahead decoding's (window W, n-gram size N, guesses G)."""
     tree = tree or DecodeSettings()
     if tree.tree not in ("auto", "chain") and (
-        spec in ("none", "ar", "ngram", "pld") or spec.startswith("truncate:")
+        spec in ("none", "ar", "ngram", "pld", "lookahead") or spec.startswith("truncate:")
     ):
         raise DraftError(f"draft={spec}: tree={tree.tree} needs a trained draft (EAGLE or Medusa)")
     if spec in ("none", "ar"):
         return NoDraft(), "none (plain autoregressive decoding)"
     if spec in ("ngram", "pld"):
         return NGramProposer(max_ngram=ngram_max), f"ngram (prompt lookup, n <= {ngram_max})"
+    if spec == "lookahead":
+        w, n, g = lookahead
+        try:
+            prop = LookaheadProposer(window=w, ngram=n, guesses=g)
+        except ValueError as e:
+            raise DraftError(str(e)) from None
+        return prop, f"lookahead (W={w}, N={n}, G={g})"
     if spec.startswith("truncate:"):
         try:
             n = int(spec.split(":", 1)[1])

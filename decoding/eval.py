@@ -36,6 +36,7 @@ from models.target import TargetConfig, TargetError, load_target
 
 from .bench import BenchError, load_bench
 from .decoder import NoDraft, SpeculativeDecoder, Stats, predicted_speedup
+from .disco import load_stop_rule, write_traces
 from .drafts import draft_model_of, load_proposer
 
 CONVENTION = (
@@ -86,6 +87,18 @@ class EvalConfig:
     # original target (per-token TVD and greedy agreement, teacher-forced on the outputs)
     compare_original: bool = True
     ngram_max: int = 3
+    # draft=lookahead: Jacobi window W, n-gram size N, candidates verified per forward G
+    lookahead_window: int = 5
+    lookahead_ngram: int = 4
+    lookahead_guesses: int = 5
+    # learned speculation length (DISCO): stop=gamma drafts what the gamma controller says;
+    # stop=disco drafts up to gamma tokens and stops where the classifier at ``disco`` (default:
+    # <draft folder>/disco) predicts a rejection
+    stop: str = "gamma"
+    disco: str | None = None
+    # write acceptance traces (per drafted token: the draft's signals, and whether it was
+    # accepted) to this JSONL file, for ``specdraft-disco``; needs adaptive=false
+    traces: str | None = None
     seed: int = 0
     warmup_tokens: int = 16
     compare_hf: bool = False  # also time transformers' assisted generation (draft LMs only)
@@ -231,7 +244,21 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     tree = DecodeSettings(
         **{k: cfg[k] for k in ("tree", "depth", "top_k", "total_tokens", "tree_nodes", "tree_file")}
     )
-    proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max, tree=tree)
+    la = (cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_guesses)
+    proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max, tree=tree, lookahead=la)
+    if cfg.stop not in ("gamma", "disco"):
+        raise EvalError(f"stop={cfg.stop!r}: use gamma (the gamma controller) or disco")
+    if cfg.traces and cfg.adaptive:
+        raise EvalError(
+            "traces need every drafted position tested at a fixed gamma: add adaptive=false"
+        )
+    if cfg.traces and cfg.stop != "gamma":
+        raise EvalError("traces are recorded with stop=gamma (a stop rule would censor them)")
+    stop_rule = None
+    if cfg.stop == "disco":
+        stop_rule = load_stop_rule(cfg.disco, cfg.draft, proposer)
+        draft_desc += f", DISCO stop ({stop_rule.describe()})"
+    traces: list | None = [] if cfg.traces else None
     method = proposer.method  # the trained draft behind it, if any
     changed = method.changes_target() if method is not None else None
     sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
@@ -242,18 +269,24 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     # A tree is verified whole; with adaptive on, the decoder drafts one only while trees are
     # measured to be faster than plain decoding (chains: it sizes gamma).
     tree_depth = proposer.tree_depth
-    spec = SpeculativeDecoder(
-        target,
-        proposer,
-        sampling,
-        gamma=tree_depth or cfg.gamma,
-        adaptive=cfg.adaptive,
-        seed=cfg.seed,
-        acceptance=cfg.acceptance,
-        typical_epsilon=cfg.typical_epsilon,
-        typical_delta=cfg.typical_delta,
-        lenience=cfg.lenience,
-    )
+    try:
+        spec = SpeculativeDecoder(
+            target,
+            proposer,
+            sampling,
+            gamma=tree_depth or cfg.gamma,
+            # a learned stop rule replaces the gamma controller: it drafts up to gamma tokens
+            adaptive=cfg.adaptive and stop_rule is None,
+            seed=cfg.seed,
+            acceptance=cfg.acceptance,
+            typical_epsilon=cfg.typical_epsilon,
+            typical_delta=cfg.typical_delta,
+            lenience=cfg.lenience,
+            stop_rule=stop_rule,
+            traces=traces,
+        )
+    except ValueError as e:
+        raise EvalError(f"draft={cfg.draft}: {e}") from None
     typical = cfg.acceptance == "typical" and not sampling.greedy
     lenient = cfg.lenience < 1
     stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
@@ -262,6 +295,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     for dec in (ar, spec):
         dec.generate(w, cfg.warmup_tokens, stop)
         dec.stats = Stats()
+    if traces is not None:
+        traces.clear()
     per_cat: dict[str, dict[str, Stats]] = defaultdict(lambda: {"spec": Stats(), "ar": Stats()})
     outputs, n_turns, divergences, compared = [], 0, [], 0
     for q in tqdm(questions, desc="prompts", dynamic_ncols=True, file=sys.stderr):
@@ -395,6 +430,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "outputs": outputs,
         }
     )
+    if traces is not None:
+        report["traces"] = write_traces(cfg.traces, traces, report, draft_desc)
     if changed and cfg.compare_original:
         report["against_original"] = _against_original(target, method, outputs, tok)
     for rec in outputs:  # the token ids were kept for the comparison above only

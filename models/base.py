@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -125,12 +126,18 @@ class Proposal:
     parents: list[int]
     q: torch.Tensor | None = None
     bucket: str | None = None  # a confidence class; acceptance is tracked per bucket
+    #: (N, F) the draft's own signals about each node (``draft_signals``), when the decoder
+    #: asked for them (``DecodeState.signals``); None otherwise or for model-free drafters
+    signals: torch.Tensor | None = None
 
     @staticmethod
     def chain(
-        tokens: list[int], q: torch.Tensor | None = None, bucket: str | None = None
+        tokens: list[int],
+        q: torch.Tensor | None = None,
+        bucket: str | None = None,
+        signals: torch.Tensor | None = None,
     ) -> Proposal:
-        return Proposal(list(tokens), list(range(-1, len(tokens) - 1)), q, bucket)
+        return Proposal(list(tokens), list(range(-1, len(tokens) - 1)), q, bucket, signals)
 
     def truncated(self, k: int) -> Proposal:
         """The first ``k`` nodes (for a chain: the first k tokens)."""
@@ -139,7 +146,8 @@ class Proposal:
         if any(p >= k for p in self.parents[:k]):
             raise ValueError("truncating a tree must keep every kept node's parent")
         q = self.q[:k] if self.q is not None else None
-        return Proposal(self.tokens[:k], self.parents[:k], q, self.bucket)
+        sig = self.signals[:k] if self.signals is not None else None
+        return Proposal(self.tokens[:k], self.parents[:k], q, self.bucket, sig)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -157,6 +165,44 @@ class DecodeState:
     sampling: object  # decoding.sampling.Sampling
     generator: torch.Generator | None
     device: torch.device
+    #: the decoder wants ``Proposal.signals`` (acceptance traces, a learned stop rule)
+    signals: bool = False
+    #: a learned stop rule (DISCO): called with a drafted token's signals (F,), True = stop
+    #: drafting after that token. None: draft the gamma tokens asked for.
+    stop: Callable[[torch.Tensor], bool] | None = None
+
+
+#: what ``draft_signals`` returns, per drafted token
+SIGNAL_NAMES = ("p_chosen", "p_top1", "p_top2", "p_top3", "p_top4", "entropy", "position")
+
+
+def draft_signals(logits: torch.Tensor, chosen: int, position: int) -> torch.Tensor:
+    """A drafted token's signals (``SIGNAL_NAMES``), from the draft's raw logits (V,) at that
+    step (temperature 1, so they mean the same at every sampling setting): the probability of
+    the token drafted, the four largest probabilities, the entropy (nats) and the draft
+    position (1-based). DISCO's classifier reads these to decide whether to keep drafting."""
+    logp = logits.float().log_softmax(-1)
+    p = logp.exp()
+    top = p.topk(min(4, p.numel())).values
+    top = torch.cat([top, top.new_zeros(4 - top.numel())])
+    ent = -(p * logp).nan_to_num().sum()
+    return torch.cat(
+        [p[chosen].reshape(1), top, ent.reshape(1), torch.tensor([float(position)])]
+    ).cpu()
+
+
+@dataclass
+class SideBranch:
+    """Tokens a proposer adds to the verification forward beside its proposal, to compute
+    something for itself, never verified nor committed (lookahead decoding's Jacobi window).
+    Each branch token attends to the committed context, the root (the last committed token)
+    and the branch tokens ``allowed`` marks; it sits at position root + ``offsets[i]``. The
+    decoder hands the target's logits for them back through ``Proposer.side_logits`` and drops
+    their cache entries."""
+
+    tokens: list[int]
+    offsets: list[int]  # >= 1: position after the root
+    allowed: torch.Tensor  # (m, m) bool: branch token i attends to branch token j (i itself too)
 
 
 def crop_cache(cache, length: int) -> None:
@@ -219,6 +265,19 @@ class Proposer(abc.ABC):
 
     def rollback(self, state: DecodeState, n_accepted: int) -> None:  # noqa: B027 (a no-op default)
         """``state.ids`` now holds the committed tokens; cut any draft cache back to them."""
+
+    #: fills ``Proposal.signals`` when ``DecodeState.signals`` is set and honours
+    #: ``DecodeState.stop`` (a learned stop rule) while drafting a chain
+    gives_signals: bool = False
+
+    def side_branch(self, state: DecodeState) -> SideBranch | None:
+        """Extra tokens for this iteration's verification forward (``SideBranch``), asked for
+        after ``propose``; None (the default): none."""
+        return None
+
+    def side_logits(self, state: DecodeState, logits: torch.Tensor) -> None:  # noqa: B027 (a no-op default)
+        """The target's logits (m, V) for the tokens of this iteration's ``side_branch``
+        (called after verification, ``state.ids`` already holding the committed tokens)."""
 
 
 class DraftMethod(nn.Module, abc.ABC):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .base import DecodeState, DraftError, Proposal, Proposer, crop_cache
+from .base import DecodeState, DraftError, Proposal, Proposer, crop_cache, draft_signals
 from .sampling import sample, warp
 from .target import Target, TargetError, check_same_vocabulary
 
@@ -40,6 +40,7 @@ class DraftLMProposer(Proposer):
 
     name = "draft_lm"
     measures_steps = True
+    gives_signals = True
 
     def __init__(
         self, model: torch.nn.Module, vocab_size: int | None = None, method: object = None
@@ -91,6 +92,7 @@ class DraftLMProposer(Proposer):
         self.fed = len(state.ids)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        sigs: list[torch.Tensor] = []
         for i in range(gamma):
             if state.sampling.greedy:
                 x = int(logits.argmax())
@@ -99,12 +101,18 @@ class DraftLMProposer(Proposer):
                 x = sample(q, state.generator)
                 qs.append(q)
             tokens.append(x)
+            if state.signals:  # acceptance traces / a learned stop rule (DISCO)
+                sigs.append(draft_signals(logits, x, i + 1))
+                if state.stop is not None and state.stop(sigs[-1]):
+                    break
             if i < gamma - 1:
                 t = time.perf_counter()
                 logits = self._step([x], state.device)
                 times.append(time.perf_counter() - t)
         self.last_step_seconds = sum(times) / len(times) if times else None
-        return Proposal.chain(tokens, torch.stack(qs) if qs else None)
+        return Proposal.chain(
+            tokens, torch.stack(qs) if qs else None, signals=torch.stack(sigs) if sigs else None
+        )
 
     def rollback(self, state: DecodeState, n_accepted: int) -> None:
         # The cache holds the old committed tokens plus the drafted tokens fed after them; the

@@ -198,3 +198,19 @@ def test_collator_pads_with_attention_mask_not_token_identity():
         ]
     )["features"]
     assert f.shape == (2, 3, 1, 2) and f[1, 1:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_validation_batches_cover_every_conversation_once(world):
+    from data.dataset import validation_batches
+
+    lengths = [5, 900, 40, 40, 300, 7, 1200, 64, 8, 512, 3]
+    shards = [validation_batches(lengths, 2, r, world, cap=512) for r in range(world)]
+    seen = [i for s in shards for b in s for i in b]
+    assert sorted(seen) == list(range(len(lengths)))  # all of them, none twice
+    assert all(len(b) <= 2 for s in shards for b in s)
+    capped = [min(n, 512) for n in lengths]
+    for s in shards:  # longest first within each process
+        flat = [capped[i] for b in s for i in b]
+        assert flat == sorted(flat, reverse=True)
+    assert shards == [validation_batches(lengths, 2, r, world, cap=512) for r in range(world)]

@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from decoding.decoder import NoDraft, SpeculativeDecoder
+from decoding.lookahead import LookaheadProposer
 from decoding.proposers import DraftLMProposer, NGramProposer
 from models.base import DecodeSettings, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead
@@ -29,6 +30,7 @@ def proposers(target):
         "truncate:1": DraftLMProposer(target.truncated(1)),
         "eagle": EagleHead(target, Eagle1Config()).proposer(),
         "self": DraftLMProposer(target.model),
+        "lookahead": LookaheadProposer(window=4, ngram=3, guesses=3),
     }
 
 
@@ -45,7 +47,7 @@ def test_plain_decoding_equals_transformers_generate(tiny_target):
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-@pytest.mark.parametrize("name", ["ngram", "draft_lm", "truncate:1", "eagle", "self"])
+@pytest.mark.parametrize("name", ["ngram", "draft_lm", "truncate:1", "eagle", "self", "lookahead"])
 def test_greedy_speculative_equals_greedy_autoregressive(tiny_target, name, adaptive):
     torch.manual_seed(0)
     ref = ar_greedy(tiny_target, PROMPT, 48)
@@ -209,6 +211,61 @@ def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s):
     assert (counts[expected == 0] == 0).all()
     mask = exp > 0
     assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
+
+
+def _first_two_tokens_follow_the_target(target, dec, prompt, s, n=2500, gen=4):
+    """Chi-square on the first two of ``gen`` generated tokens over a 10-token vocabulary
+    (false-alarm rate 1e-3 per test); generating more than two lets the first iteration draft
+    up to ``gen - 1`` tokens."""
+    with torch.no_grad():
+        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], s)
+        p2 = torch.stack(
+            [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
+        )
+    expected = (p1[:, None] * p2).flatten()
+    counts = torch.zeros(100)
+    for _ in range(n):
+        a, b = dec.generate(prompt, gen)[:2]
+        counts[a * 10 + b] += 1
+    e = expected * n
+    keep = e >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([e[keep], e[~keep].sum()[None]])
+    assert (counts[expected == 0] == 0).all()
+    mask = exp > 0
+    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
+
+
+def test_lookahead_sampling_follows_the_target(small_vocab_pair):
+    """Lookahead's candidates are deterministic n-grams verified as a tree with point-mass
+    rejection; the prompt repeats its last token so the pool has candidates from the start."""
+    target, _ = small_vocab_pair
+    s = Sampling(1.0)
+    dec = SpeculativeDecoder(
+        target, LookaheadProposer(window=3, ngram=3, guesses=3), s, gamma=2, adaptive=False, seed=3
+    )
+    _first_two_tokens_follow_the_target(target, dec, [3, 5, 7, 3, 5, 9, 3], s)
+    assert sum(dec.stats.tested.values()) > 1000  # candidates were really verified
+    assert dec.stats.alpha < 0.95  # and rejected at times
+
+
+def test_a_stop_rule_keeps_sampling_exact(small_vocab_pair):
+    """A learned stop rule decides how many tokens are drafted from what was drafted (here: stop
+    after any token the draft gives less than 0.6); the output must still be the target's."""
+    target, draft = small_vocab_pair
+    s = Sampling(1.0)
+    dec = SpeculativeDecoder(
+        target,
+        DraftLMProposer(draft),
+        s,
+        gamma=3,
+        adaptive=False,
+        seed=7,
+        stop_rule=lambda sig: bool(sig[0] < 0.6),
+    )
+    _first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s)
+    lengths = dec.stats.gamma_used
+    assert lengths[1] > 0 and (lengths[2] + lengths[3]) > 0  # it stopped early, and not always
 
 
 def test_tree_controller_drafts_only_while_trees_pay():

@@ -21,7 +21,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from data.conversations import DataError
-from data.dataset import Collator, IndexedDataset, LengthGroupedBatches, prepare_tokenized
+from data.dataset import (
+    Collator,
+    IndexedDataset,
+    LengthGroupedBatches,
+    prepare_tokenized,
+    validation_batches,
+)
 from models import METHODS
 from models.base import DraftError
 from models.target import TargetError, default_dtype, load_target
@@ -141,7 +147,6 @@ def _allow_new_precision(precision: str) -> None:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured; returns a summary (stop reason, steps, final validation)."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     check_config(cfg)
@@ -149,115 +154,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.output_dir)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    target_cfg = OmegaConf.to_object(cfg.target)
-    want_cpu = target_cfg.device == "cpu" or not torch.cuda.is_available()
-    precision = _mixed_precision(
-        cfg.train.mixed_precision, torch.device("cpu" if want_cpu else "cuda")
-    )
-    _allow_new_precision(precision)
-    accelerator = Accelerator(
-        cpu=want_cpu,
-        mixed_precision=precision,
-        gradient_accumulation_steps=cfg.train.grad_accum,
-        step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps itself
-    )
+    accelerator = _accelerator(cfg)
     log = accelerator.print
     set_seed(cfg.train.seed)
-    target_cfg.device = str(accelerator.device)
-    t0 = time.perf_counter()
-    target = load_target(target_cfg)
-    log(
-        f"target: {target.identity} ({target.num_layers} layers, hidden {target.hidden_size}, "
-        f"vocab {target.config.vocab_size}) on {target.device} {target.dtype}, "
-        f"loaded in {time.perf_counter() - t0:.1f}s"
-    )
-
-    path = data_path(cfg.data)
-    with accelerator.main_process_first():
-        data = prepare_tokenized(
-            path,
-            target.tokenizer,
-            max_length=cfg.data.max_length,
-            val_fraction=cfg.data.val_fraction,
-            max_val_records=cfg.data.max_val_records,
-            max_records=cfg.data.max_records,
-            seed=cfg.train.seed,
-            cache_root=cfg.data.cache_dir,
-            num_proc=cfg.data.num_proc,
-            log=log,
-        )
-    rej = ", ".join(f"{k}={v}" for k, v in sorted(data.report.rejected.items())) or "none"
-    log(
-        f"data: {path}: read {data.report.read} records, kept {data.report.kept}; skipped: {rej}; "
-        f"no assistant token within max_length={cfg.data.max_length}: {data.too_long}; "
-        f"train {len(data.train)} / val {len(data.val)} conversations"
-    )
-    for f in data.report.truncated:
-        log(f"data: {f} ends mid-record; all complete records before the cut were used")
-
-    method_cfg = OmegaConf.to_object(cfg.method)
-    method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
-    if cfg.train.init_from:
-        init_from_draft(method, str(cfg.train.init_from), target, method_cfg.name, log)
-    else:  # e.g. EAGLE-3's vocabulary, chosen from the training data
-        method.init_from_data(data.train, log)
-    n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
-    log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
-    if accelerator.num_processes > 1:
-        log(f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value})")
-
-    train_store = val_store = None
-    if cfg.data.cache_features and method.feature_layers:
-        layers = tuple(method.feature_layers)
-        stores = []
-        for split, ds in (("train", data.train), ("val", data.val)):
-            key = feature_cache_key(target, data.key, split, layers, cfg.data.feature_dtype)
-            stores.append(
-                build_feature_store(
-                    target,
-                    ds,
-                    layers,
-                    cfg.data.cache_dir,
-                    key,
-                    batch_size=cfg.data.batch_size,
-                    shard_tokens=cfg.data.feature_shard_tokens,
-                    dtype=cfg.data.feature_dtype,
-                    rank=accelerator.process_index,
-                    world_size=accelerator.num_processes,
-                    barrier=accelerator.wait_for_everyone,
-                    progress=cfg.train.progress and accelerator.is_main_process,
-                )
-            )
-        train_store, val_store = stores
-        log(f"features: cached at {train_store.path} ({train_store.bytes_per_token} bytes/token)")
-
-    collate = Collator(target.pad_token_id)
-    lengths = list(data.train["length"])
-    sampler = LengthGroupedBatches(
-        lengths, cfg.data.batch_size, cfg.train.seed, group=64 if cfg.data.group_by_length else 1
-    )
-    train_loader = torch.utils.data.DataLoader(
-        IndexedDataset(data.train, train_store),
-        batch_sampler=sampler,
-        collate_fn=collate,
-        num_workers=cfg.data.num_workers,
-        # Its own generator: creating a loader iterator draws a seed, and drawing it from the
-        # global RNG would shift the training noise stream after a resume.
-        generator=torch.Generator().manual_seed(cfg.train.seed),
-    )
-    val_loader = None
-    if len(data.val):
-        # Validation is sharded by hand (rank::world) rather than through accelerate, which
-        # would pad uneven shards with repeated samples and bias the metrics.
-        cap = cfg.data.val_max_length
-        vl = [min(n, cap) if cap else n for n in data.val["length"]]
-        order = sorted(range(len(vl)), key=lambda i: -vl[i])[
-            accelerator.process_index :: accelerator.num_processes
-        ]
-        vb = [order[i : i + cfg.data.batch_size] for i in range(0, len(order), cfg.data.batch_size)]
-        val_loader = torch.utils.data.DataLoader(
-            IndexedDataset(data.val, val_store, cap), batch_sampler=vb, collate_fn=collate
-        )
+    target, data = _load_target_and_data(cfg, accelerator, log)
+    method = _build_method(cfg, target, data, accelerator, log)
+    train_loader, sampler, val_loader = _loaders(cfg, method, target, data, accelerator, log)
 
     # A method may ask for parameter groups (e.g. Medusa-2: heads at a multiple of the LoRA lr)
     groups = method.param_groups(cfg.optim.lr)
@@ -282,26 +184,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     samples = SampleLog(run_dir, accelerator.process_index, cfg.train.record_samples)
     if cfg.resume not in (False, None, "false", "False"):
-        ck = _resume_path(cfg.resume, run_dir, log)
-        if ck is not None:
-            saved = load_checkpoint(accelerator, ck, method)
-            if saved.get("world_size", 1) != accelerator.num_processes and saved.get(
-                "batch_in_epoch"
-            ):
-                raise CheckpointError(
-                    f"{ck}: saved by {saved['world_size']} process(es) mid-epoch; resuming with "
-                    f"{accelerator.num_processes} is supported only from an epoch boundary"
-                )
-            for k, v in saved.items():
-                if hasattr(state, k):
-                    setattr(state, k, v)
-            state.world_size = accelerator.num_processes
-            tracker.truncate_after(state.step)
-            samples.truncate_after(state.step)
-            log(
-                f"resumed from {ck}: step {state.step}, epoch {state.epoch}, "
-                f"batch {state.batch_in_epoch} of the epoch"
-            )
+        _resume(cfg, accelerator, method, state, tracker, samples, run_dir, log)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -326,13 +209,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     wall = time.perf_counter() - t_start
     final = None
     if reason in ("finished", "time") and accelerator.is_main_process:
-        final = run_dir / "final"
-        tmp = run_dir / ".final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(method).save_draft(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        final = _save_final(accelerator.unwrap_model(method), run_dir)
     accelerator.wait_for_everyone()
     tracker.close()
     summary = {
@@ -349,6 +226,167 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             summary["eval_after"] = eval_after(cfg, final, run_dir, log)
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _accelerator(cfg: DictConfig):
+    """One accelerator for the run: CPU when the target is asked for there (or no GPU), mixed
+    precision as ``train.mixed_precision`` resolves on that device."""
+    from accelerate import Accelerator
+
+    want_cpu = cfg.target.device == "cpu" or not torch.cuda.is_available()
+    precision = _mixed_precision(
+        cfg.train.mixed_precision, torch.device("cpu" if want_cpu else "cuda")
+    )
+    _allow_new_precision(precision)
+    return Accelerator(
+        cpu=want_cpu,
+        mixed_precision=precision,
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps itself
+    )
+
+
+def _load_target_and_data(cfg: DictConfig, accelerator, log):
+    """The frozen target on the accelerator's device and the tokenised train/val splits (the
+    main process tokenises first; the others read its cache)."""
+    target_cfg = OmegaConf.to_object(cfg.target)
+    target_cfg.device = str(accelerator.device)
+    t0 = time.perf_counter()
+    target = load_target(target_cfg)
+    log(
+        f"target: {target.identity} ({target.num_layers} layers, hidden {target.hidden_size}, "
+        f"vocab {target.config.vocab_size}) on {target.device} {target.dtype}, "
+        f"loaded in {time.perf_counter() - t0:.1f}s"
+    )
+    path = data_path(cfg.data)
+    with accelerator.main_process_first():
+        data = prepare_tokenized(
+            path,
+            target.tokenizer,
+            max_length=cfg.data.max_length,
+            val_fraction=cfg.data.val_fraction,
+            max_val_records=cfg.data.max_val_records,
+            max_records=cfg.data.max_records,
+            seed=cfg.train.seed,
+            cache_root=cfg.data.cache_dir,
+            num_proc=cfg.data.num_proc,
+            log=log,
+        )
+    rej = ", ".join(f"{k}={v}" for k, v in sorted(data.report.rejected.items())) or "none"
+    log(
+        f"data: {path}: read {data.report.read} records, kept {data.report.kept}; skipped: {rej}; "
+        f"no assistant token within max_length={cfg.data.max_length}: {data.too_long}; "
+        f"train {len(data.train)} / val {len(data.val)} conversations"
+    )
+    for f in data.report.truncated:
+        log(f"data: {f} ends mid-record; all complete records before the cut were used")
+    return target, data
+
+
+def _build_method(cfg: DictConfig, target, data, accelerator, log):
+    """The configured method, started from ``train.init_from`` or from the training data."""
+    method_cfg = OmegaConf.to_object(cfg.method)
+    method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
+    if cfg.train.init_from:
+        init_from_draft(method, str(cfg.train.init_from), target, method_cfg.name, log)
+    else:  # e.g. EAGLE-3's vocabulary, chosen from the training data
+        method.init_from_data(data.train, log)
+    n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
+    log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
+    if accelerator.num_processes > 1:
+        log(f"processes: {accelerator.num_processes} ({accelerator.distributed_type.value})")
+    return method
+
+
+def _loaders(cfg: DictConfig, method, target, data, accelerator, log):
+    """(train loader, its batch sampler, validation loader or None), reading target features
+    from the on-disk cache when ``data.cache_features`` is on."""
+    train_store = val_store = None
+    if cfg.data.cache_features and method.feature_layers:
+        layers = tuple(method.feature_layers)
+        train_store, val_store = (
+            build_feature_store(
+                target,
+                ds,
+                layers,
+                cfg.data.cache_dir,
+                feature_cache_key(target, data.key, split, layers, cfg.data.feature_dtype),
+                batch_size=cfg.data.batch_size,
+                shard_tokens=cfg.data.feature_shard_tokens,
+                dtype=cfg.data.feature_dtype,
+                rank=accelerator.process_index,
+                world_size=accelerator.num_processes,
+                barrier=accelerator.wait_for_everyone,
+                progress=cfg.train.progress and accelerator.is_main_process,
+            )
+            for split, ds in (("train", data.train), ("val", data.val))
+        )
+        log(f"features: cached at {train_store.path} ({train_store.bytes_per_token} bytes/token)")
+    collate = Collator(target.pad_token_id)
+    sampler = LengthGroupedBatches(
+        list(data.train["length"]),
+        cfg.data.batch_size,
+        cfg.train.seed,
+        group=64 if cfg.data.group_by_length else 1,
+    )
+    train_loader = torch.utils.data.DataLoader(
+        IndexedDataset(data.train, train_store),
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=cfg.data.num_workers,
+        # Its own generator: creating a loader iterator draws a seed, and drawing it from the
+        # global RNG would shift the training noise stream after a resume.
+        generator=torch.Generator().manual_seed(cfg.train.seed),
+    )
+    val_loader = None
+    if len(data.val):
+        cap = cfg.data.val_max_length
+        batches = validation_batches(
+            list(data.val["length"]),
+            cfg.data.batch_size,
+            accelerator.process_index,
+            accelerator.num_processes,
+            cap,
+        )
+        val_loader = torch.utils.data.DataLoader(
+            IndexedDataset(data.val, val_store, cap), batch_sampler=batches, collate_fn=collate
+        )
+    return train_loader, sampler, val_loader
+
+
+def _resume(cfg, accelerator, method, state, tracker, samples, run_dir: Path, log) -> None:
+    """Load the checkpoint ``resume`` names (if any) into the prepared objects and ``state``."""
+    ck = _resume_path(cfg.resume, run_dir, log)
+    if ck is None:
+        return
+    saved = load_checkpoint(accelerator, ck, method)
+    if saved.get("world_size", 1) != accelerator.num_processes and saved.get("batch_in_epoch"):
+        raise CheckpointError(
+            f"{ck}: saved by {saved['world_size']} process(es) mid-epoch; resuming with "
+            f"{accelerator.num_processes} is supported only from an epoch boundary"
+        )
+    for k, v in saved.items():
+        if hasattr(state, k):
+            setattr(state, k, v)
+    state.world_size = accelerator.num_processes
+    tracker.truncate_after(state.step)
+    samples.truncate_after(state.step)
+    log(
+        f"resumed from {ck}: step {state.step}, epoch {state.epoch}, "
+        f"batch {state.batch_in_epoch} of the epoch"
+    )
+
+
+def _save_final(method, run_dir: Path) -> Path:
+    """``run_dir/final``: the draft alone, written to a temporary folder first and moved into
+    place, so an interrupted save never leaves a half-written final draft."""
+    final, tmp = run_dir / "final", run_dir / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    method.save_draft(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
 
 
 def eval_after(cfg: DictConfig, final: Path, run_dir: Path, log) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from ..base import DecodeState, Proposal, Proposer, crop_cache
+from ..base import DecodeState, Proposal, Proposer, crop_cache, draft_signals
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class EagleProposer(Proposer):
 
     name = "eagle"
     measures_steps = True
+    gives_signals = True  # chains only: the tree proposer below turns it off
 
     def __init__(self, head: EagleHead):
         self.head = self.method = head.eval()
@@ -47,13 +48,27 @@ class EagleProposer(Proposer):
         if len(state.ids) > 2:  # the prompt's pairs now, so drafting times only draft steps
             self._catch_up(state, upto=len(state.ids) - 2)
 
-    def _choose(self, h: torch.Tensor, state: DecodeState, qs: list) -> int:
+    def _choose(
+        self, h: torch.Tensor, state: DecodeState, qs: list, sigs: list
+    ) -> tuple[int, bool]:
+        """The next draft token after state h (H,), and whether a stop rule ends the chain
+        after it (its signals are appended to ``sigs`` when the decoder asked for them)."""
+        logits = None
         if state.sampling.greedy:
-            return int(self.head.top_tokens(h[None], 1)[1][0, 0])
-        logits = self.head.vocab_logits(h)
-        q = warp(logits, state.sampling)
-        qs.append(q)
-        return sample(q, state.generator)
+            x = int(self.head.top_tokens(h[None], 1)[1][0, 0])
+        else:
+            logits = self.head.vocab_logits(h)
+            q = warp(logits, state.sampling)
+            qs.append(q)
+            x = sample(q, state.generator)
+        stop = False
+        if state.signals:
+            if logits is None:
+                logits = self.head.vocab_logits(h)
+            s = draft_signals(logits, x, len(sigs) + 1)
+            sigs.append(s)
+            stop = state.stop is not None and state.stop(s)
+        return x, stop
 
     @torch.no_grad()
     def _catch_up(self, state: DecodeState, upto: int) -> torch.Tensor:
@@ -94,19 +109,24 @@ class EagleProposer(Proposer):
             times.append(time.perf_counter() - t)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        sigs: list[torch.Tensor] = []
         for i in range(gamma):
             t = time.perf_counter()
-            x = self._choose(h[0, -1], state, qs)
+            x, stop = self._choose(h[0, -1], state, qs, sigs)
             tokens.append(x)
-            if i < gamma - 1:
+            if i < gamma - 1 and not stop:
                 p = torch.tensor([[n - 1 + i]], device=dev)
                 h = head.step(h, head._embed(torch.tensor([[x]], device=dev)), p, None, self.cache)
                 self.draft_calls += 1
             times.append(time.perf_counter() - t)
+            if stop:
+                break
         # each draft token costs one head step and one LM head; the catch-up step (when it
         # was short) stands for the step that produced the first token's feature
-        self.last_step_seconds = sum(times) / gamma if gamma else None
-        return Proposal.chain(tokens, torch.stack(qs) if qs else None)
+        self.last_step_seconds = sum(times) / len(tokens) if tokens else None
+        return Proposal.chain(
+            tokens, torch.stack(qs) if qs else None, signals=torch.stack(sigs) if sigs else None
+        )
 
     def rollback(self, state: DecodeState, n_accepted: int) -> None:
         crop_cache(self.cache, self.done)
@@ -126,6 +146,7 @@ class EagleTreeProposer(EagleProposer):
     """
 
     name = "eagle-tree"
+    gives_signals = False
 
     def __init__(self, head: EagleHead, depth: int = 5, top_k: int = 8, total_tokens: int = 32):
         super().__init__(head)

@@ -1,0 +1,372 @@
+"""DISCO (Mamou et al. 2024, "Dynamic Speculation Lookahead Accelerates Speculative Decoding of
+Large Language Models", arXiv 2405.04304): a small feed-forward classifier that decides, after
+each drafted token, whether to keep drafting.
+
+- **Traces.** ``specdraft-eval traces=t.jsonl adaptive=false`` records, for every drafting
+  iteration at a fixed gamma, the draft's signals for each drafted token (``SIGNAL_NAMES``: the
+  drafted token's probability, the top-4 probabilities, the entropy, the position) and how many
+  tokens the target accepted. Token k is a training example when it was tested (tokens 1..k-1
+  accepted); its label is whether it was accepted.
+- **Training** (``specdraft-disco t.jsonl``): standardised signals -> Linear -> ReLU -> Linear ->
+  P(accepted), fit with binary cross-entropy on a split of the iterations. The stop threshold is
+  chosen on the held-out iterations by replaying them: stopping after token k where
+  P(accepted) < threshold, an iteration emits min(accepted, kept) + 1 tokens at a cost of
+  1 + kept * c target steps (c: the draft's measured cost per step, from the traces' eval), and
+  the threshold with the most tokens per cost wins. The classifier is saved beside the draft
+  (``<draft>/disco``).
+- **Decoding** (``specdraft-eval stop=disco``): the decoder drafts up to gamma tokens and the
+  proposer stops where the classifier says the token just drafted is likely rejected. It only
+  decides how many tokens are drafted, never which, so the output distribution stays the
+  target's (the decoder's distribution test covers it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from models.base import SIGNAL_NAMES
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+
+
+class DiscoError(ValueError):
+    """Traces or a classifier that cannot be used; the message names the file and problem."""
+
+
+# ---------------------------------------------------------------------------------------------
+# traces
+
+
+def write_traces(path: str | Path, rows: list[dict], report: dict, draft_desc: str) -> dict:
+    """The eval's traces as JSONL: a ``{"meta": ...}`` line (what drafted them, at which
+    temperature and gamma, and the draft's measured cost c), then one line per drafting
+    iteration: ``{"signals": [[...] per drafted token], "accepted": A, "drafted": G}``."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    s = report["settings"]
+    meta = {
+        "draft": s["draft"],
+        "draft_description": draft_desc,
+        "target_identity": s["target_identity"],
+        "temperature": s["temperature"],
+        "gamma": s["gamma"],
+        "bench": s["bench"],
+        "c": report["draft_cost_ratio"],
+        "signal_names": list(SIGNAL_NAMES),
+        "date": datetime.now(timezone.utc).isoformat(),
+    }
+    with p.open("w") as f:
+        f.write(json.dumps({"meta": meta}) + "\n")
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return {"path": str(p), "iterations": len(rows), "drafted": sum(r["drafted"] for r in rows)}
+
+
+def read_traces(path: str | Path) -> tuple[dict, list[dict]]:
+    p = Path(path)
+    if not p.is_file():
+        raise DiscoError(f"{p}: no such traces file (write one with specdraft-eval traces=...)")
+    meta, rows = None, []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DiscoError(f"{p}:{n}: not valid JSON ({e})") from None
+        if "meta" in rec:
+            meta = rec["meta"]
+            continue
+        for key in ("signals", "accepted", "drafted"):
+            if key not in rec:
+                raise DiscoError(f"{p}:{n}: no '{key}' field")
+        sig = rec["signals"]
+        if len(sig) != rec["drafted"] or any(len(s) != len(SIGNAL_NAMES) for s in sig):
+            raise DiscoError(
+                f"{p}:{n}: 'signals' must hold {rec['drafted']} rows of {len(SIGNAL_NAMES)} "
+                f"values ({', '.join(SIGNAL_NAMES)})"
+            )
+        if not 0 <= rec["accepted"] <= rec["drafted"]:
+            raise DiscoError(f"{p}:{n}: accepted={rec['accepted']} outside 0..{rec['drafted']}")
+        rows.append(rec)
+    if meta is None:
+        raise DiscoError(f"{p}: no meta line (not written by specdraft-eval traces=...)")
+    if meta.get("signal_names") != list(SIGNAL_NAMES):
+        raise DiscoError(
+            f"{p}: signals {meta.get('signal_names')} differ from this version's "
+            f"{list(SIGNAL_NAMES)}"
+        )
+    if not rows:
+        raise DiscoError(f"{p}: no drafting iteration recorded")
+    return meta, rows
+
+
+def examples(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X (n, F), y (n,)): every tested drafted token and whether it was accepted."""
+    xs, ys = [], []
+    for r in rows:
+        tested = min(r["accepted"] + 1, r["drafted"])
+        for k in range(tested):
+            xs.append(r["signals"][k])
+            ys.append(1.0 if k < r["accepted"] else 0.0)
+    return torch.tensor(xs, dtype=torch.float32), torch.tensor(ys)
+
+
+# ---------------------------------------------------------------------------------------------
+# the classifier
+
+
+class DiscoClassifier(nn.Module):
+    """P(accepted) of a drafted token from its signals: standardise -> Linear -> ReLU ->
+    Linear -> logit."""
+
+    def __init__(self, n_features: int = len(SIGNAL_NAMES), hidden: int = 32):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n_features))
+        self.register_buffer("std", torch.ones(n_features))
+        self.net = nn.Sequential(nn.Linear(n_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., F) -> logits (...)."""
+        return self.net((x - self.mean) / self.std).squeeze(-1)
+
+
+def replay(rows: list[dict], probs: list[torch.Tensor] | None, threshold: float, c: float):
+    """Tokens per unit of cost (one plain target step = 1) had the iterations in ``rows``
+    stopped after the first token whose P(accepted) is below ``threshold`` (``probs[i]``: per
+    drafted token of row i; None: never stop). Returns (tokens per cost, mean tokens drafted)."""
+    tokens = cost = drafted = 0.0
+    for i, r in enumerate(rows):
+        kept = r["drafted"]
+        if probs is not None:
+            below = (probs[i] < threshold).nonzero()
+            if len(below):
+                kept = int(below[0]) + 1
+        tokens += min(r["accepted"], kept) + 1
+        cost += 1.0 + kept * c
+        drafted += kept
+    return tokens / cost, drafted / len(rows)
+
+
+def replay_fixed(rows: list[dict], gamma: int, c: float) -> float:
+    """Tokens per cost had every iteration drafted exactly ``gamma`` (<= what was drafted)."""
+    tokens = sum(min(r["accepted"], gamma) + 1 for r in rows)
+    return tokens / (len(rows) * (1.0 + gamma * c))
+
+
+def train_disco(
+    rows: list[dict],
+    c: float,
+    hidden: int = 32,
+    epochs: int = 400,
+    lr: float = 1e-2,
+    val_fraction: float = 0.25,
+    seed: int = 0,
+    log=print,
+) -> tuple[DiscoClassifier, float, dict[str, Any]]:
+    """Fit the classifier on a split of the iterations and choose the stop threshold on the
+    rest by replay. Returns (classifier, threshold, summary)."""
+    if not c >= 0:
+        raise DiscoError(f"draft cost c={c}: must be >= 0")
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(rows), generator=g).tolist()
+    n_val = max(1, int(len(rows) * val_fraction)) if len(rows) > 1 else 0
+    val = [rows[i] for i in order[:n_val]]
+    train = [rows[i] for i in order[n_val:]] or val
+    x, y = examples(train)
+    if len(y) == 0 or y.min() == y.max():
+        raise DiscoError(
+            f"{len(y)} training tokens, all {'accepted' if len(y) and y[0] else 'rejected'}: "
+            "a classifier needs both outcomes (record more prompts)"
+        )
+    torch.manual_seed(seed)
+    model = DiscoClassifier(x.shape[1], hidden)
+    model.mean.copy_(x.mean(0))
+    model.std.copy_(x.std(0).clamp_min(1e-6))
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
+    loss_fn = nn.BCEWithLogitsLoss()
+    for _ in range(epochs):  # full batch: a few thousand rows of 7 features
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        xv, yv = examples(val)
+        pv = torch.sigmoid(model(xv))
+        acc = float(((pv >= 0.5).float() == yv).float().mean()) if len(yv) else float("nan")
+        probs = [torch.sigmoid(model(torch.tensor(r["signals"]))) for r in val]
+    grid = [i / 40 for i in range(0, 39)]
+    scores = {t: replay(val, probs, t, c) for t in grid}
+    best = max(grid, key=lambda t: scores[t][0])
+    gmax = min(r["drafted"] for r in rows)
+    fixed = {k: replay_fixed(val, k, c) for k in range(1, gmax + 1)}
+    summary = {
+        "train_iterations": len(train),
+        "val_iterations": len(val),
+        "train_tokens": len(y),
+        "train_accept_rate": float(y.mean()),
+        "val_accuracy": acc,
+        "final_train_loss": float(loss.detach()),
+        "threshold": best,
+        "c": c,
+        "val_tokens_per_cost": {
+            "disco": scores[best][0],
+            "disco_mean_drafted": scores[best][1],
+            "never_stop": replay(val, None, 1.0, c)[0],
+            **{f"fixed_gamma_{k}": v for k, v in fixed.items()},
+        },
+    }
+    log(
+        f"disco: {len(y)} tokens from {len(train)} iterations (accept rate "
+        f"{summary['train_accept_rate']:.2f}); held-out accuracy {acc:.3f}; threshold {best:.3f}"
+    )
+    log(
+        "held-out replay, tokens per target-step of cost: DISCO "
+        f"{scores[best][0]:.3f} (drafts {scores[best][1]:.2f} tokens on average); "
+        + ", ".join(f"gamma {k}: {v:.3f}" for k, v in fixed.items())
+    )
+    return model, best, summary
+
+
+def save_disco(model: DiscoClassifier, threshold: float, summary: dict, meta: dict, out) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / WEIGHTS))
+    cfg = {
+        "disco": {
+            "threshold": threshold,
+            "hidden": model.net[0].out_features,
+            "signal_names": list(SIGNAL_NAMES),
+        },
+        "trained_on": meta,
+        "summary": summary,
+    }
+    (out / CONFIG).write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+class DiscoStop:
+    """The stop rule the decoder hands to a proposer: True (stop drafting) when the classifier
+    gives the token just drafted P(accepted) < threshold."""
+
+    def __init__(self, model: DiscoClassifier, threshold: float, path: str = ""):
+        self.model, self.threshold, self.path = model.eval(), threshold, path
+
+    @torch.no_grad()
+    def __call__(self, signals: torch.Tensor) -> bool:
+        return bool(torch.sigmoid(self.model(signals.float())) < self.threshold)
+
+    def describe(self) -> str:
+        return f"threshold {self.threshold:.3f}, {self.path}"
+
+
+def load_disco(path: str | Path, threshold: float | None = None) -> DiscoStop:
+    p = Path(path)
+    f = p / CONFIG
+    if not f.is_file() or not (p / WEIGHTS).is_file():
+        raise DiscoError(f"{p}: no DISCO classifier ({CONFIG} and {WEIGHTS} expected)")
+    try:
+        cfg = json.loads(f.read_text())["disco"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise DiscoError(f"{f}: not a DISCO classifier config ({e})") from None
+    if cfg.get("signal_names") != list(SIGNAL_NAMES):
+        raise DiscoError(f"{f}: trained on signals {cfg.get('signal_names')}, not these")
+    model = DiscoClassifier(len(SIGNAL_NAMES), cfg["hidden"])
+    model.load_state_dict(load_file(str(p / WEIGHTS)))
+    return DiscoStop(model, cfg["threshold"] if threshold is None else threshold, str(p))
+
+
+def default_disco_dir(draft: str) -> Path | None:
+    """``<draft folder>/disco`` for a draft given as a run, saved draft or shipped name."""
+    from models.shipped import shipped_draft
+
+    from .drafts import resolve_draft_dir
+
+    base = shipped_draft(draft) or Path(draft).expanduser()
+    if not base.exists():
+        return None
+    d = resolve_draft_dir(base) or base
+    return d / "disco"
+
+
+def load_stop_rule(path: str | None, draft: str, proposer) -> DiscoStop:
+    """The classifier at ``path`` (default: the draft's own ``disco`` folder)."""
+    from models.base import DraftError
+
+    where = Path(path) if path else default_disco_dir(draft)
+    if where is None:
+        raise DraftError(
+            f"stop=disco: draft={draft} has no folder to hold a classifier; pass disco=<folder>"
+        )
+    if not proposer.gives_signals:
+        raise DraftError(
+            f"stop=disco: draft={draft} does not report per-token signals (EAGLE chains and "
+            "draft LMs do)"
+        )
+    try:
+        return load_disco(where)
+    except DiscoError as e:
+        raise DraftError(
+            f"stop=disco: {e}. Train one: specdraft-eval draft={draft} adaptive=false "
+            f"traces=t.jsonl, then specdraft-disco t.jsonl --out {where}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="specdraft-disco",
+        description="Train DISCO's stop classifier from acceptance traces (specdraft-eval "
+        "traces=...) and save it beside the draft.",
+    )
+    ap.add_argument("traces", help="JSONL written by specdraft-eval traces=... adaptive=false")
+    ap.add_argument("--out", help="folder to write (default: <the traced draft>/disco)")
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--epochs", type=int, default=400)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--val-fraction", type=float, default=0.25)
+    ap.add_argument("--c", type=float, help="draft cost per step (default: the traces' own)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        for key, v, ok in (
+            ("--hidden", a.hidden, a.hidden >= 1),
+            ("--epochs", a.epochs, a.epochs >= 1),
+            ("--lr", a.lr, a.lr > 0),
+            ("--val-fraction", a.val_fraction, 0 < a.val_fraction < 1),
+        ):
+            if not ok:
+                raise DiscoError(f"{key}={v}: out of range")
+        meta, rows = read_traces(a.traces)
+        out = Path(a.out) if a.out else default_disco_dir(str(meta.get("draft", "")))
+        if out is None:
+            raise DiscoError(
+                f"{a.traces}: the traced draft {meta.get('draft')!r} is not a folder here; "
+                "pass --out"
+            )
+        c = a.c if a.c is not None else meta.get("c")
+        if c is None:
+            raise DiscoError(f"{a.traces}: the meta line has no draft cost 'c'; pass --c")
+        model, thr, summary = train_disco(rows, c, a.hidden, a.epochs, a.lr, a.val_fraction, a.seed)
+        path = save_disco(model, thr, summary, meta, out)
+    except DiscoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"saved: {path}  (use: specdraft-eval draft={meta['draft']} stop=disco)")
+
+
+if __name__ == "__main__":
+    main()
