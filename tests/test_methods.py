@@ -132,3 +132,21 @@ def test_method_trains_saves_reloads_decodes_and_exports(name, data_file, tmp_pa
         la, lb = ref_props.pop("logits"), back_props.pop("logits")
         assert (la is None) == (lb is None)
         assert ref_props == back_props, f"{name} -> {f}: proposals differ after the round trip"
+
+
+def test_mlp_speculator_alpha_is_conditional_on_the_earlier_stages(tiny_target):
+    """``alpha_pos{i}`` is EAGLE's n-alpha (agreement at stage i given stages 1..i-1 agreed),
+    as every head reports it, not the joint rate."""
+    from models.mlp_speculator import MLPSpeculator
+
+    cfg = MLPSpeculator.config_class()
+    m = MLPSpeculator(tiny_target, cfg).eval()
+    ids = torch.randint(0, 250, (3, 32), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": torch.ones_like(ids)}
+    batch["features"] = tiny_target.features(ids, attn, m.feature_layers)
+    with torch.no_grad():
+        out = m.evaluate(batch)
+    assert out["alpha_pos1"][0] > 0  # the target's own head: stage 1 agrees at times
+    for i in range(2, cfg.n_predict + 1):
+        assert out[f"alpha_pos{i}"][1] == out[f"alpha_pos{i - 1}"][0]

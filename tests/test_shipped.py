@@ -58,3 +58,30 @@ def test_shipped_eagle3_decodes_greedily_lossless_on_two_prompts(tree):
     # greedy, fp32, fixed weights; a random head gives ~1.0; this one 1.3 on chains of 4)
     tau = dec.stats.new_tokens / max(1, dec.stats.target_calls + dec.stats.prefill_calls)
     assert tau > 1.2, tau
+
+
+def test_shipped_eagle3_with_its_disco_stop_rule_is_lossless():
+    """The shipped head's DISCO classifier (models/shipped/smollm2-eagle3/disco) loads by
+    default with stop=disco, shortens some drafts, and greedy decoding stays lossless."""
+    from data.chat import prompt_ids
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from decoding.disco import load_stop_rule
+    from decoding.drafts import load_proposer
+    from models.base import DecodeSettings
+    from models.sampling import Sampling
+    from models.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig(name="smollm2_135m", device="cpu", dtype="float32"))
+    prop, _ = load_proposer("smollm2-eagle3", target, tree=DecodeSettings(tree="chain"))
+    rule = load_stop_rule(None, "smollm2-eagle3", prop)
+    dec = SpeculativeDecoder(target, prop, Sampling(), gamma=6, adaptive=False, stop_rule=rule)
+    stop = {target.tokenizer.eos_token_id}
+    for text in PROMPTS:
+        prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": text}])
+        ref = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(
+            prompt, 48, stop
+        )
+        assert dec.generate(prompt, 48, stop) == ref, text
+    # a confident draft token is kept drafting past, a hopeless one is not
+    assert not rule(torch.tensor([0.95, 0.95, 0.02, 0.01, 0.01, 0.3, 1.0]))
+    assert rule(torch.tensor([0.05, 0.06, 0.05, 0.05, 0.04, 6.0, 5.0]))

@@ -183,7 +183,8 @@ class MLPSpeculator(DraftMethod):
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per stage i, teacher-forced on the data: ``top1_stage{i}``, how often its argmax is
         the target's greedy token at that position, and ``alpha_pos{i}``, how often it is
-        while every earlier stage's was too (a chain accepted up to stage i, at T = 0)."""
+        given that every earlier stage's was too (EAGLE's n-alpha, as the EAGLE heads report
+        it: a chain's acceptance at position i, at T = 0)."""
         attn, lm = batch["attention_mask"], batch["loss_mask"]
         h, states = self._states(batch)
         masks = head_masks(lm, attn, self.cfg.n_predict)
@@ -198,8 +199,9 @@ class MLPSpeculator(DraftMethod):
                 want = self.target_logits(h[rows[0], rows[1] + i + 1]).argmax(-1)
                 agree[rows] = draft == want
             out[f"top1_stage{i + 1}"] = metric(agree[mask].float().sum(), mask.sum())
+            before = agreed[so_far].float().sum()
             agreed = agreed & agree
-            out[f"alpha_pos{i + 1}"] = metric(agreed[so_far].float().sum(), so_far.sum())
+            out[f"alpha_pos{i + 1}"] = metric(agreed[so_far].float().sum(), before)
         return out
 
     # -- decoding ----------------------------------------------------------------------------
