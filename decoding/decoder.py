@@ -377,6 +377,9 @@ class SpeculativeDecoder:
         self.target, self.proposer, self.sampling = target, proposer, sampling
         self.device = target.device
         self.gamma = 0 if isinstance(proposer, NoDraft) else gamma
+        # a proposer whose proposals gain from every drafting iteration (lookahead's pool) is
+        # verified every iteration: a per-iteration controller would switch it off early
+        adaptive = adaptive and proposer.adaptive
         self.adaptive = adaptive
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.layers = tuple(proposer.feature_layers)

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from models.base import SIGNAL_NAMES
+from models.export import readable_by_others
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -158,9 +159,14 @@ def replay(rows: list[dict], probs: list[torch.Tensor] | None, threshold: float,
 
 
 def replay_fixed(rows: list[dict], gamma: int, c: float) -> float:
-    """Tokens per cost had every iteration drafted exactly ``gamma`` (<= what was drafted)."""
-    tokens = sum(min(r["accepted"], gamma) + 1 for r in rows)
-    return tokens / (len(rows) * (1.0 + gamma * c))
+    """Tokens per cost had every iteration drafted ``gamma`` tokens (or what it drafted, where
+    that was fewer: the end of a generation)."""
+    tokens = cost = 0.0
+    for r in rows:
+        kept = min(gamma, r["drafted"])
+        tokens += min(r["accepted"], kept) + 1
+        cost += 1.0 + kept * c
+    return tokens / cost
 
 
 def train_disco(
@@ -208,7 +214,7 @@ def train_disco(
     grid = [i / 40 for i in range(0, 39)]
     scores = {t: replay(val, probs, t, c) for t in grid}
     best = max(grid, key=lambda t: scores[t][0])
-    gmax = min(r["drafted"] for r in rows)
+    gmax = max(r["drafted"] for r in rows)
     fixed = {k: replay_fixed(val, k, c) for k in range(1, gmax + 1)}
     summary = {
         "train_iterations": len(train),
@@ -252,6 +258,7 @@ def save_disco(model: DiscoClassifier, threshold: float, summary: dict, meta: di
         "summary": summary,
     }
     (out / CONFIG).write_text(json.dumps(cfg, indent=1))
+    readable_by_others(out)  # safetensors writes 0600; a server may run as another user
     return out
 
 

@@ -41,6 +41,9 @@ class LookaheadProposer(Proposer):
                 raise ValueError(f"lookahead {key}={v}: must be >= {lo}")
         self.window, self.ngram, self.guesses = window, ngram, guesses
         self.tree_depth = ngram - 1  # candidates are (N - 1)-token continuations
+        # every iteration drafts: the pool fills from the window each drafting iteration
+        # carries, so skipping iterations (an adaptive controller) starves it
+        self.adaptive = False
         self.rng = random.Random(seed)
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
         self.levels: list[list[int]] = []

@@ -266,6 +266,12 @@ class Proposer(abc.ABC):
     def rollback(self, state: DecodeState, n_accepted: int) -> None:  # noqa: B027 (a no-op default)
         """``state.ids`` now holds the committed tokens; cut any draft cache back to them."""
 
+    #: False: verify every proposal, whatever ``adaptive`` says. For a drafter whose later
+    #: proposals depend on drafting now (lookahead's n-gram pool fills from the Jacobi window
+    #: it carries in each drafting iteration), a controller that judges iterations one by one
+    #: switches it off before the pool fills, and it never recovers (docs/benchmarks.md)
+    adaptive: bool = True
+
     #: fills ``Proposal.signals`` when ``DecodeState.signals`` is set and honours
     #: ``DecodeState.stop`` (a learned stop rule) while drafting a chain
     gives_signals: bool = False

@@ -269,7 +269,7 @@ def export(
             + (f"; {extra}" if extra else "")
         )
         (tmp / "README.md").write_text(_readme(fmt, draft, config, same))
-        _readable_by_others(tmp)
+        readable_by_others(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
@@ -284,7 +284,7 @@ def export(
     return {"out": str(out), "format": fmt_name, "bytes": size, **same}
 
 
-def _readable_by_others(folder: Path) -> None:
+def readable_by_others(folder: Path) -> None:
     """Give the export the modes a plain ``mkdir``/``open`` would have (0777/0666 less the
     umask): ``mkdtemp`` and safetensors' temporary files are private (0700/0600), which a
     serving engine running as another user could not read."""

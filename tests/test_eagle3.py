@@ -373,3 +373,36 @@ def test_a_one_wide_tree_is_the_greedy_chain(tiny_target, kind):
     chain, tree = props
     assert tree.parents == [-1, 0, 1, 2, 3]
     assert tree.tokens == chain.tokens
+
+
+def test_signals_from_the_draft_vocabulary_leave_the_greedy_draft_unchanged(tiny_target):
+    """With the decoder asking for signals (traces, DISCO), an EAGLE-3 chain drafts the same
+    tokens, and its signals equal those over the whole target vocabulary."""
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from models.base import draft_signals
+
+    head = make_head(tiny_target)
+    prompt = list(range(60, 90))
+    runs = {}
+    for signals in (False, True):
+        traces = [] if signals else None
+        dec = SpeculativeDecoder(
+            tiny_target, head.proposer(), Sampling(), gamma=3, adaptive=False, traces=traces
+        )
+        runs[signals] = (dec.generate(prompt, 24), traces)
+    assert runs[True][0] == runs[False][0]
+    plain = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False)
+    assert runs[True][0] == plain.generate(prompt, 24)
+    assert all(len(r["signals"]) == r["drafted"] for r in runs[True][1])
+    # signals over the draft's own vocabulary equal those over the target's (-inf elsewhere)
+    h = torch.randn(5, tiny_target.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        own, offset = head.own_logits(h)
+        full = head.vocab_logits(h)
+    for row in range(5):
+        j = int(own[row].argmax())
+        x = j + int(offset[j])
+        assert x == int(full[row].argmax())
+        torch.testing.assert_close(
+            draft_signals(own[row], j, 1), draft_signals(full[row], x, 1), atol=1e-5, rtol=1e-5
+        )

@@ -123,3 +123,17 @@ def test_lookahead_finds_repeats_in_a_greedy_loop(tiny_target):
 def test_out_of_range_settings_are_one_line_errors(tiny_target, la, needle):
     with pytest.raises(DraftError, match=needle):
         load_proposer("lookahead", tiny_target, lookahead=la)
+
+
+def test_lookahead_drafts_every_iteration_even_with_adaptive_on(tiny_target):
+    """Lookahead's pool fills from the window each drafting iteration carries: it declares
+    itself non-adaptive, and the decoder verifies its proposals every iteration."""
+    la = LookaheadProposer(window=3, ngram=3, guesses=3)
+    dec = SpeculativeDecoder(tiny_target, la, Sampling(), gamma=2, adaptive=True)
+    assert not dec.adaptive and not dec.controller.adaptive
+    windows = []
+    side = la.side_branch
+    la.side_branch = lambda state: windows.append(1) or side(state)
+    assert len(dec.generate(PROMPT, 30)) == 30
+    # every iteration but the last (one token left: nothing to draft) carried the window
+    assert len(windows) >= dec.stats.target_calls - 1 > 10

@@ -179,6 +179,12 @@ class EagleHead(DraftMethod):
         """The draft's logits over the target's vocabulary, (..., H) -> (..., V) float32."""
         return self.logits(h)
 
+    def own_logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's logits over its own vocabulary, (..., H) -> (..., V_draft), and the
+        offsets that map a draft id to a target id (target = draft + offset; None: the same
+        vocabulary). Cheaper than ``vocab_logits`` where the draft vocabulary is reduced."""
+        return self.logits(h), None
+
     def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's ``k`` most likely tokens after each row of h (N, H): their
         log-probabilities (N, k) and target-vocabulary ids (N, k), best first."""
@@ -486,6 +492,9 @@ class Eagle3Head(EagleHead):
         when ``norm_output``)."""
         z = self.lm_head(h if self.cfg.norm_output else self.norm(h))
         return z.float() if float32 else z
+
+    def own_logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.draft_logits(h), self.d2t
 
     def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # over the draft vocabulary only, then mapped to target ids (no V-wide tensor)

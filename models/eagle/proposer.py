@@ -53,22 +53,25 @@ class EagleProposer(Proposer):
     ) -> tuple[int, bool]:
         """The next draft token after state h (H,), and whether a stop rule ends the chain
         after it (its signals are appended to ``sigs`` when the decoder asked for them)."""
-        logits = None
-        if state.sampling.greedy:
-            x = int(self.head.top_tokens(h[None], 1)[1][0, 0])
+        if state.sampling.greedy and state.signals:
+            # signals from the draft's own (reduced) vocabulary: the same probabilities as over
+            # the target's, where every other token is -inf, at a quarter of the cost
+            logits, offset = self.head.own_logits(h)
+            j = int(logits.argmax())
+            x = j + (int(offset[j]) if offset is not None else 0)
+            s = draft_signals(logits, j, len(sigs) + 1)
+        elif state.sampling.greedy:
+            return int(self.head.top_tokens(h[None], 1)[1][0, 0]), False
         else:
             logits = self.head.vocab_logits(h)
             q = warp(logits, state.sampling)
             qs.append(q)
             x = sample(q, state.generator)
-        stop = False
-        if state.signals:
-            if logits is None:
-                logits = self.head.vocab_logits(h)
+            if not state.signals:
+                return x, False
             s = draft_signals(logits, x, len(sigs) + 1)
-            sigs.append(s)
-            stop = state.stop is not None and state.stop(s)
-        return x, stop
+        sigs.append(s)
+        return x, state.stop is not None and state.stop(s)
 
     @torch.no_grad()
     def _catch_up(self, state: DecodeState, upto: int) -> torch.Tensor:
