@@ -267,7 +267,7 @@ class DiscoStop:
     gives the token just drafted P(accepted) < threshold."""
 
     def __init__(self, model: DiscoClassifier, threshold: float, path: str = ""):
-        self.model, self.threshold, self.path = model.eval(), threshold, path
+        self.model, self.threshold, self.path = model.eval().requires_grad_(False), threshold, path
 
     @torch.no_grad()
     def __call__(self, signals: torch.Tensor) -> bool:

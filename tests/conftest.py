@@ -137,3 +137,31 @@ def accelerate_launch(
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_first_two_tokens_follow_the_target(target, dec, prompt, s, gen=2, n=2500):
+    """Chi-square test (false-alarm rate 1e-3) that the first two of ``gen`` tokens that
+    ``dec`` generates after ``prompt`` follow the target's warped distribution ``s``, over a
+    10-token vocabulary; generating more than two lets the first iteration draft up to
+    ``gen - 1`` tokens."""
+    from scipy.stats import chisquare
+
+    from models.sampling import warp
+
+    with torch.no_grad():
+        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], s)
+        p2 = torch.stack(
+            [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
+        )
+    expected = (p1[:, None] * p2).flatten()
+    counts = torch.zeros(100)
+    for _ in range(n):
+        a, b = dec.generate(prompt, gen)[:2]
+        counts[a * 10 + b] += 1
+    e = expected * n
+    keep = e >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([e[keep], e[~keep].sum()[None]])
+    assert (counts[expected == 0] == 0).all()
+    mask = exp > 0
+    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3

@@ -8,14 +8,14 @@ import time
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from conftest import assert_first_two_tokens_follow_the_target
 
 from decoding.decoder import NoDraft, SpeculativeDecoder
 from decoding.lookahead import LookaheadProposer
 from decoding.proposers import DraftLMProposer, NGramProposer
 from models.base import DecodeSettings, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead
-from models.sampling import Sampling, warp
+from models.sampling import Sampling
 from models.target import Target, TargetConfig
 from models.tiny import build_tiny_target
 
@@ -190,50 +190,9 @@ def small_vocab_pair():
 def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s):
     """Chi-square on the first two generated tokens (false-alarm rate 1e-3 per test)."""
     target, draft = small_vocab_pair
-    prompt = [1, 2, 3]
-    with torch.no_grad():
-        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], s)
-        p2 = torch.stack(
-            [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
-        )
-    expected = (p1[:, None] * p2).flatten()
     dec = SpeculativeDecoder(target, DraftLMProposer(draft), s, gamma=3, adaptive=False, seed=5)
-    n = 2500
-    counts = torch.zeros(100)
-    for _ in range(n):
-        a, b = dec.generate(prompt, 2)
-        counts[a * 10 + b] += 1
+    assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s)
     assert dec.stats.alpha < 0.95  # the draft really differs: rejections happen
-    e = expected * n
-    keep = e >= 5
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    exp = torch.cat([e[keep], e[~keep].sum()[None]])
-    assert (counts[expected == 0] == 0).all()
-    mask = exp > 0
-    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
-
-
-def _first_two_tokens_follow_the_target(target, dec, prompt, s, n=2500, gen=4):
-    """Chi-square on the first two of ``gen`` generated tokens over a 10-token vocabulary
-    (false-alarm rate 1e-3 per test); generating more than two lets the first iteration draft
-    up to ``gen - 1`` tokens."""
-    with torch.no_grad():
-        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], s)
-        p2 = torch.stack(
-            [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
-        )
-    expected = (p1[:, None] * p2).flatten()
-    counts = torch.zeros(100)
-    for _ in range(n):
-        a, b = dec.generate(prompt, gen)[:2]
-        counts[a * 10 + b] += 1
-    e = expected * n
-    keep = e >= 5
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    exp = torch.cat([e[keep], e[~keep].sum()[None]])
-    assert (counts[expected == 0] == 0).all()
-    mask = exp > 0
-    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
 
 
 def test_lookahead_sampling_follows_the_target(small_vocab_pair):
@@ -244,7 +203,7 @@ def test_lookahead_sampling_follows_the_target(small_vocab_pair):
     dec = SpeculativeDecoder(
         target, LookaheadProposer(window=3, ngram=3, guesses=3), s, gamma=2, adaptive=False, seed=3
     )
-    _first_two_tokens_follow_the_target(target, dec, [3, 5, 7, 3, 5, 9, 3], s)
+    assert_first_two_tokens_follow_the_target(target, dec, [3, 5, 7, 3, 5, 9, 3], s, gen=4)
     assert sum(dec.stats.tested.values()) > 1000  # candidates were really verified
     assert dec.stats.alpha < 0.95  # and rejected at times
 
@@ -263,7 +222,7 @@ def test_a_stop_rule_keeps_sampling_exact(small_vocab_pair):
         seed=7,
         stop_rule=lambda sig: bool(sig[0] < 0.6),
     )
-    _first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s)
+    assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s, gen=4)
     lengths = dec.stats.gamma_used
     assert lengths[1] > 0 and (lengths[2] + lengths[3]) > 0  # it stopped early, and not always
 
