@@ -236,15 +236,20 @@ def data_files(path: str | os.PathLike) -> list[Path]:
 
 
 def load_conversations(
-    path: str | os.PathLike, max_records: int | None = None
+    path: str | os.PathLike, max_records: int | None = None, skip_records: int = 0
 ) -> tuple[list[Conversation], LoadReport]:
     """Read every usable conversation under ``path``.
 
-    ``max_records`` stops after that many usable records (file order). Raises ``DataError``
-    when nothing usable is found, naming the file and the first bad record's position/reason.
+    ``skip_records`` passes over that many usable records first and ``max_records`` stops after
+    that many more (file order), so ``skip_records=6500 max_records=4300`` is the slice after
+    the first 6,500. Raises ``DataError`` when nothing usable is found, naming the file and the
+    first bad record's position/reason.
     """
+    if skip_records < 0:
+        raise DataError(f"data.skip_records={skip_records}: must be >= 0")
     report = LoadReport()
     out: list[Conversation] = []
+    skipped = 0
     for file in data_files(path):
         report.files.append(str(file))
         records = _records_jsonl(file) if file.suffix == ".jsonl" else _records_json(file, report)
@@ -261,6 +266,9 @@ def load_conversations(
             except RecursionError:
                 report.reject(str(file), position, "bad_type")
                 continue
+            if skipped < skip_records:
+                skipped += 1
+                continue
             rid = record.get("id") if isinstance(record, dict) else None
             out.append(
                 Conversation(
@@ -274,6 +282,11 @@ def load_conversations(
     report.kept = len(out)
     if not out:
         where = ", ".join(report.files)
+        if skipped:
+            raise DataError(
+                f"{where}: no usable conversation after skipping the first {skipped} "
+                f"(data.skip_records={skip_records})"
+            )
         if report.first_bad:
             f, pos, reason = report.first_bad
             raise DataError(

@@ -82,6 +82,7 @@ def prepare_tokenized(
     max_val_records: int,
     max_records: int | None,
     seed: int,
+    skip_records: int = 0,
     cache_root: str,
     num_proc: int = 1,
     log=print,
@@ -106,6 +107,8 @@ def prepare_tokenized(
         },
         sort_keys=True,
     )
+    if skip_records:  # only when set, so the caches of earlier runs keep their keys
+        key_src += f"|skip={skip_records}"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     cache_dir = Path(cache_root).expanduser() / "tokenized" / key
     if (cache_dir / "done.json").exists():
@@ -116,7 +119,7 @@ def prepare_tokenized(
             train, val, LoadReport.from_dict(meta["report"]), meta["too_long"], cache_dir, key
         )
 
-    convs, report = load_conversations(path, max_records=max_records)
+    convs, report = load_conversations(path, max_records=max_records, skip_records=skip_records)
     splits = [
         "val" if _is_val(c.id, i, seed, val_fraction) else "train" for i, c in enumerate(convs)
     ]

@@ -1,13 +1,19 @@
 """Learning curves: validation acceptance per draft position against training tokens.
 
     python scripts/plot_curves.py RUN_DIR [RUN_DIR ...] --out docs/curves.png \
-        [--labels "EAGLE-3" "EAGLE-1"] [--metric alpha] [--positions 5]
+        [--labels "EAGLE-3" "EAGLE-1"] [--metric alpha] [--positions 5] [--offsets 0 2.8e6]
 
 Reads each run's ``metrics.jsonl`` (every row carries ``tokens``, the training tokens seen so
-far, so a resumed run's curve continues where it stopped) and plots ``val/top1_pos{k}``
+far, so a resumed run's curve continues where it stopped; a RUN may also name a metrics
+``.jsonl`` file itself) and plots ``val/top1_pos{k}``
 (``--metric top1``: agreement with the target's argmax at draft position k) or
 ``val/alpha_pos{k}`` (``--metric alpha``: the same given positions 1..k-1 agreed, EAGLE's
 n-alpha) for k = 1..positions, one colour per position, one line style per run.
+
+``--offsets`` adds training tokens seen before a run started: a run started from another's
+weights (``train.init_from``) counts its tokens from zero, and its offset places it after the
+run it continues (a dotted vertical line marks where it starts). ``--same-style`` draws every
+run in one line style, for phases of one model.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from pathlib import Path
 
 
 def curves(run: Path, metric: str, positions: int) -> dict[int, list[tuple[float, float]]]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    path = run if run.suffix == ".jsonl" else run / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no metrics file (a run directory or a .jsonl file)")
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x]
     by_step: dict[int, dict] = {}
     for r in rows:  # a resumed run may log a step twice; the later row wins
         by_step.setdefault(r["step"], {}).update(r)
@@ -42,7 +51,12 @@ def main() -> None:
     ap.add_argument("--metric", choices=["top1", "alpha"], default="top1")
     ap.add_argument("--positions", type=int, default=5)
     ap.add_argument("--title", default=None)
+    ap.add_argument("--offsets", nargs="*", type=float, help="training tokens before each run")
+    ap.add_argument("--same-style", action="store_true", help="one line style for every run")
     args = ap.parse_args()
+    offsets = args.offsets or [0.0] * len(args.runs)
+    if len(offsets) != len(args.runs):
+        raise SystemExit(f"--offsets: {len(offsets)} values for {len(args.runs)} runs")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,19 +65,24 @@ def main() -> None:
     labels = args.labels or [r.name for r in args.runs]
     styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for i, (run, label) in enumerate(zip(args.runs, labels, strict=True)):
+    for i, (run, label, off) in enumerate(zip(args.runs, labels, offsets, strict=True)):
+        if off:
+            ax.axvline(off / 1e6, color="grey", ls=":", lw=1)
+            ax.text(off / 1e6, 0.97, f" {label}", fontsize=7, va="top", color="grey")
         for k, pts in curves(run, args.metric, args.positions).items():
             if not pts:
                 continue
             xs, ys = zip(*pts, strict=True)
             ax.plot(
-                [x / 1e6 for x in xs],
+                [(x + off) / 1e6 for x in xs],
                 ys,
-                styles[i % len(styles)],
+                styles[0 if args.same_style else i % len(styles)],
                 color=f"C{k - 1}",
                 marker="o" if len(pts) < 30 else None,
                 ms=3,
-                label=f"{label}, position {k}",
+                label=(f"position {k}" if i == 0 else "_nolegend_")
+                if args.same_style
+                else f"{label}, position {k}",
             )
     ax.set_xlabel("training tokens (millions)")
     what = "top-1 agreement" if args.metric == "top1" else "acceptance given earlier positions"

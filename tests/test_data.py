@@ -122,6 +122,23 @@ def test_file_with_nothing_usable_names_file_position_and_reason(tmp_path):
     assert str(p) in msg and "line 1" in msg and "missing_field" in msg
 
 
+def test_skip_records_takes_a_later_slice_of_usable_records(tmp_path, data_file):
+    every, _ = load_conversations(data_file)
+    assert len(every) >= 8
+    part, _ = load_conversations(data_file, max_records=3, skip_records=4)
+    assert [c.id for c in part] == [c.id for c in every[4:7]]
+    # bad records are not counted: the skip is over usable conversations
+    p = tmp_path / "mixed.jsonl"
+    rows = [{"id": "a", "conversations": CONVERSATION}, {"id": 1}]
+    rows += [{"id": "b", "conversations": CONVERSATION}, {"id": "c", "conversations": CONVERSATION}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert [c.id for c in load_conversations(p, skip_records=1)[0]] == ["b", "c"]
+    with pytest.raises(DataError, match=r"after skipping the first 3 \(data.skip_records=5\)"):
+        load_conversations(p, skip_records=5)
+    with pytest.raises(DataError, match="data.skip_records=-1"):
+        load_conversations(p, skip_records=-1)
+
+
 def test_not_json_at_all(tmp_path):
     p = tmp_path / "notes.json"
     p.write_text("hello, this is text\n")

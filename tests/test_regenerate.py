@@ -90,6 +90,19 @@ def test_different_settings_are_refused_naming_the_setting(tmp_path, data_file):
     assert len(err) == 1 and "max_new_tokens=8" in err[0] and "max_new_tokens=9" in err[0]
     r = run_module("trainer.regenerate", common + ["max_new_tokens=0"])
     assert r.returncode == 2 and "max_new_tokens=0" in r.stderr
+    # another slice of the source into the same output: refused, naming the setting
+    r = run_module("trainer.regenerate", common + ["max_new_tokens=8", "data.skip_records=2"])
+    assert r.returncode == 2 and "skip_records=0" in r.stderr and "skip_records=2" in r.stderr
+
+
+def test_skip_records_regenerates_a_later_slice(tmp_path, data_file):
+    from trainer.regenerate import regenerate
+
+    out = tmp_path / "later.jsonl"
+    regenerate(_cfg(data_file, out, max_turns=1, **{"data.max_records": 3, "data.skip_records": 5}))
+    src, _ = load_conversations(data_file, 8)
+    got = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert got == [c.id for c in src[5:8]]
 
 
 def test_output_trains(tmp_path, data_file):

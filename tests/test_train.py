@@ -42,6 +42,16 @@ def test_every_shipped_config_composes(group, option):
     assert cfg.method.name and cfg.target.name and cfg.optim.lr > 0
 
 
+def test_the_continuation_recipe_is_the_long_one_from_the_shipped_weights():
+    long = compose(["experiment=eagle3_smollm2_long", "output_dir=/tmp/x"])
+    cont = compose(["experiment=eagle3_smollm2_continue", "output_dir=/tmp/x"])
+    assert cont.train.init_from == "smollm2-eagle3" and long.train.init_from is None
+    assert (cont.optim.lr, long.optim.lr) == (1.5e-4, 3e-4)
+    assert (cont.train.max_minutes, long.train.max_minutes) == (45, 150)
+    for part in ("method", "data", "target"):  # everything else is the long recipe's
+        assert cont[part] == long[part], part
+
+
 def test_method_file_sets_paper_defaults():
     cfg = compose(["method=eagle1", "output_dir=/tmp/x"])
     assert cfg.method.w_cls == 0.1 and cfg.optim.lr == 3e-5
@@ -162,6 +172,26 @@ def test_init_from_starts_at_a_saved_drafts_weights(data_file, tmp_path):
         _run(data_file, tmp_path / "c", **{"method": "eagle3", "train.init_from": str(a)})
     with pytest.raises(DraftError, match="not a saved draft"):
         _run(data_file, tmp_path / "d", **{"train.init_from": str(tmp_path / "nothing")})
+
+
+def test_a_run_started_from_saved_weights_validates_them_first(data_file, tmp_path):
+    # A continued curve starts at the validation of the weights it continues from: step 0 of
+    # the new run must score exactly what the old run's final validation scored (same data).
+    a = tmp_path / "a"
+    _run(data_file, a, **{"train.max_steps": 3, "train.eval_every": 0})
+    last_a = [r for r in read_metrics(a) if "val/top1_pos1" in r][-1]
+    assert last_a["step"] == 3
+    b = tmp_path / "b"
+    _run(data_file, b, **{"train.init_from": str(a), "train.max_steps": 2, "train.eval_every": 2})
+    vals_b = [r for r in read_metrics(b) if "val/top1_pos1" in r]
+    assert [r["step"] for r in vals_b] == [0, 2]
+    assert vals_b[0]["tokens"] == 0
+    for k, v in last_a.items():
+        if k.startswith("val/"):
+            assert vals_b[0][k] == pytest.approx(v, abs=1e-6), k
+    c = tmp_path / "c"  # a fresh run does not validate before its first step
+    _run(data_file, c, **{"train.max_steps": 2, "train.eval_every": 2})
+    assert [r["step"] for r in read_metrics(c) if "val/top1_pos1" in r] == [2]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ class DataConfig:
     path: str | None = None  # file or folder; None with name=sharegpt: the packaged ShareGPT_V3
     max_length: int = 2048
     max_records: int | None = None  # stop after this many usable conversations (file order)
+    skip_records: int = 0  # pass over this many usable conversations first (a later slice)
     val_fraction: float = 0.02
     # Validation: at most this many held-out conversations (a hash split, so the same ones in
     # every run with the same data and seed), each cut to val_max_length tokens: bounded cost,

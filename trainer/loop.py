@@ -223,6 +223,8 @@ def fit(
             shown = "  ".join(f"{k} {v:.4f}" for k, v in res.items() if not k.startswith("loss"))
             log(f"[step {state.step}] validation: {shown}")
 
+    if tc.init_from and state.step == 0 and tc.eval_every:
+        validate()  # where the weights it starts from stand: a continued curve's first point
     method.train()
     t_last = time.perf_counter()
     with _Signals() as sig:

@@ -8,6 +8,7 @@ included), turn by turn, with continuous batching over conversations and a KV ca
 it). The output is a ShareGPT-format JSONL that ``data.path=`` reads like any other file.
 
     specdraft-prepare out=data/regen.jsonl data.max_records=2000 max_turns=1
+    specdraft-prepare out=data/regen2.jsonl data.skip_records=2000 data.max_records=2000 ...  # the next 2,000
     accelerate launch --num_processes 4 -m trainer.regenerate out=...   # sharded, then merged
 
 Resumable: each process appends finished conversations to its own part file (flushed and
@@ -98,6 +99,8 @@ def _settings(cfg: DictConfig, target_identity: str, source: str) -> dict[str, A
     s["target"] = target_identity
     s["source"] = source
     s["max_length"] = cfg.data.max_length
+    if cfg.data.skip_records:  # only when set, so earlier outputs still resume
+        s["skip_records"] = cfg.data.skip_records
     return s
 
 
@@ -107,11 +110,13 @@ def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
         meta_file.write_text(json.dumps({"settings": settings}, indent=1))
         return
     old = json.loads(meta_file.read_text()).get("settings", {})
-    for k, v in settings.items():
-        if old.get(k) != v:
+    unset = {"skip_records": 0}  # settings written only when they are set
+    for k in sorted(settings.keys() | old.keys() | unset.keys()):
+        was, now = old.get(k, unset.get(k)), settings.get(k, unset.get(k))
+        if was != now:
             raise PrepareError(
-                f"{meta_file.parent}: earlier parts were generated with {k}={old.get(k)!r}, "
-                f"now {k}={v!r}; use the same settings or another out="
+                f"{meta_file.parent}: earlier parts were generated with {k}={was!r}, "
+                f"now {k}={now!r}; use the same settings or another out="
             )
 
 
@@ -202,7 +207,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     source = data_path(cfg.data)
     if out.exists() and Path(source).resolve() == out:
         raise PrepareError(f"out={out} is the input file; choose another path")
-    convs, report = load_conversations(source, cfg.data.max_records)
+    convs, report = load_conversations(source, cfg.data.max_records, cfg.data.skip_records)
     if rank == 0:
         print(report.summary(), flush=True)
     target_cfg = OmegaConf.to_object(cfg.target)

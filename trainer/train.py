@@ -83,6 +83,7 @@ def check_config(cfg: DictConfig) -> None:
             d.max_records is None or d.max_records >= 1,
             "must be >= 1",
         ),
+        ("data.skip_records", d.skip_records, d.skip_records >= 0, "must be >= 0"),
         ("optim.lr", o.lr, o.lr > 0, "must be > 0"),
         ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, "must be >= 0"),
         (
@@ -267,6 +268,7 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
             val_fraction=cfg.data.val_fraction,
             max_val_records=cfg.data.max_val_records,
             max_records=cfg.data.max_records,
+            skip_records=cfg.data.skip_records,
             seed=cfg.train.seed,
             cache_root=cfg.data.cache_dir,
             num_proc=cfg.data.num_proc,
