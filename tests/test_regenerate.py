@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import CONF, run_module
 
@@ -116,3 +117,14 @@ def test_output_trains(tmp_path, data_file):
     regenerate(_cfg(data_file, out, max_new_tokens=24, temperature=1.0, **{"data.max_records": 40}))
     s = run(compose(tiny_overrides(out, tmp_path / "run", **{"train.max_steps": 3})))
     assert s["step"] == 3
+
+
+def test_outputs_written_before_skip_records_existed_still_resume(tmp_path):
+    from trainer.regenerate import PrepareError, _check_settings
+
+    meta = tmp_path / "regen.jsonl.parts" / "meta.json"
+    meta.parent.mkdir()
+    meta.write_text(json.dumps({"settings": {"max_new_tokens": 8, "source": "a.jsonl"}}))
+    _check_settings(meta, {"max_new_tokens": 8, "source": "a.jsonl", "skip_records": 0})
+    with pytest.raises(PrepareError, match="skip_records=0, now skip_records=2"):
+        _check_settings(meta, {"max_new_tokens": 8, "source": "a.jsonl", "skip_records": 2})

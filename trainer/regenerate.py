@@ -99,9 +99,12 @@ def _settings(cfg: DictConfig, target_identity: str, source: str) -> dict[str, A
     s["target"] = target_identity
     s["source"] = source
     s["max_length"] = cfg.data.max_length
-    if cfg.data.skip_records:  # only when set, so earlier outputs still resume
-        s["skip_records"] = cfg.data.skip_records
+    s["skip_records"] = cfg.data.skip_records
     return s
+
+
+# settings added after outputs were written without them: what those outputs used
+_ADDED_LATER = {"skip_records": 0}
 
 
 def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
@@ -110,9 +113,8 @@ def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
         meta_file.write_text(json.dumps({"settings": settings}, indent=1))
         return
     old = json.loads(meta_file.read_text()).get("settings", {})
-    unset = {"skip_records": 0}  # settings written only when they are set
-    for k in sorted(settings.keys() | old.keys() | unset.keys()):
-        was, now = old.get(k, unset.get(k)), settings.get(k, unset.get(k))
+    for k, now in settings.items():
+        was = old.get(k, _ADDED_LATER.get(k))
         if was != now:
             raise PrepareError(
                 f"{meta_file.parent}: earlier parts were generated with {k}={was!r}, "
