@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from models.base import DecodeState, Proposal, Proposer, crop_cache
-from models.sampling import Sampling, warp
+from models.sampling import Sampling, greedy_tokens, warp
 from models.target import Target
 
 from .verify import (
@@ -515,7 +515,7 @@ class SpeculativeDecoder:
                 )
                 st.off_argmax += off
             elif self.sampling.greedy:
-                verdict = verify_greedy(prop.tokens, prop.parents, logits.argmax(-1).tolist())
+                verdict = verify_greedy(prop.tokens, prop.parents, greedy_tokens(logits).tolist())
             elif self.lenience < 1.0:
                 p = warp(logits, self.sampling)
                 verdict = verify_sampled(

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .base import DecodeState, DraftError, Proposal, Proposer, crop_cache, draft_signals
-from .sampling import sample, warp
+from .sampling import greedy_tokens, sample, warp
 from .target import Target, TargetError, check_same_vocabulary
 
 
@@ -95,7 +95,7 @@ class DraftLMProposer(Proposer):
         sigs: list[torch.Tensor] = []
         for i in range(gamma):
             if state.sampling.greedy:
-                x = int(logits.argmax())
+                x = int(greedy_tokens(logits))
             else:
                 q = warp(logits, state.sampling)
                 x = sample(q, state.generator)

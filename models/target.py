@@ -382,7 +382,7 @@ def generate_many(
 
     from transformers import DynamicCache
 
-    from .sampling import warp
+    from .sampling import greedy_tokens, warp
 
     dev = next(model.parameters()).device
     greedy = sampling is None or sampling.greedy
@@ -435,7 +435,7 @@ def generate_many(
                 cache, mask = _join_caches(cache, mask, c, m)
                 logits = torch.cat([logits, lg])
         if greedy:
-            nxt = logits.argmax(-1).tolist()
+            nxt = greedy_tokens(logits).tolist()
         else:
             probs = warp(logits, sampling)
             nxt = [

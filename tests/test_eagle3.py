@@ -393,3 +393,37 @@ def test_signals_from_the_draft_vocabulary_leave_the_greedy_draft_unchanged(tiny
         torch.testing.assert_close(
             draft_signals(own[row], j, 1), draft_signals(full[row], x, 1), atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize(
+    "s",
+    [Sampling(1.0), Sampling(0.7, top_k=5), Sampling(0.9, top_p=0.8), Sampling(1.0, top_k=100)],
+    ids=["T1", "T0.7-k5", "T0.9-p0.8", "k-beyond-draft-vocab"],
+)
+def test_sampling_over_the_draft_vocabulary_gives_the_same_q(tiny_target, s):
+    """At T > 0 an EAGLE-3 chain warps and samples over its own vocabulary, then lays q out
+    over the target's: the same distribution as warping the V-wide logits (-inf outside)."""
+    head = make_head(tiny_target)  # draft vocabulary 64 of the tiny target's 256+
+    h = torch.randn(6, tiny_target.hidden_size, generator=torch.Generator().manual_seed(2))
+    from models.sampling import warp
+
+    with torch.no_grad():
+        own, _ = head.own_logits(h)
+        old = warp(head.vocab_logits(h), s)
+        new = head.to_target_vocab(warp(own, s))
+    torch.testing.assert_close(new, old, atol=1e-6, rtol=1e-5)
+    assert (new[:, ~head.t2d] == 0).all()
+
+
+def test_sampled_eagle3_chain_follows_the_target(small_vocab_target):
+    """Chi-square on the first two tokens of a sampled EAGLE-3 chain whose draft vocabulary
+    (6 of 10 tokens) leaves out tokens the target samples: those come only from the
+    residual, so a q laid out wrongly over the target's vocabulary fails here."""
+    target = small_vocab_target
+    head = Eagle3Head(target, Eagle3Config(draft_vocab_size=6)).eval()
+    with torch.no_grad():  # a flat q over the 6 tokens, so drafts are sometimes accepted
+        head.lm_head.weight.mul_(0.01)
+    s = Sampling(0.9, top_k=8)
+    dec = SpeculativeDecoder(target, head.proposer(), s, gamma=2, adaptive=False, seed=7)
+    assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s, gen=3)
+    assert 0.02 < dec.stats.alpha < 0.98

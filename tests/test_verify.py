@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 import decoding.verify as verify
-from models.sampling import Sampling, warp
+from models.sampling import Sampling, greedy_tokens, warp
 
 V = 6
 ALPHA_TEST = 1e-3  # false-alarm rate of each chi-square test (seeds are fixed: deterministic)
@@ -97,6 +97,20 @@ def test_greedy_verification_follows_argmax_through_a_tree():
     argmax = [3, 0, 1, 4, 0]  # after root: 3; after node1 (tok 3): 1; after node2 (tok 1): 4
     v = verify.verify_greedy(tokens, parents, argmax)
     assert v.path == [1, 2] and v.token == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_is_argmax_with_its_ties(dtype):
+    """The decoder's argmax reads reduced-precision logits as float32 (faster on a CPU): the
+    same token as argmax in the logits' own dtype, ties included (lowest id)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 4096, generator=g) * 4).to(dtype)
+    x[:8, 100] = x[:8, 200] = x[:8].max() + 1  # planted ties: both ids hold the row's maximum
+    x[8:16] = 0  # all-equal rows
+    got = greedy_tokens(x)
+    assert got.tolist() == x.argmax(-1).tolist()
+    assert got[:8].tolist() == [100] * 8 and got[8:16].tolist() == [0] * 8
+    assert greedy_tokens(x[3]).item() == 100  # one row
 
 
 def test_warp_top_k_and_top_p():

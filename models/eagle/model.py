@@ -502,9 +502,13 @@ class Eagle3Head(EagleHead):
         return top.values, top.indices + self.d2t[top.indices]
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
-        d = self.draft_logits(h)
-        out = d.new_full((*d.shape[:-1], self.t2d.numel()), float("-inf"))
-        out[..., self.t2d] = d  # t2d is sorted, as d2t's targets are increasing
+        return self.to_target_vocab(self.draft_logits(h), fill=float("-inf"))
+
+    def to_target_vocab(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Values over the draft vocabulary (..., draft_vocab) laid out over the target's
+        (..., V), ``fill`` elsewhere (0 for probabilities, -inf for logits)."""
+        out = x.new_full((*x.shape[:-1], self.t2d.numel()), fill)
+        out[..., self.t2d] = x  # t2d is sorted, as d2t's targets are increasing
         return out
 
     def target_logits(self, f_final: torch.Tensor, draft_only: bool) -> torch.Tensor:

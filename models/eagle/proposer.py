@@ -63,13 +63,17 @@ class EagleProposer(Proposer):
         elif state.sampling.greedy:
             return int(self.head.top_tokens(h[None], 1)[1][0, 0]), False
         else:
-            logits = self.head.vocab_logits(h)
-            q = warp(logits, state.sampling)
-            qs.append(q)
-            x = sample(q, state.generator)
+            # sampled over the draft's own vocabulary (tokens outside it have probability 0,
+            # so warping there gives the same q as over the target's), then q is laid out over
+            # the target's vocabulary for verification
+            logits, offset = self.head.own_logits(h)
+            q_own = warp(logits, state.sampling)
+            j = sample(q_own, state.generator)
+            x = j + (int(offset[j]) if offset is not None else 0)
+            qs.append(self.head.to_target_vocab(q_own) if offset is not None else q_own)
             if not state.signals:
                 return x, False
-            s = draft_signals(logits, x, len(sigs) + 1)
+            s = draft_signals(logits, j, len(sigs) + 1)
         sigs.append(s)
         return x, state.stop is not None and state.stop(s)
 
