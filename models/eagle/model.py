@@ -185,6 +185,11 @@ class EagleHead(DraftMethod):
         vocabulary). Cheaper than ``vocab_logits`` where the draft vocabulary is reduced."""
         return self.logits(h), None
 
+    def to_target_vocab(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Values over the draft vocabulary (..., V_draft) laid out over the target's (..., V),
+        ``fill`` elsewhere: the identity here, where the two vocabularies are one."""
+        return x
+
     def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's ``k`` most likely tokens after each row of h (N, H): their
         log-probabilities (N, k) and target-vocabulary ids (N, k), best first."""

@@ -70,7 +70,7 @@ class EagleProposer(Proposer):
             q_own = warp(logits, state.sampling)
             j = sample(q_own, state.generator)
             x = j + (int(offset[j]) if offset is not None else 0)
-            qs.append(self.head.to_target_vocab(q_own) if offset is not None else q_own)
+            qs.append(self.head.to_target_vocab(q_own))
             if not state.signals:
                 return x, False
             s = draft_signals(logits, j, len(sigs) + 1)
