@@ -44,8 +44,10 @@ def keep_cache_positions(cache: DynamicCache, start: int, keep: list[int]) -> No
     for layer in cache.layers:
         for name in ("keys", "values"):
             t = getattr(layer, name)
-            moved = t.index_select(-2, idx.to(t.device))
-            setattr(layer, name, torch.cat([t[..., :start, :], moved], dim=-2))
+            # the kept entries move down in place (index_select copies them first, so the
+            # overlap is safe): no copy of the whole context per layer and iteration
+            t[..., start : start + len(keep), :] = t.index_select(-2, idx.to(t.device))
+    crop_cache(cache, start + len(keep))
 
 
 @dataclass

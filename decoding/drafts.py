@@ -24,6 +24,7 @@ from models import METHODS
 from models.base import DecodeSettings, DraftError, ExportError, read_draft_config
 from models.draft_lm import load_same_vocabulary_lm
 from models.export import detect_format, import_draft
+from models.quant import MODES as QUANT_MODES
 from models.shipped import SHIPPED, shipped_draft
 from models.target import Target
 
@@ -132,6 +133,19 @@ def _head_proposer(head, tree: DecodeSettings, desc: str):
     # its weights were trained or saved in
     dtype = head.target.dtype
     head = head.to(dtype=dtype)
+    if tree.draft_weights not in QUANT_MODES:
+        raise DraftError(
+            f"draft_weights={tree.draft_weights!r}: use one of {', '.join(QUANT_MODES)}"
+        )
+    n = head.quantize_for_decoding(tree.draft_weights)
+    if n:
+        desc += f", int8 weights ({n} layers)"
+    elif tree.draft_weights == "int8":
+        raise DraftError(
+            f"{desc}: draft_weights=int8, but no layer of this draft can take int8 weights "
+            f"here ({type(head).__name__} on {head.target.device}, {dtype}: torch's int8 "
+            "kernel runs on CPUs, and only EAGLE-family heads opt in); use draft_weights=full"
+        )
     try:
         prop = head.proposer(tree)
     except ValueError as e:

@@ -217,7 +217,8 @@ class DecodeSettings:
     """How a trained draft proposes (``specdraft-eval``'s tree settings): ``tree`` is auto (the
     method's default), chain, dynamic (EAGLE-2's tree: ``depth``, ``top_k``, ``total_tokens``)
     or static (Medusa's candidate tree: ``tree_nodes`` or ``tree_file``). A method reads the
-    fields it uses and rejects a ``tree`` it does not draft."""
+    fields it uses and rejects a ``tree`` it does not draft. ``draft_weights`` is applied by the
+    loader (``decoding/drafts.py``) before the proposer is built."""
 
     tree: str = "auto"
     depth: int = 5
@@ -225,6 +226,9 @@ class DecodeSettings:
     total_tokens: int = 32
     tree_nodes: int | None = None
     tree_file: str | None = None
+    #: the draft's weights while decoding: auto (int8 for a bf16 draft on a CPU, where it is
+    #: faster; else as loaded), int8 or full (see models/quant.py); proposals stay lossless
+    draft_weights: str = "auto"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +338,13 @@ class DraftMethod(nn.Module, abc.ABC):
     def proposer(self, settings: DecodeSettings | None = None) -> Proposer:
         """This draft as a proposer for the shared decoder; ``ValueError`` for settings it does
         not support (e.g. a tree shape it cannot draft)."""
+
+    def quantize_for_decoding(self, mode: str) -> int:
+        """Swap this draft's linear layers for int8 ones for decoding (``models/quant.py``;
+        ``mode``: auto, int8 or full) and return how many were swapped. The default swaps
+        nothing: a method opts in when its decode path only calls its layers (never reads
+        their ``weight``). Never called on a draft that will train again."""
+        return 0
 
     def changes_target(self) -> str | None:
         """None if the verifier is the original target; else what changed it (Medusa-2's and a

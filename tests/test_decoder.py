@@ -380,3 +380,24 @@ def test_lenience_with_trees_at_t_above_zero_is_refused(tiny_target):
     )
     with pytest.raises(ValueError, match="tree=chain"):
         SpeculativeDecoder(tiny_target, prop, Sampling(1.0), gamma=2, lenience=0.5)
+
+
+@pytest.mark.parametrize(
+    "keep", [[0, 2, 5], [0, 1, 2], [3], [0, 4, 1]], ids=["branch", "prefix", "one", "unordered"]
+)
+def test_keep_cache_positions_keeps_the_context_and_the_path_in_order(keep):
+    from transformers import DynamicCache
+
+    from decoding.decoder import keep_cache_positions
+
+    start, n = 4, 6  # 4 committed entries, then a verified tree of 6
+    cache = DynamicCache()
+    for layer in range(2):
+        k = torch.arange(start + n, dtype=torch.float32).view(1, 1, -1, 1).expand(1, 2, -1, 3)
+        cache.update(k.clone() + 100 * layer, -k.clone(), layer)
+    keep_cache_positions(cache, start, keep)
+    want = list(range(start)) + [start + i for i in keep]
+    assert cache.get_seq_length() == len(want)
+    for layer_idx, layer in enumerate(cache.layers):
+        assert layer.keys[0, 1, :, 2].tolist() == [w + 100 * layer_idx for w in want]
+        assert layer.values[0, 0, :, 0].tolist() == [-w for w in want]

@@ -212,12 +212,16 @@ def ar_greedy(target, prompt, n):
     return dec.generate(prompt, n)
 
 
+@pytest.mark.parametrize("weights", ["full", "int8"])
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("tree", [None, (3, 2, 5), (4, 4, 12)])
-def test_greedy_output_equals_plain_greedy(tiny_target, kind, tree):
+def test_greedy_output_equals_plain_greedy(tiny_target, kind, tree, weights):
     torch.manual_seed(1)
     head = EagleHead(tiny_target, Eagle1Config()) if kind == "eagle1" else make_head(tiny_target)
     head.eval()
+    # int8 draft weights (models/quant.py) change what the draft proposes, never the output
+    swapped = head.quantize_for_decoding(weights)
+    assert (swapped > 0) == (weights == "int8")
     ref = ar_greedy(tiny_target, PROMPT, 40)
     if tree is None:
         prop = head.proposer()
@@ -415,14 +419,18 @@ def test_sampling_over_the_draft_vocabulary_gives_the_same_q(tiny_target, s):
     assert (new[:, ~head.t2d] == 0).all()
 
 
-def test_sampled_eagle3_chain_follows_the_target(small_vocab_target):
+@pytest.mark.parametrize("weights", ["full", "int8"])
+def test_sampled_eagle3_chain_follows_the_target(small_vocab_target, weights):
     """Chi-square on the first two tokens of a sampled EAGLE-3 chain whose draft vocabulary
     (6 of 10 tokens) leaves out tokens the target samples: those come only from the
-    residual, so a q laid out wrongly over the target's vocabulary fails here."""
+    residual, so a q laid out wrongly over the target's vocabulary fails here. With int8
+    draft weights q is the quantized draft's own distribution, and the output still follows
+    the target."""
     target = small_vocab_target
     head = Eagle3Head(target, Eagle3Config(draft_vocab_size=6)).eval()
     with torch.no_grad():  # a flat q over the 6 tokens, so drafts are sometimes accepted
         head.lm_head.weight.mul_(0.01)
+    assert (head.quantize_for_decoding(weights) > 0) == (weights == "int8")
     s = Sampling(0.9, top_k=8)
     dec = SpeculativeDecoder(target, head.proposer(), s, gamma=2, adaptive=False, seed=7)
     assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s, gen=3)

@@ -32,8 +32,14 @@ def test_shipped_draft_is_present_bf16_and_small(name):
 
 @pytest.mark.parametrize(
     "tree",
-    [{"tree": "chain"}, {"tree": "dynamic", "depth": 4, "top_k": 4, "total_tokens": 16}],
-    ids=["chain", "dynamic"],
+    [
+        {"tree": "chain"},
+        {"tree": "dynamic", "depth": 4, "top_k": 4, "total_tokens": 16},
+        # int8 draft weights (the default for a bf16 head on a CPU; asked for here, since this
+        # test runs the target in fp32 so that outputs can be compared token for token)
+        {"tree": "dynamic", "depth": 3, "top_k": 4, "total_tokens": 8, "draft_weights": "int8"},
+    ],
+    ids=["chain", "dynamic", "dynamic-int8"],
 )
 def test_shipped_eagle3_decodes_greedily_lossless_on_two_prompts(tree):
     from data.chat import prompt_ids
@@ -46,6 +52,7 @@ def test_shipped_eagle3_decodes_greedily_lossless_on_two_prompts(tree):
     target = load_target(TargetConfig(name="smollm2_135m", device="cpu", dtype="float32"))
     prop, desc = load_proposer("smollm2-eagle3", target, tree=DecodeSettings(**tree))
     assert "eagle3" in desc
+    assert ("int8 weights" in desc) == (tree.get("draft_weights") == "int8")
     stop = {target.tokenizer.eos_token_id}
     dec = SpeculativeDecoder(target, prop, Sampling(), gamma=prop.tree_depth or 4, adaptive=False)
     for text in PROMPTS:

@@ -46,6 +46,7 @@ from ..base import (
     write_draft_config,
 )
 from ..losses import check_head_loss, head_loss, soft_cross_entropy
+from ..quant import Int8Linear, int8_linear, quantize_linears
 from ..sampling import Sampling
 from ..target import Target
 from .config import Eagle1Config, Eagle3Config
@@ -162,16 +163,21 @@ class EagleHead(DraftMethod):
     def _compute_dtype(self) -> torch.dtype:
         """The dtype the head computes in: autocast's when it is on (inputs cast to it once,
         not to float32 and back at every layer), else its weights'."""
-        dev = self.fc.weight.device.type
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-        return self.fc.weight.dtype
+        fc = self.fc  # an Int8Linear at decode time with int8 draft weights (models/quant.py)
+        w = fc.scales if isinstance(fc, Int8Linear) else fc.weight
+        if torch.is_autocast_enabled(w.device.type):
+            return torch.get_autocast_dtype(w.device.type)
+        return w.dtype
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed_tokens(ids.to(self.target.device)).to(self._compute_dtype())
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Target LM head on features (..., H) -> (..., V), in float32."""
+        """Target LM head on features (..., H) -> (..., V), in float32 (through the draft's
+        int8 copy of it once ``quantize_for_decoding`` made one)."""
+        lm = self.__dict__.get("_draft_lm_head")
+        if lm is not None:
+            return lm(h).float()
         w = self.target.lm_head.weight
         return F.linear(h.to(w.dtype), w).float()
 
@@ -335,6 +341,16 @@ class EagleHead(DraftMethod):
         return EagleProposer(self)
 
     @torch.no_grad()
+    def quantize_for_decoding(self, mode: str) -> int:
+        # the decode path only calls the head's layers (FC and decoder layer). EAGLE-1 drafts
+        # through the target's LM head (V x H: the largest read of a draft step), so the draft
+        # gets its own int8 copy of it; the target keeps its own weights for verification.
+        n = quantize_linears(self, mode)
+        lm = int8_linear(self.target.lm_head, mode) if n else None
+        if lm is not None:
+            object.__setattr__(self, "_draft_lm_head", lm)  # decode-time only, never saved
+        return n + (lm is not None)
+
     def probe(self, prompt: list[int]) -> torch.Tensor:
         """Draft logits (T - 1, V) at every position of ``prompt`` (-inf outside an EAGLE-3
         draft vocabulary), fed the target's real features as at decode time."""
@@ -501,6 +517,10 @@ class Eagle3Head(EagleHead):
     def own_logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.draft_logits(h), self.d2t
 
+    def quantize_for_decoding(self, mode: str) -> int:
+        # EAGLE-3 drafts through its own (quantized) LM head: no copy of the target's
+        return quantize_linears(self, mode)
+
     def top_tokens(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # over the draft vocabulary only, then mapped to target ids (no V-wide tensor)
         top = self.draft_logits(h).log_softmax(-1).topk(min(k, self.lm_head.out_features), dim=-1)
@@ -513,8 +533,10 @@ class Eagle3Head(EagleHead):
         """Values over the draft vocabulary (..., draft_vocab) laid out over the target's
         (..., V), ``fill`` elsewhere (0 for probabilities, -inf for logits)."""
         out = x.new_full((*x.shape[:-1], self.t2d.numel()), fill)
-        out[..., self.t2d] = x  # t2d is sorted, as d2t's targets are increasing
-        return out
+        # target ids of the draft tokens (increasing, so the t2d order): an index, not the
+        # boolean t2d, which torch would turn into indices again on every call
+        ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return out.index_copy_(-1, ids, x)
 
     def target_logits(self, f_final: torch.Tensor, draft_only: bool) -> torch.Tensor:
         """Target LM head on its final hidden states (N, H): over the draft vocabulary
