@@ -24,7 +24,7 @@ from models import METHODS
 from models.base import DecodeSettings, DraftError, ExportError, read_draft_config
 from models.draft_lm import load_same_vocabulary_lm
 from models.export import detect_format, import_draft
-from models.quant import MODES as QUANT_MODES
+from models.quant import check_mode
 from models.shipped import SHIPPED, shipped_draft
 from models.target import Target
 
@@ -133,10 +133,10 @@ def _head_proposer(head, tree: DecodeSettings, desc: str):
     # its weights were trained or saved in
     dtype = head.target.dtype
     head = head.to(dtype=dtype)
-    if tree.draft_weights not in QUANT_MODES:
-        raise DraftError(
-            f"draft_weights={tree.draft_weights!r}: use one of {', '.join(QUANT_MODES)}"
-        )
+    try:
+        check_mode(tree.draft_weights)  # a method that does not opt in would ignore a bad value
+    except ValueError as e:
+        raise DraftError(str(e)) from None
     n = head.quantize_for_decoding(tree.draft_weights)
     if n:
         desc += f", int8 weights ({n} layers)"

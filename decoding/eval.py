@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError
-from models.quant import MODES as QUANT_MODES
+from models.quant import check_mode
 from models.sampling import Sampling
 from models.target import TargetConfig, TargetError, load_target
 
@@ -246,8 +246,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise EvalError(f"acceptance={cfg.acceptance!r}: use exact or typical")
     if not 0 < cfg.lenience <= 1:
         raise EvalError(f"lenience={cfg.lenience}: must be in (0, 1] (1: exact)")
-    if cfg.draft_weights not in QUANT_MODES:  # checked here too: drafts without weights ignore it
-        raise EvalError(f"draft_weights={cfg.draft_weights!r}: use one of {', '.join(QUANT_MODES)}")
+    try:
+        check_mode(cfg.draft_weights)  # here too: drafts without weights (ngram...) never read it
+    except ValueError as e:
+        raise EvalError(str(e)) from None
     keys = ("tree", "depth", "top_k", "total_tokens", "tree_nodes", "tree_file", "draft_weights")
     tree = DecodeSettings(**{k: cfg[k] for k in keys})
     la = (cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_guesses)

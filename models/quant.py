@@ -19,6 +19,12 @@ from torch import nn
 MODES = ("auto", "int8", "full")
 
 
+def check_mode(mode: str) -> None:
+    """``ValueError`` naming a ``draft_weights`` value that is not one of ``MODES``."""
+    if mode not in MODES:
+        raise ValueError(f"draft_weights={mode!r}: use one of {', '.join(MODES)}")
+
+
 class Int8Linear(nn.Module):
     """``nn.Linear`` with int8 weights (N, K) and one scale per output row:
     y = (x @ q.T) * scale + bias, computed by ``torch._weight_int8pack_mm`` in x's dtype."""
@@ -85,8 +91,7 @@ def _agrees(layer: Int8Linear) -> bool:
 def int8_linear(linear: nn.Linear, mode: str) -> Int8Linear | None:
     """An ``Int8Linear`` copy of ``linear`` where ``mode`` asks for one and the kernel runs here
     (and agrees with the dequantized weight), else None."""
-    if mode not in MODES:
-        raise ValueError(f"draft_weights={mode!r}: use one of {', '.join(MODES)}")
+    check_mode(mode)
     dtype, device = linear.weight.dtype, linear.weight.device
     if mode == "full" or (mode == "auto" and (device.type != "cpu" or dtype == torch.float32)):
         return None
@@ -102,8 +107,7 @@ def quantize_linears(module: nn.Module, mode: str = "auto") -> int:
     is unchanged). ``auto`` quantizes a bf16/fp16 module on a CPU; ``int8`` any CPU module
     (float32 too: 4x fewer bytes); ``full`` nothing. Modules held outside ``module``'s
     submodules (an EAGLE head's frozen target) are never touched."""
-    if mode not in MODES:
-        raise ValueError(f"draft_weights={mode!r}: use one of {', '.join(MODES)}")
+    check_mode(mode)
     replaced = 0
     for child in list(module.modules()):
         for attr, sub in list(child.named_children()):

@@ -14,7 +14,6 @@ a prompt's positions (one teacher-forced step). Run it alone on the machine.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -37,13 +36,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(TargetConfig())
-    full, desc = load_proposer(args.draft, target, tree=DecodeSettings(draft_weights="full"))
-    head_full = full.head
-    head_int8 = copy.deepcopy(head_full)
-    n = head_int8.quantize_for_decoding("int8")
-    if not n:
-        raise SystemExit(f"{desc}: no layer took int8 weights on this machine")
-    print(f"draft: {desc}; target dtype {target.dtype}; {n} layers int8; {args.threads} threads")
+    # the same loader as specdraft-eval, once each way (an error if int8 cannot run here)
+    head_full = load_proposer(args.draft, target, tree=DecodeSettings(draft_weights="full"))[0].head
+    prop, desc = load_proposer(args.draft, target, tree=DecodeSettings(draft_weights="int8"))
+    head_int8 = prop.head
+    print(f"draft: {desc}; target dtype {target.dtype}; {args.threads} threads")
     H, dt, ctx = target.hidden_size, target.dtype, args.context
     evictor = torch.empty(40_000_000)  # 160 MB, more than any last-level cache here
     g = torch.Generator().manual_seed(0)

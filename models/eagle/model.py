@@ -340,7 +340,6 @@ class EagleHead(DraftMethod):
             raise ValueError(f"tree={s.tree!r}: EAGLE drafts use chain or dynamic")
         return EagleProposer(self)
 
-    @torch.no_grad()
     def quantize_for_decoding(self, mode: str) -> int:
         # the decode path only calls the head's layers (FC and decoder layer). EAGLE-1 drafts
         # through the target's LM head (V x H: the largest read of a draft step), so the draft
@@ -351,6 +350,7 @@ class EagleHead(DraftMethod):
             object.__setattr__(self, "_draft_lm_head", lm)  # decode-time only, never saved
         return n + (lm is not None)
 
+    @torch.no_grad()
     def probe(self, prompt: list[int]) -> torch.Tensor:
         """Draft logits (T - 1, V) at every position of ``prompt`` (-inf outside an EAGLE-3
         draft vocabulary), fed the target's real features as at decode time."""
