@@ -154,6 +154,8 @@ def _head_proposer(head, tree: DecodeSettings, desc: str):
         return prop, desc
     if tree.tree == "dynamic":
         args = ", ".join(f"{k}={getattr(tree, k)}" for k in ("depth", "top_k", "total_tokens"))
+        if tree.min_prob > 0:
+            args += f", min_prob={tree.min_prob:g}"
         return prop, f"{desc}, dynamic tree ({args})"
     return prop, f"{desc}, static tree ({len(prop.tree)} nodes, depth {prop.tree_depth})"
 

@@ -71,7 +71,11 @@ class EvalConfig:
     tree: str = "auto"
     depth: int = 5  # dynamic tree: draft steps
     top_k: int = 8  # dynamic tree: children per expanded node, and nodes expanded per step
-    total_tokens: int = 32  # dynamic tree: nodes verified per target forward
+    total_tokens: int = 32  # dynamic tree: nodes verified per target forward (at most)
+    # dynamic tree: verify and expand only nodes the draft gives at least this cumulative
+    # probability (the tree sizes itself by confidence; the best node is always verified). 0:
+    # EAGLE-2's fixed-size tree. On a CPU ~0.03-0.05 (docs/benchmarks.md); lossless either way.
+    min_prob: float = 0.0
     tree_nodes: int | None = None  # static tree: rebuild with this many nodes (None: saved)
     tree_file: str | None = None  # static tree: a JSON list of rank paths, e.g. [[0],[0,0]]
     # a trained draft's weights while decoding: auto (int8 for a bf16 EAGLE head on a CPU,
@@ -240,6 +244,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     for key in ("depth", "top_k", "total_tokens"):
         if cfg[key] < 1:
             raise EvalError(f"{key}={cfg[key]}: must be >= 1")
+    if not 0.0 <= cfg.min_prob < 1.0:
+        raise EvalError(f"min_prob={cfg.min_prob}: must be in [0, 1) (0: a fixed-size tree)")
     if cfg.tree_nodes is not None and cfg.tree_nodes < 1:
         raise EvalError(f"tree_nodes={cfg.tree_nodes}: must be >= 1")
     if cfg.acceptance not in ("exact", "typical"):
@@ -250,7 +256,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         check_mode(cfg.draft_weights)  # here too: drafts without weights (ngram...) never read it
     except ValueError as e:
         raise EvalError(str(e)) from None
-    keys = ("tree", "depth", "top_k", "total_tokens", "tree_nodes", "tree_file", "draft_weights")
+    keys = ("tree", "depth", "top_k", "total_tokens", "min_prob", "tree_nodes", "tree_file")
+    keys += ("draft_weights",)
     tree = DecodeSettings(**{k: cfg[k] for k in keys})
     la = (cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_guesses)
     proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max, tree=tree, lookahead=la)

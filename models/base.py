@@ -215,15 +215,18 @@ def crop_cache(cache, length: int) -> None:
 @dataclass
 class DecodeSettings:
     """How a trained draft proposes (``specdraft-eval``'s tree settings): ``tree`` is auto (the
-    method's default), chain, dynamic (EAGLE-2's tree: ``depth``, ``top_k``, ``total_tokens``)
-    or static (Medusa's candidate tree: ``tree_nodes`` or ``tree_file``). A method reads the
-    fields it uses and rejects a ``tree`` it does not draft. ``draft_weights`` is applied by the
-    loader (``decoding/drafts.py``) before the proposer is built."""
+    method's default), chain, dynamic (EAGLE-2's tree: ``depth``, ``top_k``, ``total_tokens``,
+    ``min_prob``) or static (Medusa's candidate tree: ``tree_nodes`` or ``tree_file``). A method
+    reads the fields it uses and rejects a ``tree`` it does not draft. ``draft_weights`` is
+    applied by the loader (``decoding/drafts.py``) before the proposer is built."""
 
     tree: str = "auto"
     depth: int = 5
     top_k: int = 8
     total_tokens: int = 32
+    #: dynamic tree: verify and expand only nodes whose cumulative draft probability is at least
+    #: this (the tree then sizes itself by confidence, up to depth and total_tokens); 0: off
+    min_prob: float = 0.0
     tree_nodes: int | None = None
     tree_file: str | None = None
     #: the draft's weights while decoding: auto (int8 for a bf16 draft on a CPU, where it is

@@ -214,7 +214,7 @@ def ar_greedy(target, prompt, n):
 
 @pytest.mark.parametrize("weights", ["full", "int8"])
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("tree", [None, (3, 2, 5), (4, 4, 12)])
+@pytest.mark.parametrize("tree", [None, (3, 2, 5), (4, 4, 12), (4, 4, 12, 0.05)])
 def test_greedy_output_equals_plain_greedy(tiny_target, kind, tree, weights):
     torch.manual_seed(1)
     head = EagleHead(tiny_target, Eagle1Config()) if kind == "eagle1" else make_head(tiny_target)
@@ -226,8 +226,10 @@ def test_greedy_output_equals_plain_greedy(tiny_target, kind, tree, weights):
     if tree is None:
         prop = head.proposer()
     else:
-        d, k, n = tree
-        prop = head.proposer(DecodeSettings(tree="dynamic", depth=d, top_k=k, total_tokens=n))
+        d, k, n, m = (*tree, 0.0)[:4]
+        prop = head.proposer(
+            DecodeSettings(tree="dynamic", depth=d, top_k=k, total_tokens=n, min_prob=m)
+        )
     dec = SpeculativeDecoder(
         tiny_target, prop, Sampling(), gamma=tree[0] if tree else 3, adaptive=False
     )
@@ -260,6 +262,47 @@ def test_dynamic_tree_shape(tiny_target):
     assert prop.cache.get_seq_length() == len(PROMPT) - 1  # tree entries cut back
 
 
+def test_dynamic_tree_min_prob_sizes_the_tree_by_confidence(tiny_target):
+    """min_prob keeps only nodes the draft gives at least that cumulative probability (always
+    the best one), stays ancestor-closed, and stops drafting at a level with no such node;
+    min_prob=0 is EAGLE-2's fixed-size tree."""
+    import math
+
+    from models.base import DecodeState
+
+    torch.manual_seed(0)
+    head = make_head(tiny_target).eval()
+    feats = tiny_target.features(
+        torch.tensor([PROMPT[:-1]]), torch.ones(1, 9, dtype=torch.long), tuple(head.feature_layers)
+    )[0]
+
+    def propose(min_prob):
+        prop = EagleTreeProposer(head, depth=4, top_k=3, total_tokens=12, min_prob=min_prob)
+        state = DecodeState(list(PROMPT), feats, Sampling(), None, torch.device("cpu"))
+        prop.start(state)
+        calls = prop.draft_calls
+        p = prop.propose(state, 4)
+        return p, prop.last_scores, prop.draft_calls - calls
+
+    full, full_scores, full_calls = propose(0.0)
+    assert len(full) == 12 and full_calls == 4  # catch-up + 3 expansions
+    probs = sorted((math.exp(s) for s in full_scores), reverse=True)
+    # a threshold between the kept nodes' probabilities: exactly those above it stay
+    for cut in (probs[2], probs[6]):
+        th = cut * 0.999
+        p, scores, calls = propose(th)
+        assert len(p) == sum(x >= th for x in probs)
+        assert all(math.exp(s) >= th for s in scores)
+        assert all(par < i for i, par in enumerate(p.parents))  # every parent kept, first
+        assert set(p.tokens) <= set(full.tokens)
+    # nothing reaches it: the best node alone, and no level beyond the first is drafted
+    p, scores, calls = propose(0.999999)
+    assert len(p) == 1 and p.parents == [-1] and calls == 1
+    assert math.isclose(scores[0], max(full_scores))
+    with pytest.raises(ValueError, match="min_prob=1.5"):
+        EagleTreeProposer(head, min_prob=1.5)
+
+
 @pytest.fixture(scope="module")
 def small_vocab_target():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -282,20 +325,27 @@ def small_vocab_target():
     return Target(m, None, "small-vocab", TargetConfig(name="test"))
 
 
+@pytest.mark.parametrize("min_prob", [0.0, 0.02], ids=["fixed", "min_prob"])
 @pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.8, top_p=0.7)], ids=["T1", "T0.8-p0.7"])
-def test_sampled_tree_output_follows_the_target(small_vocab_target, s):
-    """Chi-square on the first two tokens through a dynamic tree (false-alarm rate 1e-3)."""
+def test_sampled_tree_output_follows_the_target(small_vocab_target, s, min_prob):
+    """Chi-square on the first two tokens through a dynamic tree (false-alarm rate 1e-3), of
+    a fixed size or sized by the draft's confidence (``min_prob``)."""
     target = small_vocab_target
     prompt = [1, 2, 3]
     torch.manual_seed(3)
     head = EagleHead(target, Eagle1Config()).eval()
-    prop = head.proposer(DecodeSettings(tree="dynamic", depth=2, top_k=8, total_tokens=16))
+    prop = head.proposer(
+        DecodeSettings(tree="dynamic", depth=2, top_k=8, total_tokens=16, min_prob=min_prob)
+    )
     dec = SpeculativeDecoder(target, prop, s, gamma=2, adaptive=False, seed=5)
     # 3 tokens, so the first iteration may draft two levels; the first two are scored
     assert_first_two_tokens_follow_the_target(target, dec, prompt, s, gen=3)
     # the tree is sometimes right, sometimes not: both branches of the test are exercised
     assert 0.02 < dec.stats.alpha < 0.98
     assert dec.stats.tree_iterations > 0
+    sizes = [n for n in dec.stats.gamma_used if n]
+    # a fixed tree holds at least the 8 first-level nodes; one sized by confidence fewer
+    assert (min(sizes) < 8) == (min_prob > 0)
 
 
 # -- end to end ----------------------------------------------------------------------------------
@@ -435,3 +485,21 @@ def test_sampled_eagle3_chain_follows_the_target(small_vocab_target, weights):
     dec = SpeculativeDecoder(target, head.proposer(), s, gamma=2, adaptive=False, seed=7)
     assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s, gen=3)
     assert 0.02 < dec.stats.alpha < 0.98
+
+
+def test_tree_sizes_reads_each_nodes_outcome_off_the_output():
+    """scripts/tree_sizes.py: at T=0 a node was accepted exactly when its path is what the
+    target emitted from the tree's position on (and every ancestor was accepted)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from tree_sizes import node_outcomes
+
+    full = [1, 2, 3, 10, 11, 12]  # the tree was drafted with 3 committed tokens: 10 comes next
+    # nodes: 10 (ok), 20 (wrong), 11 under 10 (ok), 12 under 11 (ok), 11 under 20 (parent
+    # rejected), 13 under 10 (wrong), 99 under 12 (past the output)
+    rec = (3, [10, 20, 11, 12, 11, 13, 99], [-1, -1, 0, 2, 1, 0, 3], [-0.1] * 7)
+    scores, depth, ok = node_outcomes(rec, full)
+    assert depth.tolist() == [1, 1, 2, 3, 2, 2, 4]
+    assert ok.tolist() == [True, False, True, True, False, False, False]

@@ -106,6 +106,7 @@ def test_eval_of_a_trained_run(tmp_path, data_file):
         (["bench=/nonexistent.jsonl"], "no such file"),
         (["categories=[nosuch]"], "categories=['nosuch']"),
         (["draft_weights=int4"], "draft_weights='int4': use one of auto, int8, full"),
+        (["tree=dynamic", "min_prob=1.0"], "min_prob=1.0: must be in [0, 1)"),
     ],
 )
 def test_eval_errors_are_one_line(args, needle, tmp_path):

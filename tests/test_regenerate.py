@@ -128,3 +128,55 @@ def test_outputs_written_before_skip_records_existed_still_resume(tmp_path):
     _check_settings(meta, {"max_new_tokens": 8, "source": "a.jsonl", "skip_records": 0})
     with pytest.raises(PrepareError, match="skip_records=0, now skip_records=2"):
         _check_settings(meta, {"max_new_tokens": 8, "source": "a.jsonl", "skip_records": 2})
+
+
+def test_later_turns_become_one_turn_prompts_that_load(tmp_path):
+    """scripts/later_turns.py: user turns 2..max_turn with a reply, long enough to stand
+    alone, each a conversation of its own that the loader (and so specdraft-prepare) reads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from later_turns import later_turns
+
+    def conv(*turns):
+        roles = ["human", "gpt"]
+        return [{"from": roles[i % 2], "value": t} for i, t in enumerate(turns)]
+
+    long = "please explain how a hash map resolves collisions, with an example"
+    src = tmp_path / "in.jsonl"
+    recs = [
+        {"id": "a", "conversations": conv("first question here", "r1", long, "r2", "ok", "r3")},
+        {"id": "b", "conversations": conv("only one turn", "r1")},
+        {"id": "c", "conversations": conv("q1", "r1", "short", "r2", long + "?", "r3", long)},
+    ]
+    src.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    msgs = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t}
+        for i, t in enumerate(["q1", "r1", long, "r2", long, "r3", long, "r4"])
+    ]
+    assert [t for t, _, _ in later_turns(msgs, 40, 4)] == [2, 3, 4]
+    assert [t for t, _, _ in later_turns(msgs, 40, 3)] == [2, 3]
+    assert later_turns(msgs, 1000, 4) == []
+    out = tmp_path / "later.jsonl"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "later_turns.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "--data", str(src), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    # a's "ok" is too short; c's last user turn has no reply
+    assert [g["id"] for g in got] == ["a:turn2", "c:turn3"]
+    assert got[0]["conversations"][0]["value"] == long
+    convs, _ = load_conversations(out)
+    assert [c.messages[0]["content"] for c in convs] == [long, long + "?"]
+    # an existing output is never overwritten
+    r = subprocess.run(
+        [sys.executable, str(script), "--data", str(src), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode != 0 and "exists" in r.stderr

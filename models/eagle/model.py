@@ -332,10 +332,10 @@ class EagleHead(DraftMethod):
     def proposer(self, settings: DecodeSettings | None = None) -> EagleProposer:
         """This head as a proposer for the shared decoder: a chain (``tree="chain"`` or
         ``"auto"``), or (``tree="dynamic"``) EAGLE-2's dynamic draft tree with ``depth``,
-        ``top_k``, ``total_tokens``."""
+        ``top_k``, ``total_tokens`` and ``min_prob``."""
         s = settings or DecodeSettings()
         if s.tree == "dynamic":
-            return EagleTreeProposer(self, s.depth, s.top_k, s.total_tokens)
+            return EagleTreeProposer(self, s.depth, s.top_k, s.total_tokens, s.min_prob)
         if s.tree not in ("chain", "auto"):
             raise ValueError(f"tree={s.tree!r}: EAGLE drafts use chain or dynamic")
         return EagleProposer(self)

@@ -3,6 +3,7 @@ tree, for either head."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -150,17 +151,39 @@ class EagleTreeProposer(EagleProposer):
     scores above its parent) as the tree to verify. Children are the draft's top-k, not samples,
     so the proposal is deterministic (q = None): the decoder verifies it with point-mass
     recursive rejection at T > 0, which keeps the target's distribution exactly.
+
+    ``min_prob`` > 0 sizes the tree by the draft's confidence instead of to a fixed size (as in
+    OPT-Tree, Wang et al. 2024): a node whose cumulative probability is below it is neither
+    verified nor expanded, and drafting stops early at a level where no frontier node reaches
+    it, so a confident iteration verifies a few tokens and an uncertain one more, up to
+    ``total_tokens`` and ``depth``. The draft's best node is always kept. A node's cumulative
+    probability estimates how likely it is to be accepted (the shipped head is calibrated to
+    within a few points: docs/benchmarks.md), so ``min_prob`` is the acceptance chance below
+    which one more verified token, or one more draft step, costs more than it is expected to
+    return; on a CPU, where every verified token adds ~2% of a forward, that is a few percent.
+    0 keeps EAGLE-2's fixed-size tree.
     """
 
     name = "eagle-tree"
     gives_signals = False
 
-    def __init__(self, head: EagleHead, depth: int = 5, top_k: int = 8, total_tokens: int = 32):
+    def __init__(
+        self,
+        head: EagleHead,
+        depth: int = 5,
+        top_k: int = 8,
+        total_tokens: int = 32,
+        min_prob: float = 0.0,
+    ):
         super().__init__(head)
         for key, v in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if v < 1:
                 raise ValueError(f"{key}={v}: must be >= 1")
+        if not 0.0 <= min_prob < 1.0:
+            raise ValueError(f"min_prob={min_prob}: must be in [0, 1) (0: a fixed-size tree)")
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.min_prob = min_prob
+        self.log_min = math.log(min_prob) if min_prob > 0 else float("-inf")
         self.tree_depth = depth  # the decoder verifies the whole tree: no adaptive gamma
 
     @torch.no_grad()
@@ -198,10 +221,12 @@ class EagleTreeProposer(EagleProposer):
             return new
 
         level = add_children([-1], h[None], 1)
+        levels = 1
         for d in range(1, depth):
             frontier = sorted(level, key=lambda i: -scores[i])[: self.top_k]
-            if not frontier:
-                break
+            if not frontier or scores[frontier[0]] < self.log_min:
+                break  # no node here is likely enough to be accepted to be worth a step
+            levels += 1
             q = len(frontier)
             hidden = torch.stack([h if parents[v] < 0 else out_h[parents[v]] for v in frontier])
             emb = head._embed(torch.tensor([[tokens[v] for v in frontier]], device=dev))
@@ -225,10 +250,14 @@ class EagleTreeProposer(EagleProposer):
                 out_h[v] = out[r]
             level = add_children(frontier, out, d + 1)
         # rerank: best total_tokens by score; a parent sorts before its children
+        # (a child never scores above its parent, so both cuts keep the tree ancestor-closed)
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
-        keep = sorted(order[: self.total_tokens], key=lambda i: (depths[i], -scores[i], i))
+        keep = [v for v in order[: self.total_tokens] if scores[v] >= self.log_min] or order[:1]
+        keep.sort(key=lambda i: (depths[i], -scores[i], i))
         index = {v: j for j, v in enumerate(keep)}
-        self.last_step_seconds = (time.perf_counter() - t0) / depth
+        self.last_step_seconds = (time.perf_counter() - t0) / levels
+        #: the kept nodes' cumulative draft log-probabilities, in proposal order
+        self.last_scores = [scores[v] for v in keep]
         return Proposal(
             [tokens[v] for v in keep],
             [index[parents[v]] if parents[v] >= 0 else -1 for v in keep],

