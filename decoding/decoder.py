@@ -416,30 +416,38 @@ class SpeculativeDecoder:
             feats = torch.stack([hs[self.target.layer_index(i)][0] for i in self.layers], dim=1)
         return out.logits[0], feats
 
-    @torch.no_grad()
     def _calibrate(self, prefix: int = 256, reps: int = 5) -> list[float]:
-        """Time target forwards over k + 1 tokens after a ``prefix``-token context, in the
-        target's own dtype (the median of ``reps`` after a warm-up). This is the real cost of
-        each shape on this machine: where verifying 2-3 tokens is slower than 5 (MKL's fp32
-        path for 2-3 rows on some CPUs), the controller sees it; in bf16 the table is flat
-        (docs/benchmarks.md). Iterations keep refining it (a decayed average of measured
-        verification times)."""
+        """Time target forwards over k + 1 tokens (k = 0..gamma) after a ``prefix``-token
+        context. This is the real cost of each shape on this machine: where verifying 2-3
+        tokens is slower than 5 (MKL's fp32 path for 2-3 rows on some CPUs), the controller
+        sees it; in bf16 the table is flat (docs/benchmarks.md). Iterations keep refining it (a
+        decayed average of measured verification times)."""
+        return self.forward_costs(range(1, self.gamma + 2), prefix, reps)
+
+    @torch.no_grad()
+    def forward_costs(self, sizes, prefix: int = 256, reps: int = 5) -> list[float]:
+        """Seconds of a target forward over each of ``sizes`` tokens after a ``prefix``-token
+        context, in the target's own dtype: the median of ``reps`` after a warm-up, the sizes
+        taken in turn within each repetition, so that a slow spell of the machine falls on
+        every size alike instead of on one."""
+        sizes = list(sizes)
+        for n in sizes:
+            if not 1 <= n <= prefix:
+                raise ValueError(f"forward of {n} tokens: must be in [1, {prefix}]")
         vocab = self.target.config.vocab_size
         g = torch.Generator().manual_seed(0)
         ctx = torch.randint(0, vocab, (prefix,), generator=g).tolist()
-        times = []
-        for k in range(self.gamma + 1):
-            runs = []
-            for _ in range(reps + 1):
+        runs: list[list[float]] = [[] for _ in sizes]
+        for _ in range(reps + 1):
+            for i, n in enumerate(sizes):
                 cache = DynamicCache(config=self.target.config)
                 self._forward(ctx, cache)
                 _sync(self.device)
                 t = time.perf_counter()
-                self._forward(ctx[: k + 1], cache)
+                self._forward(ctx[:n], cache)
                 _sync(self.device)
-                runs.append(time.perf_counter() - t)
-            times.append(sorted(runs[1:])[len(runs[1:]) // 2])
-        return times
+                runs[i].append(time.perf_counter() - t)
+        return [sorted(r[1:])[len(r[1:]) // 2] for r in runs]
 
     # -- generation ---------------------------------------------------------------------
 

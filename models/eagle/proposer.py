@@ -182,7 +182,6 @@ class EagleTreeProposer(EagleProposer):
         if not 0.0 <= min_prob < 1.0:
             raise ValueError(f"min_prob={min_prob}: must be in [0, 1) (0: a fixed-size tree)")
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.min_prob = min_prob
         self.log_min = math.log(min_prob) if min_prob > 0 else float("-inf")
         self.tree_depth = depth  # the decoder verifies the whole tree: no adaptive gamma
 
