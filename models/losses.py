@@ -36,6 +36,79 @@ def soft_cross_entropy_probs(
     return F.cross_entropy(student_logits.float(), teacher_probs.float())
 
 
+class _LinearSoftCE(torch.autograd.Function):
+    """Soft cross-entropy of ``softmax(h @ weight.T)`` against teacher rows, loss and gradients
+    in one pass over row chunks: the (N, V) logits exist one chunk at a time in float32, and
+    what is kept for backward is the gradients of h and of the weight, computed at once by two
+    large matmuls from the (N, V) gradient of the logits. See ``linear_soft_cross_entropy``."""
+
+    @staticmethod
+    def forward(ctx, h, weight, probs, rows, row_weights, chunk):
+        with torch.autocast(h.device.type, enabled=False):
+            n = h.shape[0]
+            w = weight.to(h.dtype)
+            grad_logits = torch.empty(n, w.shape[0], dtype=h.dtype, device=h.device)
+            losses = torch.empty(n, dtype=torch.float32, device=h.device)
+            arg = torch.empty(n, dtype=torch.long, device=h.device)
+            for i in range(0, n, chunk):
+                z = F.linear(h[i : i + chunk], w).float()
+                p = probs.index_select(0, rows[i : i + chunk]).float()
+                lse = torch.logsumexp(z, -1)
+                # -sum_x p log q = sum_x p (lse - z) = lse - p.z, for rows of p summing to 1
+                losses[i : i + chunk] = lse - (p * z).sum(-1)
+                arg[i : i + chunk] = z.argmax(-1)
+                # d/dz of r * (the row's loss): r * (softmax(z) - p)
+                g = z.sub_(lse[:, None]).exp_().sub_(p).mul_(row_weights[i : i + chunk, None])
+                grad_logits[i : i + chunk] = g
+            grad_h = grad_logits @ w
+            grad_w = (grad_logits.t() @ h).to(weight.dtype)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mark_non_differentiable(losses, arg)
+        return (losses * row_weights).sum(), losses, arg
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_losses, _grad_arg):
+        grad_h, grad_w = ctx.saved_tensors
+        if not bool(grad_loss == 1):  # the usual case (the loss itself) needs no pass
+            grad_h = (grad_h.float() * grad_loss).to(grad_h.dtype)
+            grad_w = grad_w * grad_loss.to(grad_w.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+def linear_soft_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_probs: torch.Tensor,
+    rows: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The soft cross-entropy ``-sum_x p(x) log q(x)`` of ``q = softmax(F.linear(h, weight))``
+    against teacher rows ``p = teacher_probs[rows]``, weighted per row, with an LM head's
+    product and its loss fused over chunks of rows: the (N, V) float32 logits, their
+    log-softmax and the gathered teacher rows never exist whole, and the gradients are
+    computed in the same pass (on a CPU the memory traffic of those (N, V) tensors, not their
+    FLOPs, dominated a draft head's training step).
+
+    h (N, H): the student's states (any float dtype; under autocast the matmuls run in the
+    autocast dtype, as ``F.linear`` would); weight (V, H): the LM head's (gradients reach h and
+    weight); teacher_probs (M, V) with rows summing to 1; rows (N,) int64 into them;
+    row_weights (N,) float32, default 1/N (the mean). ``chunk``: rows per chunk (default about
+    2**20 float32 logits on a CPU, 2**24 on an accelerator).
+
+    Returns (sum_i row_weights[i] * loss_i: a float32 scalar, the per-row losses (N,) float32
+    without gradient, the student's argmax (N,) int64)."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        h = h.to(torch.get_autocast_dtype(dev))
+    n = h.shape[0]
+    if row_weights is None:
+        row_weights = torch.full((n,), 1.0 / max(n, 1), device=h.device)
+    if chunk is None:
+        chunk = max(1, (2**20 if dev == "cpu" else 2**24) // weight.shape[0])
+    return _LinearSoftCE.apply(h, weight, teacher_probs, rows, row_weights.float(), chunk)
+
+
 def total_variation_probs(
     student_logits: torch.Tensor, teacher_probs: torch.Tensor
 ) -> torch.Tensor:

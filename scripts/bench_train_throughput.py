@@ -142,6 +142,7 @@ def main() -> None:
         *extra,
     ]
     H = 576
+    tmp.mkdir(parents=True, exist_ok=True)
     peak_file = tmp / "peak.json"
     if peak_file.exists():
         peak = json.loads(peak_file.read_text())

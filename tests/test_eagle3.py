@@ -165,6 +165,31 @@ def test_training_time_test_weights_later_steps_less(tiny_target):
     assert out.loss.item() == pytest.approx(expect, rel=1e-5)
 
 
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_fused_step_loss_equals_the_per_step_loss_over_the_logits(tiny_target, norm_output):
+    """Training's fused LM head + soft CE over all unrolled steps at once gives the loss,
+    metrics and gradients of scoring each step's logits on its own (the path HASS and the tvd
+    loss take)."""
+    head = make_head(tiny_target, ttt_steps=3, norm_output=norm_output)
+    b = make_batch(tiny_target, head)
+    grads, outs = [], []
+    for fused in (True, False):
+        head.fused_step_ce = fused
+        head.zero_grad()
+        out = head(b)
+        out.loss.backward()
+        outs.append(out)
+        grads.append({k: v.grad.clone() for k, v in head.named_parameters()})
+    del head.fused_step_ce  # back to the class's
+    a, u = outs
+    assert a.loss.item() == pytest.approx(u.loss.item(), rel=1e-5)
+    assert a.metrics.keys() == u.metrics.keys()
+    for k in a.metrics:
+        assert torch.allclose(a.metrics[k].float(), u.metrics[k].float(), rtol=1e-5, atol=1e-6), k
+    for k in grads[0]:
+        assert torch.allclose(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-6), k
+
+
 def test_loss_decreases_when_fitting_one_batch(tiny_target):
     from models.eagle import position_mask
 

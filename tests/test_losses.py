@@ -11,6 +11,7 @@ from models.eagle import feature_regression_loss, position_mask
 from models.losses import (
     hard_label_loss,
     head_loss,
+    linear_soft_cross_entropy,
     soft_cross_entropy,
     soft_cross_entropy_probs,
     top_k_distillation,
@@ -61,6 +62,69 @@ def test_soft_ce_from_probabilities_equals_soft_ce_from_logits(t, data):
     la.backward()
     lb.backward()
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(1, 9),  # rows
+    st.integers(2, 11),  # vocabulary
+    st.integers(1, 5),  # chunk
+    st.integers(0, 2**16),
+    st.booleans(),  # row weights or the default mean
+)
+def test_linear_soft_ce_equals_the_unfused_loss_and_gradients(n, v, chunk, seed, weighted):
+    """The fused LM head + soft CE is the head's product followed by the per-row soft CE
+    against the gathered teacher rows: same weighted loss, per-row losses, argmax, and
+    gradients for h and the weight, whatever the chunking."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(v, 4, generator=g, dtype=torch.float64)
+    probs = torch.randn(n + 2, v, generator=g, dtype=torch.float64).softmax(-1)
+    rows = torch.randint(0, n + 2, (n,), generator=g)
+    r = torch.rand(n, generator=g, dtype=torch.float64) if weighted else torch.full((n,), 1 / n)
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, per_row, arg = linear_soft_cross_entropy(
+        h1, w1, probs, rows, r if weighted else None, chunk
+    )
+    (3.0 * loss).backward()  # a scale other than 1 exercises backward's multiply
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    z = h2 @ w2.T
+    ref_rows = -(probs[rows] * z.log_softmax(-1)).sum(-1)
+    ref = (ref_rows * r.to(ref_rows)).sum()
+    (3.0 * ref).backward()
+    # the fused function keeps float32 losses (as the loss it replaces): float32 tolerances
+    assert torch.allclose(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(per_row.double(), ref_rows.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(arg, z.detach().argmax(-1))
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(w1.grad, w2.grad, rtol=1e-4, atol=1e-5)
+    if not weighted:  # the default weights make it the mean: soft_cross_entropy_probs
+        assert torch.allclose(loss.double(), soft_cross_entropy_probs(z, probs[rows]).double())
+
+
+def test_linear_soft_ce_under_autocast_runs_in_bf16_like_the_linear_it_replaces():
+    """Under CPU autocast the fused function takes the bf16 path F.linear would: loss and
+    gradients agree with autocast's own linear + cross-entropy to bf16 precision, the weight's
+    gradient keeps the weight's dtype, and no row is lost to chunking."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g)
+    w = torch.randn(50, 16, generator=g) * 0.3
+    probs = torch.randn(40, 50, generator=g).softmax(-1)
+    rows = torch.randint(0, 40, (37,), generator=g)
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, per_row, arg = linear_soft_cross_entropy(h1, w1, probs, rows, chunk=8)
+    loss.backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = torch.nn.functional.linear(h2, w2)
+    ref = soft_cross_entropy_probs(z, probs[rows])
+    ref.backward()
+    assert per_row.shape == (37,) and arg.shape == (37,)
+    assert w1.grad.dtype == torch.float32 and h1.grad.dtype == torch.float32
+    assert abs(loss.item() - ref.item()) < 1e-2
+    assert torch.allclose(h1.grad, h2.grad, atol=2e-3)
+    assert torch.allclose(w1.grad, w2.grad, atol=2e-3)
 
 
 def test_soft_ce_matches_hard_ce_for_one_hot_teacher():

@@ -146,6 +146,27 @@ def _allow_new_precision(precision: str) -> None:
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of returning it to the system.
+
+    A CPU training step allocates and frees hundreds of MB of large tensors (attention scores,
+    the LM head's gradient); glibc serves each from a fresh ``mmap`` and unmaps it when freed,
+    so every step pays one page fault per 4 KiB touched (~12% of an EAGLE-3 step here). With
+    ``mmap`` off and no trimming, freed blocks are reused. The process keeps its peak memory
+    until it exits, which a training process does anyway. Returns whether it applied (glibc
+    only; elsewhere nothing changes)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured; returns a summary (stop reason, steps, final validation)."""
     from accelerate.utils import set_seed
@@ -157,6 +178,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.train.threads)
     accelerator = _accelerator(cfg)
     log = accelerator.print
+    if accelerator.device.type == "cpu":
+        keep_freed_memory()
     set_seed(cfg.train.seed)
     target, data = _load_target_and_data(cfg, accelerator, log)
     method = _build_method(cfg, target, data, accelerator, log)

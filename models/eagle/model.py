@@ -45,7 +45,7 @@ from ..base import (
     read_draft_config,
     write_draft_config,
 )
-from ..losses import check_head_loss, head_loss, soft_cross_entropy
+from ..losses import check_head_loss, head_loss, linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import Int8Linear, int8_linear, quantize_linears
 from ..sampling import Sampling
 from ..target import Target
@@ -81,13 +81,17 @@ def ttt_attention_core(
     query: (B, h, S, D); key, value: (B, kvh, j*S, D) (step 1's keys, then one block per later
     step); h a multiple of kvh (grouped-query attention, no key copy). Query s attends to
     first-step keys 0..s (valid ones) and to key s of every later block. Returns (B, h, S, D).
-    Scores are O(S^2 + jS) instead of O(j S^2), and softmax runs in float32."""
+    Scores are O(S^2 + jS) instead of O(j S^2). They stay in the compute dtype (as a bf16
+    matmul returns them; the scale is applied to the (S, D) queries, not to the scores) and the
+    softmax runs in float32: each pass over the (B, h, S, S) scores is a pass over memory, and
+    those passes, not the matmuls, are what this function costs on a CPU."""
     B, h, S, D = query.shape
     kvh = key.shape[1]
     g = h // kvh
     j = key.shape[2] // S
+    query = query * scaling
     q = query.reshape(B, kvh, g * S, D)
-    base = torch.matmul(q, key[:, :, :S].transpose(-1, -2)).view(B, kvh, g, S, S).float()
+    base = torch.matmul(q, key[:, :, :S].transpose(-1, -2)).view(B, kvh, g, S, S)
     pos = torch.arange(S, device=query.device)
     allowed = (pos[None, :] <= pos[:, None])[None] & layout.key_valid[:, None, :]  # (B, S, S)
     scores = base.masked_fill(~allowed[:, None, None], float("-inf"))
@@ -96,9 +100,9 @@ def ttt_attention_core(
         # position, (g, D) @ (D, j-1), batched over (B, kvh, S)
         kd = key[:, :, S:].reshape(B, kvh, j - 1, S, D).permute(0, 1, 3, 4, 2)  # (.., S, D, j-1)
         qd = query.reshape(B, kvh, g, S, D).transpose(2, 3)  # (B, kvh, S, g, D)
-        diag = torch.matmul(qd, kd).float().transpose(2, 3)  # (B, kvh, g, S, j-1)
+        diag = torch.matmul(qd, kd).transpose(2, 3)  # (B, kvh, g, S, j-1)
         scores = torch.cat([scores, diag], dim=-1)
-    p = (scores * scaling).softmax(-1).to(value.dtype)
+    p = torch.softmax(scores, -1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(p[..., :S].reshape(B, kvh, g * S, S), value[:, :, :S])
     out = out.view(B, kvh, g, S, D)
     if j > 1:
@@ -564,29 +568,81 @@ class Eagle3Head(EagleHead):
             t_logits = self.target_logits(f[:, :, 3][labelled], draft_only=True)
             t_prob, t_arg = t_logits.softmax(-1), t_logits.argmax(-1)
             del t_logits
-        loss = f.new_zeros((), dtype=torch.float32)
-        metrics: dict[str, torch.Tensor] = {}
+        # the rows each step is trained on: its head states and the teacher rows they predict
+        hs, idxs, ws = [], [], []
         for j, (pred, mask, w) in enumerate(zip(preds, masks, weights, strict=True), start=1):
             rows = mask.nonzero(as_tuple=True)
-            n = rows[0].numel()
-            if n == 0:
-                loss = loss + 0.0 * pred.sum()
-                continue
-            idx = row_of[rows[0], rows[1] + j]  # position_mask: s + j is labelled
-            d_logits = self.draft_logits(pred[rows], float32=False)
-            ce = self.step_loss(d_logits, t_prob.index_select(0, idx), metrics, n)
-            loss = loss + w * ce
-            acc = (d_logits.detach().argmax(-1) == t_arg.index_select(0, idx)).float().sum()
-            metrics[f"loss_step{j}"] = metric(ce.detach() * n, n)
-            metrics[f"acc_step{j}"] = metric(acc, n)
+            hs.append(pred[rows])
+            idxs.append(row_of[rows[0], rows[1] + j])  # position_mask: s + j is labelled
+            ws.append(w)
+        metrics: dict[str, torch.Tensor] = {}
+        loss, ces, args = self.steps_loss(hs, t_prob, idxs, ws, metrics)
+        if not any(len(x) for x in idxs):  # nothing to learn here: a zero loss with a graph
+            loss = loss + 0.0 * sum(p.sum() for p in preds)
+        for j, (ce, arg, idx) in enumerate(zip(ces, args, idxs, strict=True), start=1):
+            n = len(idx)
+            if n:
+                acc = (arg == t_arg.index_select(0, idx)).float().sum()
+                metrics[f"loss_step{j}"] = metric(ce * n, n)
+                metrics[f"acc_step{j}"] = metric(acc, n)
         metrics["acc"] = metrics.get("acc_step1", metric(0.0, 0))
         return StepOutput(loss=loss, metrics=metrics)
 
-    def step_loss(
+    # The steps' soft CE fused with the draft LM head (``linear_soft_cross_entropy``): the
+    # (N, draft_vocab) logits are never held whole, and one call covers every unrolled step.
+    # A subclass whose step loss reads the logits (HASS) sets False and overrides
+    # ``logits_loss``.
+    fused_step_ce = True
+
+    def steps_loss(
+        self,
+        hs: list[torch.Tensor],
+        t_prob: torch.Tensor,
+        idxs: list[torch.Tensor],
+        weights: list[float],
+        metrics: dict,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The training loss of the unrolled steps: sum_j weights[j] * (step j's mean loss).
+        Step j's head states hs[j] (n_j, H) are scored against the target's distribution over
+        the draft vocabulary, rows ``idxs[j]`` (n_j,) of ``t_prob`` (M, draft_vocab). Returns
+        (loss, each step's mean loss (detached; 0 for an empty step), each step's draft
+        argmax (n_j,)). A subclass's ``logits_loss`` may add its own terms to ``metrics``."""
+        ns = [len(i) for i in idxs]
+        if self.cfg.loss == "ce" and self.fused_step_ce:
+            h = torch.cat(hs)
+            r = torch.cat(
+                [
+                    torch.full((n,), w / max(n, 1), device=h.device)
+                    for n, w in zip(ns, weights, strict=True)
+                ]
+            )
+            loss, rows, arg = linear_soft_cross_entropy(
+                h if self.cfg.norm_output else self.norm(h),
+                self.lm_head.weight,
+                t_prob,
+                torch.cat(idxs),
+                r,
+            )
+            ces = [x.mean() if len(x) else x.sum() for x in rows.split(ns)]
+            return loss, ces, list(arg.split(ns))
+        loss, ces, args = t_prob.new_zeros(()), [], []
+        for h, idx, w, n in zip(hs, idxs, weights, ns, strict=True):
+            if n == 0:
+                ces.append(t_prob.new_zeros(()))
+                args.append(idx)
+                continue
+            d_logits = self.draft_logits(h, float32=False)
+            ce = self.logits_loss(d_logits, t_prob.index_select(0, idx), metrics, n)
+            loss = loss + w * ce
+            ces.append(ce.detach())
+            args.append(d_logits.detach().argmax(-1))
+        return loss, ces, args
+
+    def logits_loss(
         self, d_logits: torch.Tensor, t_prob: torch.Tensor, metrics: dict, n: int
     ) -> torch.Tensor:
-        """The loss of one unrolled step: draft logits (N, draft_vocab) against the target's
-        distribution restricted to the draft vocabulary (N, draft_vocab). HASS adds to it."""
+        """One step's loss from the draft logits (n, draft_vocab) and the teacher rows (n,
+        draft_vocab), when it is not fused. HASS adds to it."""
         return head_loss(self.cfg.loss, d_logits, t_prob)
 
     @torch.no_grad()

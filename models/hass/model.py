@@ -36,10 +36,12 @@ class HassHead(Eagle3Head):
             )
         super().__init__(target, cfg)
 
-    def step_loss(
+    fused_step_ce = False  # the top-k term reads the step's logits
+
+    def logits_loss(
         self, d_logits: torch.Tensor, t_prob: torch.Tensor, metrics: dict, n: int
     ) -> torch.Tensor:
-        base = super().step_loss(d_logits, t_prob, metrics, n)
+        base = super().logits_loss(d_logits, t_prob, metrics, n)
         topk = top_k_distillation(d_logits, t_prob, self.cfg.topk)
         key = "loss_topk"
         m = metric(topk.detach() * n, n)
