@@ -60,8 +60,9 @@ class _LinearSoftCE(torch.autograd.Function):
                 # d/dz of r * (the row's loss): r * (softmax(z) - p)
                 g = z.sub_(lse[:, None]).exp_().sub_(p).mul_(row_weights[i : i + chunk, None])
                 grad_logits[i : i + chunk] = g
-            grad_h = grad_logits @ w
-            grad_w = (grad_logits.t() @ h).to(weight.dtype)
+            # only the gradients autograd will ask for (a frozen LM head needs none)
+            grad_h = grad_logits @ w if ctx.needs_input_grad[0] else None
+            grad_w = (grad_logits.t() @ h).to(weight.dtype) if ctx.needs_input_grad[1] else None
         ctx.save_for_backward(grad_h, grad_w)
         ctx.mark_non_differentiable(losses, arg)
         return (losses * row_weights).sum(), losses, arg
@@ -70,8 +71,10 @@ class _LinearSoftCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_losses, _grad_arg):
         grad_h, grad_w = ctx.saved_tensors
         if not bool(grad_loss == 1):  # the usual case (the loss itself) needs no pass
-            grad_h = (grad_h.float() * grad_loss).to(grad_h.dtype)
-            grad_w = grad_w * grad_loss.to(grad_w.dtype)
+            if grad_h is not None:
+                grad_h = (grad_h.float() * grad_loss).to(grad_h.dtype)
+            if grad_w is not None:
+                grad_w = grad_w * grad_loss.to(grad_w.dtype)
         return grad_h, grad_w, None, None, None, None
 
 

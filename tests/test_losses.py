@@ -100,6 +100,11 @@ def test_linear_soft_ce_equals_the_unfused_loss_and_gradients(n, v, chunk, seed,
     assert torch.allclose(w1.grad, w2.grad, rtol=1e-4, atol=1e-5)
     if not weighted:  # the default weights make it the mean: soft_cross_entropy_probs
         assert torch.allclose(loss.double(), soft_cross_entropy_probs(z, probs[rows]).double())
+    # a frozen head: the gradient reaches h alone, the same as before
+    h3 = h.clone().requires_grad_()
+    loss, _, _ = linear_soft_cross_entropy(h3, w, probs, rows, r if weighted else None, chunk)
+    (3.0 * loss).backward()
+    assert torch.allclose(h3.grad, h2.grad, rtol=1e-4, atol=1e-5) and w.grad is None
 
 
 def test_linear_soft_ce_under_autocast_runs_in_bf16_like_the_linear_it_replaces():
