@@ -47,7 +47,10 @@ class _LinearSoftCE(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             n = h.shape[0]
             w = weight.to(h.dtype)
-            grad_logits = torch.empty(n, w.shape[0], dtype=h.dtype, device=h.device)
+            # The gradients exist before any loss scaling, so float16 would underflow them
+            # (rows weighted ~1/N): keep them in float32 there; bfloat16 has float32's range.
+            gdt = torch.float32 if h.dtype == torch.float16 else h.dtype
+            grad_logits = torch.empty(n, w.shape[0], dtype=gdt, device=h.device)
             losses = torch.empty(n, dtype=torch.float32, device=h.device)
             arg = torch.empty(n, dtype=torch.long, device=h.device)
             for i in range(0, n, chunk):
@@ -61,9 +64,12 @@ class _LinearSoftCE(torch.autograd.Function):
                 g = z.sub_(lse[:, None]).exp_().sub_(p).mul_(row_weights[i : i + chunk, None])
                 grad_logits[i : i + chunk] = g
             # only the gradients autograd will ask for (a frozen LM head needs none)
-            grad_h = grad_logits @ w if ctx.needs_input_grad[0] else None
-            grad_w = (grad_logits.t() @ h).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_h = grad_logits @ w.to(gdt) if ctx.needs_input_grad[0] else None
+            grad_w = (
+                (grad_logits.t() @ h.to(gdt)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            )
         ctx.save_for_backward(grad_h, grad_w)
+        ctx.h_dtype = h.dtype
         ctx.mark_non_differentiable(losses, arg)
         return (losses * row_weights).sum(), losses, arg
 
@@ -72,9 +78,11 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         if not bool(grad_loss == 1):  # the usual case (the loss itself) needs no pass
             if grad_h is not None:
-                grad_h = (grad_h.float() * grad_loss).to(grad_h.dtype)
+                grad_h = grad_h.float() * grad_loss
             if grad_w is not None:
                 grad_w = grad_w * grad_loss.to(grad_w.dtype)
+        if grad_h is not None:
+            grad_h = grad_h.to(ctx.h_dtype)
         return grad_h, grad_w, None, None, None, None
 
 

@@ -132,6 +132,26 @@ def test_linear_soft_ce_under_autocast_runs_in_bf16_like_the_linear_it_replaces(
     assert torch.allclose(w1.grad, w2.grad, atol=2e-3)
 
 
+def test_linear_soft_ce_gradients_survive_float16_loss_scaling():
+    """With float16 states the gradients are computed before a GradScaler's scale reaches
+    them: rows weighted ~1e-6 must not underflow to zero before the scale brings them back."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(16, 8, generator=g)
+    w = torch.randn(30, 8, generator=g)
+    probs = torch.randn(16, 30, generator=g).softmax(-1)
+    rows = torch.arange(16)
+    r = torch.full((16,), 1e-6)
+    h1, w1 = h.half().requires_grad_(), w.clone().requires_grad_()
+    loss, _, _ = linear_soft_cross_entropy(h1, w1, probs, rows, r)
+    (loss * 2.0**16).backward()
+    h2, w2 = h.half().float().requires_grad_(), w.clone().requires_grad_()
+    ref = (-(probs * (h2 @ w2.T).log_softmax(-1)).sum(-1) * r).sum()
+    (ref * 2.0**16).backward()
+    assert h1.grad.dtype == torch.float16 and w1.grad.dtype == torch.float32
+    assert torch.allclose(h1.grad.float(), h2.grad, rtol=2e-2, atol=1e-4)
+    assert torch.allclose(w1.grad, w2.grad, rtol=2e-2, atol=1e-3)
+
+
 def test_soft_ce_matches_hard_ce_for_one_hot_teacher():
     student = torch.randn(5, 9)
     labels = torch.randint(0, 9, (5,))
