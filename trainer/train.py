@@ -153,8 +153,8 @@ def keep_freed_memory() -> bool:
     the LM head's gradient); glibc serves each from a fresh ``mmap`` and unmaps it when freed,
     so every step pays one page fault per 4 KiB touched (~12% of an EAGLE-3 step here). With
     ``mmap`` off and no trimming, freed blocks are reused. The process keeps its peak memory
-    until it exits (a sweep's later jobs in the same process reuse it). Returns whether it applied (glibc
-    only; elsewhere nothing changes)."""
+    until it exits (a sweep's later jobs in the same process reuse it). Returns whether it
+    applied (glibc only; elsewhere nothing changes)."""
     import ctypes
     import ctypes.util
 
