@@ -82,6 +82,39 @@ def test_one_step_moves_every_draft_parameter_and_no_target_parameter(tiny_targe
     assert all(k.startswith(("fc.", "layer.")) for k in head.state_dict())
 
 
+def test_fused_token_loss_equals_the_soft_ce_over_the_logits(tiny_target):
+    """EAGLE-1's token term goes through the fused LM head + soft CE: the same loss, accuracy
+    and gradients as the paper's formula written out over the frozen head's full logits."""
+    from models.eagle import feature_regression_loss, position_mask
+    from models.losses import soft_cross_entropy_probs
+
+    torch.manual_seed(0)
+    cfg = Eagle1Config(noise=0.0, w_cls=1.0)
+    head = EagleHead(tiny_target, cfg)
+    b = make_batch(tiny_target)
+    out = head(b)
+    out.loss.backward()
+    fused = {k: v.grad.clone() for k, v in head.named_parameters()}
+    head.zero_grad()
+    f = b["features"][:, :, 0]
+    (pred,) = head.unroll(f, b["input_ids"], b["attention_mask"], steps=1)
+    mask = position_mask(b["loss_mask"], b["attention_mask"], steps=1)[0]
+    rows = mask.nonzero(as_tuple=True)
+    p_hat, f_next = pred[rows], f[:, 1:][rows]
+    d_logits, t_logits = head.logits(p_hat), head.logits(f_next).detach()
+    ref = cfg.w_reg * feature_regression_loss(p_hat, f_next) + cfg.w_cls * (
+        soft_cross_entropy_probs(d_logits, t_logits.softmax(-1))
+    )
+    ref.backward()
+    n = len(rows[0])
+    acc = (d_logits.argmax(-1) == t_logits.argmax(-1)).float().sum()
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert out.metrics["acc"].tolist() == [acc.item(), n]
+    for k, v in head.named_parameters():
+        assert torch.allclose(fused[k], v.grad, rtol=1e-4, atol=1e-6), k
+    assert all(p.grad is None for p in tiny_target.model.parameters())
+
+
 def test_loss_decreases_when_fitting_one_batch(tiny_target):
     torch.manual_seed(0)
     head = EagleHead(tiny_target, Eagle1Config(noise=0.0))

@@ -286,9 +286,16 @@ class EagleHead(DraftMethod):
         if n > 0:
             with torch.no_grad():
                 t_logits = self.logits(f_next)
-            d_logits = self.logits(p_hat)
-            cls = head_loss(self.cfg.loss, d_logits, t_logits.softmax(-1))
-            acc = (d_logits.argmax(-1) == t_logits.argmax(-1)).float().sum()
+                t_prob, t_arg = t_logits.softmax(-1), t_logits.argmax(-1)
+                del t_logits
+            if self.cfg.loss == "ce":  # the frozen LM head and the soft CE, fused
+                w = self.target.lm_head.weight
+                rows_n = torch.arange(n, device=p_hat.device)
+                cls, _, d_arg = linear_soft_cross_entropy(p_hat.to(w.dtype), w, t_prob, rows_n)
+            else:
+                d_logits = self.logits(p_hat)
+                cls, d_arg = head_loss(self.cfg.loss, d_logits, t_prob), d_logits.argmax(-1)
+            acc = (d_arg == t_arg).float().sum()
         loss = self.cfg.w_reg * reg + self.cfg.w_cls * cls
         metrics = {
             "loss_reg": metric(reg * n, n),
