@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
 from data.conversations import DataError
-from models.base import DecodeSettings, DraftError
+from models.base import DecodeSettings, DraftError, ExportError
 from models.quant import check_mode
 from models.sampling import Sampling
 from models.target import TargetConfig, TargetError, load_target
@@ -39,6 +39,7 @@ from .bench import BenchError, load_bench
 from .decoder import NoDraft, SpeculativeDecoder, Stats, predicted_speedup
 from .disco import load_stop_rule, write_traces
 from .drafts import draft_model_of, load_proposer
+from .llama_cpp import EngineError
 
 CONVENTION = (
     "tau = tokens emitted per target verification forward, counting the corrected/bonus token "
@@ -117,6 +118,19 @@ class EvalConfig:
     val_fraction: float = 0.02  # for bench=sharegpt_val: must match training's split
     split_seed: int = 0  # for bench=sharegpt_val: training's train.seed
     max_val_records: int = 128  # for bench=sharegpt_val: training's data.max_val_records
+    # the decoder: torch (the built-in one, the exact reference) or llama.cpp (llama-server,
+    # installed by `bash scripts/install.sh engine`; see decoding/engine_eval.py). In llama.cpp
+    # gamma is its n_max (chain length) and p_min its confidence stop.
+    engine: str = "torch"
+    p_min: float = 0.0
+    target_gguf: str | None = None  # llama.cpp: the target's GGUF (default: the embedded one's)
+    engine_threads: int | None = None  # llama.cpp threads (default: all cores)
+    engine_ngram: str = "ngram-mod"  # llama.cpp: its n-gram type for draft=ngram
+    engine_tie_tolerance: float = 0.5  # llama.cpp: log-prob gap that counts as a near-tie
+    predict: bool = True  # llama.cpp: measure the engine's costs and predict the speedup
+    plan: bool = False  # llama.cpp: pick n_max (<= plan_max) from those costs first
+    plan_max: int = 6
+    calibration_tokens: int = 96
 
 
 # Greedy speculative and plain decoding may part where two tokens' logits are (nearly) tied: a
@@ -218,6 +232,12 @@ def _clean(x):
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    if cfg.engine not in ("torch", "llama.cpp"):
+        raise EvalError(f"engine={cfg.engine!r}: use torch (built in) or llama.cpp")
+    if cfg.engine == "llama.cpp":
+        from .engine_eval import evaluate_engine
+
+        return _clean(evaluate_engine(cfg))
     if cfg.gamma < 1:
         raise EvalError(f"gamma={cfg.gamma}: must be >= 1 (use draft=none for plain decoding)")
     if cfg.max_new_tokens < 1:
@@ -579,12 +599,37 @@ def print_report(r: dict[str, Any], out=print) -> None:
             f"{f(s['ar_tokens_per_second'], 1):>9}{f(s['speedup']):>8}"
         )
     t = r["time_s"]
-    out(
-        f"predicted speedup {f(r['predicted_speedup'])} (alpha {f(r['alpha'], 3)}, c "
-        f"{f(r['draft_cost_ratio'], 3)}); gamma used {r['gamma_used']}; time outside model "
-        f"forwards {f(100 * (t['other_fraction'] or 0), 1)}%; lossless: {r['lossless']} "
-        f"({r['lossless_note']})"
-    )
+    if r.get("engine"):
+        c = r.get("costs") or {}
+        fwd = c.get("target_forward_ms_by_tokens") or {}
+        out(
+            f"engine: {r['engine']} ({r['settings'].get('spec_type')}, n_max "
+            f"{r['settings'].get('n_max')}, p_min {r['settings'].get('p_min')}); "
+            f"draft_acceptance_rate {f(r['draft_acceptance_rate'], 3)}"
+        )
+        if c:
+            out(
+                f"engine costs: plain step {f(c['plain_ms_per_token'])} ms; target forward over "
+                + ", ".join(f"{k}: {f(v)}" for k, v in list(fwd.items())[:6])
+                + f" tokens (ms); draft {f(c['draft_ms_per_iteration'])} ms per iteration + "
+                f"{f(c['draft_ms_per_drafted_token'])} ms per drafted token "
+                f"({f(100 * c['draft_step_over_target_step'], 1)}% of a target step)"
+            )
+            out(
+                f"predicted speedup {f(r['predicted_speedup'])} (measured {f(r['speedup'])}, "
+                f"ratio {f(r['predicted_vs_measured'])}); ceiling (a draft always right) "
+                f"{f(r['ceiling_speedup'])} at n_max {r['ceiling_n_max']}; lossless: "
+                f"{r['lossless']} ({r['lossless_note']})"
+            )
+        else:
+            out(f"lossless: {r['lossless']} ({r['lossless_note']})")
+    else:
+        out(
+            f"predicted speedup {f(r['predicted_speedup'])} (alpha {f(r['alpha'], 3)}, c "
+            f"{f(r['draft_cost_ratio'], 3)}); gamma used {r['gamma_used']}; time outside model "
+            f"forwards {f(100 * (t['other_fraction'] or 0), 1)}%; lossless: {r['lossless']} "
+            f"({r['lossless_note']})"
+        )
     if r.get("verifier_changed"):
         out(f"NOTE: {r['verifier_changed']}")
         o = r.get("against_original")
@@ -633,7 +678,7 @@ def plot_report(r: dict[str, Any], path: Path) -> None:
 ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
 ConfigStore.instance().store(group="target", name="target_schema", node=TargetConfig)
 
-USER_ERRORS = (DataError, DraftError, TargetError, BenchError, EvalError)
+USER_ERRORS = (DataError, DraftError, TargetError, BenchError, EvalError, EngineError, ExportError)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

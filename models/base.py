@@ -420,3 +420,36 @@ class ExportFormat(abc.ABC):
     def readme_lines(self, draft: DraftMethod, config: dict[str, Any]) -> list[str]:
         """Format-specific lines for the export's README (``config``: as written)."""
         return []
+
+    # -- storage: safetensors (or torch.save) + config.json unless a format says otherwise --
+
+    default_dtype: str = "bfloat16"  # --dtype when none is given
+    dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")  # --dtype values it takes
+
+    def save(
+        self, tmp: Path, tensors: dict[str, torch.Tensor], config: dict, draft, dtype: str
+    ) -> None:
+        """Write the weights (``tensors``, already cast) into ``tmp``; config.json is written
+        by the pipeline."""
+        from safetensors.torch import save_file
+
+        if self.weights_file.endswith(".safetensors"):
+            save_file(tensors, str(tmp / self.weights_file), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, tmp / self.weights_file)
+
+    def load(self, path: Path, config: dict | None = None) -> dict[str, torch.Tensor]:
+        """The weights file's tensors, under the names ``expected`` uses."""
+        from .export import load_tensors
+
+        return load_tensors(path)
+
+    def read_config(self, folder: Path) -> dict[str, Any]:
+        """The settings ``expected``, ``check`` and ``read`` look at."""
+        from .export import read_config
+
+        return read_config(folder)
+
+    def reference(self, draft: DraftMethod, dtype: str) -> DraftMethod:
+        """The trained draft as the export holds it (its read-back must match this exactly)."""
+        return draft.export_view(getattr(torch, dtype))

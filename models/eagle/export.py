@@ -258,7 +258,7 @@ class EagleFormat(ExportFormat):
         return config.get("eagle_aux_hidden_state_layer_ids")
 
     def read(self, folder: Path, target, config: dict) -> EagleHead:
-        tensors = load_tensors(folder / self.weights_file)
+        tensors = self.load(folder / self.weights_file, config)
         L = target.num_layers
         fuse = self.fused_layers(config) or [2, L // 2, L - 3]  # the engines' default
         if "d2t" not in tensors:
@@ -454,4 +454,10 @@ class Eagle1Reference(EagleFormat):
         )
 
 
-FORMATS = (SGLangEagle3(), VLLMEagle3(), SpeculatorsEagle3(), Eagle1Reference())
+def _formats():
+    from .gguf import GGUFEagle3  # beside the others; it builds on the vLLM layout
+
+    return (SGLangEagle3(), VLLMEagle3(), SpeculatorsEagle3(), Eagle1Reference(), GGUFEagle3())
+
+
+FORMATS = _formats()

@@ -1,0 +1,464 @@
+"""``specdraft-eval engine=llama.cpp``: the same benches, settings and report as the built-in
+decoder, with llama.cpp's ``llama-server`` doing the decoding.
+
+Two servers run on loopback for the whole evaluation: the target alone (plain decoding) and the
+target with the draft (speculative decoding); every prompt goes to both, interleaved, after a
+warm-up. Figures come from the engine itself: tokens/s from its ``timings`` (generation only,
+the prompt's prefill excluded, as in the built-in decoder), acceptance from its draft counters
+(``draft_n``, ``draft_n_accepted``) and, per verification step, from its log (``accepted a/n
+draft tokens``), which gives alpha per position with the built-in decoder's conventions
+(``decoding.eval.CONVENTION``). At T = 0 every output is compared with the engine's own plain
+greedy output, a divergence classified as a near-tie from the plain server's top-2 log-probs at
+that point (asked again, outside the timings).
+
+The draft: ``draft=ngram`` is llama.cpp's own n-gram speculation (``engine_ngram``, default
+``ngram-mod``); an EAGLE-3/HASS run, saved draft or shipped name is exported to GGUF on the fly
+(``specdraft-export --format gguf``, cached beside it); a folder holding ``draft.gguf`` or a
+``.gguf`` file is used as it is.
+
+Predicted speedup: from the engine's own costs, measured apart from the evaluation (the
+target's forward over k tokens with ``llama-bench``; the draft's cost per iteration and per
+drafted token fitted on a calibration prompt at two chain lengths) and the acceptance measured
+here. ``plan=true`` picks n_max from those costs and a calibration run's acceptance before
+evaluating. The ceiling is what a draft that is always right would give at those costs.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import sys
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from data.chat import prompt_ids
+from models.base import DraftError
+from models.target import load_target, target_gguf
+
+from .bench import load_bench
+from .llama_cpp import BUILD, Completion, EngineError, LlamaServer, bench_forward_ms
+
+NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+
+
+class EngineStats:
+    """Pooled counters of speculative requests in the engine (and of the matching plain ones)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.ar_tokens = 0
+        self.ms = self.ar_ms = 0.0
+        self.drafted = self.accepted = 0
+        self.steps: list[tuple[int, int]] = []  # (accepted, drafted) per verification
+        self.plain_steps = 0  # target forwards of the speculative run that verified no draft
+        self.requests = 0
+
+    def add(self, spec: Completion, ar: Completion) -> None:
+        self.requests += 1
+        n = int(spec.timings.get("predicted_n") or len(spec.tokens))
+        self.tokens += n
+        self.ms += spec.predicted_ms
+        self.ar_tokens += int(ar.timings.get("predicted_n") or len(ar.tokens))
+        self.ar_ms += ar.predicted_ms
+        self.drafted += spec.drafted
+        self.accepted += spec.accepted
+        self.steps += spec.steps
+        # the first token comes from the prompt's forward; every other forward emits a + 1
+        self.plain_steps += max(0, (n - 1) - sum(a + 1 for a, _ in spec.steps))
+
+    @property
+    def target_calls(self) -> int:
+        return len(self.steps) + self.plain_steps
+
+    def alpha_per_position(self) -> list[float | None]:
+        depth = max((d for _, d in self.steps), default=0)
+        out = []
+        for k in range(1, depth + 1):
+            tested = sum(1 for a, d in self.steps if d >= k and a >= k - 1)
+            acc = sum(1 for a, _ in self.steps if a >= k)
+            out.append(acc / tested if tested else None)
+        return out
+
+    def row(self) -> dict[str, Any]:
+        tested = sum(min(d, a + 1) for a, d in self.steps)
+        acc = sum(a for a, _ in self.steps)
+        tps = 1000 * self.tokens / self.ms if self.ms else float("nan")
+        ar_tps = 1000 * self.ar_tokens / self.ar_ms if self.ar_ms else float("nan")
+        calls = self.target_calls
+        return {
+            # the first token of a request comes from the prompt's forward, not a verification
+            "tau": (self.tokens - self.requests) / calls if calls else float("nan"),
+            "alpha": acc / tested if tested else float("nan"),
+            "alpha_per_position": self.alpha_per_position(),
+            "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+            "tokens_per_second": tps,
+            "ar_tokens_per_second": ar_tps,
+            "speedup": tps / ar_tps if ar_tps else float("nan"),
+            "target_calls": calls,
+            "drafting_iterations": len(self.steps),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "new_tokens": self.tokens,
+            "ar_new_tokens": self.ar_tokens,
+            "gamma_used": {str(k): v for k, v in sorted(Counter(d for _, d in self.steps).items())},
+            "accept_length_hist": {
+                str(k): v for k, v in sorted(Counter(a for a, _ in self.steps).items())
+            },
+            "tree_iterations": 0,
+            "time_s": {
+                "total": self.ms / 1000,
+                "ar_total": self.ar_ms / 1000,
+                "other_fraction": None,
+            },
+        }
+
+
+class CostModel:
+    """The engine's costs on this machine, in ms: the target's forward over k tokens (from
+    llama-bench), scaled so that k = 1 is the plain server's measured ms per token; the draft's
+    fixed cost per drafting iteration ``c0`` and its cost per drafted token ``cd``."""
+
+    def __init__(self, forward_ms: dict[int, float], plain_ms: float, c0: float, cd: float):
+        self.forward_ms, self.plain_ms, self.c0, self.cd = forward_ms, plain_ms, c0, cd
+
+    def verify(self, k: int) -> float:
+        """ms of a target forward over k tokens, in the server."""
+        ks = sorted(self.forward_ms)
+        if k in self.forward_ms:
+            v = self.forward_ms[k]
+        elif k > ks[-1]:  # linear beyond the largest measured size
+            a, b = ks[-2], ks[-1]
+            v = self.forward_ms[b] + (k - b) * (self.forward_ms[b] - self.forward_ms[a]) / (b - a)
+        else:
+            lo = max(x for x in ks if x < k)
+            hi = min(x for x in ks if x > k)
+            w = (k - lo) / (hi - lo)
+            v = (1 - w) * self.forward_ms[lo] + w * self.forward_ms[hi]
+        return v * self.plain_ms / self.forward_ms[1]
+
+    def iteration(self, drafted: int) -> float:
+        return self.verify(drafted + 1) + self.c0 + drafted * self.cd
+
+    def predicted_speedup(self, steps: list[tuple[int, int]], plain_steps: int) -> float:
+        """Speedup the costs predict for these verification steps (accepted, drafted) and
+        forwards without a draft (each still pays the draft's fixed cost ``c0``)."""
+        tokens = sum(a + 1 for a, _ in steps) + plain_steps
+        ms = sum(self.iteration(d) for _, d in steps) + plain_steps * (self.plain_ms + self.c0)
+        return (tokens / ms) * self.plain_ms if ms else float("nan")
+
+    def expected_speedup(self, alphas: list[float], n: int) -> float:
+        """A chain of n with conditional acceptance ``alphas`` per position, p_min 0."""
+        tokens, run = 1.0, 1.0
+        for k in range(n):
+            run *= alphas[k] if k < len(alphas) and alphas[k] is not None else 0.0
+            tokens += run
+        return tokens * self.plain_ms / self.iteration(n)
+
+    def ceiling(self, n_max: int = 8) -> tuple[float, int]:
+        """(speedup, n) of a draft that is always right, at the best chain length <= n_max."""
+        return max(((n + 1) * self.plain_ms / self.iteration(n), n) for n in range(1, n_max + 1))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "plain_ms_per_token": self.plain_ms,
+            "target_forward_ms_by_tokens": {
+                str(k): self.verify(k) for k in sorted(self.forward_ms)
+            },
+            "draft_ms_per_iteration": self.c0,
+            "draft_ms_per_drafted_token": self.cd,
+            "draft_step_over_target_step": (self.c0 + self.cd) / self.plain_ms,
+        }
+
+
+def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str]:
+    """(spec type, draft GGUF or None, description) for ``cfg.draft``."""
+    from models.export import export, load_trained_head
+    from models.shipped import shipped_draft
+
+    d = str(cfg.draft)
+    if d in ("none", "ar"):
+        raise EngineError("engine=llama.cpp compares a draft with plain decoding: set draft=")
+    if d in ("ngram", "pld"):
+        kind = cfg.engine_ngram
+        if kind not in NGRAM_TYPES:
+            raise EngineError(f"engine_ngram={kind!r}: use one of {', '.join(NGRAM_TYPES)}")
+        return kind, None, f"llama.cpp {kind} (n-gram speculation, no model)"
+    p = shipped_draft(d) or Path(d).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return "draft-eagle3", p, f"eagle3 GGUF ({p})"
+    if (p / "draft.gguf").is_file():
+        return "draft-eagle3", p / "draft.gguf", f"eagle3 GGUF ({p / 'draft.gguf'})"
+    if not p.exists():
+        raise DraftError(f"draft={d}: no such file or folder")
+    # a trained head: export it once (checked, re-imported) and cache the GGUF beside it
+    from .llama_cpp import cache_root
+
+    head = load_trained_head(p, target)
+    if head.cfg.name not in ("eagle3", "hass"):
+        raise DraftError(
+            f"draft={d}: a {head.cfg.name} draft; llama.cpp runs EAGLE-3/HASS heads "
+            "(--format gguf) and n-gram speculation (draft=ngram)"
+        )
+    out = cache_root() / "engine-drafts" / f"{p.resolve().name}-{_fingerprint(p)}"
+    if not (out / "draft.gguf").is_file():
+        log(f"exporting {p} to GGUF for llama.cpp: {out}")
+        export(head, "gguf", out, force=True, log=log, target_gguf_path=cfg.target_gguf)
+    return "draft-eagle3", out / "draft.gguf", f"{head.cfg.name} ({p}) as GGUF q8_0"
+
+
+def _fingerprint(p: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p.rglob("*.safetensors"))[:4]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:10]
+
+
+def _near_tie(plain_srv: LlamaServer, prompt, plain, spec, pos, tolerance):
+    """Logit gap at the first divergence, from the plain server's top log-probs there."""
+    import json
+    import urllib.request
+
+    body = {
+        "prompt": [int(t) for t in prompt + plain[:pos]],
+        "n_predict": 1,
+        "temperature": 0.0,
+        "n_probs": 8,
+        "post_sampling_probs": False,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
+    req = urllib.request.Request(
+        f"{plain_srv.url}/completion",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    probs = (out.get("completion_probabilities") or [{}])[0].get("top_logprobs") or []
+    lp = {int(c["id"]): float(c["logprob"]) for c in probs if "id" in c}
+    if spec[pos] not in lp or plain[pos] not in lp:
+        return None, False
+    gap = lp[plain[pos]] - lp[spec[pos]]
+    return gap, abs(gap) <= tolerance
+
+
+def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
+    from .eval import CONVENTION, EvalError
+
+    if cfg.max_new_tokens < 1:
+        raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
+    if not 0.0 <= cfg.p_min <= 1.0:
+        raise EvalError(f"p_min={cfg.p_min}: must be in [0, 1]")
+    if cfg.gamma < 1:
+        raise EvalError(f"gamma={cfg.gamma}: the engine's n_max, must be >= 1")
+    if cfg.tree not in ("auto", "chain"):
+        raise EvalError(f"tree={cfg.tree}: llama.cpp drafts chains (use tree=auto or chain)")
+    target = load_target(OmegaConf.to_object(cfg.target))
+    tok = target.tokenizer
+    tgt_gguf = target_gguf(target, cfg.target_gguf)
+    if tgt_gguf is None:
+        raise EvalError(
+            f"engine=llama.cpp serves the target from a GGUF: set target_gguf=<file> for "
+            f"{target.identity} (convert it with llama.cpp's convert_hf_to_gguf.py)"
+        )
+    spec_type, draft, desc = _draft_gguf(cfg, target, log)
+    questions = load_bench(
+        cfg.bench,
+        categories=cfg.categories,
+        num=cfg.num_prompts,
+        data_path=cfg.data_path,
+        val_fraction=cfg.val_fraction,
+        split_seed=cfg.split_seed,
+        max_val_records=cfg.max_val_records,
+    )
+    threads = cfg.engine_threads or None
+    stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+    greedy = cfg.temperature == 0
+    sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
+    n_max, p_min = int(cfg.gamma), float(cfg.p_min)
+    with (
+        LlamaServer(tgt_gguf, threads=threads) as plain,
+        LlamaServer(
+            tgt_gguf, draft, spec_type=spec_type, n_max=n_max, p_min=p_min, threads=threads
+        ) as spec,
+    ):
+        warm = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
+        for srv in (plain, spec):
+            srv.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
+        costs = plan = None
+        if cfg.predict or cfg.plan:
+            costs, plan = _calibrate(cfg, plain, spec, tgt_gguf, warm, spec.threads, log)
+            if cfg.plan:
+                n_max = plan["n_max"]
+                log(f"plan: n_max={n_max} (predicted {plan['predicted_speedup']:.2f}x)")
+        per_spec = {"n_max": n_max, "p_min": p_min}
+        pooled, per_cat = EngineStats(), {}
+        outputs, divergences, compared, n_req = [], [], 0, 0
+        for q in tqdm(questions, desc="prompts (llama.cpp)", dynamic_ncols=True, file=sys.stderr):
+            hist = {"ar": [], "spec": []}
+            rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
+            for turn in q["turns"][: cfg.turns]:
+                prompts, outs = {}, {}
+                for name, srv, sp in (("ar", plain, None), ("spec", spec, per_spec)):
+                    msgs = hist[name] + [{"role": "user", "content": turn}]
+                    prompts[name] = prompt_ids(tok, msgs)
+                    outs[name] = srv.complete(
+                        prompts[name], cfg.max_new_tokens, **sampling, seed=cfg.seed, speculative=sp
+                    )
+                    text = tok.decode([t for t in outs[name].tokens if t not in stop])
+                    hist[name] = msgs + [{"role": "assistant", "content": text}]
+                n_req += 1
+                for s in (pooled, per_cat.setdefault(q["category"], EngineStats())):
+                    s.add(outs["spec"], outs["ar"])
+                a, b = outs["ar"].tokens, outs["spec"].tokens
+                div = None
+                if greedy and prompts["ar"] == prompts["spec"]:
+                    compared += 1
+                    if a != b:
+                        pos = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+                        gap, near = (None, False)
+                        if pos is not None:
+                            gap, near = _near_tie(
+                                plain, prompts["ar"], a, b, pos, cfg.engine_tie_tolerance
+                            )
+                        div = {"position": pos, "logit_gap": gap, "near_tie": near}
+                        divergences.append({"question_id": q["question_id"], **div})
+                rec["turns"].append(
+                    {
+                        "spec_tokens": len(b),
+                        "ar_tokens": len(a),
+                        "identical": a == b,
+                        "divergence": div,
+                        "text": tok.decode(b),
+                        "engine_timings": outs["spec"].timings,
+                    }
+                )
+            outputs.append(rec)
+    report = pooled.row()
+    near = sum(bool(d["near_tie"]) for d in divergences)
+    if greedy:
+        note = (
+            f"{compared - len(divergences)}/{compared} outputs identical to the engine's plain greedy decoding"
+            + (
+                f"; {len(divergences)} parted, {near} at a near-tie (log-prob gap <= "
+                f"{cfg.engine_tie_tolerance}), {len(divergences) - near} real"
+                if divergences
+                else ""
+            )
+        )
+    else:
+        note = "T > 0: llama.cpp's own sampling; outputs are samples, not compared"
+    pred = costs.predicted_speedup(pooled.steps, pooled.plain_steps) if costs else float("nan")
+    ceiling = costs.ceiling() if costs else (float("nan"), 0)
+    report.update(
+        {
+            "engine": f"llama.cpp b{BUILD} (llama-server)",
+            "predicted_speedup": pred,
+            "predicted_vs_measured": pred / report["speedup"] if costs else float("nan"),
+            "ceiling_speedup": ceiling[0],
+            "ceiling_n_max": ceiling[1],
+            "costs": costs.as_dict() if costs else None,
+            "plan": plan,
+            "draft_cost_ratio": (costs.c0 + costs.cd) / costs.plain_ms if costs else float("nan"),
+            "lossless": (near == len(divergences)) if greedy else None,
+            "divergences": len(divergences) if greedy else None,
+            "near_tie_divergences": near if greedy else None,
+            "divergence_details": divergences,
+            "lossless_note": note,
+            "acceptance": "greedy" if greedy else "llama.cpp sampling",
+            "verifier_changed": None,
+            "convention": CONVENTION
+            + " In llama.cpp: tokens/s from its timings (predicted_n / predicted_ms); alpha per "
+            "position from its per-step 'accepted a/n draft tokens' log; draft_acceptance_rate "
+            "from draft_n_accepted / draft_n.",
+            "per_category": {c: s.row() for c, s in sorted(per_cat.items())},
+            "settings": {
+                **OmegaConf.to_container(cfg, resolve=True),
+                "n_max": n_max,
+                "spec_type": spec_type,
+                "draft_description": f"{desc}; llama.cpp {spec_type}, n_max {n_max}, p_min {p_min}",
+                "target_identity": target.identity,
+                "target_gguf": str(tgt_gguf),
+                "draft_gguf": str(draft) if draft else None,
+                "engine_threads": spec.threads,
+                "machine": platform.machine(),
+                "cpu": _cpu_name(),
+                "date": datetime.now(timezone.utc).isoformat(),
+            },
+            "outputs": outputs,
+        }
+    )
+    return report
+
+
+def _cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    info = {}
+    for line in text.splitlines():
+        if ":" in line:
+            k, v = (s.strip() for s in line.split(":", 1))
+            info.setdefault(k, v)
+    flags = set(info.get("flags", "").split())
+    bf16 = "bf16" if flags & {"avx512_bf16", "amx_bf16"} else "no bf16"
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, {bf16})"
+
+
+def _calibrate(cfg, plain, spec, tgt_gguf, prompt, threads, log):
+    """The engine's costs, measured on a calibration prompt apart from the evaluation: the
+    plain server's ms per token; the target's forward over k tokens (llama-bench); the draft's
+    cost per iteration and per drafted token, fitted from speculative runs at n_max 1 and
+    ``cfg.plan_max``; and the acceptance per position there (for the plan)."""
+    n = cfg.calibration_tokens
+    sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
+    ar = plain.complete(prompt, n, **sampling, seed=cfg.seed)
+    plain_ms = ar.predicted_ms / max(1, int(ar.timings.get("predicted_n") or 1))
+    top = int(cfg.plan_max)
+    log(f"calibrating: the target's forward over 1..{top + 1} tokens (llama-bench)")
+    fwd = bench_forward_ms(tgt_gguf, list(range(1, top + 2)), threads)
+    rows = []
+    alphas = None
+    for nm in sorted({1, top}):
+        c = spec.complete(
+            prompt, n, **sampling, seed=cfg.seed, speculative={"n_max": nm, "p_min": 0.0}
+        )
+        st = EngineStats()
+        st.add(c, ar)
+        rows.append((st, c))
+        if nm == top:
+            alphas = st.alpha_per_position()
+    # ms left for the draft once the target's forwards are paid: c0 per forward + cd per token
+    base = CostModel(fwd, plain_ms, 0.0, 0.0)
+    import numpy as np
+
+    A, y = [], []
+    for st, c in rows:
+        verify = sum(base.verify(d + 1) for _, d in st.steps) + st.plain_steps * plain_ms
+        A.append([st.target_calls, sum(d for _, d in st.steps)])
+        y.append(c.predicted_ms - verify)
+    sol, *_ = np.linalg.lstsq(np.array(A, float), np.array(y, float), rcond=None)
+    c0, cd = (max(0.0, float(v)) for v in sol)
+    costs = CostModel(fwd, plain_ms, c0, cd)
+    alphas = [a if a is not None else 0.0 for a in (alphas or [])]
+    options = {k: costs.expected_speedup(alphas, k) for k in range(1, top + 1)}
+    best = max(options, key=options.get)
+    plan = {
+        "n_max": best,
+        "predicted_speedup": options[best],
+        "predicted_by_n_max": {str(k): v for k, v in options.items()},
+        "calibration_alpha_per_position": alphas,
+        "note": "p_min 0; the draft's acceptance per position from a calibration run at "
+        f"n_max {top}; costs measured in the engine",
+    }
+    if math.isnan(options[best]):
+        plan["n_max"] = int(cfg.gamma)
+    return costs, plan

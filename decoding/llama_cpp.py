@@ -1,0 +1,327 @@
+"""llama.cpp as the engine that decodes: find it, run ``llama-server`` on loopback, decode token
+ids through its ``/completion`` endpoint, read its own timings and draft counters.
+
+The engine is optional (``bash scripts/install.sh engine`` builds llama.cpp b11434 once into
+``~/.cache/specdraft/llama.cpp-b11434/bin``; ``SPECDRAFT_LLAMA_CPP=<bin dir>`` names another
+build). Every server started here is stopped when its ``with`` block ends, when the process
+exits (``atexit``) and on SIGTERM: none is left running after the evaluator.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILD = 11434  # the llama.cpp build scripts/install_engine.sh installs (EAGLE-3 since b9606)
+PROGRAMS = ("llama-server", "llama-bench")
+INSTALL_HINT = (
+    "bash scripts/install.sh engine (builds llama.cpp once, ~40 CPU-minutes), or set "
+    "SPECDRAFT_LLAMA_CPP=<a llama.cpp bin dir>"
+)
+
+
+class EngineError(RuntimeError):
+    """The engine is missing, would not start, or failed; the message says which and what to
+    do."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser()
+
+
+def engine_dir(required: bool = True) -> Path | None:
+    """The llama.cpp bin dir: ``$SPECDRAFT_LLAMA_CPP``, else the cached build; None (or
+    EngineError when ``required``) where neither holds the programs."""
+    env = os.environ.get("SPECDRAFT_LLAMA_CPP")
+    if env:
+        cands = [Path(env).expanduser()]
+    else:  # the cache in use, then the default one (a test may point the cache elsewhere)
+        roots = dict.fromkeys([cache_root(), Path("~/.cache/specdraft").expanduser()])
+        cands = [r / f"llama.cpp-b{BUILD}" / "bin" for r in roots]
+    for cand in cands:
+        missing = [p for p in PROGRAMS if not (cand / p).is_file()]
+        if not missing:
+            return cand
+    cand = cands[0]
+    if required:
+        where = f"SPECDRAFT_LLAMA_CPP={env}" if env else str(cand)
+        raise EngineError(
+            f"llama.cpp not found ({where} has no {', '.join(missing)}): {INSTALL_HINT}"
+        )
+    return None
+
+
+def engine_source() -> Path | None:
+    """llama.cpp's source tree of the cached build (its converter and gguf-py), if there."""
+    for root in dict.fromkeys([cache_root(), Path("~/.cache/specdraft").expanduser()]):
+        src = root / f"llama.cpp-b{BUILD}" / "src"
+        if (src / "convert_hf_to_gguf.py").is_file():
+            return src
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def _stop_all(*_: Any) -> None:
+    for p in list(_RUNNING):
+        _terminate(p)
+
+
+def _terminate(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    _RUNNING.discard(p)
+
+
+atexit.register(_stop_all)
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - exercised by hand
+    _stop_all()
+    raise SystemExit(128 + signum)
+
+
+try:
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+except ValueError:  # not the main thread
+    pass
+
+
+@dataclass
+class Completion:
+    """One request's result: the new token ids and the engine's own counters."""
+
+    tokens: list[int]
+    timings: dict[str, Any]
+    # per verification step of a speculative request: (accepted, drafted) from the server log
+    steps: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def predicted_ms(self) -> float:
+        return float(self.timings.get("predicted_ms") or 0.0)
+
+    @property
+    def drafted(self) -> int:
+        return int(self.timings.get("draft_n") or 0)
+
+    @property
+    def accepted(self) -> int:
+        return int(self.timings.get("draft_n_accepted") or 0)
+
+
+STEP_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
+
+
+class LlamaServer:
+    """``llama-server`` on 127.0.0.1 for one model (and, optionally, a draft), one slot.
+
+    with LlamaServer(target_gguf, draft_gguf, spec_type="draft-eagle3") as srv:
+        out = srv.complete(prompt_ids, n_predict=128, temperature=0.0)
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        draft: str | Path | None = None,
+        spec_type: str | None = None,
+        n_max: int = 3,
+        p_min: float = 0.0,
+        threads: int | None = None,
+        ctx_size: int = 4096,
+        port: int | None = None,
+        extra: list[str] | None = None,
+        startup_timeout: float = 180.0,
+        bin_dir: Path | None = None,
+    ):
+        self.bin = (bin_dir or engine_dir()) / "llama-server"
+        self.model, self.draft, self.spec_type = Path(model), draft, spec_type
+        for f in (self.model, *([Path(draft)] if draft else [])):
+            if not Path(f).is_file():
+                raise EngineError(f"{f}: no such GGUF file")
+        if port is not None and port_in_use(port):
+            raise EngineError(f"port {port} on 127.0.0.1 is in use: pick another or leave it unset")
+        self.port = port or free_port()
+        self.threads = threads or os.cpu_count() or 1
+        args = [
+            str(self.bin), "-m", str(self.model), "--host", "127.0.0.1", "--port",
+            str(self.port), "-np", "1", "-t", str(self.threads), "-c", str(ctx_size),
+            "--no-webui", "--no-warmup", "-lv", "3",
+        ]  # fmt: skip
+        if draft:
+            args += ["-md", str(draft), "-td", str(self.threads)]
+        if spec_type:
+            args += ["--spec-type", spec_type, "--spec-draft-n-max", str(n_max)]
+            args += ["--spec-draft-p-min", str(p_min)]
+        self.args = args + list(extra or [])
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> LlamaServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = {**os.environ, "LLAMA_TRACE": "1"}  # one "accepted a/n draft tokens" line a step
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        _RUNNING.add(self.proc)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                self.stop()
+                raise EngineError(
+                    f"llama-server exited with code {self.proc.returncode} while starting "
+                    f"({' '.join(self.args[1:5])}...): {tail}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() - t0 > self.startup_timeout:
+                tail = self.log_tail()
+                self.stop()
+                raise EngineError(
+                    f"llama-server did not answer /health within {self.startup_timeout:.0f} s: {tail}"
+                )
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _terminate(self.proc)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 6) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        keep = [ln for ln in lines if ln.strip()][-n:]
+        return " | ".join(keep) + f" (log: {self.log_path})"
+
+    # -- requests --------------------------------------------------------------------------
+
+    def complete(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        speculative: dict[str, Any] | None = None,
+        timeout: float = 600.0,
+    ) -> Completion:
+        """Decode ``n_predict`` tokens after ``prompt`` (token ids, fed as they are: no template,
+        no BOS added). ``speculative``: per-request overrides (``{"n_max": 3, "p_min": 0.0}``)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise EngineError(f"llama-server is not running: {self.log_tail()}")
+        body: dict[str, Any] = {
+            "prompt": [int(t) for t in prompt],
+            "n_predict": int(n_predict),
+            "temperature": float(temperature),
+            "top_k": int(top_k),
+            "top_p": float(top_p),
+            "min_p": 0.0,
+            "seed": int(seed),
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+        }
+        for k, v in (speculative or {}).items():
+            body[f"speculative.{k}"] = v
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        req = urllib.request.Request(
+            f"{self.url}/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"llama-server answered {e.code}: {e.read()[:300]!r}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise EngineError(
+                f"llama-server failed during a request ({e}): {self.log_tail()}"
+            ) from None
+        steps = self._steps_since(start)
+        return Completion(list(out.get("tokens") or []), dict(out.get("timings") or {}), steps)
+
+    def _steps_since(self, offset: int) -> list[tuple[int, int]]:
+        # the server logs from its own thread; its last lines for this request may trail the
+        # HTTP answer by a moment
+        self._log.flush()
+        time.sleep(0.02)
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+        return [(int(a), int(n)) for a, n in STEP_LINE.findall(text)]
+
+
+def bench_forward_ms(
+    model: str | Path, sizes: list[int], threads: int, depth: int = 128, reps: int = 5
+) -> dict[int, float]:
+    """The target's forward over k tokens in the engine (``llama-bench``: prompt processing of
+    k tokens at a context of ``depth``), in ms, for each k in ``sizes``: what verifying k-1
+    drafted tokens costs there."""
+    bench = engine_dir() / "llama-bench"
+    args = [
+        str(bench), "-m", str(model), "-p", ",".join(str(k) for k in sizes), "-n", "0",
+        "-d", str(depth), "-r", str(reps), "-t", str(threads), "-o", "json",
+    ]  # fmt: skip
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise EngineError(f"llama-bench failed ({r.returncode}): {r.stderr.strip()[-400:]}")
+    rows = json.loads(r.stdout)
+    out = {}
+    for row in rows:
+        k = int(row["n_prompt"])
+        out[k] = float(row["avg_ns"]) / 1e6
+    return out

@@ -1,0 +1,285 @@
+"""llama.cpp as the engine: GGUF export of EAGLE-3 heads (always) and, where llama.cpp is
+installed (`bash scripts/install.sh engine`), the engine loading and decoding our drafts, our
+GGUF against llama.cpp's own converter, and `specdraft-eval engine=llama.cpp`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_module
+
+from models import export as ex
+from models.eagle import Eagle3Config, Eagle3Head
+from models.eagle.gguf import permute, unpermute
+from models.export import ExportError, detect_format, export, import_draft
+from models.target import Target, TargetConfig, saved_target_config
+from models.tiny import build_tiny_target
+
+gguf = pytest.importorskip("gguf")
+
+
+def _engine():
+    from decoding.llama_cpp import engine_dir
+
+    return engine_dir(required=False)
+
+
+needs_engine = pytest.mark.skipif(
+    _engine() is None,
+    reason="llama.cpp is not installed: `bash scripts/install.sh engine` builds it once "
+    "(~40 CPU-minutes), or set SPECDRAFT_LLAMA_CPP=<bin dir>",
+)
+
+
+@pytest.fixture(scope="module")
+def target4():
+    model, tok = build_tiny_target(seed=1, num_layers=4)
+    return Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
+
+
+def tiny_target_gguf(path, target) -> None:
+    """A GGUF holding what the exporter reads of a target's: its shape and tokenizer."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(target.config.hidden_size)
+    w.add_block_count(target.config.num_hidden_layers)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(target.config.vocab_size)])
+    w.add_token_types([1] * target.config.vocab_size)
+    w.add_eos_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def head3(target):
+    torch.manual_seed(0)
+    head = Eagle3Head(target, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(64) * 2)
+        head.t2d.zero_()
+        head.t2d[torch.arange(64) * 3] = True
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return head
+
+
+def test_permutation_is_the_converters_and_inverts():
+    w = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    # llama.cpp's LlamaModel.permute for 2 heads of 4 rows: halves -> interleaved pairs
+    p = permute(w, 2)
+    assert p[:, 0].tolist() == [0, 6, 3, 9, 12, 18, 15, 21]
+    assert torch.equal(unpermute(p, 2), w)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q8_0"])
+def test_gguf_export_round_trips(target4, tmp_path, dtype):
+    tg = tmp_path / "target.gguf"
+    tiny_target_gguf(tg, target4)
+    head = head3(target4)
+    out = tmp_path / "g"
+    s = export(head, "gguf", out, dtype=dtype, log=lambda *_: None, target_gguf_path=tg)
+    assert detect_format(out) == "gguf" and (out / "draft.gguf").is_file()
+    r = gguf.GGUFReader(str(out / "draft.gguf"))
+    f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("tokenizer.ggml.")}
+    assert f["general.architecture"] == "eagle3"
+    assert f["eagle3.target_layers"] == [1, 2, 3]  # hidden_states indices, unchanged
+    assert f["eagle3.embedding_length"] == 64 and f["eagle3.block_count"] == 1
+    assert r.fields["tokenizer.ggml.tokens"].contents()[:2] == ["t0", "t1"]
+    t = {x.name: x for x in r.tensors}
+    assert "t2d" not in t and t["d2t"].tensor_type == gguf.GGMLQuantizationType.I64
+    # absolute target ids, as llama.cpp's converter writes them
+    assert np.array(t["d2t"].data).tolist() == (torch.arange(64) * 3).tolist()
+    want = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.F32
+    assert t["blk.0.attn_q.weight"].tensor_type == want
+    assert t["blk.0.attn_norm_2.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    back = import_draft(out, target4)
+    prompt = ex.default_prompt(target4)
+    a, b = ex.proposals(head, prompt), ex.proposals(back, prompt)
+    la, lb = a.pop("logits"), b.pop("logits")
+    if dtype == "float32":
+        assert torch.equal(la, lb) and a == b and s["chain"] == a["chain"]
+    else:  # q8_0 rounds the weights: close, and equal to the head rounded the same way
+        f = torch.isfinite(la)
+        assert torch.equal(f, torch.isfinite(lb))
+        assert (la[f] - lb[f]).abs().max() < 0.05 * la[f].abs().max()
+    # a wrong q/k order would not survive the re-import: break the inverse and see it caught
+    import models.eagle.gguf as g
+
+    orig = g.unpermute
+    g.unpermute = lambda w, n: w
+    try:
+        with pytest.raises(ExportError, match="differ|proposes differently"):
+            export(head, "gguf", tmp_path / "bad", dtype="float32", log=lambda *_: None,
+                   target_gguf_path=tg)  # fmt: skip
+    finally:
+        g.unpermute = orig
+    assert not (tmp_path / "bad").exists()
+
+
+def test_gguf_export_refusals_are_one_line(target4, tmp_path):
+    head = head3(target4)
+    with pytest.raises(ExportError, match="--target-gguf"):
+        export(head, "gguf", tmp_path / "a", log=lambda *_: None)
+    other = build_tiny_target(seed=1, num_layers=2)
+    tg = tmp_path / "t2.gguf"
+    tiny_target_gguf(tg, Target(*other, "tiny2", TargetConfig(name="tiny_random")))
+    with pytest.raises(ExportError, match="block_count=2.*not the target"):
+        export(head, "gguf", tmp_path / "b", log=lambda *_: None, target_gguf_path=tg)
+    with pytest.raises(ExportError, match="--dtype q8_0: --format vllm takes"):
+        export(head, "vllm", tmp_path / "c", dtype="q8_0", log=lambda *_: None)
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_saved_tiny_target_is_rebuilt_with_its_layers():
+    """Defect: a run trained with target.tiny_layers=4 exported against a 2-layer target."""
+    c = saved_target_config({"name": "tiny_random", "identity": "tiny_random(seed=3, layers=4)"})
+    assert (c.seed, c.tiny_layers) == (3, 4)
+    c = saved_target_config({"name": "tiny_random", "identity": "tiny_random(seed=0)"})
+    assert (c.seed, c.tiny_layers) == (0, 2)
+
+
+def test_export_of_a_run_on_a_four_layer_tiny_target(data_file, tmp_path):
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import run
+
+    run_dir = tmp_path / "run"
+    over = tiny_overrides(data_file, run_dir, **{"train.max_steps": 1})
+    run(compose(over + ["method=eagle3", "target.tiny_layers=4", "method.draft_vocab_size=64",
+                        "method.fuse_layers=[1,2,3]"]))  # fmt: skip
+    r = run_module("models.export", [str(run_dir), "--format", "vllm", "--dtype", "float32"])
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "layers=4" in r.stdout
+
+
+def test_missing_engine_is_one_clear_line(monkeypatch, tmp_path):
+    from decoding.llama_cpp import EngineError, engine_dir
+
+    monkeypatch.setenv("SPECDRAFT_LLAMA_CPP", str(tmp_path))
+    with pytest.raises(EngineError, match="install.sh engine"):
+        engine_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# With llama.cpp installed: the engine itself reads what we write
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from models.target import load_target
+
+    return load_target(TargetConfig(name="smollm2_135m", device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def shipped_gguf(smollm2, tmp_path_factory):
+    from models.export import load_trained_head
+    from models.shipped import shipped_draft
+
+    out = tmp_path_factory.mktemp("gguf") / "shipped"
+    head = load_trained_head(shipped_draft("smollm2-eagle3"), smollm2)
+    export(head, "gguf", out, log=lambda *_: None)
+    return out
+
+
+@needs_engine
+@pytest.mark.slow
+def test_engine_serves_the_shipped_head_losslessly(smollm2, shipped_gguf):
+    from data.chat import prompt_ids
+    from decoding.llama_cpp import LlamaServer
+    from models.target import target_gguf
+
+    tg = target_gguf(smollm2)
+    ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "What is a prime number?"}])
+    with LlamaServer(tg) as plain, LlamaServer(
+        tg, shipped_gguf / "draft.gguf", spec_type="draft-eagle3", n_max=3
+    ) as spec:
+        a = plain.complete(ids, 48)
+        b = spec.complete(ids, 48)
+    assert a.tokens == b.tokens and len(a.tokens) > 10
+    assert b.drafted > 0 and b.accepted > 0, b.timings  # the head's drafts are read and accepted
+    assert sum(x for x, _ in b.steps) == b.accepted  # the per-step log matches its counters
+    assert all(n <= 3 for _, n in b.steps)
+
+
+@needs_engine
+@pytest.mark.slow
+def test_our_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
+    """The same head converted by llama.cpp's own convert_hf_to_gguf.py (from our sglang
+    export, with --target-model-dir) and written by us: same eagle3 keys, same tensors."""
+    from decoding.llama_cpp import engine_source
+    from models.export import load_trained_head
+    from models.shipped import shipped_draft
+    from models.target import smollm2_dir
+
+    src = engine_source()
+    if src is None:
+        pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
+    head = load_trained_head(shipped_draft("smollm2-eagle3"), smollm2)
+    export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
+    export(head, "gguf", tmp_path / "ours", dtype="float32", log=lambda *_: None)
+    theirs = tmp_path / "theirs.gguf"
+    env = {"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    import os
+
+    env = {**os.environ, **env}
+    r = subprocess.run(
+        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(tmp_path / "sg"),
+         "--target-model-dir", str(smollm2_dir("~/.cache/specdraft")), "--outtype", "f32",
+         "--outfile", str(theirs)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = gguf.GGUFReader(str(tmp_path / "ours" / "draft.gguf"))
+    b = gguf.GGUFReader(str(theirs))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert set(ta) == set(tb)
+    for n in ta:
+        assert ta[n].tensor_type == tb[n].tensor_type, n
+        assert np.array_equal(np.array(ta[n].data), np.array(tb[n].data)), n
+    for k, f in b.fields.items():
+        if k.startswith("eagle3.") or k == "general.architecture":
+            assert a.fields[k].contents() == f.contents(), k
+
+
+@needs_engine
+@pytest.mark.slow
+def test_eval_in_the_engine_and_its_failures(tmp_path):
+    from decoding.llama_cpp import EngineError, LlamaServer
+    from models.target import smollm2_package_dir
+
+    rep = tmp_path / "r.json"
+    r = run_module(
+        "decoding.eval",
+        ["engine=llama.cpp", "draft=smollm2-eagle3", "num_prompts=2", "max_new_tokens=24",
+         "gamma=2", "calibration_tokens=24", "plan_max=2", f"report={rep}"],
+        900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(rep.read_text())
+    assert rep["engine"].startswith("llama.cpp") and rep["lossless"] is True
+    assert rep["drafted"] > 0 and len(rep["alpha_per_position"]) == 2
+    assert rep["costs"]["plain_ms_per_token"] > 0 and rep["predicted_speedup"] > 0
+    assert "engine costs" in r.stdout
+    # a port in use is one line, and nothing is left running
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    with pytest.raises(EngineError, match="in use"):
+        LlamaServer(smollm2_package_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", port=s.getsockname()[1])
+    s.close()
+    # a draft the engine cannot load: the server's own last words, in one error
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(EngineError, match="exited"):
+        LlamaServer(smollm2_package_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", bad,
+                    spec_type="draft-eagle3").start()  # fmt: skip
+    out = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True)
+    assert out.stdout.strip() == "", "a llama-server was left running"
