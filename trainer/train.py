@@ -461,7 +461,26 @@ def eval_after(cfg: DictConfig, final: Path, run_dir: Path, log) -> list[dict[st
         log(
             f"  {r['draft']:<28}{f(r['tau']):>6}{f(r['alpha']):>7}{f(r['speedup']):>9}  {r['lossless']}"
         )
+    log(serve_hint(cfg, final.parent))
     return rows
+
+
+def serve_hint(cfg: DictConfig, run_dir: Path) -> str:
+    """How to serve the draft just trained in an engine (the loop's last step)."""
+    method = cfg.method.name
+    if method in ("eagle3", "hass"):
+        return "\n".join(
+            [
+                "",
+                "serve it in llama.cpp (CPU; `bash scripts/install.sh engine` installs it once):",
+                f"  specdraft-export {run_dir} --format gguf",
+                f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
+                "--spec-type draft-eagle3 --spec-draft-n-max 3",
+                f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",
+                f"vLLM / SGLang: specdraft-export {run_dir} --format vllm (or sglang)",
+            ]
+        )
+    return f"\nexport it for an engine: specdraft-export {run_dir} --format <see README, Exports>"
 
 
 def _to_device(loader, device):
