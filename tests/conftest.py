@@ -165,3 +165,22 @@ def assert_first_two_tokens_follow_the_target(target, dec, prompt, s, gen=2, n=2
     assert (counts[expected == 0] == 0).all()
     mask = exp > 0
     assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
+
+
+def tiny_target_gguf(path, target) -> Path:
+    """A GGUF holding what ``--format gguf`` reads of a target's: its shape and tokenizer (the
+    embedded SmolLM2's is a real one; tiny targets have none)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(target.config.hidden_size)
+    w.add_block_count(target.config.num_hidden_layers)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(target.config.vocab_size)])
+    w.add_token_types([1] * target.config.vocab_size)
+    w.add_eos_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import run_module
+from conftest import run_module, tiny_target_gguf
 
 from models import export as ex
 from models.eagle import Eagle3Config, Eagle3Head
@@ -41,21 +41,6 @@ needs_engine = pytest.mark.skipif(
 def target4():
     model, tok = build_tiny_target(seed=1, num_layers=4)
     return Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
-
-
-def tiny_target_gguf(path, target) -> None:
-    """A GGUF holding what the exporter reads of a target's: its shape and tokenizer."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_embedding_length(target.config.hidden_size)
-    w.add_block_count(target.config.num_hidden_layers)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(target.config.vocab_size)])
-    w.add_token_types([1] * target.config.vocab_size)
-    w.add_eos_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def head3(target):
@@ -198,9 +183,10 @@ def test_engine_serves_the_shipped_head_losslessly(smollm2, shipped_gguf):
 
     tg = target_gguf(smollm2)
     ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "What is a prime number?"}])
-    with LlamaServer(tg) as plain, LlamaServer(
-        tg, shipped_gguf / "draft.gguf", spec_type="draft-eagle3", n_max=3
-    ) as spec:
+    with (
+        LlamaServer(tg) as plain,
+        LlamaServer(tg, shipped_gguf / "draft.gguf", spec_type="draft-eagle3", n_max=3) as spec,
+    ):
         a = plain.complete(ids, 48)
         b = spec.complete(ids, 48)
     assert a.tokens == b.tokens and len(a.tokens) > 10
@@ -273,7 +259,9 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
     s.bind(("127.0.0.1", 0))
     s.listen(1)
     with pytest.raises(EngineError, match="in use"):
-        LlamaServer(smollm2_package_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", port=s.getsockname()[1])
+        LlamaServer(
+            smollm2_package_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", port=s.getsockname()[1]
+        )
     s.close()
     # a draft the engine cannot load: the server's own last words, in one error
     bad = tmp_path / "bad.gguf"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_target_gguf
 
 from models import FORMATS, METHODS
 from models.base import DecodeSettings, DraftMethod, Proposer
@@ -125,7 +126,12 @@ def test_method_trains_saves_reloads_decodes_and_exports(name, data_file, tmp_pa
     for f in fmts:
         out = tmp_path / f"export-{f}"
         merge = trained.changes_target() is not None
-        export(trained, f, out, dtype="float32", merge=merge, log=lambda *_: None)
+        opts = (
+            {"target_gguf_path": tiny_target_gguf(tmp_path / "t.gguf", target4)}
+            if f == "gguf"
+            else {}
+        )
+        export(trained, f, out, dtype="float32", merge=merge, log=lambda *_: None, **opts)
         back = import_draft(out, trained.target)
         ref_props = proposals(trained.export_view(torch.float32), prompt)
         back_props = proposals(back, prompt)
