@@ -17,6 +17,8 @@ if [ -n "${SPECDRAFT_LLAMA_CPP:-}" ]; then
   fi
   echo "engine: SPECDRAFT_LLAMA_CPP=$SPECDRAFT_LLAMA_CPP has no llama-server" >&2; exit 2
 fi
+# llama.cpp's converter (used by a test that compares our GGUF with its output) imports it
+python3 -m pip install -q sentencepiece
 if [ -x "$ROOT/bin/llama-server" ] && [ -f "$ROOT/src/convert_hf_to_gguf.py" ]; then
   echo "engine: llama.cpp b$BUILD already built in $ROOT/bin"; exit 0
 fi

@@ -180,6 +180,8 @@ class GGUFEagle3(VLLMEagle3):
         w.add_file_type(FILE_TYPE[quant])
         w.add_vocab_size(tc.vocab_size)
         w.add_rope_dimension_count(hd)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
         w.add_array("eagle3.target_layers", [int(i) for i in draft.cfg.fuse_layers])
         w.add_uint32("eagle3.target_hidden_size", H)
         w.add_bool("eagle3.norm_before_residual", bool(draft.cfg.norm_before_residual))
