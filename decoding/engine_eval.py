@@ -12,13 +12,13 @@ greedy output, a divergence classified as a near-tie from the plain server's top
 that point (asked again, outside the timings).
 
 The draft: ``draft=ngram`` is llama.cpp's own n-gram speculation (``engine_ngram``, default
-``ngram-mod``); an EAGLE-3/HASS run, saved draft or shipped name is exported to GGUF on the fly
-(``specdraft-export --format gguf``, cached beside it); a folder holding ``draft.gguf`` or a
+``ngram-simple``, ``gamma`` its draft length); an EAGLE-3/HASS run, saved draft or shipped name
+is exported to GGUF on the fly (``specdraft-export --format gguf``, cached); a folder holding ``draft.gguf`` or a
 ``.gguf`` file is used as it is.
 
 Predicted speedup: from the engine's own costs, measured apart from the evaluation (the
 target's forward over k tokens with ``llama-bench``; the draft's cost per iteration and per
-drafted token fitted on a calibration prompt at two chain lengths) and the acceptance measured
+drafted token fitted on a calibration prompt at every chain length up to ``plan_max``) and the acceptance measured
 here. ``plan=true`` picks n_max from those costs and a calibration run's acceptance before
 evaluating. The ceiling is what a draft that is always right would give at those costs.
 """
@@ -40,7 +40,6 @@ from data.chat import prompt_ids
 from models.base import DraftError
 from models.target import load_target, target_gguf
 
-from .bench import load_bench
 from .llama_cpp import BUILD, Completion, EngineError, LlamaServer, bench_forward_ms
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
@@ -221,26 +220,17 @@ def _fingerprint(p: Path) -> str:
 
 
 def _near_tie(plain_srv: LlamaServer, prompt, plain, spec, pos, tolerance):
-    """Logit gap at the first divergence, from the plain server's top log-probs there."""
-    import json
-    import urllib.request
-
-    body = {
-        "prompt": [int(t) for t in prompt + plain[:pos]],
-        "n_predict": 1,
-        "temperature": 0.0,
-        "n_probs": 8,
-        "post_sampling_probs": False,
-        "cache_prompt": False,
-        "return_tokens": True,
-    }
-    req = urllib.request.Request(
-        f"{plain_srv.url}/completion",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+    """Log-prob gap at the first divergence, from the plain server's top log-probs there."""
+    out = plain_srv.post(
+        {
+            "prompt": [int(t) for t in prompt + plain[:pos]],
+            "n_predict": 1,
+            "temperature": 0.0,
+            "n_probs": 8,
+            "post_sampling_probs": False,
+            "cache_prompt": False,
+        }
     )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out = json.loads(r.read())
     probs = (out.get("completion_probabilities") or [{}])[0].get("top_logprobs") or []
     lp = {int(c["id"]): float(c["logprob"]) for c in probs if "id" in c}
     if spec[pos] not in lp or plain[pos] not in lp:
@@ -250,7 +240,7 @@ def _near_tie(plain_srv: LlamaServer, prompt, plain, spec, pos, tolerance):
 
 
 def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
-    from .eval import CONVENTION, EvalError
+    from .eval import CONVENTION, EvalError, bench_questions
 
     if cfg.max_new_tokens < 1:
         raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
@@ -269,78 +259,74 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
             f"{target.identity} (convert it with llama.cpp's convert_hf_to_gguf.py)"
         )
     spec_type, draft, desc = _draft_gguf(cfg, target, log)
-    questions = load_bench(
-        cfg.bench,
-        categories=cfg.categories,
-        num=cfg.num_prompts,
-        data_path=cfg.data_path,
-        val_fraction=cfg.val_fraction,
-        split_seed=cfg.split_seed,
-        max_val_records=cfg.max_val_records,
-    )
+    questions = bench_questions(cfg)
     threads = cfg.engine_threads or None
     stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
     greedy = cfg.temperature == 0
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     n_max, p_min = int(cfg.gamma), float(cfg.p_min)
-    with (
-        LlamaServer(tgt_gguf, threads=threads) as plain,
-        LlamaServer(
-            tgt_gguf, draft, spec_type=spec_type, n_max=n_max, p_min=p_min, threads=threads
-        ) as spec,
-    ):
-        warm = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
-        for srv in (plain, spec):
-            srv.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
+    warm = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
+
+    def spec_server(n: int) -> LlamaServer:
+        return LlamaServer(
+            tgt_gguf, draft, spec_type=spec_type, n_max=n, p_min=p_min, threads=threads
+        )
+
+    with LlamaServer(tgt_gguf, threads=threads) as plain:
+        plain.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
         costs = plan = None
         if cfg.predict or cfg.plan:
-            costs, plan = _calibrate(cfg, plain, spec, tgt_gguf, warm, spec.threads, log)
+            costs, plan = _calibrate(cfg, plain, spec_server, tgt_gguf, warm, plain.threads, log)
             if cfg.plan:
                 n_max = plan["n_max"]
                 log(f"plan: n_max={n_max} (predicted {plan['predicted_speedup']:.2f}x)")
-        per_spec = {"n_max": n_max, "p_min": p_min}
-        pooled, per_cat = EngineStats(), {}
-        outputs, divergences, compared, n_req = [], [], 0, 0
-        for q in tqdm(questions, desc="prompts (llama.cpp)", dynamic_ncols=True, file=sys.stderr):
-            hist = {"ar": [], "spec": []}
-            rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
-            for turn in q["turns"][: cfg.turns]:
-                prompts, outs = {}, {}
-                for name, srv, sp in (("ar", plain, None), ("spec", spec, per_spec)):
-                    msgs = hist[name] + [{"role": "user", "content": turn}]
-                    prompts[name] = prompt_ids(tok, msgs)
-                    outs[name] = srv.complete(
-                        prompts[name], cfg.max_new_tokens, **sampling, seed=cfg.seed, speculative=sp
-                    )
-                    text = tok.decode([t for t in outs[name].tokens if t not in stop])
-                    hist[name] = msgs + [{"role": "assistant", "content": text}]
-                n_req += 1
-                for s in (pooled, per_cat.setdefault(q["category"], EngineStats())):
-                    s.add(outs["spec"], outs["ar"])
-                a, b = outs["ar"].tokens, outs["spec"].tokens
-                div = None
-                if greedy and prompts["ar"] == prompts["spec"]:
-                    compared += 1
-                    if a != b:
-                        pos = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
-                        gap, near = (None, False)
-                        if pos is not None:
-                            gap, near = _near_tie(
-                                plain, prompts["ar"], a, b, pos, cfg.engine_tie_tolerance
+        with spec_server(n_max) as spec:
+            spec.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
+            pooled, per_cat = EngineStats(), {}
+            outputs, divergences, compared = [], [], 0
+            for q in tqdm(
+                questions, desc="prompts (llama.cpp)", dynamic_ncols=True, file=sys.stderr
+            ):
+                hist = {"ar": [], "spec": []}
+                rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
+                for turn in q["turns"][: cfg.turns]:
+                    prompts, outs = {}, {}
+                    for name, srv in (("ar", plain), ("spec", spec)):
+                        msgs = hist[name] + [{"role": "user", "content": turn}]
+                        prompts[name] = prompt_ids(tok, msgs)
+                        outs[name] = srv.complete(
+                            prompts[name], cfg.max_new_tokens, **sampling, seed=cfg.seed
+                        )
+                        text = tok.decode([t for t in outs[name].tokens if t not in stop])
+                        hist[name] = msgs + [{"role": "assistant", "content": text}]
+                    for s in (pooled, per_cat.setdefault(q["category"], EngineStats())):
+                        s.add(outs["spec"], outs["ar"])
+                    a, b = outs["ar"].tokens, outs["spec"].tokens
+                    div = None
+                    if greedy and prompts["ar"] == prompts["spec"]:
+                        compared += 1
+                        if a != b:
+                            pos = next(
+                                (i for i in range(min(len(a), len(b))) if a[i] != b[i]), None
                             )
-                        div = {"position": pos, "logit_gap": gap, "near_tie": near}
-                        divergences.append({"question_id": q["question_id"], **div})
-                rec["turns"].append(
-                    {
-                        "spec_tokens": len(b),
-                        "ar_tokens": len(a),
-                        "identical": a == b,
-                        "divergence": div,
-                        "text": tok.decode(b),
-                        "engine_timings": outs["spec"].timings,
-                    }
-                )
-            outputs.append(rec)
+                            gap, near = (None, False)
+                            if pos is not None:
+                                gap, near = _near_tie(
+                                    plain, prompts["ar"], a, b, pos, cfg.engine_tie_tolerance
+                                )
+                            div = {"position": pos, "logit_gap": gap, "near_tie": near}
+                            divergences.append({"question_id": q["question_id"], **div})
+                    rec["turns"].append(
+                        {
+                            "spec_tokens": len(b),
+                            "ar_tokens": len(a),
+                            "identical": a == b,
+                            "divergence": div,
+                            "text": tok.decode(b),
+                            "engine_timings": outs["spec"].timings,
+                        }
+                    )
+                outputs.append(rec)
     report = pooled.row()
     near = sum(bool(d["near_tie"]) for d in divergences)
     if greedy:
@@ -356,7 +342,8 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
     else:
         note = "T > 0: llama.cpp's own sampling; outputs are samples, not compared"
     pred = costs.predicted_speedup(pooled.steps, pooled.plain_steps) if costs else float("nan")
-    ceiling = costs.ceiling() if costs else (float("nan"), 0)
+    # the ceiling over the chain lengths whose forward was measured, not extrapolated
+    ceiling = costs.ceiling(max(costs.forward_ms) - 1) if costs else (float("nan"), 0)
     report.update(
         {
             "engine": f"llama.cpp b{BUILD} (llama-server)",
@@ -387,7 +374,7 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
                 "target_identity": target.identity,
                 "target_gguf": str(tgt_gguf),
                 "draft_gguf": str(draft) if draft else None,
-                "engine_threads": spec.threads,
+                "engine_threads": plain.threads,
                 "machine": platform.machine(),
                 "cpu": _cpu_name(),
                 "date": datetime.now(timezone.utc).isoformat(),
@@ -413,29 +400,31 @@ def _cpu_name() -> str:
     return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, {bf16})"
 
 
-def _calibrate(cfg, plain, spec, tgt_gguf, prompt, threads, log):
-    """The engine's costs, measured on a calibration prompt apart from the evaluation: the
-    plain server's ms per token; the target's forward over k tokens (llama-bench); the draft's
-    cost per iteration and per drafted token, fitted from speculative runs at n_max 1 and
-    ``cfg.plan_max``; and the acceptance per position there (for the plan)."""
+def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log):
+    """The engine's costs, measured on a calibration prompt apart from the evaluation's runs:
+    the plain server's ms per token; the target's forward over k tokens (llama-bench); the
+    draft's cost per iteration and per drafted token, fitted (least squares) to speculative runs
+    at every n_max from 1 to ``plan_max`` (and ``gamma``; a server each: the drafter reads its
+    length at start); and the acceptance per position at ``plan_max`` (for the plan)."""
     n = cfg.calibration_tokens
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     ar = plain.complete(prompt, n, **sampling, seed=cfg.seed)
     plain_ms = ar.predicted_ms / max(1, int(ar.timings.get("predicted_n") or 1))
     top = int(cfg.plan_max)
     log(f"calibrating: the target's forward over 1..{top + 1} tokens (llama-bench)")
-    fwd = bench_forward_ms(tgt_gguf, list(range(1, top + 2)), threads)
+    fwd = bench_forward_ms(tgt_gguf, list(range(1, max(top, int(cfg.gamma)) + 2)), threads)
     rows = []
     alphas = None
-    for nm in sorted({1, top}):
-        c = spec.complete(
-            prompt, n, **sampling, seed=cfg.seed, speculative={"n_max": nm, "p_min": 0.0}
-        )
+    for nm in range(1, max(top, int(cfg.gamma)) + 1):
+        with spec_server(nm) as srv:
+            srv.complete(prompt, cfg.warmup_tokens, **sampling, seed=cfg.seed)
+            c = srv.complete(prompt, n, **sampling, seed=cfg.seed)
         st = EngineStats()
         st.add(c, ar)
         rows.append((st, c))
         if nm == top:
             alphas = st.alpha_per_position()
+    log(f"calibrated on {len(rows)} chain lengths")
     # ms left for the draft once the target's forwards are paid: c0 per forward + cd per token
     base = CostModel(fwd, plain_ms, 0.0, 0.0)
     import numpy as np
@@ -456,7 +445,7 @@ def _calibrate(cfg, plain, spec, tgt_gguf, prompt, threads, log):
         "predicted_speedup": options[best],
         "predicted_by_n_max": {str(k): v for k, v in options.items()},
         "calibration_alpha_per_position": alphas,
-        "note": "p_min 0; the draft's acceptance per position from a calibration run at "
+        "note": "at the configured p_min; the draft's acceptance per position from a calibration run at "
         f"n_max {top}; costs measured in the engine",
     }
     if math.isnan(options[best]):

@@ -125,7 +125,9 @@ class EvalConfig:
     p_min: float = 0.0
     target_gguf: str | None = None  # llama.cpp: the target's GGUF (default: the embedded one's)
     engine_threads: int | None = None  # llama.cpp threads (default: all cores)
-    engine_ngram: str = "ngram-mod"  # llama.cpp: its n-gram type for draft=ngram
+    engine_ngram: str = (
+        "ngram-simple"  # llama.cpp: its n-gram type for draft=ngram (gamma: its length)
+    )
     engine_tie_tolerance: float = 0.5  # llama.cpp: log-prob gap that counts as a near-tie
     predict: bool = True  # llama.cpp: measure the engine's costs and predict the speedup
     plan: bool = False  # llama.cpp: pick n_max (<= plan_max) from those costs first
@@ -231,6 +233,20 @@ def _clean(x):
     return x
 
 
+def bench_questions(cfg: DictConfig) -> list[dict[str, Any]]:
+    """The benchmark questions ``cfg`` selects (bench, categories, number; the ShareGPT
+    validation split as training drew it)."""
+    return load_bench(
+        cfg.bench,
+        categories=cfg.categories,
+        num=cfg.num_prompts,
+        data_path=cfg.data_path,
+        val_fraction=cfg.val_fraction,
+        split_seed=cfg.split_seed,
+        max_val_records=cfg.max_val_records,
+    )
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.engine not in ("torch", "llama.cpp"):
         raise EvalError(f"engine={cfg.engine!r}: use torch (built in) or llama.cpp")
@@ -250,15 +266,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise EvalError(f"sample_top_k={cfg.sample_top_k}: must be >= 0 (0: off)")
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
-    questions = load_bench(
-        cfg.bench,
-        categories=cfg.categories,
-        num=cfg.num_prompts,
-        data_path=cfg.data_path,
-        val_fraction=cfg.val_fraction,
-        split_seed=cfg.split_seed,
-        max_val_records=cfg.max_val_records,
-    )
+    questions = bench_questions(cfg)
     if cfg.tree not in ("auto", "chain", "dynamic", "static"):
         raise EvalError(f"tree={cfg.tree!r}: use auto, chain, dynamic or static")
     for key in ("depth", "top_k", "total_tokens"):
@@ -585,7 +593,7 @@ def print_report(r: dict[str, Any], out=print) -> None:
             + (" (drafted while they pay: adaptive)" if r["settings"]["adaptive"] else "")
             if r.get("tree_iterations")
             else f"gamma<={r['settings']['gamma']}"
-            f"{' (adaptive)' if r['settings']['adaptive'] else ''}"
+            f"{' (adaptive)' if r['settings']['adaptive'] and not r.get('engine') else ''}"
         )
     )
     head = f"{'category':<16}{'tau':>6}{'alpha':>7}  {'alpha by position':<28}{'tok/s':>7}{'AR tok/s':>9}{'speedup':>8}"

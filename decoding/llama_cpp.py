@@ -27,7 +27,7 @@ from typing import Any
 BUILD = 11434  # the llama.cpp build scripts/install_engine.sh installs (EAGLE-3 since b9606)
 PROGRAMS = ("llama-server", "llama-bench")
 INSTALL_HINT = (
-    "bash scripts/install.sh engine (builds llama.cpp once, ~40 CPU-minutes), or set "
+    "bash scripts/install.sh engine (builds llama.cpp once, ~15-40 minutes on 2 cores), or set "
     "SPECDRAFT_LLAMA_CPP=<a llama.cpp bin dir>"
 )
 
@@ -83,6 +83,19 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def spec_args(spec_type: str, n_max: int, p_min: float) -> list[str]:
+    """llama-server flags that set the draft length (and, for model drafts, the confidence stop)
+    of ``spec_type``. Set at start: b11434's eagle3 drafter ignores a request's
+    ``speculative.n_max``/``p_min``, and each n-gram type has its own length flag."""
+    if spec_type.startswith("draft-"):
+        return ["--spec-draft-n-max", str(n_max), "--spec-draft-p-min", str(p_min)]
+    if spec_type == "ngram-mod":  # its default drafts 48-64 tokens or none
+        return ["--spec-ngram-mod-n-max", str(n_max), "--spec-ngram-mod-n-min", str(min(48, n_max))]
+    if spec_type in ("ngram-simple", "ngram-map-k", "ngram-map-k4v"):
+        return [f"--spec-{spec_type}-size-m", str(n_max)]
+    return []
+
+
 _RUNNING: set[subprocess.Popen] = set()
 
 
@@ -106,15 +119,20 @@ atexit.register(_stop_all)
 
 
 def _on_sigterm(signum, frame):  # pragma: no cover - exercised by hand
+    # stop the servers, then die of the signal as if no handler were installed (raising
+    # SystemExit instead could be swallowed by a caller's except clause)
     _stop_all()
-    raise SystemExit(128 + signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
-try:
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _on_sigterm)
-except ValueError:  # not the main thread
-    pass
+def _stop_servers_on_sigterm() -> None:
+    """A SIGTERM to this process stops its servers first (where nobody else handles it)."""
+    try:
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        pass
 
 
 @dataclass
@@ -180,8 +198,7 @@ class LlamaServer:
         if draft:
             args += ["-md", str(draft), "-td", str(self.threads)]
         if spec_type:
-            args += ["--spec-type", spec_type, "--spec-draft-n-max", str(n_max)]
-            args += ["--spec-draft-p-min", str(p_min)]
+            args += ["--spec-type", spec_type, *spec_args(spec_type, n_max, p_min)]
         self.args = args + list(extra or [])
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
@@ -197,6 +214,7 @@ class LlamaServer:
         self.stop()
 
     def start(self) -> None:
+        _stop_servers_on_sigterm()
         env = {**os.environ, "LLAMA_TRACE": "1"}  # one "accepted a/n draft tokens" line a step
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -255,13 +273,10 @@ class LlamaServer:
         seed: int = 0,
         top_k: int = 0,
         top_p: float = 1.0,
-        speculative: dict[str, Any] | None = None,
         timeout: float = 600.0,
     ) -> Completion:
         """Decode ``n_predict`` tokens after ``prompt`` (token ids, fed as they are: no template,
-        no BOS added). ``speculative``: per-request overrides (``{"n_max": 3, "p_min": 0.0}``)."""
-        if self.proc is None or self.proc.poll() is not None:
-            raise EngineError(f"llama-server is not running: {self.log_tail()}")
+        no BOS added)."""
         body: dict[str, Any] = {
             "prompt": [int(t) for t in prompt],
             "n_predict": int(n_predict),
@@ -271,28 +286,30 @@ class LlamaServer:
             "min_p": 0.0,
             "seed": int(seed),
             "cache_prompt": False,
-            "return_tokens": True,
-            "stream": False,
         }
-        for k, v in (speculative or {}).items():
-            body[f"speculative.{k}"] = v
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        out = self.post(body, timeout)
+        steps = self._steps_since(start)
+        return Completion(list(out.get("tokens") or []), dict(out.get("timings") or {}), steps)
+
+    def post(self, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+        """One ``/completion`` request; its JSON answer."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise EngineError(f"llama-server is not running: {self.log_tail()}")
         req = urllib.request.Request(
             f"{self.url}/completion",
-            data=json.dumps(body).encode(),
+            data=json.dumps({"return_tokens": True, "stream": False, **body}).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                out = json.loads(r.read())
+                return json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise EngineError(f"llama-server answered {e.code}: {e.read()[:300]!r}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise EngineError(
                 f"llama-server failed during a request ({e}): {self.log_tail()}"
             ) from None
-        steps = self._steps_since(start)
-        return Completion(list(out.get("tokens") or []), dict(out.get("timings") or {}), steps)
 
     def _steps_since(self, offset: int) -> list[tuple[int, int]]:
         # the server logs from its own thread; its last lines for this request may trail the

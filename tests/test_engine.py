@@ -5,6 +5,7 @@ GGUF against llama.cpp's own converter, and `specdraft-eval engine=llama.cpp`.""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def _engine():
 needs_engine = pytest.mark.skipif(
     _engine() is None,
     reason="llama.cpp is not installed: `bash scripts/install.sh engine` builds it once "
-    "(~40 CPU-minutes), or set SPECDRAFT_LLAMA_CPP=<bin dir>",
+    "(~15-40 CPU-minutes), or set SPECDRAFT_LLAMA_CPP=<bin dir>",
 )
 
 
@@ -213,10 +214,7 @@ def test_our_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
     export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
     export(head, "gguf", tmp_path / "ours", dtype="float32", log=lambda *_: None)
     theirs = tmp_path / "theirs.gguf"
-    env = {"PYTHONPATH": str(src / "gguf-py"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    import os
-
-    env = {**os.environ, **env}
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run(
         [sys.executable, str(src / "convert_hf_to_gguf.py"), str(tmp_path / "sg"),
          "--target-model-dir", str(smollm2_dir("~/.cache/specdraft")), "--outtype", "f32",

@@ -18,8 +18,9 @@ the ``gguf`` package so that exporting needs no llama.cpp source tree:
   LM head). ``t2d`` is not stored (llama.cpp does not read it; it is rebuilt from ``d2t``).
   ``attn_q``/``attn_k`` rows are permuted the way the converter permutes every Llama's (GGUF's
   RoPE pairs adjacent dimensions, transformers' pairs halves).
-- weights in ``q8_0`` by default: on a CPU without native bf16, llama.cpp runs a q8_0 draft
-  fastest (measured, docs/benchmarks.md); 1-D tensors stay float32 as the converter keeps them.
+- weights in ``q8_0`` by default: on a CPU without native bf16 llama.cpp ran the q8_0 draft
+  fastest of the types tried (issue 27; docs/benchmarks.md); 1-D tensors stay float32 as the
+  converter keeps them.
 
 Reading a GGUF back (``read``) undoes all of this, so the generic export pipeline checks keys,
 shapes and proposals exactly as for the safetensors layouts, against the trained head with its
@@ -127,8 +128,14 @@ class GGUFEagle3(VLLMEagle3):
                 f"decoder layer, so each must be in 1..{L - 1} for this {L}-layer target "
                 f"(got {bad})"
             )
+        self._source(draft, target_gguf_path)  # refused here, before anything is written
+        return None
+
+    @staticmethod
+    def _source(draft, given) -> Path:
+        """The target's GGUF, which the draft takes its tokenizer from."""
         try:
-            src = target_gguf(draft.target, target_gguf_path)
+            src = target_gguf(draft.target, given)
         except TargetError as e:
             raise ExportError(str(e)) from None
         if src is None:
@@ -138,19 +145,18 @@ class GGUFEagle3(VLLMEagle3):
                 f"{draft.target.identity} (an HF target converts with llama.cpp's "
                 "convert_hf_to_gguf.py)"
             )
-        self._target_gguf = src
-        return None
+        return src
 
-    def config(self, draft, dtype, **_: Any) -> dict[str, Any]:
+    def config(self, draft, dtype, target_gguf_path=None, **_: Any) -> dict[str, Any]:
         """config.json beside the GGUF: what the folder is (everything llama.cpp needs is in
-        the GGUF itself)."""
+        the GGUF itself) and the target GGUF ``save`` copies the tokenizer from."""
         return {
             "format": "gguf",
             "architecture": "eagle3",
             "file": self.weights_file,
             "method": draft.cfg.name,
             "target_identity": draft.target.identity,
-            "target_gguf": str(self._target_gguf),
+            "target_gguf": str(self._source(draft, target_gguf_path)),
             "target_layers": list(draft.cfg.fuse_layers),
             "draft_vocab_size": draft.cfg.draft_vocab_size,
         }
@@ -158,8 +164,9 @@ class GGUFEagle3(VLLMEagle3):
     def save(self, tmp: Path, tensors: dict[str, torch.Tensor], config: dict, draft, quant: str):
         gguf = _gguf()
         tc = draft.target.config
-        src = gguf.GGUFReader(str(self._target_gguf))
-        check_target_gguf(src, self._target_gguf, tc)
+        src_path = Path(config["target_gguf"])
+        src = gguf.GGUFReader(str(src_path))
+        check_target_gguf(src, src_path, tc)
         heads = tc.num_attention_heads
         kv = getattr(tc, "num_key_value_heads", None) or heads
         H = tc.hidden_size
@@ -217,19 +224,15 @@ class GGUFEagle3(VLLMEagle3):
         (and ``read``) holds."""
         gguf = _gguf()
         ref = draft.export_view(torch.float32)
-        heads = draft.target.config.num_attention_heads
-        kv = getattr(draft.target.config, "num_key_value_heads", None) or heads
         state = ref.state_dict()
+        # blocks of a quantized type run along a row, and the q/k permutation only reorders
+        # rows: rounding before or after it is the same
         for name, p in self.tensors(draft, torch.float32).items():
             if name in ("d2t", "t2d") or p.ndim < 2:
                 continue
             qt = _qtype(gguf, quant, p.numpy())
-            if qt == gguf.GGMLQuantizationType.F32:
-                continue
-            perm = heads if "q_proj" in name else kv if "k_proj" in name else None
-            x = permute(p, perm) if perm else p
-            x = round_trip(x, gguf, qt)
-            state[name] = unpermute(x, perm) if perm else x
+            if qt != gguf.GGMLQuantizationType.F32:
+                state[name] = round_trip(p, gguf, qt)
         ref.load_state_dict(state)
         return ref.eval()
 
@@ -302,7 +305,7 @@ class GGUFEagle3(VLLMEagle3):
     def readme_lines(self, draft, config: dict) -> list[str]:
         return [
             *super().readme_lines(draft, config),
-            f"- llama.cpp target: `{self._target_gguf}` (the tokenizer was copied from it)",
+            f"- llama.cpp target: `{config['target_gguf']}` (the tokenizer was copied from it)",
         ]
 
 
