@@ -269,7 +269,13 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
 
     def spec_server(n: int) -> LlamaServer:
         return LlamaServer(
-            tgt_gguf, draft, spec_type=spec_type, n_max=n, p_min=p_min, threads=threads
+            tgt_gguf,
+            draft,
+            spec_type=spec_type,
+            n_max=n,
+            p_min=p_min,
+            threads=threads,
+            ngram=cfg.ngram_max,
         )
 
     with LlamaServer(tgt_gguf, threads=threads) as plain:
@@ -400,6 +406,26 @@ def _cpu_name() -> str:
     return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, {bf16})"
 
 
+def nonnegative_fit(A, y) -> tuple[float, float]:
+    """Least squares ``A @ (c0, cd) ~ y`` with both costs >= 0: where the free fit makes one
+    negative, it is 0 and the other is fitted alone (clamping the free fit instead would keep
+    a value chosen beside a negative partner)."""
+    import numpy as np
+
+    sol = np.linalg.lstsq(A, y, rcond=None)[0]
+    if (sol >= 0).all():
+        return float(sol[0]), float(sol[1])
+    best = None
+    for j in (0, 1):
+        col = A[:, j]
+        v = max(0.0, float(col @ y / (col @ col))) if col @ col else 0.0
+        err = float(((y - v * col) ** 2).sum())
+        if best is None or err < best[0]:
+            best = (err, j, v)
+    _, j, v = best
+    return (v, 0.0) if j == 0 else (0.0, v)
+
+
 def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log):
     """The engine's costs, measured on a calibration prompt apart from the evaluation's runs:
     the plain server's ms per token; the target's forward over k tokens (llama-bench); the
@@ -434,8 +460,7 @@ def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log):
         verify = sum(base.verify(d + 1) for _, d in st.steps) + st.plain_steps * plain_ms
         A.append([st.target_calls, sum(d for _, d in st.steps)])
         y.append(c.predicted_ms - verify)
-    sol, *_ = np.linalg.lstsq(np.array(A, float), np.array(y, float), rcond=None)
-    c0, cd = (max(0.0, float(v)) for v in sol)
+    c0, cd = nonnegative_fit(np.array(A, float), np.array(y, float))
     costs = CostModel(fwd, plain_ms, c0, cd)
     alphas = [a if a is not None else 0.0 for a in (alphas or [])]
     options = {k: costs.expected_speedup(alphas, k) for k in range(1, top + 1)}

@@ -83,7 +83,7 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def spec_args(spec_type: str, n_max: int, p_min: float) -> list[str]:
+def spec_args(spec_type: str, n_max: int, p_min: float, ngram: int = 3) -> list[str]:
     """llama-server flags that set the draft length (and, for model drafts, the confidence stop)
     of ``spec_type``. Set at start: b11434's eagle3 drafter ignores a request's
     ``speculative.n_max``/``p_min``, and each n-gram type has its own length flag."""
@@ -92,7 +92,8 @@ def spec_args(spec_type: str, n_max: int, p_min: float) -> list[str]:
     if spec_type == "ngram-mod":  # its default drafts 48-64 tokens or none
         return ["--spec-ngram-mod-n-max", str(n_max), "--spec-ngram-mod-n-min", str(min(48, n_max))]
     if spec_type in ("ngram-simple", "ngram-map-k", "ngram-map-k4v"):
-        return [f"--spec-{spec_type}-size-m", str(n_max)]
+        # their default lookup is a 12-token n-gram, which chat rarely repeats
+        return [f"--spec-{spec_type}-size-m", str(n_max), f"--spec-{spec_type}-size-n", str(ngram)]
     return []
 
 
@@ -174,6 +175,7 @@ class LlamaServer:
         spec_type: str | None = None,
         n_max: int = 3,
         p_min: float = 0.0,
+        ngram: int = 3,
         threads: int | None = None,
         ctx_size: int = 4096,
         port: int | None = None,
@@ -198,7 +200,7 @@ class LlamaServer:
         if draft:
             args += ["-md", str(draft), "-td", str(self.threads)]
         if spec_type:
-            args += ["--spec-type", spec_type, *spec_args(spec_type, n_max, p_min)]
+            args += ["--spec-type", spec_type, *spec_args(spec_type, n_max, p_min, ngram)]
         self.args = args + list(extra or [])
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None

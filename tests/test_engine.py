@@ -275,3 +275,16 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
                     spec_type="draft-eagle3").start()  # fmt: skip
     out = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a llama-server was left running"
+
+
+def test_cost_fit_is_least_squares_with_nonnegative_costs():
+    from decoding.engine_eval import nonnegative_fit
+
+    rng = np.random.default_rng(0)
+    A = rng.uniform(1, 50, size=(6, 2))
+    assert np.allclose(nonnegative_fit(A, A @ np.array([0.8, 2.4])), (0.8, 2.4))
+    # data a negative per-iteration cost would fit best: that cost is 0, the other refitted
+    c0, cd = nonnegative_fit(A, A @ np.array([-3.0, 4.0]))
+    assert c0 == 0.0 and cd > 0
+    col = A[:, 1]
+    assert np.isclose(cd, col @ (A @ np.array([-3.0, 4.0])) / (col @ col))
