@@ -450,6 +450,10 @@ class ExportFormat(abc.ABC):
 
         return read_config(folder)
 
+    def torch_dtype(self, dtype: str) -> torch.dtype:
+        """The dtype ``tensors`` are cast to and the read-back draft is compared in."""
+        return getattr(torch, dtype)
+
     def reference(self, draft: DraftMethod, dtype: str) -> DraftMethod:
         """The trained draft as the export holds it (its read-back must match this exactly)."""
         return draft.export_view(getattr(torch, dtype))

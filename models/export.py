@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded target is a copy of
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def formats() -> dict[str, ExportFormat]:
@@ -241,7 +240,7 @@ def export(
     dtype = dtype or fmt.default_dtype
     if dtype not in fmt.dtypes:
         raise ExportError(f"--dtype {dtype}: --format {fmt_name} takes {', '.join(fmt.dtypes)}")
-    dt = DTYPES.get(dtype, torch.float32)  # a quantized type is cast from float32
+    dt = fmt.torch_dtype(dtype)
     out = Path(out)
     if out.exists() and not force:
         raise ExportError(f"{out}: already exists (pass --force to replace it)")

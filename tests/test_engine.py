@@ -64,7 +64,7 @@ def test_permutation_is_the_converters_and_inverts():
     assert torch.equal(unpermute(p, 2), w)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "q8_0"])
+@pytest.mark.parametrize("dtype", ["float32", "q8_0", "float16", "bfloat16"])
 def test_gguf_export_round_trips(target4, tmp_path, dtype):
     tg = tmp_path / "target.gguf"
     tiny_target_gguf(tg, target4)
@@ -82,7 +82,8 @@ def test_gguf_export_round_trips(target4, tmp_path, dtype):
     assert "t2d" not in t and t["d2t"].tensor_type == gguf.GGMLQuantizationType.I64
     # absolute target ids, as llama.cpp's converter writes them
     assert np.array(t["d2t"].data).tolist() == (torch.arange(64) * 3).tolist()
-    want = gguf.GGMLQuantizationType.Q8_0 if dtype == "q8_0" else gguf.GGMLQuantizationType.F32
+    T = gguf.GGMLQuantizationType
+    want = {"float32": T.F32, "q8_0": T.Q8_0, "float16": T.F16, "bfloat16": T.BF16}[dtype]
     assert t["blk.0.attn_q.weight"].tensor_type == want
     assert t["blk.0.attn_norm_2.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     back = import_draft(out, target4)
@@ -91,7 +92,8 @@ def test_gguf_export_round_trips(target4, tmp_path, dtype):
     la, lb = a.pop("logits"), b.pop("logits")
     if dtype == "float32":
         assert torch.equal(la, lb) and a == b and s["chain"] == a["chain"]
-    else:  # q8_0 rounds the weights: close, and equal to the head rounded the same way
+    else:  # q8_0 / 16-bit types round the weights: close (and, in the export's own check,
+        # equal to the head rounded the same way)
         f = torch.isfinite(la)
         assert torch.equal(f, torch.isfinite(lb))
         assert (la[f] - lb[f]).abs().max() < 0.05 * la[f].abs().max()

@@ -219,6 +219,10 @@ class GGUFEagle3(VLLMEagle3):
         w.write_tensors_to_file()
         w.close()
 
+    def torch_dtype(self, dtype: str) -> torch.dtype:
+        # ``save`` stores the types itself, from float32; llama.cpp computes in float32
+        return torch.float32
+
     def reference(self, draft, quant: str):
         """The trained head with every weight rounded as ``save`` stores it: what the engine
         (and ``read``) holds."""
