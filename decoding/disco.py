@@ -295,9 +295,8 @@ def load_disco(path: str | Path, threshold: float | None = None) -> DiscoStop:
 
 def default_disco_dir(draft: str) -> Path | None:
     """``<draft folder>/disco`` for a draft given as a run, saved draft or shipped name."""
+    from models.base import resolve_draft_dir
     from models.shipped import shipped_draft
-
-    from .drafts import resolve_draft_dir
 
     base = shipped_draft(draft) or Path(draft).expanduser()
     if not base.exists():

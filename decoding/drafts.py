@@ -21,7 +21,13 @@ from pathlib import Path
 import torch
 
 from models import METHODS
-from models.base import DecodeSettings, DraftError, ExportError, read_draft_config
+from models.base import (
+    DecodeSettings,
+    DraftError,
+    ExportError,
+    read_draft_config,
+    resolve_draft_dir,
+)
 from models.draft_lm import load_same_vocabulary_lm
 from models.export import detect_format, import_draft
 from models.quant import check_mode
@@ -32,19 +38,38 @@ from .decoder import NoDraft
 from .lookahead import LookaheadProposer
 from .proposers import DraftLMProposer, NGramProposer
 
+#: the evaluator settings a draft's saved ``decode`` section may set (and that, given on the
+#: command line, turn it off)
+DECODE_KEYS = ("tree", "depth", "top_k", "total_tokens", "min_prob", "gamma", "adaptive")
 
-def resolve_draft_dir(path: Path) -> Path | None:
-    """The saved-draft folder behind a run dir, checkpoint dir or draft dir; None if ``path``
-    is none of those."""
-    for cand in (path / "final", path / "draft", path):
-        f = cand / "config.json"
-        if f.exists():
-            try:
-                if "specdraft" in json.loads(f.read_text()):
-                    return cand
-            except json.JSONDecodeError:
-                raise DraftError(f"{f}: not valid JSON") from None
-    return None
+
+def machine_kind(device: torch.device) -> str:
+    """The decode-settings key of this machine: ``cuda``, ``cpu_bf16`` (native bf16) or
+    ``cpu_fp32``: the best settings differ between them (verification is ~free on a GPU and
+    on bf16 CPUs, ~2 one-token steps on fp32 CPUs)."""
+    from models.target import cpu_has_bf16
+
+    if device.type == "cuda":
+        return "cuda"
+    return "cpu_bf16" if cpu_has_bf16() else "cpu_fp32"
+
+
+def saved_decode_settings(spec: str, kind: str) -> dict | None:
+    """The decode settings a saved draft carries for machines of ``kind`` (its config.json's
+    ``decode`` section, measured when it was shipped), or None."""
+    path = shipped_draft(spec) or Path(spec).expanduser()
+    folder = resolve_draft_dir(path) if path.is_dir() else None
+    if folder is None:
+        return None
+    found = read_draft_config(folder).get("decode", {}).get(kind)
+    if found is None:
+        return None
+    bad = sorted(set(found) - set(DECODE_KEYS))
+    if bad:
+        raise DraftError(
+            f"{folder / 'config.json'}: decode.{kind} has {bad}; it may set {list(DECODE_KEYS)}"
+        )
+    return dict(found)
 
 
 def load_proposer(

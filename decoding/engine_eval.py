@@ -139,14 +139,24 @@ class CostModel:
             v = (1 - w) * self.forward_ms[lo] + w * self.forward_ms[hi]
         return v * self.plain_ms / self.forward_ms[1]
 
-    def iteration(self, drafted: int) -> float:
-        return self.verify(drafted + 1) + self.c0 + drafted * self.cd
+    def iteration(self, drafted: int, draft_steps: int | None = None) -> float:
+        """ms of one iteration that verifies ``drafted`` tokens; ``draft_steps``: the draft's
+        forwards (default ``drafted``; one more when a confidence stop ended the chain: the
+        step whose token fell below p_min ran too)."""
+        steps = drafted if draft_steps is None else draft_steps
+        return self.verify(drafted + 1) + self.c0 + steps * self.cd
 
-    def predicted_speedup(self, steps: list[tuple[int, int]], plain_steps: int) -> float:
+    def predicted_speedup(
+        self, steps: list[tuple[int, int]], plain_steps: int, n_max: int = 0, p_min: float = 0.0
+    ) -> float:
         """Speedup the costs predict for these verification steps (accepted, drafted) and
-        forwards without a draft (each still pays the draft's fixed cost ``c0``)."""
+        forwards without a draft (each still pays the draft's fixed cost ``c0``). With
+        ``p_min`` > 0 a chain shorter than ``n_max`` ran one draft step more than it drafted,
+        and a forward without a draft ran one."""
+        extra = 1 if p_min > 0 else 0
         tokens = sum(a + 1 for a, _ in steps) + plain_steps
-        ms = sum(self.iteration(d) for _, d in steps) + plain_steps * (self.plain_ms + self.c0)
+        ms = sum(self.iteration(d, d + (extra if d < n_max else 0)) for _, d in steps)
+        ms += plain_steps * (self.plain_ms + self.c0 + extra * self.cd)
         return (tokens / ms) * self.plain_ms if ms else float("nan")
 
     def expected_speedup(self, alphas: list[float], n: int) -> float:
@@ -267,13 +277,13 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
     n_max, p_min = int(cfg.gamma), float(cfg.p_min)
     warm = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
 
-    def spec_server(n: int) -> LlamaServer:
+    def spec_server(n: int, p: float | None = None) -> LlamaServer:
         return LlamaServer(
             tgt_gguf,
             draft,
             spec_type=spec_type,
             n_max=n,
-            p_min=p_min,
+            p_min=p_min if p is None else p,
             threads=threads,
             ngram=cfg.ngram_max,
         )
@@ -347,7 +357,11 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
         )
     else:
         note = "T > 0: llama.cpp's own sampling; outputs are samples, not compared"
-    pred = costs.predicted_speedup(pooled.steps, pooled.plain_steps) if costs else float("nan")
+    pred = (
+        costs.predicted_speedup(pooled.steps, pooled.plain_steps, n_max, p_min)
+        if costs
+        else float("nan")
+    )
     # the ceiling over the chain lengths whose forward was measured, not extrapolated
     ceiling = costs.ceiling(max(costs.forward_ms) - 1) if costs else (float("nan"), 0)
     report.update(
@@ -429,9 +443,10 @@ def nonnegative_fit(A, y) -> tuple[float, float]:
 def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log):
     """The engine's costs, measured on a calibration prompt apart from the evaluation's runs:
     the plain server's ms per token; the target's forward over k tokens (llama-bench); the
-    draft's cost per iteration and per drafted token, fitted (least squares) to speculative runs
-    at every n_max from 1 to ``plan_max`` (and ``gamma``; a server each: the drafter reads its
-    length at start); and the acceptance per position at ``plan_max`` (for the plan)."""
+    draft's cost per iteration and per draft forward, fitted (least squares) to speculative
+    runs at p_min 0 and every n_max from 1 to ``plan_max`` (and ``gamma``; a server each: the
+    drafter reads its length at start); and the acceptance per position at ``plan_max`` (for
+    the plan)."""
     n = cfg.calibration_tokens
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     ar = plain.complete(prompt, n, **sampling, seed=cfg.seed)
@@ -441,8 +456,10 @@ def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log):
     fwd = bench_forward_ms(tgt_gguf, list(range(1, max(top, int(cfg.gamma)) + 2)), threads)
     rows = []
     alphas = None
+    # at p_min 0: every iteration drafts the whole chain, so the draft's forwards are known
+    # and the two costs separate across chain lengths (a confidence stop would blur them)
     for nm in range(1, max(top, int(cfg.gamma)) + 1):
-        with spec_server(nm) as srv:
+        with spec_server(nm, 0.0) as srv:
             srv.complete(prompt, cfg.warmup_tokens, **sampling, seed=cfg.seed)
             c = srv.complete(prompt, n, **sampling, seed=cfg.seed)
         st = EngineStats()

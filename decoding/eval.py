@@ -38,7 +38,13 @@ from models.target import TargetConfig, TargetError, load_target
 from .bench import BenchError, load_bench
 from .decoder import NoDraft, SpeculativeDecoder, Stats, predicted_speedup
 from .disco import load_stop_rule, write_traces
-from .drafts import draft_model_of, load_proposer
+from .drafts import (
+    DECODE_KEYS,
+    draft_model_of,
+    load_proposer,
+    machine_kind,
+    saved_decode_settings,
+)
 from .llama_cpp import EngineError
 
 CONVENTION = (
@@ -689,9 +695,34 @@ ConfigStore.instance().store(group="target", name="target_schema", node=TargetCo
 USER_ERRORS = (DataError, DraftError, TargetError, BenchError, EvalError, EngineError, ExportError)
 
 
+def apply_saved_decode(cfg: DictConfig, given: set[str]) -> str | None:
+    """Where the command line sets none of ``DECODE_KEYS``, take the draft's saved decode
+    settings for this machine kind; returns a line saying what was taken, or None."""
+    if cfg.engine != "torch" or given & set(DECODE_KEYS):
+        return None
+    from models.target import resolve_device
+
+    kind = machine_kind(resolve_device(cfg.target.device))
+    found = saved_decode_settings(str(cfg.draft), kind)
+    if not found:
+        return None
+    for k, v in found.items():
+        cfg[k] = v
+    shown = " ".join(f"{k}={v}" for k, v in found.items())
+    return (
+        f"decode settings saved with the draft for {kind} machines: {shown} (set any to override)"
+    )
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def _main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    given = {o.split("=")[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
     try:
+        line = apply_saved_decode(cfg, given)
+        if line:
+            print(line)
         r = evaluate(cfg)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

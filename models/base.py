@@ -111,6 +111,20 @@ def read_draft_config(path: str | Path) -> dict:
     return cfg
 
 
+def resolve_draft_dir(path: Path) -> Path | None:
+    """The saved-draft folder behind a run dir, checkpoint dir or draft dir; None if ``path``
+    is none of those."""
+    for cand in (path / "final", path / "draft", path):
+        f = cand / DRAFT_CONFIG
+        if f.exists():
+            try:
+                if "specdraft" in json.loads(f.read_text()):
+                    return cand
+            except json.JSONDecodeError:
+                raise DraftError(f"{f}: not valid JSON") from None
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Decode-time contract (shared by every proposer; the decoder lives in decoding/)
 

@@ -8,6 +8,7 @@ final, normed state that the LM head reads. EAGLE-3's layer ids index this tuple
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -43,6 +44,10 @@ class TargetConfig:
     trust_remote_code: bool = False
     seed: int = 0  # tiny_random only: weights are a function of this seed
     tiny_layers: int = 2  # tiny_random only: decoder layers (EAGLE-3 exports need >= 4)
+    # training only: none (every process holds the whole target) | fsdp (each holds 1/N of it:
+    # FSDP2 over the decoder layers) | zero3 (DeepSpeed ZeRO-3, where deepspeed is installed);
+    # under accelerate launch with >= 2 processes (trainer/shard.py)
+    shard: str = "none"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -167,6 +172,20 @@ class Target:
         self.tokenizer = tokenizer
         self.identity = identity  # stable string: keys feature caches, checked at eval time
         self.cfg = cfg
+        # set when training shards the target across processes (trainer/shard.py): how, and the
+        # weights outside the decoder layers where they are gathered on demand (fsdp)
+        self.shard_mode = "none"
+        self.shared = None
+
+    @property
+    def sharded(self) -> bool:
+        """Its forwards are collective: every process must run as many as the others."""
+        return self.shard_mode != "none"
+
+    def gathered(self):
+        """A block in which every weight the draft reads directly (embedding, LM head) is
+        whole on this process; free when the target is not sharded."""
+        return self.shared.gathered() if self.shared is not None else contextlib.nullcontext()
 
     @property
     def config(self) -> Any:

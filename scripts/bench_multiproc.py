@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(nproc: int, threads: int, out: Path, args: list[str]) -> float:
-    cmd = [sys.executable, "-m", "trainer.train"]
+    cmd = [sys.executable, "-m", "flow"]
     if nproc > 1:
         cmd = [
             sys.executable,
@@ -47,7 +47,7 @@ def train(nproc: int, threads: int, out: Path, args: list[str]) -> float:
             "--dynamo_backend",
             "no",
             "-m",
-            "trainer.train",
+            "flow",
         ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t = time.perf_counter()

@@ -112,7 +112,7 @@ def run_module(module: str, args: list[str], timeout: int = 120) -> subprocess.C
 
 
 def accelerate_launch(
-    nproc: int, args: list[str], timeout: int = 300, module: str = "trainer.train"
+    nproc: int, args: list[str], timeout: int = 300, module: str = "flow"
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --num_processes nproc -m module args`` on the CPU, output
     captured. Several processes go through the torch-elastic launcher (``--multi_gpu``; with no

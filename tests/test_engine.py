@@ -290,3 +290,20 @@ def test_cost_fit_is_least_squares_with_nonnegative_costs():
     assert c0 == 0.0 and cd > 0
     col = A[:, 1]
     assert np.isclose(cd, col @ (A @ np.array([-3.0, 4.0])) / (col @ col))
+
+
+def test_cost_model_counts_the_draft_step_a_confidence_stop_ran():
+    """With p_min > 0 a chain that stopped early ran one draft forward more than it drafted
+    (the one whose token fell below p_min), and a forward with no draft ran one; at p_min 0 a
+    drafted token is a draft forward."""
+    from decoding.engine_eval import CostModel
+
+    m = CostModel({1: 10.0, 2: 15.0, 3: 20.0, 4: 25.0}, plain_ms=10.0, c0=1.0, cd=2.0)
+    steps = [(1, 1), (3, 3), (0, 2)]  # (accepted, drafted); n_max 3
+    tokens = 2 + 4 + 1 + 1  # + one forward without a draft
+    at0 = (15 + 1 + 2) + (25 + 1 + 6) + (20 + 1 + 4) + (10 + 1)
+    assert m.predicted_speedup(steps, 1, n_max=3, p_min=0.0) == pytest.approx(tokens * 10 / at0)
+    # chains of 1 and 2 stopped early: +1 draft forward each; the full chain of 3 did not;
+    # the forward without a draft ran one draft forward
+    at6 = at0 + 2 + 2 + 2
+    assert m.predicted_speedup(steps, 1, n_max=3, p_min=0.6) == pytest.approx(tokens * 10 / at6)

@@ -260,3 +260,43 @@ def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypat
     buggy = evaluate(_eval_cfg(draft="ngram", **{"target.dtype": dtype}, adaptive="false"))
     assert buggy["lossless"] is False
     assert buggy["divergences"] > buggy["near_tie_divergences"]
+
+
+def test_a_drafts_saved_decode_settings_apply_when_none_is_given(tmp_path):
+    """The shipped head carries its measured-best settings per machine kind; specdraft-eval
+    takes them when the command line sets no decode key, and never mixes them with one."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from decoding.drafts import machine_kind
+    from decoding.eval import EvalConfig, apply_saved_decode
+    from models.base import DraftError
+    from models.shipped import shipped_draft
+
+    kind = machine_kind(torch.device("cpu"))
+    saved = json.loads((shipped_draft("smollm2-eagle3") / "config.json").read_text())["decode"]
+    assert {"cpu_bf16", "cpu_fp32"} <= set(saved)
+    cfg = OmegaConf.structured(EvalConfig(draft="smollm2-eagle3"))
+    cfg.target.device = "cpu"
+    line = apply_saved_decode(cfg, {"num_prompts"})
+    assert line and kind in line
+    for k, v in saved[kind].items():
+        assert cfg[k] == v
+    # one decode key on the command line: nothing taken from the draft
+    cfg = OmegaConf.structured(EvalConfig(draft="smollm2-eagle3", gamma=2))
+    cfg.target.device = "cpu"
+    assert apply_saved_decode(cfg, {"gamma"}) is None and cfg.tree == "auto"
+    # a copy whose section names an unknown key: one line naming file and key
+    d = tmp_path / "draft"
+    shutil.copytree(shipped_draft("smollm2-eagle3"), d)
+    c = json.loads((d / "config.json").read_text())
+    c["decode"][kind] = {"tree": "chain", "beam": 3}
+    (d / "config.json").write_text(json.dumps(c))
+    cfg = OmegaConf.structured(EvalConfig(draft=str(d)))
+    cfg.target.device = "cpu"
+    with pytest.raises(DraftError, match=r"decode\.cpu_\w+ has \['beam'\]"):
+        apply_saved_decode(cfg, set())
+    # drafts without a saved section (n-gram, a run dir) keep the defaults
+    cfg = OmegaConf.structured(EvalConfig(draft="ngram"))
+    assert apply_saved_decode(cfg, set()) is None

@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data.conversations import DataError, load_conversations
+from flow.app import check_group_choices
 from trainer.checkpoint import CheckpointError, latest_checkpoint, validate_checkpoint
-from trainer.train import check_group_choices, run
+from trainer.train import run
 
 # -- bad input: a fuzz test of the loader --------------------------------------------------------
 
@@ -116,15 +117,13 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(data_file, tmp_path):
     steps = 36  # 2.5 epochs of 14 batches
     # every run is its own process, as in real life (and bit-identical to each other)
     ref = tmp_path / "ref"
-    r = run_module(
-        "trainer.train", tiny_overrides(data_file, ref, **{**COMMON, "train.max_steps": steps})
-    )
+    r = run_module("flow", tiny_overrides(data_file, ref, **{**COMMON, "train.max_steps": steps}))
     assert r.returncode == 0, r.stderr[-2000:]
 
     out = tmp_path / "killed"
     args = tiny_overrides(data_file, out, **{**COMMON, "train.max_steps": steps})
     p = subprocess.Popen(
-        [sys.executable, "-m", "trainer.train", *args],
+        [sys.executable, "-m", "flow", *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.DEVNULL,
@@ -146,7 +145,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(data_file, tmp_path):
     assert ck is not None and int(ck.name.split("_")[1]) >= 16
 
     r = run_module(
-        "trainer.train",
+        "flow",
         tiny_overrides(data_file, out, **{**COMMON, "train.max_steps": steps, "resume": "true"}),
     )
     assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-2000:]
@@ -332,7 +331,7 @@ def test_resume_with_another_process_count_mid_epoch_says_what_is_supported(data
     ],
 )
 def test_unknown_group_options_are_one_line_errors(tmp_path, args, needle):
-    r = run_module("trainer.train", ["debug=default", f"output_dir={tmp_path / 'o'}", *args])
+    r = run_module("flow", ["debug=default", f"output_dir={tmp_path / 'o'}", *args])
     assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]
     assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1
 
@@ -348,7 +347,7 @@ def test_group_check_leaves_valid_and_sweep_syntax_alone():
 def test_sweep_writes_a_sortable_summary(data_file, tmp_path):
     sweep = tmp_path / "sweep"
     r = run_module(
-        "trainer.train",
+        "flow",
         [
             "-m",
             "debug=default",

@@ -276,7 +276,7 @@ def test_cached_features_train_exactly_like_online(data_file, tmp_path, method, 
 
 
 def _cli(args, timeout=120):
-    return run_module("trainer.train", args, timeout)
+    return run_module("flow", args, timeout)
 
 
 def test_cli_tiny_run_under_a_minute(data_file, tmp_path):
@@ -330,7 +330,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_file, tmp_path):
         [
             sys.executable,
             "-m",
-            "trainer.train",
+            "flow",
             "debug=default",
             f"data.path={data_file}",
             f"output_dir={out}",

@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 
 from data.dataset import Collator
 
+from .shard import equal_forwards
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -83,7 +85,10 @@ def build_feature_store(
     progress: bool = True,
 ) -> FeatureStore:
     """Build (or reuse) the feature cache for ``ds`` (a tokenised split). Each process computes
-    samples ``i % world_size == rank``; the main process writes ``done.json`` after all."""
+    samples ``i % world_size == rank`` into its own shards ``shard_r{rank}_*``; the main process
+    writes ``done.json`` (one index over every rank's shards) after all, so any later world size
+    reads the cache. An interrupted build resumes from the complete shards of every rank, with
+    this run's world size."""
     path = Path(cache_root).expanduser() / "features" / key
     if (path / "done.json").exists():
         return FeatureStore(path)
@@ -124,18 +129,23 @@ def build_feature_store(
         disable=not progress or not todo,
         dynamic_ncols=True,
     )
-    for s in range(0, len(todo), batch_size):
-        idx = todo[s : s + batch_size]
-        batch = collate([{**ds[i], "index": i} for i in idx])
-        feats = target.features(batch["input_ids"], batch["attention_mask"], layers)
-        feats = feats.to(DTYPES[dtype]).cpu()
-        for b, i in enumerate(idx):
-            n = lengths[i]
-            buf[str(i)] = feats[b, :n].contiguous()
-            buf_tokens += n
-        bar.update(sum(lengths[i] for i in idx))
-        if buf_tokens >= shard_tokens:
-            flush()
+    # A sharded target's forwards are collective: a rank with fewer batches left (uneven
+    # shares, or a resumed build) runs one-token stand-ins until every rank has run as many.
+    pad = equal_forwards(target, -(-len(todo) // batch_size), layers)
+    with target.gathered():
+        for s in range(0, len(todo), batch_size):
+            idx = todo[s : s + batch_size]
+            batch = collate([{**ds[i], "index": i} for i in idx])
+            feats = target.features(batch["input_ids"], batch["attention_mask"], layers)
+            feats = feats.to(DTYPES[dtype]).cpu()
+            for b, i in enumerate(idx):
+                n = lengths[i]
+                buf[str(i)] = feats[b, :n].contiguous()
+                buf_tokens += n
+            bar.update(sum(lengths[i] for i in idx))
+            if buf_tokens >= shard_tokens:
+                flush()
+        pad()
     flush()
     bar.close()
     barrier()

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from models.base import add_metrics, metric, reduce_metrics
 
 from .checkpoint import save_checkpoint
+from .shard import equal_forwards
 
 
 @dataclass
@@ -101,12 +102,19 @@ def evaluate(
     was_training = m.training
     m.eval()
     acc: dict[str, torch.Tensor] = {}
-    for i, batch in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        batch = attach_features(batch, m, target)
-        with accelerator.autocast():
-            add_metrics(acc, m.evaluate(batch))
+    n = len(loader) if max_batches is None else min(len(loader), max_batches)
+    # a sharded target's forwards are collective: a rank with fewer batches runs stand-ins
+    dataset = getattr(loader, "dataset", None)
+    online = bool(m.feature_layers) and getattr(dataset, "features", None) is None
+    pad = equal_forwards(target, n if online else 0, tuple(m.feature_layers))
+    with target.gathered():
+        for i, batch in enumerate(loader):
+            if i >= n:
+                break
+            batch = attach_features(batch, m, target)
+            with accelerator.autocast():
+                add_metrics(acc, m.evaluate(batch))
+        pad()
     m.train(was_training)
     return reduce_metrics(sum_across_processes(accelerator, acc))
 
@@ -228,7 +236,8 @@ def fit(
     method.train()
     t_last = time.perf_counter()
     with _Signals() as sig:
-        while state.epoch < tc.epochs and reason == "finished":
+        # (a run resumed from its last step has none left)
+        while state.epoch < tc.epochs and reason == "finished" and state.step < tc.max_steps:
             loader = train_loader
             if state.batch_in_epoch:
                 loader = accelerator.skip_first_batches(train_loader, state.batch_in_epoch)
@@ -245,7 +254,7 @@ def fit(
                 state.tokens += ntok
                 window_tokens += ntok
                 updated = False  # an optimizer step happened (a skipped batch is no step)
-                with accelerator.accumulate(method):
+                with accelerator.accumulate(method), target.gathered():
                     batch = attach_features(batch, unwrapped, target)
                     with accelerator.autocast():
                         out = method(batch)

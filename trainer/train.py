@@ -1,8 +1,8 @@
-"""``specdraft-train`` / ``accelerate launch -m trainer.train``: wire config, target, data, method
-and the loop together.
+"""One training run: wire config, target, data, method and the loop together (``run(cfg)``).
 
-    specdraft-train target=tiny_random method=eagle1 train.max_steps=20 output_dir=DIR
-    accelerate launch -m trainer.train experiment=quickstart
+The command line (``specdraft-train``, ``accelerate launch -m flow``) is ``flow/app.py``, one
+floor up: it trains with ``run`` and then measures the draft with the decoder, so this package
+never imports ``decoding/``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from data.conversations import DataError
 from data.dataset import (
@@ -43,10 +42,11 @@ from .config import register_configs
 from .features import build_feature_store, feature_cache_key
 from .loop import LoopState, fit, make_schedule
 from .optim import OptimizerError, build_optimizer
+from .shard import ShardError, check_shard, shard_target
 from .sweep import SUMMARY
 from .tracking import SampleLog, Tracker
 
-USER_ERRORS = (DataError, TargetError, DraftError, CheckpointError, OptimizerError)
+USER_ERRORS = (DataError, TargetError, DraftError, CheckpointError, OptimizerError, ShardError)
 
 
 class ConfigError(ValueError):
@@ -178,11 +178,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.train.threads)
     accelerator = _accelerator(cfg)
     log = accelerator.print
+    check_shard(cfg.target.shard, accelerator.num_processes, None)
     if accelerator.device.type == "cpu":
         keep_freed_memory()
     set_seed(cfg.train.seed)
     target, data = _load_target_and_data(cfg, accelerator, log)
     method = _build_method(cfg, target, data, accelerator, log)
+    shard_info = (
+        _shard(cfg, target, method, accelerator, log) if cfg.target.shard != "none" else None
+    )
     train_loader, sampler, val_loader = _loaders(cfg, method, target, data, accelerator, log)
 
     # A method may ask for parameter groups (e.g. Medusa-2: heads at a multiple of the LoRA lr)
@@ -244,10 +248,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "val": state.last_val,
         "final": str(final) if final else None,
     }
+    if shard_info:
+        summary["target_shard"] = shard_info
     if accelerator.is_main_process:
         _print_summary(summary, log)
-        if cfg.train.eval_after.enabled and final is not None:
-            summary["eval_after"] = eval_after(cfg, final, run_dir, log)
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -306,6 +310,28 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
     for f in data.report.truncated:
         log(f"data: {f} ends mid-record; all complete records before the cut were used")
     return target, data
+
+
+def _shard(cfg: DictConfig, target, method, accelerator, log) -> dict[str, Any]:
+    """Shard the frozen target across the processes (after the method is built: a draft may
+    start from the target's own rows, e.g. EAGLE-3's LM head); print what each process keeps."""
+    from accelerate.utils import gather_object
+
+    check_shard(cfg.target.shard, accelerator.num_processes, method.changes_target())
+    report = shard_target(target, accelerator.device, cfg.target.shard)
+    kept = gather_object([report.local_bytes])
+    log(report.line())
+    log(
+        "  target weights per process between steps: "
+        + ", ".join(f"rank {r} {b / 2**20:.2f} MiB" for r, b in enumerate(kept))
+    )
+    return {
+        "mode": cfg.target.shard,
+        "world_size": report.world,
+        "full_bytes": report.full_bytes,
+        "bytes_per_rank": kept,
+        "shared_bytes": report.shared_bytes,
+    }
 
 
 def _build_method(cfg: DictConfig, target, data, accelerator, log):
@@ -414,75 +440,6 @@ def _save_final(method, run_dir: Path) -> Path:
     return final
 
 
-def eval_after(cfg: DictConfig, final: Path, run_dir: Path, log) -> list[dict[str, Any]]:
-    """Decode a few benchmark prompts plainly and speculatively with the draft just trained and
-    with each draft in ``train.eval_after.compare``; print and return one row per draft. Each
-    full report goes to ``run_dir/eval-<k>.json``."""
-    from decoding.eval import EvalConfig, evaluate
-
-    ea = cfg.train.eval_after
-    rows = []
-    for k, draft in enumerate([str(final), *ea.compare]):
-        ecfg = OmegaConf.structured(
-            EvalConfig(
-                target=OmegaConf.to_object(cfg.target),
-                draft=draft,
-                bench=ea.bench,
-                num_prompts=ea.num_prompts,
-                max_new_tokens=ea.max_new_tokens,
-                temperature=ea.temperature,
-                report=str(run_dir / f"eval-{k}.json"),
-            )
-        )
-        log(f"\nmeasuring {draft} on {ea.num_prompts} {ea.bench} prompts ...")
-        r = evaluate(ecfg)
-        Path(ecfg.report).write_text(json.dumps(r, indent=1))
-        rows.append(
-            {
-                "draft": "this run" if k == 0 else draft,
-                "tau": r["tau"],
-                "alpha": r["alpha"],
-                "speedup": r["speedup"],
-                "lossless": r["lossless"],
-                "report": ecfg.report,
-            }
-        )
-
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
-
-    log(
-        f"\nspeculative decoding of {ea.num_prompts} {ea.bench} prompts, {ea.max_new_tokens} new "
-        f"tokens, T={ea.temperature:g} (tau: tokens per target forward; speedup: tokens/s over "
-        "plain decoding on this machine):"
-    )
-    log(f"  {'draft':<28}{'tau':>6}{'alpha':>7}{'speedup':>9}  lossless")
-    for r in rows:
-        log(
-            f"  {r['draft']:<28}{f(r['tau']):>6}{f(r['alpha']):>7}{f(r['speedup']):>9}  {r['lossless']}"
-        )
-    log(serve_hint(cfg, final.parent))
-    return rows
-
-
-def serve_hint(cfg: DictConfig, run_dir: Path) -> str:
-    """How to serve the draft just trained in an engine (the loop's last step)."""
-    method = cfg.method.name
-    if method in ("eagle3", "hass"):
-        return "\n".join(
-            [
-                "",
-                "serve it in llama.cpp (CPU; `bash scripts/install.sh engine` installs it once):",
-                f"  specdraft-export {run_dir} --format gguf",
-                f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
-                "--spec-type draft-eagle3 --spec-draft-n-max 3",
-                f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",
-                f"vLLM / SGLang: specdraft-export {run_dir} --format vllm (or sglang)",
-            ]
-        )
-    return f"\nexport it for an engine: specdraft-export {run_dir} --format <see README, Exports>"
-
-
 def _to_device(loader, device):
     class _Moved:
         def __init__(self, inner):
@@ -495,6 +452,10 @@ def _to_device(loader, device):
         def __len__(self):
             return len(self.inner)
 
+        @property
+        def dataset(self):
+            return self.inner.dataset
+
     return _Moved(loader)
 
 
@@ -503,8 +464,7 @@ def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
     before training. ``spec``: a run dir, a saved draft or checkpoint folder, or a shipped name.
     ``DraftError`` naming the folder when it is no saved draft, another method, or a draft
     whose shapes this run's settings do not match."""
-    from decoding.drafts import resolve_draft_dir
-    from models.base import read_draft_config
+    from models.base import read_draft_config, resolve_draft_dir
     from models.shipped import shipped_draft
 
     path = shipped_draft(spec) or Path(spec).expanduser()
@@ -573,46 +533,8 @@ def _print_summary(s: dict, log) -> None:
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
-def _hydra_main(cfg: DictConfig) -> dict:
-    from hydra.core.hydra_config import HydraConfig
-
-    # The run directory is Hydra's job directory: output_dir for a single run, one folder
-    # per job (sweep dir / job number) under -m.
-    with open_dict(cfg):
-        cfg.output_dir = HydraConfig.get().runtime.output_dir
-    try:
-        return run(cfg)
-    except USER_ERRORS + (ConfigError,) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("target", "data", "method", "optim", "logger", "experiment", "debug")
-
-
-def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> str | None:
-    """A one-line message for a ``group=option`` argument whose option does not exist (Hydra's
-    own message spans a screen), or None."""
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in GROUPS or value in ("null", "") or "(" in value:
-            continue
-        for v in value.split(","):  # multirun: method=eagle1,eagle3
-            if not (conf_dir / key / f"{v}.yaml").exists():
-                known = sorted(f.stem for f in (conf_dir / key).glob("*.yaml"))
-                return f"{key}={v}: no such {key} (choose from {', '.join(known)})"
-    return None
-
-
-def main() -> None:
-    msg = check_group_choices(sys.argv[1:])
-    if msg:
-        print(f"error: {msg}", file=sys.stderr)
-        sys.exit(2)
-    _hydra_main()
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(
+        "error: `python -m trainer.train` is now `python -m flow` (or `specdraft-train`; "
+        "under accelerate: `accelerate launch -m flow ...`)"
+    )

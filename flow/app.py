@@ -1,0 +1,85 @@
+"""``specdraft-train`` / ``accelerate launch -m flow``: the Hydra app. It trains
+(``trainer.train.run``), then, where ``train.eval_after.enabled`` (the quickstart), measures the
+new draft with the built-in decoder next to the drafts in ``train.eval_after.compare``, and ends
+with how to export and serve it.
+
+    specdraft-train target=tiny_random method=eagle1 train.max_steps=20 output_dir=DIR
+    accelerate launch -m flow experiment=quickstart
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, open_dict
+
+from trainer.sweep import SUMMARY
+from trainer.train import USER_ERRORS, ConfigError, run
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("target", "data", "method", "optim", "logger", "experiment", "debug")
+
+
+def train_measure_serve(cfg: DictConfig) -> dict:
+    """Train; on the main process, measure the saved draft (if asked) and print how to serve
+    it. Returns the training summary, with the measurement rows under ``eval_after``."""
+    from accelerate import PartialState
+
+    summary = run(cfg)
+    if not summary["final"] or not PartialState().is_main_process:
+        return summary
+    final = Path(summary["final"])
+    run_dir = final.parent
+    if cfg.train.eval_after.enabled:
+        from flow.measure import measure_after
+
+        summary["eval_after"] = measure_after(cfg, final, run_dir)
+        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
+    from flow.serve import serve_hint
+
+    print(serve_hint(cfg.method.name, run_dir))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def _hydra_main(cfg: DictConfig) -> dict:
+    from hydra.core.hydra_config import HydraConfig
+
+    # The run directory is Hydra's job directory: output_dir for a single run, one folder
+    # per job (sweep dir / job number) under -m.
+    with open_dict(cfg):
+        cfg.output_dir = HydraConfig.get().runtime.output_dir
+    try:
+        return train_measure_serve(cfg)
+    except USER_ERRORS + (ConfigError,) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> str | None:
+    """A one-line message for a ``group=option`` argument whose option does not exist (Hydra's
+    own message spans a screen), or None."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS or value in ("null", "") or "(" in value:
+            continue
+        for v in value.split(","):  # multirun: method=eagle1,eagle3
+            if not (conf_dir / key / f"{v}.yaml").exists():
+                known = sorted(f.stem for f in (conf_dir / key).glob("*.yaml"))
+                return f"{key}={v}: no such {key} (choose from {', '.join(known)})"
+    return None
+
+
+def main() -> None:
+    msg = check_group_choices(sys.argv[1:])
+    if msg:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""The loop's last step: how to export and serve a draft just trained in an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def serve_hint(method: str, run_dir: Path) -> str:
+    """Lines telling how to export the draft of ``run_dir`` and serve it (llama.cpp for the
+    EAGLE-3 family, which it runs on CPU; the export formats otherwise)."""
+    if method in ("eagle3", "hass"):
+        return "\n".join(
+            [
+                "",
+                "serve it in llama.cpp (CPU; `bash scripts/install.sh engine` installs it once):",
+                f"  specdraft-export {run_dir} --format gguf",
+                f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
+                "--spec-type draft-eagle3 --spec-draft-n-max 3",
+                f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",
+                f"vLLM / SGLang: specdraft-export {run_dir} --format vllm (or sglang)",
+            ]
+        )
+    return f"\nexport it for an engine: specdraft-export {run_dir} --format <see README, Exports>"

@@ -1,0 +1,292 @@
+"""Memory plan of a training run before it runs: bytes per device for the target (whole or
+sharded), the draft, its optimizer state and gradients, the activations at the configured batch
+and length, and the feature cache's size on disk. The target and the draft are built on
+PyTorch's meta device from the target's ``config.json`` alone: no weights are read or
+downloaded, so a 70B plan takes a second on a laptop.
+
+    python scripts/memory_plan.py target.path=scripts/model_configs/llama-3.3-70b-instruct \\
+        method=eagle3 world_size=8 target.shard=fsdp
+    python scripts/memory_plan.py target.path=/models/Llama-3.1-8B-Instruct world_size=1 \\
+        method=eagle3 data.batch_size=2 data.max_length=4096 gpu_memory_gb=80
+
+Every other ``key=value`` is a training setting (``specdraft-train`` reads the same ones; the
+method's own defaults come from conf/method/). Plan-only keys: ``world_size`` (processes, one
+per GPU), ``gpu_memory_gb`` (per device, default 80).
+
+What is counted (bf16 weights and activations unless the config says otherwise):
+- target weights: all of them per process (``target.shard=none``); with ``fsdp``, 1/N between
+  steps, plus during a step one gathered decoder layer and the gathered embedding / norm / LM
+  head (trainer/shard.py);
+- target forward (online features, no gradients): the hidden states of every layer, which the
+  Hugging Face forward keeps when asked for hidden states, plus one layer's working set;
+  ``data.cache_features=true`` moves this to the one-off cache build;
+- draft: trainable parameters x 16 bytes (fp32 weights, fp32 gradients, Adam's two moments),
+  replicated by DDP;
+- draft activations: 34 x B x T x H bytes per decoder-layer pass with gradients (Korthikanti et
+  al. 2022, bf16, flash/SDPA attention), one pass per training-time-test step (EAGLE-3, HASS),
+  plus the logits' fp32 copies over the draft vocabulary and the target's distribution;
+- a device is planned to fit when the total is at most 90% of its memory (CUDA context,
+  allocator fragmentation and NCCL buffers take the rest).
+These are estimates to plan with, not measurements; the docs compare them with measured runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PLAN_KEYS = {"world_size": 1, "gpu_memory_gb": 80.0}
+GIB = 2**30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass
+class Plan:
+    target: str
+    method: str
+    world_size: int
+    shard: str
+    params_target: int
+    params_layers: int
+    params_shared: int
+    params_per_layer: int
+    params_draft: int
+    target_bytes_per_param: int
+    target_weights: float  # bytes per device during a step (the peak)
+    target_weights_at_rest: float
+    target_forward: float
+    draft_states: float
+    draft_activations: float
+    total: float
+    gpu_bytes: float
+    host_bytes_at_load: float
+    cache_bytes_per_million_tokens: float
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= 0.9 * self.gpu_bytes
+
+
+def split_args(argv: list[str]) -> tuple[dict, list[str]]:
+    plan, rest = dict(PLAN_KEYS), []
+    for a in argv:
+        if a == "--json":
+            continue
+        k, sep, v = a.partition("=")
+        if not sep:
+            raise PlanError(f"{a}: expected key=value")
+        if k in PLAN_KEYS:
+            try:
+                plan[k] = type(PLAN_KEYS[k])(v)
+            except ValueError:
+                raise PlanError(f"{k}={v}: not a number") from None
+        else:
+            rest.append(a)
+    if plan["world_size"] < 1:
+        raise PlanError(f"world_size={plan['world_size']}: must be >= 1")
+    return plan, rest
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import trainer.train  # noqa: F401  registers the structured configs
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=[*overrides, "output_dir=/tmp/plan"])
+
+
+def meta_target(cfg):
+    """The target as a ``models.target.Target`` on the meta device, from its config alone."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.target import Target, TargetConfig
+
+    tc: TargetConfig = OmegaConf.to_object(cfg.target)
+    where = tc.path
+    if where is None:
+        if tc.name == "smollm2_135m":
+            from models.target import smollm2_dir
+
+            where = str(smollm2_dir(tc.cache_dir))
+        else:
+            raise PlanError(
+                f"target={tc.name}: the plan needs target.path=<folder with config.json or hub id>"
+            )
+    p = Path(where).expanduser()
+    try:
+        config = AutoConfig.from_pretrained(
+            str(p.parent if p.name == "config.json" else p), trust_remote_code=tc.trust_remote_code
+        )
+    except Exception as e:  # offline hub ids, missing folders: one line
+        raise PlanError(
+            f"target.path={where}: no config.json there and the hub cannot be reached "
+            f"({type(e).__name__}); pass a folder that holds the model's config.json"
+        ) from None
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        tc.dtype, torch.bfloat16
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return Target(model, None, f"plan:{where}", tc), where
+
+
+def plan(argv: list[str]) -> Plan:
+    from omegaconf import OmegaConf
+
+    from models import METHODS
+
+    opts, overrides = split_args(argv)
+    cfg = compose(overrides)
+    N = opts["world_size"]
+    shard = cfg.target.shard
+    if shard not in ("none", "fsdp"):
+        raise PlanError(f"target.shard={shard}: use none or fsdp")
+    if shard == "fsdp" and N < 2:
+        raise PlanError("target.shard=fsdp needs world_size >= 2")
+    target, where = meta_target(cfg)
+    mcfg = OmegaConf.to_object(cfg.method)
+    with torch.device("meta"):
+        method = METHODS[mcfg.name](target, mcfg)
+    if shard == "fsdp" and method.changes_target():
+        raise PlanError(f"target.shard=fsdp: method {mcfg.name} trains the target's weights")
+    c = target.config
+    H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    inter = getattr(c, "intermediate_size", 4 * H)
+    bt = DTYPE_BYTES.get(cfg.target.dtype, 2)
+    B, T = cfg.data.batch_size, cfg.data.max_length
+
+    uniq = {id(p): p for p in target.model.parameters()}
+    layers = target.model.get_decoder().layers
+    in_layers = {id(p) for p in layers.parameters()}
+    p_target = sum(p.numel() for p in uniq.values())
+    p_layers = sum(p.numel() for i, p in uniq.items() if i in in_layers)
+    p_shared = p_target - p_layers
+    p_layer = p_layers // L
+    p_draft = sum(p.numel() for p in method.parameters() if p.requires_grad)
+
+    if shard == "fsdp":
+        at_rest = p_target * bt / N
+        step = at_rest + (p_layer + p_shared) * bt
+    else:
+        at_rest = step = p_target * bt
+    cached = bool(cfg.data.cache_features)
+    target_fwd = 0.0 if cached else B * T * ((L + 1) * H + 4 * H + 3 * inter) * bt
+
+    ba = 2  # bf16 activations under autocast
+    name = mcfg.name
+    chunk_rows = min(B * T, getattr(mcfg, "lm_head_chunk", B * T))
+    if name in ("eagle1", "eagle3", "hass"):
+        passes = getattr(mcfg, "ttt_steps", 1)
+        dv = getattr(method.cfg, "draft_vocab_size", None) or V
+        act = passes * (34 * B * T * H * ba + B * T * dv * (ba + 4 + 4)) + B * T * 3 * H * ba
+        act += chunk_rows * V * 4  # the target's distribution, a chunk of positions at a time
+    elif name in ("medusa1", "medusa2"):
+        k = mcfg.num_heads
+        act = k * (mcfg.num_layers * 4 * B * T * H * ba + B * T * V * (ba + 4)) + B * T * V * 4
+        if name == "medusa2":
+            act += L * 34 * B * T * H * ba  # the adapted backbone is in the graph
+    elif name == "mlp_speculator":
+        k = mcfg.n_predict
+        act = k * (6 * B * T * H * ba + B * T * V * (ba + 4))
+    else:  # distillspec and anything else: a student of the target's width
+        n = getattr(mcfg, "num_layers", 4)
+        act = n * 34 * B * T * H * ba + B * T * V * (ba + 4 + 4)
+    states = 16 * p_draft
+    total = step + target_fwd + states + act
+    feats = len(method.feature_layers) * H * DTYPE_BYTES.get(cfg.data.feature_dtype, 2)
+    return Plan(
+        target=where,
+        method=name,
+        world_size=N,
+        shard=shard,
+        params_target=p_target,
+        params_layers=p_layers,
+        params_shared=p_shared,
+        params_per_layer=p_layer,
+        params_draft=p_draft,
+        target_bytes_per_param=bt,
+        target_weights=step,
+        target_weights_at_rest=at_rest,
+        target_forward=target_fwd,
+        draft_states=states,
+        draft_activations=act,
+        total=total,
+        gpu_bytes=opts["gpu_memory_gb"] * GIB,
+        host_bytes_at_load=p_target * bt,
+        cache_bytes_per_million_tokens=feats * 1e6,
+    )
+
+
+def min_world_size(p: Plan) -> int | None:
+    """The fewest processes with which the sharded target fits, or None if none does."""
+    rest = p.total - p.target_weights
+    gathered = (p.params_per_layer + p.params_shared) * p.target_bytes_per_param
+    for n in range(2, 4097):
+        if p.params_target * p.target_bytes_per_param / n + gathered + rest <= 0.9 * p.gpu_bytes:
+            return n
+    return None
+
+
+def report(p: Plan) -> str:
+    g = lambda b: f"{b / GIB:8.2f} GiB"  # noqa: E731
+    sharded = p.shard == "fsdp"
+    rows = [
+        f"memory plan: {p.method} on {p.target}, {p.world_size} process(es), "
+        f"target {'sharded (fsdp)' if sharded else 'whole on every process'}",
+        f"  parameters: target {p.params_target / 1e9:.2f}B (decoder layers "
+        f"{p.params_layers / 1e9:.2f}B, embedding/norm/head {p.params_shared / 1e9:.2f}B), "
+        f"draft {p.params_draft / 1e6:.1f}M trainable",
+        "  per device:",
+        f"    target weights, during a step   {g(p.target_weights)}"
+        + (f"   (between steps {g(p.target_weights_at_rest).strip()})" if sharded else ""),
+        f"    target forward (online features){g(p.target_forward)}",
+        f"    draft weights + grads + Adam     {g(p.draft_states)}",
+        f"    draft activations                {g(p.draft_activations)}",
+        f"    total                            {g(p.total)}  of {g(p.gpu_bytes).strip()} "
+        f"({p.total / p.gpu_bytes:.0%})",
+        f"  host RAM at load: {g(p.host_bytes_at_load).strip()} per process (each process "
+        "reads the whole target, then keeps its share)",
+        f"  feature cache on disk: {g(p.cache_bytes_per_million_tokens).strip()} per million "
+        "tokens",
+    ]
+    if p.fits:
+        rows.append("  verdict: fits (total <= 90% of the device)")
+    else:
+        rows.append("  verdict: DOES NOT FIT (total > 90% of the device)")
+        n = min_world_size(p)
+        if n is not None and (not sharded or n > p.world_size):
+            rows.append(f"  advice: target.shard=fsdp with >= {n} processes")
+        rows.append(
+            "  advice: or lower data.batch_size / data.max_length (activations), or "
+            "data.cache_features=true (no target forward while training)"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    try:
+        p = plan(sys.argv[1:])
+    except PlanError as e:
+        sys.exit(f"error: {e}")
+    print(report(p))
+    if "--json" in sys.argv:
+        import json
+
+        print(json.dumps(asdict(p)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The floor above trainer/ and decoding/ (flow/): the app trains, measures the new draft,
+and says how to serve it; the trainer never imports the decoder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, run_module, tiny_overrides
+
+
+def test_trainer_and_decoder_are_strangers():
+    """Importing the whole trainer loads nothing of decoding/, and the reverse."""
+    code = (
+        "import sys, importlib; importlib.import_module(sys.argv[1]); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == sys.argv[2]); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    for mod, other in (
+        ("trainer.train", "decoding"),
+        ("trainer.regenerate", "decoding"),
+        ("decoding.eval", "trainer"),
+        ("decoding.engine_eval", "trainer"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-c", code, mod, other], cwd=ROOT, capture_output=True, text=True
+        )
+        assert r.returncode == 0, f"{mod} imports {other}: {r.stdout}{r.stderr[-500:]}"
+
+
+def test_app_trains_measures_and_says_how_to_serve(data_file, tmp_path):
+    out = tmp_path / "run"
+    r = run_module(
+        "flow",
+        tiny_overrides(
+            data_file,
+            out,
+            **{
+                "method": "eagle3",
+                "train.max_steps": 3,
+                "train.eval_after.enabled": "true",
+                "train.eval_after.num_prompts": 1,
+                "train.eval_after.max_new_tokens": 6,
+                "train.eval_after.compare": "[]",
+            },
+        ),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    (row,) = summary["eval_after"]
+    assert row["draft"] == "this run" and row["lossless"] is True
+    assert json.loads((out / "eval-0.json").read_text())["new_tokens"] > 0
+    assert f"specdraft-export {out} --format gguf" in r.stdout
+    assert "this run" in r.stdout and "speedup" in r.stdout
+
+
+def test_old_module_path_says_where_the_app_went():
+    r = run_module("trainer.train", ["debug=default"])
+    assert r.returncode != 0 and "python -m flow" in r.stderr
