@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.eval import EvalConfig, evaluate
+from decoding.eval import EvalConfig, apply_saved_decode, evaluate
 
 
 def measure_after(cfg: DictConfig, final: Path, run_dir: Path, log=print) -> list[dict[str, Any]]:
@@ -31,6 +31,9 @@ def measure_after(cfg: DictConfig, final: Path, run_dir: Path, log=print) -> lis
             )
         )
         log(f"\nmeasuring {draft} on {ea.num_prompts} {ea.bench} prompts ...")
+        line = apply_saved_decode(ecfg, set())  # a shipped draft at its settings for here
+        if line:
+            log(line)
         r = evaluate(ecfg)
         Path(ecfg.report).write_text(json.dumps(r, indent=1))
         rows.append(

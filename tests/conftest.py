@@ -111,14 +111,12 @@ def run_module(module: str, args: list[str], timeout: int = 120) -> subprocess.C
     )
 
 
-def accelerate_launch(
-    nproc: int, args: list[str], timeout: int = 300, module: str = "flow"
-) -> subprocess.CompletedProcess:
-    """``accelerate launch --num_processes nproc -m module args`` on the CPU, output
-    captured. Several processes go through the torch-elastic launcher (``--multi_gpu``; with no
-    CUDA each trains on the CPU over gloo): accelerate's ``--cpu`` launches a single process
-    unless mpirun is configured."""
-    cmd = [
+def accelerate_cmd(nproc: int, args: list[str], module: str = "flow") -> list[str]:
+    """``accelerate launch --num_processes nproc -m module args`` on the CPU. Several
+    processes go through the torch-elastic launcher (``--multi_gpu``; with no CUDA each trains
+    on the CPU over gloo): accelerate's ``--cpu`` launches a single process unless mpirun is
+    configured."""
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -135,6 +133,13 @@ def accelerate_launch(
         module,
         *args,
     ]
+
+
+def accelerate_launch(
+    nproc: int, args: list[str], timeout: int = 300, module: str = "flow"
+) -> subprocess.CompletedProcess:
+    """``accelerate_cmd`` run to the end, output captured."""
+    cmd = accelerate_cmd(nproc, args, module)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -12,7 +12,14 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, accelerate_launch, compose, read_metrics, tiny_overrides
+from conftest import (
+    ROOT,
+    accelerate_cmd,
+    accelerate_launch,
+    compose,
+    read_metrics,
+    tiny_overrides,
+)
 
 from trainer.checkpoint import latest_checkpoint
 from trainer.shard import ShardError, check_shard
@@ -112,23 +119,7 @@ def test_sharded_target_killed_and_resumed_reproduces_the_curve(data_file, refer
         out,
         **{**COMMON, "target.shard": "fsdp", "train.save_every": 5, "train.keep_checkpoints": 10},
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "flow",
-        *args,
-    ]
+    cmd = accelerate_cmd(2, args)
     p = subprocess.Popen(
         cmd,
         cwd=ROOT,
