@@ -27,7 +27,8 @@ What is counted (bf16 weights and activations unless the config says otherwise):
   plus the logits' fp32 copies over the draft vocabulary and the target's distribution;
 - a device is planned to fit when the total is at most 90% of its memory (CUDA context,
   allocator fragmentation and NCCL buffers take the rest).
-These are estimates to plan with, not measurements; the docs compare them with measured runs.
+These are estimates to plan with, not measurements: no GPU run has checked them yet (the
+sharded weights' 1/N is measured on CPU, tests/test_shard.py).
 """
 
 from __future__ import annotations
