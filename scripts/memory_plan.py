@@ -259,7 +259,11 @@ def report(p: Plan) -> str:
         f"    total                            {g(p.total)}  of {g(p.gpu_bytes).strip()} "
         f"({p.total / p.gpu_bytes:.0%})",
         f"  host RAM at load: {g(p.host_bytes_at_load).strip()} per process (each process "
-        "reads the whole target, then keeps its share)",
+        + (
+            "reads the whole target, then keeps its share)"
+            if sharded
+            else "holds the whole target)"
+        ),
         f"  feature cache on disk: {g(p.cache_bytes_per_million_tokens).strip()} per million "
         "tokens",
     ]
