@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import (
     ROOT,
     accelerate_cmd,
@@ -260,3 +261,49 @@ def test_zero3_target_trains_like_one_process(data_file, reference, tmp_path):
     diff = _rel_diff(_curve(reference), _curve(out))
     print(f"loss curves, ZeRO-3 target on 2 processes vs 1: max relative diff {diff:.2e}")
     assert diff <= 1e-4
+
+
+def test_a_feature_cache_build_interrupted_per_rank_resumes_with_another_world_size(
+    data_file, tmp_path
+):
+    """Rank 0 of 2 finishes its share and rank 1 never runs (a lost machine): no index is
+    written. A later single process computes only the samples nobody wrote, keeps rank 0's
+    shards, and indexes both."""
+    from data.dataset import prepare_tokenized
+    from models.target import TargetConfig, load_target
+    from trainer.features import build_feature_store
+
+    target = load_target(TargetConfig(name="tiny_random", device="cpu", tiny_layers=4))
+    data = prepare_tokenized(
+        str(data_file),
+        target.tokenizer,
+        max_length=256,
+        val_fraction=0.1,
+        max_val_records=8,
+        max_records=None,
+        seed=0,
+        cache_root=str(tmp_path / "c"),
+        log=lambda *_: None,
+    )
+    kw = dict(batch_size=4, shard_tokens=500, dtype="float32", progress=False)
+    args = (target, data.train, (1, 2, 3), str(tmp_path / "c"), "k")
+    with pytest.raises(RuntimeError, match="missing"):
+        build_feature_store(*args, rank=0, world_size=2, **kw)
+    store = tmp_path / "c" / "features" / "k"
+    r0 = {p.name: p.stat().st_mtime_ns for p in store.glob("shard_r0_*.safetensors")}
+    assert r0 and not (store / "done.json").exists()
+    done = build_feature_store(*args, rank=0, world_size=1, **kw)
+    assert len(done.index) == len(data.train)
+    kept = {p.name: p.stat().st_mtime_ns for p in store.glob("shard_r0_*.safetensors")}
+    assert all(kept.get(n) == t for n, t in r0.items())  # rank 0's shards untouched
+    new = sorted(set(kept) - set(r0))
+    assert new  # the missing half, in new shards
+    by_new = [i for i, s in done.index.items() if s in new]
+    assert sorted(by_new) == [i for i in range(len(data.train)) if i % 2 == 1]
+    want = target.features(*_one(data.train, 1), (1, 2, 3))[0]
+    assert (done.get(1) - want).abs().max() <= 1e-6
+
+
+def _one(ds, i):
+    ids = torch.tensor(ds[i]["input_ids"])[None]
+    return ids, torch.ones_like(ids)
