@@ -169,12 +169,11 @@ def plan(argv: list[str]) -> Plan:
     bt = DTYPE_BYTES.get(cfg.target.dtype, 2)
     B, T = cfg.data.batch_size, cfg.data.max_length
 
-    uniq = {id(p): p for p in target.model.parameters()}
-    layers = target.model.get_decoder().layers
-    in_layers = {id(p) for p in layers.parameters()}
-    p_target = sum(p.numel() for p in uniq.values())
-    p_layers = sum(p.numel() for i, p in uniq.items() if i in in_layers)
-    p_shared = p_target - p_layers
+    from trainer.shard import outside_layers
+
+    p_shared = sum(p.numel() for p in outside_layers(target.model))
+    p_layers = sum(p.numel() for p in target.model.get_decoder().layers.parameters())
+    p_target = p_layers + p_shared
     p_layer = p_layers // L
     p_draft = sum(p.numel() for p in method.parameters() if p.requires_grad)
 

@@ -69,12 +69,23 @@ def local_bytes(module: nn.Module) -> int:
     return total
 
 
+def outside_layers(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of a causal LM outside its decoder layers (embedding, final norm, LM
+    head), each once (a tied embedding and head is one)."""
+    in_layers = {id(p) for p in model.get_decoder().layers.parameters()}
+    found: dict[int, nn.Parameter] = {}
+    for p in model.parameters():
+        if id(p) not in in_layers:
+            found.setdefault(id(p), p)
+    return list(found.values())
+
+
 class SharedWeights:
     """The target's parameters outside its decoder layers, kept as this process's 1/N rows
     (padded to equal row counts) and all-gathered on demand. Tied weights are one entry."""
 
     def __init__(self, params: list[nn.Parameter], rank: int, world: int):
-        self.rank, self.world = rank, world
+        self.world = world
         self.entries: list[tuple[nn.Parameter, torch.Size, int]] = []
         self.depth = 0
         for p in params:
@@ -86,11 +97,7 @@ class SharedWeights:
             mine[: len(part)] = part
             self.entries.append((p, p.shape, per))
             p.data = mine  # the full tensor is freed with its last reference
-        self._full_bytes = sum(s.numel() * p.element_size() for p, s, _ in self.entries)
-
-    @property
-    def full_bytes(self) -> int:
-        return self._full_bytes
+        self.full_bytes = sum(s.numel() * p.element_size() for p, s, _ in self.entries)
 
     @contextlib.contextmanager
     def gathered(self):
@@ -140,8 +147,6 @@ def _shard_zero3(target: Any, device: torch.device) -> ShardReport:
     world = dist.get_world_size()
     model = target.model.requires_grad_(False)
     full = local_bytes(model)
-    layers = model.get_decoder().layers
-    in_layers = {id(p) for p in layers.parameters()}
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -149,13 +154,10 @@ def _shard_zero3(target: Any, device: torch.device) -> ShardReport:
     # ZeRO-3 over the decoder layers alone: its hooks gather a layer for its forward and free
     # it after. The embedding, norm and head stay whole on every process: the draft reads them
     # directly and inside its own forward, where ZeRO's hooks would free them mid-step.
-    engine, *_ = deepspeed.initialize(model=layers, config=config)
+    engine, *_ = deepspeed.initialize(model=model.get_decoder().layers, config=config)
     target._zero_engine = engine  # keeps DeepSpeed's hooks alive with the target
     target.shard_mode = "zero3"
-    shared_bytes = sum(
-        p.numel() * p.element_size()
-        for p in {id(p): p for p in model.parameters() if id(p) not in in_layers}.values()
-    )
+    shared_bytes = sum(p.numel() * p.element_size() for p in outside_layers(model))
     return ShardReport(world, full, local_bytes(model), shared_bytes, "zero3")
 
 
@@ -198,17 +200,9 @@ def shard_target(target: Any, device: torch.device, mode: str = "fsdp") -> Shard
     model = target.model.requires_grad_(False)
     full = local_bytes(model)
     mesh = init_device_mesh(device.type, (world,))
-    layers = target.model.get_decoder().layers
-    for layer in layers:
+    for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    in_layers = {id(p) for p in layers.parameters()}
-    seen: set[int] = set()
-    rest = []
-    for p in model.parameters():
-        if id(p) not in in_layers and id(p) not in seen:
-            seen.add(id(p))
-            rest.append(p)
-    shared = SharedWeights(rest, rank, world)
+    shared = SharedWeights(outside_layers(model), rank, world)
     target.shared, target.shard_mode = shared, "fsdp"
     return ShardReport(world, full, local_bytes(model), shared.full_bytes)
 
