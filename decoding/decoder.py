@@ -153,8 +153,9 @@ class GammaController:
         decay: float = 0.9,
         probe_every: int = 16,
         max_probe: int = 256,
+        parallel: bool = False,
     ):
-        self.gamma, self.adaptive = gamma, adaptive
+        self.gamma, self.adaptive, self.parallel = gamma, adaptive, parallel
         self.t_verify = list(t_verify)  # index k: forward over k + 1 tokens
         self.decay, self.probe_every, self.max_probe = decay, probe_every, max_probe
         self.counts: dict[str | None, list[float]] = {}  # bucket -> [accepted, tested]
@@ -173,6 +174,12 @@ class GammaController:
             return g + 1.0
         return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
 
+    def draft_cost(self, g: int) -> float:
+        """Seconds to draft ``g`` tokens: g steps, or one forward for a parallel drafter."""
+        if g == 0:
+            return 0.0
+        return self.t_draft if self.parallel else g * self.t_draft
+
     def choose(self, limit: int, bucket: str | None = None) -> int:
         self.probing = False
         cap = max(0, min(self.gamma, limit))
@@ -183,7 +190,7 @@ class GammaController:
         a = self.alpha(bucket)
         best = max(
             range(cap + 1),
-            key=lambda g: self.expected_tokens(a, g) / (g * self.t_draft + self.t_verify[g]),
+            key=lambda g: self.expected_tokens(a, g) / (self.draft_cost(g) + self.t_verify[g]),
         )
         if best > 0:
             self.zero_streak[bucket] = 0
@@ -393,7 +400,9 @@ class SpeculativeDecoder:
         if tree and self.gamma:
             self.controller = TreeController(self.gamma, adaptive, t_verify[0])
         else:
-            self.controller = GammaController(self.gamma, adaptive, t_verify)
+            self.controller = GammaController(
+                self.gamma, adaptive, t_verify, parallel=proposer.parallel
+            )
         self.stats = Stats()
 
     # -- target forwards ----------------------------------------------------------------
@@ -683,11 +692,15 @@ def _lenient_chain_tvd(prop: Proposal, p: torch.Tensor, accepted: int, lenience:
     return out + [0.0] * (accepted + 1 - len(out))
 
 
-def predicted_speedup(alpha: float, gamma_used: Counter | dict, c: float) -> float:
+def predicted_speedup(
+    alpha: float, gamma_used: Counter | dict, c: float, parallel: bool = False
+) -> float:
     """The paper's expected speedup, (1 - a^(g+1)) / ((1 - a)(g c + 1)) for a fixed gamma g;
-    with several gammas used, expected tokens over expected cost summed over iterations."""
+    with several gammas used, expected tokens over expected cost summed over iterations. For a
+    ``parallel`` drafter (one forward drafts every token) an iteration costs c + 1, c then
+    being that forward over a target step."""
     if math.isnan(alpha) or not gamma_used:
         return float("nan")
     tokens = sum(n * GammaController.expected_tokens(alpha, g) for g, n in gamma_used.items())
-    cost = sum(n * (g * c + 1.0) for g, n in gamma_used.items())
+    cost = sum(n * ((c if g else 0.0) if parallel else g * c) + n for g, n in gamma_used.items())
     return tokens / cost

@@ -191,11 +191,12 @@ class EvalError(ValueError):
     """An evaluation setting out of range; the message names it."""
 
 
-def _stats_row(spec: Stats, ar: Stats, c: float) -> dict[str, Any]:
+def _stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict[str, Any]:
     tps = spec.new_tokens / spec.t_total if spec.t_total else float("nan")
     ar_tps = ar.new_tokens / ar.t_total if ar.t_total else float("nan")
     drafted = sum(spec.drafted.values())
     accepted = sum(spec.accepted.values())
+    drafting = sum(n for g, n in spec.gamma_used.items() if g)
     other = spec.t_total - spec.t_target - spec.t_draft - spec.t_prefill
     return {
         "tau": spec.tau,
@@ -207,11 +208,19 @@ def _stats_row(spec: Stats, ar: Stats, c: float) -> dict[str, Any]:
         "speedup": tps / ar_tps if ar_tps else float("nan"),
         # the formula is for chains; a tree's expected length depends on its shape
         "predicted_speedup": (
-            predicted_speedup(spec.alpha, spec.gamma_used, c)
+            predicted_speedup(spec.alpha, spec.gamma_used, c, parallel)
             if not spec.tree_iterations
             else float("nan")
         ),
         "target_calls": spec.target_calls,
+        # what drafting costs per iteration that drafted (a chain drafter: its steps; a
+        # parallel one: its one forward), over one plain target step
+        "draft_ms_per_iteration": 1e3 * spec.t_draft / drafting if drafting else float("nan"),
+        "draft_cost_per_iteration": (
+            (spec.t_draft / drafting) / (ar.t_target / ar.target_calls)
+            if drafting and ar.target_calls
+            else float("nan")
+        ),
         "tree_iterations": spec.tree_iterations,
         "draft_calls": spec.draft_calls,
         "new_tokens": spec.new_tokens,
@@ -404,7 +413,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         c = per_step / ar_step
     else:
         c = (spec.stats.t_draft / steps) / ar_step if steps else 0.0
-    report = _stats_row(spec.stats, ar.stats, c)
+    par = spec.proposer.parallel
+    report = _stats_row(spec.stats, ar.stats, c, par)
     near = sum(d["near_tie"] for d in divergences)
     accepted = sum(spec.stats.accepted.values())
     if lenient and sampling.greedy:
@@ -472,7 +482,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "verifier_changed": changed,
             "convention": CONVENTION,
             "per_category": {
-                cat: _stats_row(s["spec"], s["ar"], c) for cat, s in sorted(per_cat.items())
+                cat: _stats_row(s["spec"], s["ar"], c, par) for cat, s in sorted(per_cat.items())
             },
             "settings": {
                 **OmegaConf.to_container(cfg, resolve=True),

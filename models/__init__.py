@@ -7,11 +7,13 @@ config value, also stored in every saved draft) to its module class (its config 
 and serving-layout checkpoints through ``FORMATS``.
 """
 
-from . import distillspec, eagle, hass, medusa, mlp_speculator
+from . import dflash, distillspec, eagle, falcon, hass, medusa, mlp_speculator, peagle
 from .base import DraftMethod, ExportFormat
+from .dflash import export as dflash_export
 from .eagle import export as eagle_export
 from .medusa import export as medusa_export
 from .mlp_speculator import export as mlp_speculator_export
+from .peagle import export as peagle_export
 
 METHODS: dict[str, type[DraftMethod]] = {
     "eagle1": eagle.EagleHead,
@@ -21,9 +23,18 @@ METHODS: dict[str, type[DraftMethod]] = {
     "medusa2": medusa.Medusa2Heads,
     "distillspec": distillspec.DistillSpecStudent,
     "mlp_speculator": mlp_speculator.MLPSpeculator,
+    "dflash": dflash.DFlashDraft,
+    "peagle": peagle.PEagleHead,
+    "falcon": falcon.FalconHead,
 }
 FORMATS: dict[str, ExportFormat] = {
     f.name: f
-    for f in (*eagle_export.FORMATS, *medusa_export.FORMATS, *mlp_speculator_export.FORMATS)
+    for f in (
+        *eagle_export.FORMATS,
+        *dflash_export.FORMATS,
+        *medusa_export.FORMATS,
+        *mlp_speculator_export.FORMATS,
+        *peagle_export.FORMATS,
+    )
 }
 METHOD_CONFIGS = {name: cls.config_class for name, cls in METHODS.items()}

@@ -265,6 +265,9 @@ class Proposer(abc.ABC):
     #: costs nothing (a lookup): the decoder asks for a proposal first, then decides how much of
     #: it to verify, instead of sizing gamma before drafting
     free: bool = False
+    #: one draft forward gives every token of a proposal (DFlash, P-EAGLE): drafting costs the
+    #: same for any gamma >= 1, and ``last_step_seconds`` measures that forward
+    parallel: bool = False
     #: not None: proposes trees of this depth, verified whole (no adaptive gamma)
     tree_depth: int | None = None
     #: True: ``last_step_seconds`` is this proposer's own measure of one draft step (None after
@@ -332,6 +335,10 @@ class DraftMethod(nn.Module, abc.ABC):
     def init_from_data(self, train, log=print) -> None:  # noqa: B027 (a no-op default)
         """Once, before training from scratch (not on resume or ``train.init_from``): settings
         chosen from the training split, e.g. EAGLE-3's draft vocabulary."""
+
+    def set_progress(self, fraction: float) -> None:  # noqa: B027 (a no-op default)
+        """Before each training step: how far training is, in [0, 1] (the larger of steps
+        and minutes over their budgets), for a method with a curriculum (Falcon's glancing)."""
 
     def param_groups(self, lr: float) -> list:
         """What the optimizer trains: parameters, or param-group dicts (e.g. Medusa-2's heads at

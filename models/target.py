@@ -220,6 +220,47 @@ class Target:
         tok = self.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
+    def mask_token_id(self, given: int | None, key: str = "method.mask_token_id") -> int:
+        """The token id whose (frozen) embedding a parallel drafter feeds in the slots it has
+        not seen yet: ``given``, else the first embedding row past the tokenizer's vocabulary
+        (a spare row: Qwen3's 151,669 of 151,936). ``TargetError`` (one line, naming ``key``)
+        when there is no spare row and none was given."""
+        V = self.config.vocab_size
+        if given is not None:
+            if not 0 <= given < V:
+                raise TargetError(f"{key}={given}: out of range for a vocabulary of {V}")
+            return int(given)
+        if self.tokenizer is None:
+            raise TargetError(
+                f"target {self.identity}: no tokenizer to find a spare token id for the mask; "
+                f"set {key}"
+            )
+        n_tok = len(self.tokenizer)
+        if n_tok < V:
+            return n_tok
+        used = {
+            i
+            for i in (
+                self.tokenizer.bos_token_id,
+                self.tokenizer.eos_token_id,
+                self.tokenizer.pad_token_id,
+            )
+            if i is not None
+        }
+        added = sorted(
+            i for i in getattr(self.tokenizer, "added_tokens_decoder", {}) if i not in used
+        )
+        hint = (
+            f", e.g. {added[-1]} ({self.tokenizer.convert_ids_to_tokens(added[-1])!r}, an added "
+            "token chat data rarely holds)"
+            if added
+            else ""
+        )
+        raise TargetError(
+            f"target {self.identity}: no spare token id for the mask (its tokenizer uses all "
+            f"{V} embedding rows); set {key} to an id the data never holds{hint}"
+        )
+
     def layer_index(self, i: int) -> int:
         n = self.num_layers
         j = i + n + 1 if i < 0 else i

@@ -69,9 +69,9 @@ def main() -> None:
     )
     print(
         "| draft | T | tau | alpha | alpha by position | tok/s | AR tok/s | speedup | predicted "
-        "| c | gamma used | outside forwards | lossless |"
+        "| c | draft/iteration | gamma used | outside forwards | lossless |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     # (typical acceptance and lenience < 1: "lossless" is False and the mean per-token TVD from
     # the target, or at T = 0 the share of tokens that are not the target's argmax, follows in
     # brackets)
@@ -88,6 +88,7 @@ def main() -> None:
             f"| {desc} | {t:g} | {f(r['tau'])} | {f(r['alpha'])} | "
             f"{pos} | {f(r['tokens_per_second'], 1)} | {f(r['ar_tokens_per_second'], 1)} | "
             f"{f(r['speedup'])} | {f(r['predicted_speedup'])} | {f(r['draft_cost_ratio'], 3)} | "
+            f"{f(r.get('draft_cost_per_iteration'), 3)} | "
             f"{r['gamma_used']} | {f(100 * r['time_s']['other_fraction'], 1)}% | {r['lossless']}"
             + (
                 f" ({r['divergences']} divergences, {r['near_tie_divergences']} near-ties)"

@@ -188,7 +188,7 @@ def plan(argv: list[str]) -> Plan:
     ba = 2  # bf16 activations under autocast
     name = mcfg.name
     chunk_rows = min(B * T, getattr(mcfg, "lm_head_chunk", B * T))
-    if name in ("eagle1", "eagle3", "hass"):
+    if name in ("eagle1", "eagle3", "hass", "peagle"):
         passes = getattr(mcfg, "ttt_steps", 1)
         dv = getattr(method.cfg, "draft_vocab_size", None) or V
         act = passes * (34 * B * T * H * ba + B * T * dv * (ba + 4 + 4)) + B * T * 3 * H * ba
@@ -198,6 +198,13 @@ def plan(argv: list[str]) -> Plan:
         act = k * (mcfg.num_layers * 4 * B * T * H * ba + B * T * V * (ba + 4)) + B * T * V * 4
         if name == "medusa2":
             act += L * 34 * B * T * H * ba  # the adapted backbone is in the graph
+    elif name == "dflash":  # every anchor's block through the draft layers, one pass
+        q = B * min(mcfg.anchors, T) * mcfg.block_size
+        heads = c.num_attention_heads
+        act = mcfg.num_layers * (34 * q * H * ba + q * (T + mcfg.block_size) * heads * 4)
+        act += B * T * H * ba * 2 + q * method.cfg.draft_vocab_size * (ba + 4 + 4)
+    elif name == "falcon":  # two passes (CSGD), each an LSTM and one layer over every position
+        act = 2 * (B * T * H * ba * (34 + 8 * mcfg.lstm_layers) + B * T * V * (ba + 4 + 4))
     elif name == "mlp_speculator":
         k = mcfg.n_predict
         act = k * (6 * B * T * H * ba + B * T * V * (ba + 4))

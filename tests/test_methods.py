@@ -24,6 +24,20 @@ SMALL = {
     "medusa2": ["method.num_heads=2", "method.tree_nodes=6", "method.lora_r=4"],
     "distillspec": ["method.num_layers=1"],
     "mlp_speculator": [],
+    "dflash": [
+        "method.draft_vocab_size=64",
+        "method.mask_token_id=5",
+        "method.block_size=4",
+        "method.num_layers=1",
+        "method.fuse_layers=[1,3]",
+    ],
+    "peagle": [
+        "method.draft_vocab_size=64",
+        "method.fuse_layers=[1,2,3]",
+        "method.mask_token_id=5",
+        "method.ttt_steps=3",
+    ],
+    "falcon": ["method.lstm_layers=1"],
 }
 TINY4 = {"name": "tiny_random", "device": "cpu", "dtype": "float32", "tiny_layers": 4}
 

@@ -61,6 +61,15 @@ def make_schedule(cfg: Any, max_steps: int, max_seconds: float | None, state: Lo
     return factor
 
 
+def progress(state: LoopState, total: int, max_seconds: float | None) -> float:
+    """How far training is, in [0, 1]: the larger of steps over ``total`` and elapsed time
+    over the time budget (what a method's curriculum reads, ``DraftMethod.set_progress``)."""
+    p = state.step / max(1, total)
+    if max_seconds:
+        p = max(p, state.elapsed / max_seconds)
+    return min(max(p, 0.0), 1.0)
+
+
 class _Signals:
     """SIGINT/SIGTERM set a flag; the loop checkpoints at the next step boundary and exits."""
 
@@ -255,6 +264,7 @@ def fit(
                 window_tokens += ntok
                 updated = False  # an optimizer step happened (a skipped batch is no step)
                 with accelerator.accumulate(method), target.gathered():
+                    unwrapped.set_progress(progress(state, total, max_seconds))
                     batch = attach_features(batch, unwrapped, target)
                     with accelerator.autocast():
                         out = method(batch)

@@ -125,6 +125,7 @@ class EagleFormat(ExportFormat):
 
     layer_prefix = "midlayer."
     weights_file = "model.safetensors"
+    eagle3 = True  # an EAGLE-3 head (fused layers, draft vocabulary); False: EAGLE-1
     embeds = False  # carries the target's input embedding (frozen) for its loader
 
     # -- writing ---------------------------------------------------------------------------
@@ -180,7 +181,7 @@ class EagleFormat(ExportFormat):
         d = target_dims(target_config)
         H, hd, V = d["H"], d["head_dim"], d["V"]
         layer = _layer_config(config)
-        eagle3 = self.methods == EAGLE3_LIKE
+        eagle3 = self.eagle3
         attn_in = 2 * H if eagle3 else H  # EAGLE-3 attends over [emb; hidden]
         p = self.layer_prefix
         s: dict[str, tuple] = {
@@ -231,7 +232,7 @@ class EagleFormat(ExportFormat):
             raise ExportError(
                 f"{f}: num_hidden_layers={layer.get('num_hidden_layers')}, expected 1"
             )
-        if self.methods != EAGLE3_LIKE:
+        if not self.eagle3:
             return
         if config.get("draft_vocab_size") != draft.cfg.draft_vocab_size:
             raise ExportError(f"{f}: draft_vocab_size={config.get('draft_vocab_size')}")
@@ -276,9 +277,14 @@ class EagleFormat(ExportFormat):
             k: bool(config.get(k, False))
             for k in ("norm_before_residual", "norm_before_fc", "norm_output")
         }
-        head = Eagle3Head(target, Eagle3Config(fuse_layers=fuse, draft_vocab_size=dv, **flags))
+        head = self.build(target, config, fuse_layers=fuse, draft_vocab_size=dv, **flags)
         tensors.pop("embed_tokens.weight", None)  # ours is the target's
         return self._load(head, tensors, "midlayer.", folder)
+
+    def build(self, target, config: dict, **settings: Any) -> EagleHead:
+        """The (untrained) head the weights are read into, from the settings read off the
+        folder; P-EAGLE's format builds its own."""
+        return Eagle3Head(target, Eagle3Config(**settings))
 
     def _load(self, head: EagleHead, tensors: dict, dst: str, folder: Path) -> EagleHead:
         p = self.layer_prefix
@@ -294,7 +300,7 @@ class EagleFormat(ExportFormat):
         return head
 
     def readme_lines(self, draft, config: dict) -> list[str]:
-        if self.methods != EAGLE3_LIKE:
+        if not self.eagle3:
             return []
         t = draft.target
         return [
@@ -418,6 +424,7 @@ class SpeculatorsEagle3(EagleFormat):
 
 class Eagle1Reference(EagleFormat):
     name, methods, description = "eagle1", ("eagle1",), "EAGLE-1 reference layout"
+    eagle3 = False
     weights_file = "pytorch_model.bin"
     layer_prefix = "layers.0."
     embeds = True

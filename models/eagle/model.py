@@ -484,7 +484,7 @@ class Eagle3Head(EagleHead):
             ids = (torch.arange(len(d2t)) + d2t).to(self.target.lm_head.weight.device)
             self.lm_head.weight.copy_(self.target.lm_head.weight[ids].float())
         log(
-            f"eagle3: draft vocabulary {len(d2t)} of {self.t2d.numel()} tokens, covering "
+            f"{self.cfg.name}: draft vocabulary {len(d2t)} of {self.t2d.numel()} tokens, covering "
             f"{covered:.1%} of {int(counts.sum())} assistant tokens in the training split"
         )
 
@@ -564,7 +564,7 @@ class Eagle3Head(EagleHead):
         ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         k = min(self.cfg.ttt_steps, f.shape[1] - 1)
         preds = self.unroll(self.initial_hidden(f), ids, attn, steps=k)
-        masks = position_mask(lm, attn, steps=k)
+        masks = self.train_masks(position_mask(lm, attn, steps=k))
         weights = [self.cfg.step_decay**i for i in range(k)]
         # Soft labels once per position: every unrolled step reads the same target positions
         # shifted, so computing them per step would repeat the (N, draft_vocab) product k times.
@@ -594,6 +594,11 @@ class Eagle3Head(EagleHead):
                 metrics[f"acc_step{j}"] = metric(acc, n)
         metrics["acc"] = metrics.get("acc_step1", metric(0.0, 0))
         return StepOutput(loss=loss, metrics=metrics)
+
+    def train_masks(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Where each unrolled step is trained, from ``position_mask``'s (B, T-1) bool per
+        step: all of it here; P-EAGLE keeps a random share of the deeper ones."""
+        return masks
 
     # The steps' soft CE fused with the draft LM head (``linear_soft_cross_entropy``): the
     # (N, draft_vocab) logits are never held whole, and one call covers every unrolled step.

@@ -1,0 +1,448 @@
+"""DFlash (arXiv 2602.06036): a block drafter conditioned on the target's features.
+
+A few decoder layers of the target's own architecture, with no embedding or LM head of their
+own (the target's, frozen, never saved with the draft). Features of N target layers are fused
+into one context vector per position, ``hidden_norm(fc([f_1; ...; f_N]))``, and in EVERY draft
+layer their key/value projections (that layer's own ``k_proj``/``v_proj``, RoPE at the context
+positions, no input norm) are prepended to the block's keys and values; queries come only from
+the block. A block is ``[last accepted token, mask x (B - 1)]`` at positions p..p+B-1; it reads
+the context strictly before p and itself bidirectionally, and slot k predicts the token at
+p + k, so one forward drafts B - 1 tokens.
+
+Training: random anchors on assistant positions, every block of a batch in one masked pass;
+slot k's cross-entropy against the target's distribution at p + k - 1 (soft) or its argmax
+(hard), weighted exp(-(k - 1) / decay). The draft scores a reduced vocabulary: the frozen
+target LM head's rows for the most frequent assistant tokens (``d2t``/``t2d`` as EAGLE-3's).
+
+Sections: attention, module, training, evaluation, decoding, save/load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..base import (
+    DRAFT_WEIGHTS,
+    DecodeSettings,
+    DraftError,
+    DraftMethod,
+    StepOutput,
+    metric,
+    read_draft_config,
+    write_draft_config,
+)
+from ..blocks import context_kv, layer_over_blocks, rope
+from ..eagle.model import assistant_token_counts, draft_vocab
+from ..losses import linear_soft_cross_entropy, soft_cross_entropy
+from ..quant import quantize_linears
+from ..target import Target, TargetError
+from .config import DFlashConfig
+
+# ---------------------------------------------------------------------------------------------
+# Training helpers
+
+
+def slot_weights(block_size: int, decay: float) -> torch.Tensor:
+    """Loss weight of slots 1..B-1: exp(-(k - 1) / decay), (B - 1,) float32."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / decay)
+
+
+def sample_anchors(
+    ok: torch.Tensor, n: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``n`` random block starts per row among positions where ``ok`` (B, T) is True,
+    sorted: (anchors (B, n') int64, valid (B, n') bool), n' = min(n, T); a row with fewer
+    candidates has its extra anchors marked invalid."""
+    B, T = ok.shape
+    n = min(n, T)
+    r = torch.rand(B, T, device=ok.device, generator=generator)
+    r = r.masked_fill(~ok, -1.0)
+    top = r.topk(n, dim=1)
+    anchors, valid = top.indices, top.values >= 0
+    order = anchors.masked_fill(~valid, T).argsort(dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+# ---------------------------------------------------------------------------------------------
+# Module
+
+
+def qwen3_layer_config(target: Target, num_layers: int):
+    """A Qwen3 config with the target's sizes and RoPE (the draft layers read positions as the
+    target does): what DFlash's draft layers are built from and what an export declares."""
+    from transformers import Qwen3Config
+
+    tc = target.config
+    H, heads = tc.hidden_size, tc.num_attention_heads
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+    return Qwen3Config(
+        vocab_size=tc.vocab_size,
+        hidden_size=H,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(tc, "head_dim", None) or H // heads,
+        hidden_act=getattr(tc, "hidden_act", "silu"),
+        max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
+        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        attention_bias=bool(getattr(tc, "attention_bias", False)),
+        tie_word_embeddings=False,
+    )
+
+
+class DFlashDraft(DraftMethod):
+    """``fc`` + ``hidden_norm`` over the fused features, ``layers`` (the target's decoder
+    layer class), a final ``norm``; the target's embedding and LM head by reference. Parameter
+    names follow speculators' DFlash layout, so export is a rename-free copy."""
+
+    config_class = DFlashConfig
+
+    def __init__(self, target: Target, cfg: DFlashConfig):
+        nn.Module.__init__(self)
+        H, L, V = target.hidden_size, target.num_layers, target.config.vocab_size
+        if cfg.block_size < 2:
+            raise DraftError(
+                f"method.block_size={cfg.block_size}: a block is [last token, mask x (B-1)], "
+                "so B >= 2 (B - 1 tokens drafted per forward)"
+            )
+        if cfg.num_layers < 1:
+            raise DraftError(f"method.num_layers={cfg.num_layers}: must be >= 1")
+        if cfg.anchors < 1 or cfg.decay <= 0:
+            raise DraftError(
+                f"method.anchors={cfg.anchors}, method.decay={cfg.decay}: need anchors >= 1, "
+                "decay > 0"
+            )
+        if cfg.layer_arch not in ("qwen3", "target"):
+            raise DraftError(f"method.layer_arch={cfg.layer_arch!r}: use qwen3 or target")
+        if cfg.targets not in ("soft", "hard"):
+            raise DraftError(f"method.targets={cfg.targets!r}: use soft or hard")
+        if cfg.fuse_layers is None:  # 5 spaced uniformly over 1..L-3 (fewer on tiny targets)
+            hi = max(1, L - 3)
+            fuse = sorted({round(1 + i * (hi - 1) / 4) for i in range(5)})
+        else:
+            fuse = list(cfg.fuse_layers)
+            if not fuse:
+                raise DraftError("method.fuse_layers=[]: fuse at least one target layer")
+        try:
+            fuse = sorted({target.layer_index(i) for i in fuse})
+            mask_id = target.mask_token_id(cfg.mask_token_id)
+        except TargetError as e:
+            raise DraftError(str(e)) from None
+        dv = cfg.draft_vocab_size or min(32768, max(1024, round(V / 4 / 1024) * 1024))
+        dv = min(dv, V)
+        if dv < 2:
+            raise DraftError(f"method.draft_vocab_size={dv}: must be >= 2")
+        self.cfg = cfg = type(cfg)(
+            **{
+                **asdict(cfg),
+                "fuse_layers": fuse,
+                "mask_token_id": mask_id,
+                "draft_vocab_size": dv,
+            }
+        )
+        # the fused layers, then the target's final (normed) state for the soft labels
+        self.feature_layers = (*fuse, -1)
+        self.fc = nn.Linear(len(fuse) * H, H, bias=False)
+        norm_cls = type(target.model.get_decoder().norm)
+        eps = getattr(target.config, "rms_norm_eps", 1e-6)
+        self.hidden_norm = norm_cls(H, eps=eps)
+        if cfg.layer_arch == "qwen3":
+            from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+            lc = qwen3_layer_config(target, cfg.num_layers)
+            self.layers = nn.ModuleList(Qwen3DecoderLayer(lc, i) for i in range(cfg.num_layers))
+        else:
+            self.layers = nn.ModuleList(
+                target.new_decoder_layer(i) for i in range(cfg.num_layers)
+            )
+        self.norm = norm_cls(H, eps=eps)
+        self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self.t2d[:dv] = True
+        object.__setattr__(self, "target", target)
+
+    def init_from_data(self, train, log=print) -> None:
+        """The draft vocabulary: the ``draft_vocab_size`` most frequent assistant tokens."""
+        counts = assistant_token_counts(train, self.t2d.numel())
+        d2t, t2d = draft_vocab(counts, len(self.d2t))
+        covered = counts[d2t + torch.arange(len(d2t))].sum() / counts.sum().clamp_min(1)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        log(
+            f"dflash: draft vocabulary {len(d2t)} of {self.t2d.numel()} tokens, covering "
+            f"{covered:.1%} of {int(counts.sum())} assistant tokens in the training split"
+        )
+
+    # -- pieces --------------------------------------------------------------------------
+
+    def _compute_dtype(self) -> torch.dtype:
+        dev = self.norm.weight.device.type
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+        return self.norm.weight.dtype
+
+    def vocab_ids(self) -> torch.Tensor:
+        """Target ids of the draft vocabulary, increasing: (Vd,) int64."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def lm_rows(self) -> torch.Tensor:
+        """The target LM head's rows for the draft vocabulary (Vd, H), frozen. Kept while the
+        vocabulary, device and dtype stay the same (a CPU gather of a 12k x 576 block is a
+        large part of a draft step)."""
+        w = self.target.lm_head.weight
+        key = (self.d2t.data_ptr(), int(self.d2t.sum()), w.device, w.dtype, w.data_ptr())
+        cached = self.__dict__.get("_lm_rows")
+        if cached is None or cached[0] != key:
+            cached = (key, w[self.vocab_ids().to(w.device)].detach())
+            object.__setattr__(self, "_lm_rows", cached)
+        return cached[1]
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The draft's logits over its vocabulary (..., H) -> (..., Vd), float32."""
+        w = self.lm_rows()
+        return F.linear(self.norm(h).to(w.dtype), w).float()
+
+    def to_target_vocab(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Values over the draft vocabulary (..., Vd) laid out over the target's (..., V)."""
+        out = x.new_full((*x.shape[:-1], self.t2d.numel()), fill)
+        return out.index_copy_(-1, self.vocab_ids(), x)
+
+    def target_logits(self, f_final: torch.Tensor, draft_only: bool) -> torch.Tensor:
+        """Target LM head on its final hidden states (N, H) -> (N, Vd or V), float32."""
+        w = self.lm_rows() if draft_only else self.target.lm_head.weight
+        return F.linear(f_final.to(w.dtype), w).float()
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """The fused context (..., N+1, H) features -> (..., H): hidden_norm(fc(concat))."""
+        n = len(self.feature_layers) - 1
+        f = features[..., :n, :].to(self._compute_dtype()).flatten(-2)
+        return self.hidden_norm(self.fc(f))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target.embed_tokens(ids.to(self.target.device)).to(self._compute_dtype())
+
+    def context_kv(
+        self, ctx: torch.Tensor, pos: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values of the context (B, T, H) at positions ``pos`` (B, T):
+        [(k, v)] with k, v (B, kvh, T, D), RoPE applied to k; no input norm (the fused context
+        is already normed, as the reference reads it)."""
+        cos, sin = rope(self.target.rotary_embedding(), ctx, pos)
+        return [context_kv(layer, ctx, cos, sin) for layer in self.layers]
+
+    def blocks(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_allowed: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The draft layers over A blocks of S slots: x (B, A, S, H) slot embeddings, pos
+        (B, A, S) their positions, ``kv`` the context's per-layer keys/values
+        (``context_kv``), ``ctx_allowed`` (B, A, T) (None: all). Returns (B, A, S, H), pre-norm."""
+        B, A, S, _ = x.shape
+        cos, sin = rope(self.target.rotary_embedding(), x, pos.reshape(B, A * S))
+        cos, sin = cos.view(B, A, S, -1), sin.view(B, A, S, -1)
+        for layer, lkv in zip(self.layers, kv, strict=True):
+            x = layer_over_blocks(layer, x, cos, sin, lkv, ctx_allowed)
+        return x
+
+    def run_blocks(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        anchors: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draft every block of a batch in one pass. features (B, T, N+1, H); anchors (B, A)
+        block starts. Block a reads context positions < anchors[a] (real ones). Returns the
+        slots' states (B, A, S, H)."""
+        B, T = input_ids.shape
+        S = self.cfg.block_size
+        dev = input_ids.device
+        ctx = self.context(features)
+        kv = self.context_kv(ctx, torch.arange(T, device=dev).expand(B, T))
+        tok = torch.full((B, anchors.shape[1], S), self.cfg.mask_token_id, device=dev)
+        tok[:, :, 0] = input_ids.gather(1, anchors)
+        pos = anchors[..., None] + torch.arange(S, device=dev)
+        allowed = (torch.arange(T, device=dev) < anchors[..., None]) & attention_mask[
+            :, None, :
+        ].bool()
+        return self.blocks(self.embed(tok), pos, kv, allowed)
+
+    # -- training ------------------------------------------------------------------------
+
+    @staticmethod
+    def predicts_reply(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) bool: position p's next token is a real assistant token (p's target
+        distribution is a training label)."""
+        ok = loss_mask.bool() & attention_mask.bool()
+        return torch.cat([ok[:, 1:], ok.new_zeros(ok.shape[0], 1)], 1)
+
+    def _slot_rows(self, anchors, valid, pred_ok):
+        """Labelled slots: (b, a, k) indices (k = 1..S-1) and the position p = anchor + k - 1
+        whose target distribution labels them."""
+        B, T = pred_ok.shape
+        k = torch.arange(1, self.cfg.block_size, device=anchors.device)
+        p = anchors[..., None] + k - 1  # (B, A, S-1)
+        ok = valid[..., None] & (p < T)
+        ok &= pred_ok.gather(1, p.clamp(max=T - 1).flatten(1)).view_as(p)
+        b, a, kk = ok.nonzero(as_tuple=True)
+        return b, a, kk + 1, p[b, a, kk]
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> StepOutput:
+        f = batch["features"]
+        ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        pred_ok = self.predicts_reply(lm, attn)
+        anchors, valid = sample_anchors(pred_ok, self.cfg.anchors)
+        h = self.run_blocks(f, ids, attn, anchors)
+        b, a, k, p = self._slot_rows(anchors, valid, pred_ok)
+        n = len(b)
+        metrics: dict[str, torch.Tensor] = {}
+        if n == 0:  # nothing to learn here: a zero loss with a graph
+            return StepOutput(loss=h.sum() * 0.0, metrics={"acc": metric(0.0, 0)})
+        with torch.no_grad():  # the target's distribution over the draft vocabulary
+            t_logits = self.target_logits(f[b, p, -1], draft_only=True)
+            t_arg = t_logits.argmax(-1)
+            t_prob = (
+                t_logits.softmax(-1)
+                if self.cfg.targets == "soft"
+                else F.one_hot(t_arg, t_logits.shape[-1]).float()
+            )
+            del t_logits
+        w = slot_weights(self.cfg.block_size, self.cfg.decay).to(h.device)[k - 1]
+        hs = h[b, a, k]
+        loss, rows, arg = linear_soft_cross_entropy(
+            self.norm(hs), self.lm_rows(), t_prob, torch.arange(n, device=h.device), w / w.sum()
+        )
+        hit = (arg == t_arg).float()
+        for s in range(1, min(self.cfg.block_size, 6)):
+            m = k == s
+            metrics[f"acc_slot{s}"] = metric(hit[m].sum(), m.sum())
+            metrics[f"loss_slot{s}"] = metric(rows[m].sum(), m.sum())
+        metrics["acc"] = metrics["acc_slot1"]
+        return StepOutput(loss=loss, metrics=metrics)
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Agreement of each slot's token (mapped to target ids) with the target's argmax over
+        its whole vocabulary, for a block at every assistant position (in chunks of
+        ``method.anchors``): ``top1_pos{k}`` unconditional, ``alpha_pos{k}`` given slots
+        1..k-1 agreed (the chain's acceptance at T = 0), and slot 1's soft CE."""
+        f = batch["features"]
+        ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        B, T = ids.shape
+        K = min(self.cfg.val_positions, self.cfg.block_size - 1)
+        pred_ok = self.predicts_reply(lm, attn)
+        # every candidate anchor, as (B, A) padded with invalid ones
+        counts = pred_ok.sum(1)
+        A = int(counts.max()) if B else 0
+        out = {f"{m}_pos{j}": metric(0.0, 0) for m in ("top1", "alpha") for j in range(1, K + 1)}
+        out["loss_cls"] = metric(0.0, 0)
+        if A == 0:
+            return out
+        order = (~pred_ok).float().argsort(dim=1, stable=True)[:, :A]
+        valid = torch.arange(A, device=ids.device) < counts[:, None]
+        c = self.cfg.anchors
+        for i in range(0, A, c):
+            anc, val = order[:, i : i + c], valid[:, i : i + c]
+            h = self.run_blocks(f, ids, attn, anc)
+            agree_so_far = val.clone()
+            for j in range(1, K + 1):
+                p = anc + j - 1
+                ok = val & (p < T)
+                ok &= pred_ok.gather(1, p.clamp(max=T - 1))
+                rows = ok.nonzero(as_tuple=True)
+                agree = torch.zeros_like(ok)
+                if rows[0].numel():
+                    hs = h[:, :, j][rows]
+                    d = self.draft_logits(hs).argmax(-1)
+                    d = d + self.d2t[d]
+                    fin = f[rows[0], p[rows], -1]
+                    t = self.target_logits(fin, draft_only=False).argmax(-1)
+                    agree[rows] = d == t
+                    if j == 1:
+                        ce = soft_cross_entropy(
+                            self.draft_logits(hs), self.target_logits(fin, draft_only=True)
+                        )
+                        out["loss_cls"] += metric(ce * len(hs), len(hs))
+                cond = ok & agree_so_far
+                out[f"top1_pos{j}"] += metric(agree[ok].float().sum(), ok.sum())
+                out[f"alpha_pos{j}"] += metric(agree[cond].float().sum(), cond.sum())
+                agree_so_far = cond & agree
+        return out
+
+    # -- decoding ------------------------------------------------------------------------
+
+    def proposer(self, settings: DecodeSettings | None = None):
+        """One forward per iteration drafts up to ``block_size - 1`` tokens, verified as a
+        chain (``tree=chain`` or ``auto``)."""
+        from .proposer import DFlashProposer
+
+        s = settings or DecodeSettings()
+        if s.tree not in ("chain", "auto"):
+            raise ValueError(f"tree={s.tree!r}: a DFlash draft proposes a chain (tree=chain)")
+        return DFlashProposer(self)
+
+    def quantize_for_decoding(self, mode: str) -> int:
+        # the decode path calls fc and the layers' linears as modules; the LM head rows are
+        # the target's own (a plain tensor), left as they are
+        return quantize_linears(self, mode)
+
+    @torch.no_grad()
+    def probe(self, prompt: list[int]) -> torch.Tensor:
+        """Slot 1's draft logits (T - 1, V) for a block at every position of ``prompt`` (-inf
+        outside the draft vocabulary), each reading the target's real features before it."""
+        target = self.target
+        ids = torch.tensor([prompt], device=target.device)
+        T = ids.shape[1]
+        feats = target.features(ids, torch.ones_like(ids), tuple(self.feature_layers))
+        anchors = torch.arange(T - 1, device=ids.device)[None]
+        h = self.run_blocks(feats, ids, torch.ones_like(ids), anchors)
+        return self.to_target_vocab(self.draft_logits(h[0, :, 1]), fill=float("-inf"))
+
+    def export_view(self, dtype: torch.dtype) -> DFlashDraft:
+        ref = type(self)(self.target, self.cfg)
+        ref.load_state_dict(self.state_dict())
+        return ref.to(self.target.device, dtype).eval()
+
+    # -- save / load ---------------------------------------------------------------------
+
+    def save_draft(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
+        write_draft_config(path, self.cfg, self.target, 1, feature_layers=list(self.feature_layers))
+
+    @classmethod
+    def load_draft(cls, path: str | Path, target: Target) -> DFlashDraft:
+        cfg = read_draft_config(path)
+        if cfg["target"]["hidden_size"] != target.hidden_size:
+            raise DraftError(
+                f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
+                f"target {target.identity} has {target.hidden_size}"
+            )
+        draft = cls(target, cls.config_class(**cfg["method"]))
+        try:
+            state = load_file(str(Path(path) / DRAFT_WEIGHTS))
+        except Exception as e:  # safetensors raises several types for damaged files
+            raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DraftError(
+                f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
+            )
+        return draft.to(target.device)

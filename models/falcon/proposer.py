@@ -1,0 +1,255 @@
+"""Falcon's proposers for the shared decoder: a chain of semi-autoregressive forwards (k tokens
+each) and Falcon's tree."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..base import DecodeState, Proposal, Proposer
+from ..sampling import sample, warp
+
+if TYPE_CHECKING:
+    from .model import FalconHead, LSTMState
+
+
+class FalconProposer(Proposer):
+    """Keeps, for the committed (feature, next token) pairs, the LSTM's state after the last
+    one, its outputs and the layer's keys/values. Forward 1 runs the block of the last k
+    committed positions (reading the context before it) and predicts the features, hence the
+    tokens, of the next k positions; each later forward feeds the previous forward's k
+    predicted (feature, token) pairs as its block, continuing the LSTM from the committed state.
+    Drafted entries are never cached, so nothing is rolled back."""
+
+    name = "falcon"
+    measures_steps = True
+    feature_layers = (-1,)
+
+    def __init__(self, head: FalconHead):
+        self.head = self.method = head.eval()
+        self.draft_calls = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, kvh, done, D) each
+        self.xs: torch.Tensor | None = None  # (1, done, H) LSTM outputs
+        self.state: LSTMState | None = None
+        self.done = 0
+        self.last_step_seconds = None
+
+    def start(self, state: DecodeState) -> None:
+        self.reset()
+        if state.features is not None:
+            self._catch_up(state)
+
+    @torch.no_grad()
+    def _catch_up(self, state: DecodeState) -> None:
+        head = self.head
+        n = state.features.shape[0]  # committed inputs: (f_t, x_{t+1}) for t < n
+        if n <= self.done:
+            return
+        dev = state.device
+        nxt = torch.tensor([state.ids[self.done + 1 : n + 1]], device=dev)
+        xs, every = head.run_lstm(
+            head.inputs(state.features[self.done : n, 0][None], nxt), self.state
+        )
+        self.state = [(h[:, -1], c[:, -1]) for h, c in every]
+        k, v = head.context(xs, torch.arange(self.done, n, device=dev)[None])
+        if self.kv is None:
+            self.kv, self.xs = (k, v), xs
+        else:
+            self.kv = (torch.cat([self.kv[0], k], 2), torch.cat([self.kv[1], v], 2))
+            self.xs = torch.cat([self.xs, xs], 1)
+        self.done = n
+
+    def _first_block(self) -> tuple[torch.Tensor, int]:
+        """Forward 1: the block of the last k committed positions. Returns its outputs
+        (S, H) (S = k, fewer at the very start: predicted features of positions done..) and
+        the block's first position."""
+        head, e = self.head, self.done - 1
+        s0 = max(0, e - head.cfg.k + 1)
+        xb = self.xs[:, s0 : e + 1][:, None]  # (1, 1, S, H)
+        pos = torch.arange(s0, e + 1, device=xb.device)[None, None]
+        kv = (self.kv[0][:, :, :s0], self.kv[1][:, :, :s0])
+        return head.attend(xb, pos, kv, None)[0, 0], s0
+
+    def _choose(self, feats: torch.Tensor, state: DecodeState):
+        """Tokens after predicted features (m, H): argmax, or samples and their q."""
+        logits = self.head.logits(feats)
+        if state.sampling.greedy:
+            return logits.argmax(-1).tolist(), None
+        q = warp(logits, state.sampling)
+        return [sample(q[i], state.generator) for i in range(len(q))], q
+
+    def _advance(self, feats, tokens, lstm_state, start: int, kv_extra, allowed=None):
+        """One later forward for A branches at once: their blocks of pairs (feats (A, m, H),
+        tokens (A, m)) at positions start.., LSTM from ``lstm_state`` (per branch), reading the
+        committed context plus ``kv_extra`` (keys/values of earlier draft blocks, appended
+        after the committed ones; ``allowed`` (1, A, keys) picks a branch's). Returns outputs
+        (A, m, H), the LSTM states after the block, and the block's keys/values."""
+        head = self.head
+        A, m, _ = feats.shape
+        dev = feats.device
+        xs, every = head.run_lstm(head.inputs(feats, tokens), lstm_state)
+        pos = torch.arange(start, start + m, device=dev).expand(A, m)
+        kb, vb = head.context(xs, pos)  # (A, kvh, m, D): this block's own keys, for later blocks
+        k_ctx, v_ctx = self.kv
+        if kv_extra is not None:
+            k_ctx = torch.cat([k_ctx, kv_extra[0]], 2)
+            v_ctx = torch.cat([v_ctx, kv_extra[1]], 2)
+        out = head.attend(xs[None], pos[None], (k_ctx, v_ctx), allowed)[0]
+        return out, [(h[:, -1], c[:, -1]) for h, c in every], (kb, vb)
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        if state.features is None or len(state.ids) < 2 or gamma < 1:
+            self.last_step_seconds = None
+            return Proposal([], [])
+        t0 = time.perf_counter()
+        self._catch_up(state)
+        out, _ = self._first_block()
+        tokens, q = self._choose(out, state)
+        qs = [q] if q is not None else []
+        feats, toks, lstm = out, tokens, self.state
+        extra = None
+        calls = 1
+        while len(tokens) < gamma:
+            start = self.done + len(tokens) - len(toks)
+            out, lstm, (kb, vb) = self._advance(
+                feats[None], torch.tensor([toks], device=state.device), lstm, start, extra
+            )
+            extra = (
+                (kb, vb)
+                if extra is None
+                else (torch.cat([extra[0], kb], 2), torch.cat([extra[1], vb], 2))
+            )
+            feats = out[0]
+            toks, q = self._choose(feats, state)
+            tokens += toks
+            if q is not None:
+                qs.append(q)
+            calls += 1
+        self.draft_calls += calls
+        tokens = tokens[:gamma]
+        q = torch.cat(qs)[:gamma] if qs else None
+        # one forward drafts k tokens: the decoder's cost model reads a per-token cost
+        self.last_step_seconds = (time.perf_counter() - t0) / max(1, len(tokens))
+        return Proposal.chain(tokens, q)
+
+
+@dataclass
+class _Branch:
+    last: int  # the branch's last node
+    feats: torch.Tensor  # (m, H) predicted features its block fed forward
+    tokens: list[int]  # (m,) the tokens after them
+    state: list  # LSTM state after the branch (per layer (h, c), each (H,))
+    cols: list[int]  # columns of the draft keys it (and its ancestors) wrote
+
+
+class FalconTreeProposer(FalconProposer):
+    """Falcon's draft tree: ``depth`` forwards; at each, every frontier branch's block gives
+    ``top_k`` children for its first slot, each followed by the argmax of the later slots (they
+    come from the same forward, so siblings share them); the ``top_k`` branches of highest
+    cumulative log-probability go on, batched in one forward with a mask over the draft keys
+    of their ancestors. The ``total_tokens`` best nodes are verified (ancestor-closed: a
+    node never scores above its parent). Deterministic (top-k), so q = None: the decoder
+    verifies it with point-mass recursive rejection, exact at T > 0."""
+
+    name = "falcon-tree"
+
+    def __init__(self, head, depth: int = 3, top_k: int = 4, total_tokens: int = 16):
+        super().__init__(head)
+        for key, v in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+            if v < 1:
+                raise ValueError(f"{key}={v}: must be >= 1")
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.tree_depth = depth * head.cfg.k
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        head, dev = self.head, state.device
+        if state.features is None or len(state.ids) < 2 or gamma < 1:
+            self.last_step_seconds = None
+            return Proposal([], [])
+        t0 = time.perf_counter()
+        self._catch_up(state)
+        depth = min(self.depth, math.ceil(gamma / head.cfg.k))
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        depths: list[int] = []
+
+        def children(parent: int, feats: torch.Tensor, base: float, d0: int):
+            """Paths [c, argmax slot 2, ...] for the top_k c of slot 1 after ``parent``;
+            returns (last node, tokens of the path) per path."""
+            logp = head.logits(feats).log_softmax(-1)  # (m, V)
+            top = logp[0].topk(min(self.top_k, logp.shape[-1]))
+            rest_tok = logp[1:].argmax(-1).tolist()
+            rest_lp = logp[1:].max(-1).values.tolist()
+            paths = []
+            for lp, c in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                prev, s, toks = parent, base + lp, [c]
+                tokens.append(c), parents.append(prev), scores.append(s), depths.append(d0)
+                prev = len(tokens) - 1
+                for j, (t, lpj) in enumerate(zip(rest_tok, rest_lp, strict=True), start=1):
+                    s += lpj
+                    tokens.append(t), parents.append(prev), scores.append(s)
+                    depths.append(d0 + j)
+                    prev = len(tokens) - 1
+                    toks.append(t)
+                paths.append((prev, toks))
+            return paths
+
+        out, _ = self._first_block()
+        m = out.shape[0]
+        branches = [
+            _Branch(last, out, toks, self.state, []) for last, toks in children(-1, out, 0.0, 1)
+        ]
+        k_extra = v_extra = None
+        n_extra = 0
+        for level in range(1, depth):
+            frontier = sorted(branches, key=lambda b: -scores[b.last])[: self.top_k]
+            A = len(frontier)
+            start = self.done + (level - 1) * m
+            feats = torch.stack([b.feats for b in frontier])
+            toks = torch.tensor([b.tokens for b in frontier], device=dev)
+            lstm = [
+                (
+                    torch.stack([b.state[i][0].reshape(-1) for b in frontier]),
+                    torch.stack([b.state[i][1].reshape(-1) for b in frontier]),
+                )
+                for i in range(len(head.lstm))
+            ]
+            allowed = None
+            if n_extra:
+                allowed = torch.zeros(1, A, self.done + n_extra, dtype=torch.bool, device=dev)
+                allowed[..., : self.done] = True
+                for r, b in enumerate(frontier):
+                    allowed[0, r, [self.done + c for c in b.cols]] = True
+            kv = (k_extra, v_extra) if n_extra else None
+            out, states, (kb, vb) = self._advance(feats, toks, lstm, start, kv, allowed)
+            new_cols = [[n_extra + r * m + j for j in range(m)] for r in range(A)]
+            kb_flat = kb.permute(1, 0, 2, 3).reshape(1, kb.shape[1], A * m, -1)
+            vb_flat = vb.permute(1, 0, 2, 3).reshape(1, vb.shape[1], A * m, -1)
+            k_extra = kb_flat if k_extra is None else torch.cat([k_extra, kb_flat], 2)
+            v_extra = vb_flat if v_extra is None else torch.cat([v_extra, vb_flat], 2)
+            n_extra += A * m
+            branches = []
+            for r, b in enumerate(frontier):
+                st = [(h[r], c[r]) for h, c in states]
+                for last, ptoks in children(b.last, out[r], scores[b.last], level * m + 1):
+                    branches.append(_Branch(last, out[r], ptoks, st, b.cols + new_cols[r]))
+        self.draft_calls += depth
+        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
+        keep = order[: self.total_tokens]
+        keep.sort(key=lambda i: (depths[i], -scores[i], i))
+        index = {v: j for j, v in enumerate(keep)}
+        self.last_step_seconds = (time.perf_counter() - t0) / depth
+        return Proposal(
+            [tokens[v] for v in keep],
+            [index[parents[v]] if parents[v] >= 0 else -1 for v in keep],
+        )
