@@ -97,6 +97,44 @@ def write_draft_config(
     (Path(path) / DRAFT_CONFIG).write_text(json.dumps(cfg, indent=1))
 
 
+def save_weights_draft(draft, path: str | Path, format_version: int) -> None:
+    """A draft folder for a module whose state dict is exactly its draft: ``model.safetensors``
+    and ``config.json`` (with its ``feature_layers``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
+    save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
+    write_draft_config(
+        path, draft.cfg, draft.target, format_version, feature_layers=list(draft.feature_layers)
+    )
+
+
+def load_weights_draft(cls, path: str | Path, target):
+    """The draft ``save_weights_draft`` wrote, for ``target``; ``DraftError`` naming the folder
+    for another hidden size, unreadable weights or weights that do not fit."""
+    from safetensors.torch import load_file
+
+    cfg = read_draft_config(path)
+    if cfg["target"]["hidden_size"] != target.hidden_size:
+        raise DraftError(
+            f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
+            f"target {target.identity} has {target.hidden_size}"
+        )
+    draft = cls(target, cls.config_class(**cfg["method"]))
+    try:
+        state = load_file(str(Path(path) / DRAFT_WEIGHTS))
+    except Exception as e:  # safetensors raises several types for damaged files
+        raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DraftError(
+            f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
+        )
+    return draft.to(target.device)
+
+
 def read_draft_config(path: str | Path) -> dict:
     p = Path(path)
     f = p / DRAFT_CONFIG

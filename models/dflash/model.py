@@ -24,18 +24,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..base import (
-    DRAFT_WEIGHTS,
     DecodeSettings,
     DraftError,
     DraftMethod,
     StepOutput,
+    load_weights_draft,
     metric,
-    read_draft_config,
-    write_draft_config,
+    save_weights_draft,
 )
 from ..blocks import context_kv, layer_over_blocks, rope
 from ..eagle.model import assistant_token_counts, draft_vocab
@@ -162,9 +160,7 @@ class DFlashDraft(DraftMethod):
             lc = qwen3_layer_config(target, cfg.num_layers)
             self.layers = nn.ModuleList(Qwen3DecoderLayer(lc, i) for i in range(cfg.num_layers))
         else:
-            self.layers = nn.ModuleList(
-                target.new_decoder_layer(i) for i in range(cfg.num_layers)
-            )
+            self.layers = nn.ModuleList(target.new_decoder_layer(i) for i in range(cfg.num_layers))
         self.norm = norm_cls(H, eps=eps)
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
@@ -413,36 +409,11 @@ class DFlashDraft(DraftMethod):
         h = self.run_blocks(feats, ids, torch.ones_like(ids), anchors)
         return self.to_target_vocab(self.draft_logits(h[0, :, 1]), fill=float("-inf"))
 
-    def export_view(self, dtype: torch.dtype) -> DFlashDraft:
-        ref = type(self)(self.target, self.cfg)
-        ref.load_state_dict(self.state_dict())
-        return ref.to(self.target.device, dtype).eval()
-
     # -- save / load ---------------------------------------------------------------------
 
     def save_draft(self, path: str | Path) -> None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
-        write_draft_config(path, self.cfg, self.target, 1, feature_layers=list(self.feature_layers))
+        save_weights_draft(self, path, 1)
 
     @classmethod
     def load_draft(cls, path: str | Path, target: Target) -> DFlashDraft:
-        cfg = read_draft_config(path)
-        if cfg["target"]["hidden_size"] != target.hidden_size:
-            raise DraftError(
-                f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
-                f"target {target.identity} has {target.hidden_size}"
-            )
-        draft = cls(target, cls.config_class(**cfg["method"]))
-        try:
-            state = load_file(str(Path(path) / DRAFT_WEIGHTS))
-        except Exception as e:  # safetensors raises several types for damaged files
-            raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
-        missing, unexpected = draft.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DraftError(
-                f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
-            )
-        return draft.to(target.device)
+        return load_weights_draft(cls, path, target)

@@ -43,18 +43,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..base import (
-    DRAFT_WEIGHTS,
     DecodeSettings,
     DraftError,
     DraftMethod,
     StepOutput,
+    load_weights_draft,
     metric,
-    read_draft_config,
-    write_draft_config,
+    save_weights_draft,
 )
 from ..blocks import context_kv, layer_over_blocks, rope
 from ..losses import linear_soft_cross_entropy
@@ -336,28 +334,8 @@ class FalconHead(DraftMethod):
     # -- save / load ---------------------------------------------------------------------
 
     def save_draft(self, path: str | Path) -> None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
-        write_draft_config(path, self.cfg, self.target, 1, feature_layers=list(self.feature_layers))
+        save_weights_draft(self, path, 1)
 
     @classmethod
     def load_draft(cls, path: str | Path, target: Target) -> FalconHead:
-        cfg = read_draft_config(path)
-        if cfg["target"]["hidden_size"] != target.hidden_size:
-            raise DraftError(
-                f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
-                f"target {target.identity} has {target.hidden_size}"
-            )
-        head = cls(target, cls.config_class(**cfg["method"]))
-        try:
-            state = load_file(str(Path(path) / DRAFT_WEIGHTS))
-        except Exception as e:  # safetensors raises several types for damaged files
-            raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DraftError(
-                f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
-            )
-        return head.to(target.device)
+        return load_weights_draft(cls, path, target)
