@@ -487,10 +487,12 @@ class SpeculativeDecoder:
             device=self.device,
             signals=self.stop_rule is not None or self.traces is not None,
             stop=self.stop_rule,
+            prefill_cache=cache if len(prompt) > 1 else None,
         )
         calls0 = self.proposer.draft_calls
         t = time.perf_counter()
         self.proposer.start(state)  # a draft model prefills the prompt here: counted as prefill
+        state.prefill_cache = None
         _sync(self.device)
         st.t_prefill += time.perf_counter() - t
         new: list[int] = []
@@ -583,26 +585,7 @@ class SpeculativeDecoder:
                         "drafted": len(prop),
                     }
                 )
-            # counters
-            depth = _depths(prop)
-            for d in depth:
-                st.drafted[d] += 1
-            max_depth = max(depth, default=0)
-            st.draft_steps += max_depth
-            st.tree_iterations += 0 if _is_chain(prop) else 1
-            # position k is tested when 1..k-1 were accepted and the accepted node at k-1 has
-            # children (for a chain: the draft reached depth k); a deeper branch elsewhere in a
-            # tree is not a test of the accepted path
-            parents_with_kids = set(prop.parents)
-            tested = len(path) + (1 if (path[-1] if path else -1) in parents_with_kids else 0)
-            for k in range(1, tested + 1):
-                st.tested[k] += 1
-                if k <= len(path):
-                    st.accepted[k] += 1
-            if len(prop):
-                st.accept_len[len(path)] += 1
-            st.gamma_used[len(prop)] += 1  # what was drafted (a lookup may find nothing)
-            st.target_calls += 1
+            tested = count_iteration(st, prop, path)
             st.t_target += t_verify
             st.t_draft += t_draft
             # Per-step draft cost: the proposer's own measure of its steps when it has one
@@ -668,6 +651,29 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     by eager attention, which then masks nothing.)"""
     m = torch.zeros(allowed.shape, dtype=dtype)
     return m.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:
+    """Book one verification of ``prop`` (accepted ``path``) in ``st``; returns how many draft
+    positions it tested. Position k is tested when 1..k-1 were accepted and the accepted node
+    at k-1 has children (for a chain: the draft reached depth k); a deeper branch elsewhere in a
+    tree is not a test of the accepted path."""
+    depth = _depths(prop)
+    for d in depth:
+        st.drafted[d] += 1
+    st.draft_steps += max(depth, default=0)
+    st.tree_iterations += 0 if _is_chain(prop) else 1
+    parents_with_kids = set(prop.parents)
+    tested = len(path) + (1 if (path[-1] if path else -1) in parents_with_kids else 0)
+    for k in range(1, tested + 1):
+        st.tested[k] += 1
+        if k <= len(path):
+            st.accepted[k] += 1
+    if len(prop):
+        st.accept_len[len(path)] += 1
+    st.gamma_used[len(prop)] += 1  # what was drafted (a lookup may find nothing)
+    st.target_calls += 1
+    return tested
 
 
 def _is_chain(p: Proposal) -> bool:

@@ -3,6 +3,7 @@
 none             plain autoregressive decoding (the baseline)
 ngram            prompt lookup decoding (no model)
 lookahead        lookahead decoding: Jacobi n-grams from the target itself (no model)
+streaming        MagicDec self-speculation: the target over a StreamingLLM cache (no model)
 truncate:N       the target's embedding + first N layers + head, untrained
 <run dir>        a training run (its final/ draft)
 <draft dir>      a saved draft (config.json with a "specdraft" key), e.g. final/ or
@@ -78,13 +79,16 @@ def load_proposer(
     ngram_max: int = 3,
     tree: DecodeSettings | None = None,
     lookahead: tuple[int, int, int] = (5, 4, 5),
+    streaming: tuple[int, int] = (4, 256),
 ):
     """Proposer and a short description for reports. ``tree``: how a trained draft proposes
     (chain, EAGLE-2 dynamic tree, Medusa static tree; see ``DecodeSettings``). ``lookahead``:
-    lookahead decoding's (window W, n-gram size N, guesses G)."""
+    lookahead decoding's (window W, n-gram size N, guesses G); ``streaming``: the streaming
+    self-draft's (sinks, window)."""
     tree = tree or DecodeSettings()
     if tree.tree not in ("auto", "chain") and (
-        spec in ("none", "ar", "ngram", "pld", "lookahead") or spec.startswith("truncate:")
+        spec in ("none", "ar", "ngram", "pld", "lookahead", "streaming")
+        or spec.startswith("truncate:")
     ):
         raise DraftError(f"draft={spec}: tree={tree.tree} needs a trained draft (EAGLE or Medusa)")
     if spec in ("none", "ar"):
@@ -98,6 +102,14 @@ def load_proposer(
         except ValueError as e:
             raise DraftError(str(e)) from None
         return prop, f"lookahead (W={w}, N={n}, G={g})"
+    if spec == "streaming":
+        from .streaming import StreamingDraft
+
+        try:
+            prop = StreamingDraft(target, *streaming)
+        except ValueError as e:
+            raise DraftError(str(e)) from None
+        return prop, prop.describe()
     if spec.startswith("truncate:"):
         try:
             n = int(spec.split(":", 1)[1])

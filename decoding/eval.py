@@ -35,6 +35,8 @@ from models.quant import check_mode
 from models.sampling import Sampling
 from models.target import TargetConfig, TargetError, load_target
 
+from .batch import BatchError
+from .batch_eval import evaluate_batched, plot_batch_report, print_batch_report, wants_batch
 from .bench import BenchError, load_bench
 from .decoder import NoDraft, SpeculativeDecoder, Stats, predicted_speedup
 from .disco import load_stop_rule, write_traces
@@ -107,11 +109,28 @@ class EvalConfig:
     lookahead_window: int = 5
     lookahead_ngram: int = 4
     lookahead_guesses: int = 5
+    # draft=streaming (MagicDec self-speculation): the target drafts over a StreamingLLM cache of
+    # the first stream_sinks positions and the last stream_window ones
+    stream_sinks: int = 4
+    stream_window: int = 256
     # learned speculation length (DISCO): stop=gamma drafts what the gamma controller says;
     # stop=disco drafts up to gamma tokens and stops where the classifier at ``disco`` (default:
     # <draft folder>/disco) predicts a rejection
+    # stop=goodput (SmartSpec): one speculation length per iteration for the whole batch, the
+    # one that maximises expected accepted tokens / predicted step time (decoding/batch.py)
     stop: str = "gamma"
     disco: str | None = None
+    # the serving regime (decoding/batch.py): B requests decoded together with continuous
+    # batching, plain and speculative at the same B; batch_sizes sweeps (e.g. [1,4,16]) and
+    # batch_policies compares fixed (gamma), adaptive (today's controller per request) and
+    # goodput at each; the report's "batch" rows hold tokens/s, per-request tokens/s, tau...
+    batch_size: int = 1
+    batch_sizes: list[int] | None = None
+    batch_policies: list[str] | None = None
+    # each batch size's runs (plain, then each policy) repeated this many times, in reversed
+    # order every other time, and pooled: a machine whose speed drifts between runs (+-20%
+    # between two plain runs was seen on a 2-core VM) then weighs on every configuration alike
+    batch_repeats: int = 1
     # write acceptance traces (per drafted token: the draft's signals, and whether it was
     # accepted) to this JSONL file, for ``specdraft-disco``; needs adaptive=false
     traces: str | None = None
@@ -206,6 +225,11 @@ def _stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict
         "tokens_per_second": tps,
         "ar_tokens_per_second": ar_tps,
         "speedup": tps / ar_tps if ar_tps else float("nan"),
+        # the same after the prompt's prefill (long prompts: where a draft's own prefill or
+        # the target's dominates the wall time, this is what decoding gains)
+        "decode_speedup": _decode_rate(spec) / _decode_rate(ar)
+        if _decode_rate(ar)
+        else float("nan"),
         # the formula is for chains; a tree's expected length depends on its shape
         "predicted_speedup": (
             predicted_speedup(spec.alpha, spec.gamma_used, c, parallel)
@@ -238,6 +262,12 @@ def _stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict
     }
 
 
+def _decode_rate(s: Stats) -> float:
+    """Tokens per second after the prefill (the prompt's forward and a draft's own)."""
+    t = s.t_total - s.t_prefill
+    return s.new_tokens / t if t > 0 else float("nan")
+
+
 def _clean(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None
@@ -268,6 +298,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.engine == "llama.cpp":
         from .engine_eval import evaluate_engine
 
+        if wants_batch(cfg):
+            raise EvalError(
+                "batch_size / batch_sizes / stop=goodput are measured in the built-in decoder "
+                "(engine=torch); llama-server's parallel slots are not"
+            )
         return _clean(evaluate_engine(cfg))
     if cfg.gamma < 1:
         raise EvalError(f"gamma={cfg.gamma}: must be >= 1 (use draft=none for plain decoding)")
@@ -311,9 +346,37 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     )
     tree = DecodeSettings(**{k: cfg[k] for k in keys})
     la = (cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_guesses)
-    proposer, draft_desc = load_proposer(cfg.draft, target, cfg.ngram_max, tree=tree, lookahead=la)
-    if cfg.stop not in ("gamma", "disco"):
-        raise EvalError(f"stop={cfg.stop!r}: use gamma (the gamma controller) or disco")
+    proposer, draft_desc = load_proposer(
+        cfg.draft,
+        target,
+        cfg.ngram_max,
+        tree=tree,
+        lookahead=la,
+        streaming=(cfg.stream_sinks, cfg.stream_window),
+    )
+    if cfg.stop not in ("gamma", "disco", "goodput"):
+        raise EvalError(
+            f"stop={cfg.stop!r}: use gamma (the gamma controller), disco or goodput (SmartSpec)"
+        )
+    if wants_batch(cfg):
+        sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
+        tok = target.tokenizer
+        stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+        try:
+            report = evaluate_batched(cfg, target, proposer, draft_desc, questions, sampling, stop)
+        except BatchError as e:
+            raise EvalError(str(e)) from None
+        report["settings"] = {
+            **OmegaConf.to_container(cfg, resolve=True),
+            "draft_description": draft_desc,
+            "target_identity": target.identity,
+            "device": str(target.device),
+            "dtype": str(target.dtype),
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "date": datetime.now(timezone.utc).isoformat(),
+        }
+        return _clean(report)
     if cfg.traces and cfg.adaptive:
         raise EvalError(
             "traces need every drafted position tested at a fixed gamma: add adaptive=false"
@@ -741,8 +804,12 @@ def _main(cfg: DictConfig) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(r, indent=1))
     png = Path(cfg.plot) if cfg.plot else path.with_suffix(".png")
-    plot_report(r, png)
-    print_report(r)
+    if "batch" in r:
+        plot_batch_report(r, png)
+        print_batch_report(r)
+    else:
+        plot_report(r, png)
+        print_report(r)
     print(f"report: {path}   plot: {png}")
 
 

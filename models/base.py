@@ -222,6 +222,10 @@ class DecodeState:
     #: a learned stop rule (DISCO): called with a drafted token's signals (F,), True = stop
     #: drafting after that token. None: draft the gamma tokens asked for.
     stop: Callable[[torch.Tensor], bool] | None = None
+    #: during ``Proposer.start`` only: the target's KV cache right after the prompt's prefill
+    #: (``len(ids) - 1`` positions), for a self-drafter to copy from; read it, never change it.
+    #: None where the decoder has none to give (the batched decoder).
+    prefill_cache: object | None = None
 
 
 #: what ``draft_signals`` returns, per drafted token
@@ -320,6 +324,24 @@ class Proposer(abc.ABC):
     def start(self, state: DecodeState) -> None:  # noqa: B027 (a no-op default)
         """A new sequence begins (``state.ids`` is the prompt)."""
 
+    def batched(self) -> BatchedProposer | None:
+        """This draft drafting for all rows of a batch in one forward per step
+        (``BatchedProposer``), or None (the default): the batched decoder then gives each row
+        its own ``fresh`` copy, drafting row by row."""
+        return None
+
+    def fresh(self) -> Proposer:
+        """Another proposer of the same draft for another sequence decoded at the same time
+        (a row of the batched decoder): shares the weights, holds its own per-sequence state.
+        The default is a shallow copy, right for every proposer whose ``start`` assigns its
+        per-sequence state anew (caches, pools) instead of mutating objects in place."""
+        import copy
+
+        other = copy.copy(self)
+        other.draft_calls = 0
+        other.last_step_seconds = None
+        return other
+
     @abc.abstractmethod
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         """Draft up to ``gamma`` tokens (a chain) or a tree of depth ``gamma`` after
@@ -346,6 +368,33 @@ class Proposer(abc.ABC):
     def side_logits(self, state: DecodeState, logits: torch.Tensor) -> None:  # noqa: B027 (a no-op default)
         """The target's logits (m, V) for the tokens of this iteration's ``side_branch``
         (called after verification, ``state.ids`` already holding the committed tokens)."""
+
+
+class BatchedProposer(abc.ABC):
+    """A drafter for every row of the batched decoder at once (``decoding/batch.py``): one
+    draft forward per step for the whole batch instead of one per row. Rows are the decoder's,
+    in its order: ``join`` appends the newly admitted ones, ``select`` keeps a subset."""
+
+    draft_calls: int = 0
+    #: seconds of one draft step for the whole batch, measured by the last ``propose`` (None:
+    #: nothing clean to measure)
+    last_step_seconds: float | None = None
+
+    @abc.abstractmethod
+    def join(self, states: list[DecodeState]) -> None:
+        """Rows appended at the end of the batch (``state.ids``: prompt, features filled)."""
+
+    @abc.abstractmethod
+    def select(self, keep: list[int]) -> None:
+        """Only the rows at these indices stay, in this order."""
+
+    @abc.abstractmethod
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        """Up to ``gammas[b]`` draft tokens (a chain) for each row b."""
+
+    @abc.abstractmethod
+    def rollback(self, states: list[DecodeState], accepted: list[int]) -> None:
+        """After verification: ``states[b].ids`` holds row b's committed tokens."""
 
 
 class DraftMethod(nn.Module, abc.ABC):

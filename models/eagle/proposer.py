@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from ..base import DecodeState, Proposal, Proposer, crop_cache, draft_signals
+from ..base import (
+    BatchedProposer,
+    DecodeState,
+    Proposal,
+    Proposer,
+    crop_cache,
+    draft_signals,
+)
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -37,6 +44,10 @@ class EagleProposer(Proposer):
         self.draft_calls = 0
         self.cache: DynamicCache | None = None
         self.done = 0  # committed pairs held by the head's cache
+
+    def batched(self) -> BatchedEagleChain | None:
+        """The batched decoder's drafter: chains only (a subclass drafts otherwise)."""
+        return BatchedEagleChain(self.head) if type(self) is EagleProposer else None
 
     def reset(self) -> None:
         """Forget every fed pair (an empty draft KV cache)."""
@@ -261,3 +272,144 @@ class EagleTreeProposer(EagleProposer):
             [tokens[v] for v in keep],
             [index[parents[v]] if parents[v] >= 0 else -1 for v in keep],
         )
+
+
+class BatchedEagleChain(BatchedProposer):
+    """EAGLE chain drafting for every row of the batched decoder in one head forward per step.
+
+    The head's KV cache is shared by the rows (``models/ragged.py``): committed pairs are fed
+    with the target's real features, each row catching up on its own number of new pairs in
+    one padded forward, and the drafted entries are masked out after verification (the batch-1
+    proposer crops them): the next catch-up feeds the accepted tokens with their real features.
+    Its proposals are the batch-1 proposer's (tests/test_batch.py)."""
+
+    def __init__(self, head: EagleHead):
+        self.head = head
+        self.cache = None
+        self.valid: torch.Tensor | None = None
+        self.done: list[int] = []  # committed pairs each row's entries hold
+        self.draft_start: int | None = None
+        self.draft_calls = 0
+        self.last_step_seconds = None
+
+    @torch.no_grad()
+    def _feed(self, states, rows: list[int], upto: list[int], cache, valid):
+        """Feed each row's committed pairs (f_t, x_{t+1}) for t = done..upto-1, left-padded to
+        the longest (at least one query: a row with nothing to feed gets a masked one).
+        Returns the head output at each row's last query (R, H) and the new ``valid``."""
+        head, dev = self.head, states[0].device
+        n = max(1, max(u - self.done[r] for r, u in zip(rows, upto, strict=True)))
+        R = len(rows)
+        toks = torch.zeros(R, n, dtype=torch.long)
+        pos = torch.zeros(R, n, dtype=torch.long)
+        real = torch.zeros(R, n, dtype=torch.bool)
+        h0 = None
+        for i, (r, u) in enumerate(zip(rows, upto, strict=True)):
+            st, d = states[i], self.done[r]
+            if u <= d:
+                continue
+            f = head.initial_hidden(st.features[d:u])
+            if h0 is None:
+                h0 = f.new_zeros(R, n, f.shape[-1])
+            h0[i, n - (u - d) :] = f
+            toks[i, n - (u - d) :] = torch.tensor(st.ids[d + 1 : u + 1])
+            pos[i, n - (u - d) :] = torch.arange(d, u)
+            real[i, n - (u - d) :] = True
+        if h0 is None:
+            h0 = torch.zeros(R, n, head.target.hidden_size, dtype=head._compute_dtype(), device=dev)
+        length = valid.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        inner = (causal[None] & real[:, None, :]) | torch.eye(n, dtype=torch.bool)[None]
+        allowed = torch.cat([valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
+        emb = head._embed(toks.to(dev))
+        h = head.step(h0, emb, pos.to(dev), allowed[:, None].to(dev), cache)
+        self.draft_calls += 1
+        for r, u in zip(rows, upto, strict=True):
+            self.done[r] = max(self.done[r], u)
+        return h[:, -1], torch.cat([valid, real.to(valid.device)], dim=1)
+
+    def join(self, states: list[DecodeState]) -> None:
+        from ..ragged import join_rows, new_cache
+
+        cache = new_cache(None)
+        valid = torch.zeros(len(states), 0, dtype=torch.bool, device=states[0].device)
+        base = len(self.done)
+        self.done.extend([0] * len(states))
+        # the prompt's pairs but the last, as the batch-1 proposer's start: drafting then times
+        # only draft steps
+        upto = [max(0, len(s.ids) - 2) if s.features is not None else 0 for s in states]
+        _, valid = self._feed(states, list(range(base, base + len(states))), upto, cache, valid)
+        if self.cache is None:
+            self.cache, self.valid = cache, valid
+        else:
+            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+
+    def select(self, keep: list[int]) -> None:
+        self.done = [self.done[i] for i in keep]
+        if not keep:
+            self.cache = self.valid = self.draft_start = None
+            return
+        self.cache.batch_select_indices(torch.tensor(keep, device=self.valid.device))
+        self.valid = self.valid[keep]
+
+    @torch.no_grad()
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        head, dev = self.head, states[0].device
+        top = max(gammas, default=0)
+        if top == 0 or any(s.features is None or len(s.ids) < 2 for s in states):
+            # a row with no target forward yet has no feature to draft from: a plain step
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
+        R = len(states)
+        times: list[float] = []
+        t = time.perf_counter()
+        upto = [len(s.ids) - 1 for s in states]
+        small = max(u - d for u, d in zip(upto, self.done, strict=True)) <= 8
+        h, self.valid = self._feed(states, list(range(R)), upto, self.cache, self.valid)
+        if small:  # a long catch-up is not what one more draft step costs
+            times.append(time.perf_counter() - t)
+        self.draft_start = self.valid.shape[1]
+        tokens: list[list[int]] = [[] for _ in range(R)]
+        qs: list[list[torch.Tensor]] = [[] for _ in range(R)]
+        sampling = states[0].sampling
+        for i in range(top):
+            t = time.perf_counter()
+            if sampling.greedy:
+                xs = head.top_tokens(h, 1)[1][:, 0].tolist()
+            else:
+                # as the batch-1 proposer: sampled over the draft's own vocabulary, each row
+                # from its own random stream, q laid out over the target's vocabulary
+                logits, offset = head.own_logits(h)
+                q_own = warp(logits, sampling)
+                xs = [0] * R
+                for b in range(R):
+                    if i < gammas[b]:
+                        j = sample(q_own[b], states[b].generator)
+                        xs[b] = j + (int(offset[j]) if offset is not None else 0)
+                        qs[b].append(head.to_target_vocab(q_own[b]))
+            for b in range(R):
+                if i < gammas[b]:
+                    tokens[b].append(xs[b])
+            if i < top - 1:
+                pos = torch.tensor([[len(s.ids) - 1 + i] for s in states], device=dev)
+                allowed = torch.cat(
+                    [self.valid[:, None, :].cpu(), torch.ones(R, 1, 1, dtype=torch.bool)], dim=2
+                )
+                emb = head._embed(torch.tensor([[x] for x in xs], device=dev))
+                h = head.step(h[:, None], emb, pos, allowed[:, None].to(dev), self.cache)[:, -1]
+                self.valid = torch.cat([self.valid, self.valid.new_ones(R, 1)], dim=1)
+                self.draft_calls += 1
+            times.append(time.perf_counter() - t)
+        # one step for the whole batch: one head forward and one LM head over the rows
+        self.last_step_seconds = sum(times) / top
+        return [Proposal.chain(tokens[b], torch.stack(qs[b]) if qs[b] else None) for b in range(R)]
+
+    def rollback(self, states: list[DecodeState], accepted: list[int]) -> None:
+        from ..ragged import tidy
+
+        if self.valid is None:
+            return
+        if self.draft_start is not None:
+            self.valid[:, self.draft_start :] = False  # fed again with real features
+            self.draft_start = None
+        self.valid = tidy(self.cache, self.valid)

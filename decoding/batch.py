@@ -1,0 +1,777 @@
+"""Batched speculative decoding: B requests in flight, each accepting its own number of tokens.
+
+The batch-1 decoder (``decoder.py``) stays the exact reference; this one serves a queue of
+requests the way a server does: up to ``batch_size`` rows decode together, a finished row leaves
+at once and a waiting request takes its place (continuous batching: the newcomers are prefilled
+together and joined to the running cache).
+
+**Ragged acceptance without moving the cache ("holes").** The batch shares one KV cache of
+shape (B, heads, L, d) and a boolean ``valid`` (B, L): the columns each row attends to. A
+verification forward appends n = 1 + (largest proposal in the batch) columns to every row (a
+row with a shorter proposal pads with masked tokens); afterwards each row keeps the columns of
+its last committed token and of its accepted nodes and marks the rest invalid (``keep_columns``).
+Keys already carry their rotary position, so a row's kept columns need be neither contiguous nor
+in order: nothing is copied at rollback, a tree's accepted path included. Columns no row keeps
+are cut at either end of the cache, and when holes make up most of it, it is compacted once
+(each row's valid columns gathered to the right, ``compact``). Every forward gets an explicit 4D
+mask and per-row position ids (tokens count real positions only), so padding and holes never
+shift a row's positions.
+
+**Drafting.** Each row holds its own proposer (``Proposer.fresh``: same weights, its own caches
+and state) and drafts at batch 1; verification, the cost that grows with the batch, is one
+forward. How many tokens each row drafts is decided per iteration by a *policy*:
+
+- ``fixed``: gamma (or the proposer's tree) every iteration;
+- ``adaptive``: today's batch-1 gamma controller, one per request, blind to the batch;
+- ``goodput`` (SmartSpec, Liu et al. 2024): one length for the whole batch, the one that
+  maximises goodput = expected accepted tokens of all rows / predicted iteration time, with each
+  request's acceptance tracked online and the step time from ``StepCostModel`` (a linear model
+  of a forward's seconds in tokens and tokens x cache length, fitted to forwards timed on this
+  machine and refitted as iterations run).
+
+Exactness is per row: at T = 0 a row's output is its batch-1 greedy output (up to near-ties of
+a k-token vs 1-token forward); at T > 0 each request has its own random stream (seeded by
+``GenRequest.seed``), so what it samples does not depend on which requests share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from models.base import DecodeState, Proposal, Proposer
+from models.ragged import join_rows, keep_columns, new_cache, tidy
+from models.sampling import Sampling, greedy_tokens, warp
+from models.target import GenRequest, Target
+
+from .decoder import (
+    GammaController,
+    Stats,
+    _depths,
+    _is_chain,
+    _sync,
+    additive_mask,
+    count_iteration,
+)
+from .verify import verify_greedy, verify_sampled
+
+POLICIES = ("fixed", "adaptive", "goodput")
+
+
+class BatchError(ValueError):
+    """Settings the batched decoder cannot serve; the message says which and why."""
+
+
+# -- the cost model (SmartSpec) -----------------------------------------------------------------
+
+
+class StepCostModel:
+    """Seconds of a target forward over ``rows`` rows of ``k`` tokens each after a cache of
+    ``length`` columns: t = c0 + c1 * rows * k + c2 * rows * k * length / 1000, the three
+    coefficients (>= 0) fitted by least squares to forwards timed on this machine
+    (``calibrate``) and to the real iterations' forwards (``observe``, refitted every
+    ``refit`` observations over the last ``window``)."""
+
+    def __init__(self, refit: int = 16, window: int = 256):
+        self.samples: list[tuple[float, float, float]] = []  # (tokens, tokens*len/1000, sec)
+        self.live: deque = deque(maxlen=window)
+        self.coef = (0.0, 0.0, 0.0)
+        self.refit, self.pending = refit, 0
+
+    @staticmethod
+    def _x(rows: int, k: int, length: int) -> tuple[float, float]:
+        n = rows * k
+        return float(n), n * length / 1000.0
+
+    def predict(self, rows: int, k: int, length: int) -> float:
+        n, nl = self._x(rows, k, length)
+        c0, c1, c2 = self.coef
+        return c0 + c1 * n + c2 * nl
+
+    def observe(self, rows: int, k: int, length: int, seconds: float) -> None:
+        self.live.append((*self._x(rows, k, length), seconds))
+        self.pending += 1
+        if self.pending >= self.refit:
+            self.fit()
+
+    def fit(self) -> None:
+        data = self.samples + list(self.live)
+        self.pending = 0
+        if len(data) < 3:
+            return
+        a = torch.tensor([[1.0, n, nl] for n, nl, _ in data], dtype=torch.float64)
+        y = torch.tensor([s for *_, s in data], dtype=torch.float64)
+        # non-negative least squares over three coefficients: drop a negative one and refit
+        active = [0, 1, 2]
+        while active:
+            sol = torch.linalg.lstsq(a[:, active], y[:, None]).solution[:, 0]
+            if (sol >= 0).all():
+                break
+            active.pop(int(sol.argmin()))
+        coef = [0.0, 0.0, 0.0]
+        for i, v in zip(active, sol.tolist() if active else [], strict=False):
+            coef[i] = float(v)
+        self.coef = tuple(coef)
+
+    @torch.no_grad()
+    def calibrate(
+        self, target: Target, rows: list[int], ks: list[int], lengths: list[int], reps: int = 3
+    ) -> None:
+        """Time forwards of every (rows, k, length) on random tokens (median of ``reps`` after a
+        warm-up; shapes taken in turn within each repetition) and fit."""
+        from models.base import crop_cache
+
+        g = torch.Generator().manual_seed(0)
+        vocab, dev = target.config.vocab_size, target.device
+        for r in rows:
+            for n in lengths:
+                cache = new_cache(target.config)
+                ctx = torch.randint(0, vocab, (r, n), generator=g).to(dev)
+                target.model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                runs: dict[int, list[float]] = {k: [] for k in ks}
+                for _ in range(reps + 1):
+                    for k in ks:
+                        ids = torch.randint(0, vocab, (r, k), generator=g).to(dev)
+                        _sync(dev)
+                        t = time.perf_counter()
+                        target.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                        _sync(dev)
+                        runs[k].append(time.perf_counter() - t)
+                        crop_cache(cache, n)
+                for k, ts in runs.items():
+                    med = sorted(ts[1:])[len(ts[1:]) // 2]
+                    self.samples.append((*self._x(r, k, n), med))
+        self.fit()
+
+
+# -- acceptance tracking ------------------------------------------------------------------------
+
+
+@dataclass
+class _Acceptance:
+    """A request's running acceptance: exponentially decayed counts with a Beta(1, 1) prior
+    (as ``GammaController``); for trees, the decayed mean tokens emitted per tree iteration."""
+
+    decay: float = 0.9
+    acc: float = 1.0
+    tested: float = 2.0
+    tree_tokens: float | None = None
+
+    @property
+    def alpha(self) -> float:
+        return self.acc / self.tested
+
+    def update(self, tested: int, accepted: int, tree: bool) -> None:
+        if tree:
+            x = accepted + 1.0
+            self.tree_tokens = (
+                x
+                if self.tree_tokens is None
+                else self.decay * self.tree_tokens + (1 - self.decay) * x
+            )
+        elif tested:
+            self.acc = self.acc * self.decay + accepted
+            self.tested = self.tested * self.decay + tested
+
+
+class GoodputPolicy:
+    """SmartSpec's choice: before each iteration, one speculation length g in 0..gamma for
+    the whole batch, the one maximising sum_rows E[tokens | g] / (drafting(g) + forward(rows,
+    g + 1, cache length)), E[tokens | g] = (1 - a^(g+1)) / (1 - a) with each request's own a.
+    A tree proposer's choice is between its whole tree and none. Drafting costs what it was
+    measured to cost per row and step (the rows draft one after another). When it chooses 0 for
+    ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back (waiting
+    twice as long after each probe that accepts nothing), so a useless draft costs almost
+    nothing and a useful one is not forgotten."""
+
+    def __init__(
+        self,
+        gamma: int,
+        cost: StepCostModel,
+        parallel: bool,
+        tree: bool = False,
+        batched: bool = False,
+        probe_every: int = 16,
+        max_probe: int = 256,
+    ):
+        self.gamma, self.cost, self.parallel, self.tree = gamma, cost, parallel, tree
+        self.batched = batched  # one draft step serves every row (a BatchedProposer)
+        self.t_step: float | None = None  # seconds of one draft step of one row
+        self.probe_every, self.max_probe = probe_every, max_probe
+        self.wait, self.streak, self.probing = probe_every, 0, False
+        self.last_goodput: dict[int, float] = {}
+        self.tree_nodes = float(gamma)  # a tree proposer: nodes per tree, measured
+        self.after_probe = False
+        self.pool = _Acceptance()  # every request's outcomes, pooled (slower decay)
+
+    def saw_tree(self, nodes: int) -> None:
+        self.tree_nodes = 0.8 * self.tree_nodes + 0.2 * nodes
+
+    def draft_seconds(self, rows: int, g: int) -> float:
+        if g == 0 or self.t_step is None:
+            return 0.0
+        steps = 1 if self.parallel else (self.gamma if self.tree else g)
+        return (1 if self.batched else rows) * steps * self.t_step
+
+    def choose(self, acc: list[_Acceptance], caps: list[int], length: int) -> int:
+        self.probing = False
+        cap = max(caps, default=0)
+        if cap == 0:
+            return 0
+        if self.t_step is None:
+            return min(cap, 2) if not self.tree else cap  # measure the draft first
+        rows = len(acc)
+        options = [0, cap] if self.tree else list(range(cap + 1))
+        best, best_gp = 0, -1.0
+        for g in options:
+            tokens = 0.0
+            for a, c in zip(acc, caps, strict=True):
+                gg = min(g, c)
+                if self.tree and gg:
+                    tokens += a.tree_tokens if a.tree_tokens is not None else 2.0
+                else:
+                    tokens += GammaController.expected_tokens(a.alpha, gg)
+            k = 1 + (round(self.tree_nodes) if (self.tree and g) else g)
+            sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
+            gp = tokens / max(sec, 1e-9)
+            self.last_goodput[g] = gp
+            if gp > best_gp:
+                best, best_gp = g, gp
+        if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer
+            self.after_probe = False
+            self.wait = self.probe_every if best > 0 else min(2 * self.wait, self.max_probe)
+        if best > 0:
+            self.streak = 0
+            return best
+        self.streak += 1
+        if self.streak >= self.wait:
+            self.streak, self.probing = 0, True
+            return min(cap, 1) if not self.tree else cap
+        return 0
+
+    def new_request(self) -> _Acceptance:
+        """A request's acceptance before it has drafted: the batch's pooled rate, worth two
+        observations (the draft's skill on this workload is the best guess for a newcomer)."""
+        return _Acceptance(acc=2.0 * self.pool.alpha, tested=2.0)
+
+    def update(
+        self, step_seconds: float | None, tested: int = 0, accepted: int = 0, tree_rows=()
+    ) -> None:
+        """After an iteration: one draft step's seconds (None: not measured), the batch's
+        tested and accepted draft tokens (for the pooled rate)."""
+        if step_seconds is not None:
+            self.t_step = (
+                step_seconds if self.t_step is None else 0.8 * self.t_step + 0.2 * step_seconds
+            )
+        if tested:
+            self.pool.acc = self.pool.acc * 0.98 + accepted
+            self.pool.tested = self.pool.tested * 0.98 + tested
+        if self.probing:
+            self.after_probe = True
+
+
+# -- the decoder --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    key: object
+    prompt: list[int]
+    state: DecodeState
+    proposer: Proposer
+    controller: object | None
+    acc: _Acceptance
+    new: list[int] = field(default_factory=list)
+    t_admit: float = 0.0
+    calls0: int = 0
+    started: bool = False
+    fbuf: torch.Tensor | None = None  # room for the features, grown by doubling
+
+    def append_features(self, new: torch.Tensor) -> None:
+        """Add target features for newly committed positions. ``state.features`` is a view
+        of a buffer that doubles when full: a copy of the whole history per iteration and
+        row (what ``torch.cat`` does) churns enough memory at batch 16 to slow the target's
+        forwards by ~15% on a CPU."""
+        f = self.state.features
+        n = 0 if f is None else f.shape[0]
+        k = new.shape[0]
+        if (
+            self.fbuf is None
+            or n + k > self.fbuf.shape[0]
+            or (f is not None and f.data_ptr() != self.fbuf.data_ptr())
+        ):
+            buf = new.new_empty(max(2 * (n + k), 64), *new.shape[1:])
+            if n:
+                buf[:n] = f
+            self.fbuf = buf
+        self.fbuf[n : n + k] = new
+        self.state.features = self.fbuf[: n + k]
+
+
+@dataclass
+class BatchStats:
+    """A batched run: the per-row counters pooled in ``rows`` (tau, alpha... as at batch 1:
+    ``rows.target_calls`` counts row-iterations), the batch's own in ``forwards`` and the
+    seconds, and each request's tokens and latency (admission to last token)."""
+
+    rows: Stats = field(default_factory=Stats)
+    forwards: int = 0  # batched verification forwards
+    prefills: int = 0
+    row_slots: int = 0  # rows summed over forwards (occupancy = row_slots / forwards)
+    verified_tokens: int = 0  # query tokens fed to verification forwards, padding included
+    batch_gamma: Counter = field(default_factory=Counter)  # the longest proposal per forward
+    wall: float = 0.0
+    requests: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
+    cache_columns: int = 0  # summed over forwards: columns attended (holes and padding too)
+    valid_columns: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.rows.new_tokens / self.wall if self.wall else float("nan")
+
+    @property
+    def request_tokens_per_second(self) -> float:
+        """Mean over requests of tokens / (finish - admission)."""
+        rs = [n / s for n, s in self.requests if s > 0]
+        return sum(rs) / len(rs) if rs else float("nan")
+
+
+class BatchDecoder:
+    """Continuous-batching speculative decoding of ``target`` with one proposer per row.
+
+    ``proposer``: a template; each row gets ``proposer.fresh()``. ``policy``: fixed, adaptive or
+    goodput (module docstring). ``run`` decodes a list of ``GenRequest`` and returns
+    {key: new tokens}; ``stats`` holds the last run's ``BatchStats``."""
+
+    def __init__(
+        self,
+        target: Target,
+        proposer: Proposer,
+        sampling: Sampling,
+        batch_size: int,
+        gamma: int = 4,
+        policy: str = "fixed",
+        calibrate: bool = True,
+        cost: StepCostModel | None = None,
+    ):
+        if batch_size < 1:
+            raise BatchError(f"batch_size={batch_size}: must be >= 1")
+        if gamma < 0:
+            raise BatchError(f"gamma={gamma}: must be >= 0")
+        if policy not in POLICIES:
+            raise BatchError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")
+        check_batchable(target, proposer)
+        self.target, self.template, self.sampling = target, proposer, sampling
+        self.batch_size, self.policy = batch_size, policy
+        self.tree = proposer.tree_depth is not None
+        self.gamma = proposer.tree_depth if self.tree else gamma
+        self.device = target.device
+        self.layers = tuple(proposer.feature_layers)
+        self.t_verify1: list[float] | None = None
+        if policy == "adaptive" and self.gamma and calibrate:
+            from .decoder import SpeculativeDecoder
+
+            # today's controller, as at batch 1: the batch-1 cost of each verification size
+            probe = SpeculativeDecoder(
+                target, proposer, sampling, gamma=self.gamma, adaptive=False, calibrate=False
+            )
+            self.t_verify1 = probe.forward_costs(range(1, self.gamma + 2))
+        self.cost = cost
+        if policy == "goodput" and self.gamma:
+            if self.cost is None:
+                self.cost = StepCostModel()
+                if calibrate:
+                    k_top = self.gamma + 1
+                    ks = sorted({1, 2, max(1, k_top // 2), k_top})
+                    self.cost.calibrate(
+                        target,
+                        rows=sorted({1, batch_size}),
+                        ks=ks,
+                        lengths=[128, 512],
+                    )
+        # a drafter that drafts for all rows in one forward per step, where the proposer has one
+        self.batched_drafting = proposer.batched() is not None
+        self.bp = None
+        self.goodput = (
+            GoodputPolicy(
+                self.gamma,
+                self.cost,
+                proposer.parallel,
+                tree=self.tree,
+                batched=self.batched_drafting,
+            )
+            if policy == "goodput" and self.gamma
+            else None
+        )
+        self.stats = BatchStats()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _hidden(self, out) -> torch.Tensor | None:
+        if not self.layers:
+            return None
+        hs = out.hidden_states
+        return torch.stack([hs[self.target.layer_index(i)] for i in self.layers], dim=2)
+
+    def _controller(self):
+        if self.policy != "adaptive" or not self.gamma:
+            return None
+        t = self.t_verify1 or [1.0 + 0.01 * k for k in range(self.gamma + 1)]
+        if self.tree:
+            from .decoder import TreeController
+
+            return TreeController(self.gamma, True, t[0])
+        return GammaController(self.gamma, True, t, parallel=self.template.parallel)
+
+    @torch.no_grad()
+    def _prefill(self, reqs: list[GenRequest]):
+        """Prefill the prompts but their last token, left-padded (one masked pad column for a
+        one-token prompt). Returns the cache, its ``valid`` and each request's features."""
+        fed = [r.prompt[:-1] for r in reqs]
+        n = max(1, max(len(f) for f in fed))
+        ids = torch.zeros(len(reqs), n, dtype=torch.long)
+        real = torch.zeros(len(reqs), n, dtype=torch.bool)
+        for i, f in enumerate(fed):
+            if f:
+                ids[i, n - len(f) :] = torch.tensor(f)
+                real[i, n - len(f) :] = True
+        pos = (real.long().cumsum(-1) - 1).clamp_min(0)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        allowed = (causal[None] & real[:, None, :]) | torch.eye(n, dtype=torch.bool)[None]
+        cache = new_cache(self.target.config)
+        out = self.target.model(
+            input_ids=ids.to(self.device),
+            attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
+            position_ids=pos.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(self.layers),
+            logits_to_keep=1,
+        )
+        h = self._hidden(out)
+        feats = [(h[i, n - len(f) :] if (h is not None and f) else None) for i, f in enumerate(fed)]
+        return cache, real.to(self.device), feats
+
+    # -- the loop ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(
+        self,
+        requests: list[GenRequest],
+        max_new_tokens: int,
+        stop_ids: set[int] | frozenset[int] = frozenset(),
+        progress=None,
+    ) -> dict:
+        """Decode every request; ``progress(n)`` is called with each finished request's token
+        count (a progress bar's update)."""
+        for r in requests:
+            if not r.prompt:
+                raise BatchError(f"request {r.key!r}: empty prompt")
+        st = BatchStats()
+        self.stats = st
+        self.bp = self.template.batched()  # fresh for this run (None: row-by-row drafting)
+        t0 = time.perf_counter()
+        queue = deque(requests)
+        rows: list[_Row] = []
+        cache: DynamicCache | None = None
+        valid: torch.Tensor | None = None
+        done: dict = {}
+        greedy = self.sampling.greedy
+        B = self.batch_size
+        while queue or rows:
+            free = B - len(rows)
+            if queue and free and (not rows or free >= max(1, B // 4)):
+                reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
+                t = time.perf_counter()
+                c, v, feats = self._prefill(reqs)
+                if cache is None:
+                    cache, valid = c, v
+                else:
+                    cache, valid = join_rows(cache, valid, c, v)
+                _sync(self.device)
+                st.rows.t_prefill += time.perf_counter() - t
+                st.prefills += 1
+                for r, f in zip(reqs, feats, strict=True):
+                    gen = None
+                    if not greedy:
+                        gen = torch.Generator(device=self.device).manual_seed(int(r.seed))
+                    state = DecodeState(
+                        ids=list(r.prompt),
+                        features=f,
+                        sampling=self.sampling,
+                        generator=gen,
+                        device=self.device,
+                    )
+                    prop = self.template.fresh()
+                    acc = self.goodput.new_request() if self.goodput else _Acceptance()
+                    row = _Row(
+                        r.key,
+                        list(r.prompt),
+                        state,
+                        prop,
+                        self._controller(),
+                        acc,
+                        t_admit=time.perf_counter(),
+                        calls0=prop.draft_calls,
+                    )
+                    rows.append(row)  # its proposer starts when the row first drafts
+                if self.bp is not None:  # a batched drafter reads the newcomers' prompts now
+                    t = time.perf_counter()
+                    self.bp.join([r.state for r in rows[len(rows) - len(reqs) :]])
+                    st.rows.t_prefill += time.perf_counter() - t
+            # -- how much each row drafts
+            limits = [max_new_tokens - len(r.new) - 1 for r in rows]
+            length = valid.shape[1]
+            props: list[Proposal] = []
+            self._t_start = 0.0
+            t = time.perf_counter()
+            step_times: list[float] = []
+            gs: list[int] | None = None  # per-row lengths for a drafter sized before drafting
+            if self.goodput is not None:
+                caps = [max(0, min(self.gamma, lim)) for lim in limits]
+                if self.template.free:  # a lookup drafts first; the policy sizes it
+                    found = [
+                        self._propose(r, c) if c else Proposal([], [])
+                        for r, c in zip(rows, caps, strict=True)
+                    ]
+                    caps = [min(c, len(p)) for c, p in zip(caps, found, strict=True)]
+                g = self.goodput.choose([r.acc for r in rows], caps, length)
+                if self.template.free:
+                    props = [f.truncated(min(g, c)) for f, c in zip(found, caps, strict=True)]
+                else:
+                    gs = [min(g, c) if not self.tree else (c if g else 0) for c in caps]
+            elif self.template.free:
+                for r, lim in zip(rows, limits, strict=True):
+                    cap = max(0, min(self.gamma, lim))
+                    ctl = r.controller
+                    p = self._propose(r, cap) if cap else Proposal([], [])
+                    gg = ctl.choose(len(p), p.bucket) if (ctl and len(p)) else len(p)
+                    props.append(p.truncated(gg))
+            else:
+                gs = []
+                for r, lim in zip(rows, limits, strict=True):
+                    cap = max(0, min(self.gamma, lim))
+                    gs.append(r.controller.choose(cap) if r.controller else cap)
+            if gs is not None and self.bp is not None:
+                if max(gs, default=0):
+                    props = self.bp.propose([r.state for r in rows], gs)
+                    if self.bp.last_step_seconds is not None:
+                        step_times.append(self.bp.last_step_seconds)
+                else:
+                    props = [Proposal([], []) for _ in rows]
+            elif gs is not None:
+                for r, gg in zip(rows, gs, strict=True):
+                    props.append(self._propose(r, gg) if gg else Proposal([], []))
+                    self._step_time(r, props[-1], step_times)
+            _sync(self.device)
+            t_draft = time.perf_counter() - t - self._t_start
+            st.rows.t_prefill += self._t_start
+            # -- one verification forward for the batch
+            n = 1 + max(len(p) for p in props)
+            R = len(rows)
+            ids = torch.zeros(R, n, dtype=torch.long)
+            pos = torch.zeros(R, n, dtype=torch.long)
+            inner = torch.eye(n, dtype=torch.bool).repeat(R, 1, 1)
+            for b, (r, p) in enumerate(zip(rows, props, strict=True)):
+                base = len(r.state.ids) - 1
+                ids[b, : len(p) + 1] = torch.tensor([r.state.ids[-1]] + p.tokens)
+                depth = [0] + _depths(p)
+                pos[b, : len(p) + 1] = torch.tensor(depth) + base
+                pos[b, len(p) + 1 :] = base
+                for i, par in enumerate(p.parents):
+                    inner[b, i + 1] = inner[b, par + 1]
+                    inner[b, i + 1, i + 1] = True
+            allowed = torch.cat([valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
+            t = time.perf_counter()
+            out = self.target.model(
+                input_ids=ids.to(self.device),
+                attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
+                position_ids=pos.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=bool(self.layers),
+            )
+            logits = out.logits
+            feats = self._hidden(out)
+            _sync(self.device)
+            t_verify = time.perf_counter() - t
+            st.cache_columns += R * length
+            st.valid_columns += int(valid.sum())
+            valid = torch.cat([valid, valid.new_zeros(R, n)], dim=1)
+            # -- each row accepts its own
+            arg = greedy_tokens(logits).tolist() if greedy else None
+            keeps: list[list[int]] = []
+            finished: list[int] = []
+            it_tested = it_accepted = 0
+            for b, (r, p) in enumerate(zip(rows, props, strict=True)):
+                m = len(p) + 1
+                if greedy:
+                    verdict = verify_greedy(p.tokens, p.parents, arg[b][:m])
+                else:
+                    probs = warp(logits[b, :m], self.sampling)
+                    verdict = verify_sampled(p.tokens, p.parents, probs, p.q, r.state.generator)
+                path = verdict.path
+                keeps.append([0] + [i + 1 for i in path])
+                if feats is not None:
+                    r.append_features(feats[b, keeps[-1]])
+                emitted = [p.tokens[i] for i in path] + [verdict.token]
+                for j, tok in enumerate(emitted):
+                    if tok in stop_ids:
+                        emitted = emitted[: j + 1]
+                        break
+                r.state.ids.extend(emitted)
+                r.new.extend(emitted)
+                if r.started and self.bp is None:
+                    r.proposer.rollback(r.state, len(path))
+                tested = count_iteration(st.rows, p, path)
+                it_tested += tested
+                it_accepted += len(path)
+                r.acc.update(tested, len(path), not _is_chain(p))
+                if r.controller is not None:
+                    step = (
+                        self.bp.last_step_seconds
+                        if self.bp is not None
+                        else (
+                            r.proposer.last_step_seconds
+                            if r.proposer.measures_steps
+                            else (t_draft / max(1, sum(len(q) for q in props)) if len(p) else None)
+                        )
+                    )
+                    r.controller.update(
+                        len(p), tested, len(path), step, t_verify, p.bucket, t_draft=t_draft / R
+                    )
+                if emitted[-1] in stop_ids or len(r.new) >= max_new_tokens:
+                    finished.append(b)
+            keep_columns(valid, length, keeps)
+            if self.goodput is not None:
+                self.cost.observe(R, n, length, t_verify)
+                clean = [s for s in step_times if s is not None]
+                steps = sum(
+                    (1 if self.template.parallel else max(_depths(p), default=0)) for p in props
+                )
+                if self.bp is not None:  # one step drafts for every row
+                    steps = max((len(p) for p in props), default=0)
+                if not clean and steps:  # a proposer without its own measure: time / steps
+                    clean = [t_draft / steps]
+                self.goodput.update(
+                    sum(clean) / len(clean) if clean else None, it_tested, it_accepted
+                )
+                if self.tree and n > 1:
+                    self.goodput.saw_tree(n - 1)
+            st.rows.t_target += t_verify
+            st.rows.t_draft += t_draft
+            st.forwards += 1
+            st.row_slots += R
+            st.verified_tokens += R * n
+            st.batch_gamma[n - 1] += 1
+            if finished:
+                now = time.perf_counter()
+                for b in finished:
+                    r = rows[b]
+                    out_tokens = r.new[:max_new_tokens]
+                    done[r.key] = out_tokens
+                    st.rows.new_tokens += len(out_tokens)
+                    if self.bp is None:
+                        st.rows.draft_calls += r.proposer.draft_calls - r.calls0
+                    st.requests.append((len(out_tokens), now - r.t_admit))
+                    if progress is not None:
+                        progress(1)
+                keep = [b for b in range(R) if b not in set(finished)]
+                rows = [rows[b] for b in keep]
+                if not rows:
+                    cache = valid = None
+                    if self.bp is not None:
+                        self.bp.select([])
+                    continue
+                cache.batch_select_indices(torch.tensor(keep, device=self.device))
+                valid = valid[keep]
+                if self.bp is not None:
+                    self.bp.select(keep)
+            if self.bp is not None:
+                self.bp.rollback([r.state for r in rows], [])
+            valid = tidy(cache, valid)
+        st.wall = time.perf_counter() - t0
+        st.rows.t_total = st.wall
+        if self.bp is not None:
+            st.rows.draft_calls += self.bp.draft_calls
+        return done
+
+    def _propose(self, r: _Row, g: int) -> Proposal:
+        """Row ``r``'s proposal of ``g`` tokens. A row's proposer starts (reads the sequence
+        so far: a draft model's or head's prefill) when the row first drafts, so rows that
+        never draft (a policy that chose 0 all along) never pay for it; that time counts as
+        prefill, not drafting."""
+        if not r.started:
+            t = time.perf_counter()
+            r.proposer.start(r.state)
+            r.started = True
+            self._t_start += time.perf_counter() - t
+        return r.proposer.propose(r.state, g)
+
+    @staticmethod
+    def _step_time(row: _Row, p: Proposal, out: list) -> None:
+        if len(p) and row.proposer.measures_steps:
+            out.append(row.proposer.last_step_seconds)
+
+
+def check_batchable(target: Target, proposer: Proposer) -> None:
+    """``BatchError`` for a proposer or target the batched decoder cannot serve."""
+    if type(proposer).side_branch is not Proposer.side_branch:
+        raise BatchError(
+            f"draft {proposer.name}: adds a side branch to each verification forward "
+            "(lookahead's Jacobi window), which the batched decoder does not carry; use "
+            "batch_size=1 for it"
+        )
+    if any(type(x) is not DynamicLayer for x in DynamicCache(config=target.config).layers):
+        raise BatchError(
+            f"target {target.identity}: batch_size > 1 needs full-attention cache layers "
+            "(this model has sliding-window or other layers); use batch_size=1"
+        )
+
+
+def check_batch_settings(cfg, target: Target, proposer: Proposer) -> None:
+    """One-line errors for evaluator settings the batched decoder does not serve."""
+    check_batchable(target, proposer)
+    if cfg.acceptance != "exact":
+        raise BatchError(f"acceptance={cfg.acceptance} with batch_size > 1: only exact")
+    if cfg.lenience != 1.0:
+        raise BatchError(f"lenience={cfg.lenience} with batch_size > 1: only exact (1)")
+    if cfg.stop == "disco" or cfg.traces:
+        raise BatchError("stop=disco / traces with batch_size > 1: use batch_size=1")
+    if cfg.turns != 1:
+        raise BatchError(
+            f"turns={cfg.turns} with batch_size > 1: later turns wait on earlier answers; "
+            "use turns=1"
+        )
+    if cfg.compare_hf:
+        raise BatchError(
+            "compare_hf with batch_size > 1: transformers' assisted generation decodes one sequence"
+        )
+
+
+def speedup_table(rows: list[dict]) -> str:
+    """A Markdown table of a batch sweep (``decoding.eval`` rows)."""
+    head = (
+        "| batch | policy | plain tok/s | spec tok/s | speedup | per-request tok/s (plain / "
+        "spec) | tau | alpha | mean gamma | lossless |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+
+        def f(x, nd=2):
+            return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+        lines.append(
+            f"| {r['batch_size']} | {r['policy']} | {f(r['plain_tokens_per_second'], 1)} | "
+            f"{f(r['tokens_per_second'], 1)} | {f(r['speedup'])}x | "
+            f"{f(r['plain_request_tokens_per_second'], 1)} / "
+            f"{f(r['request_tokens_per_second'], 1)} | {f(r['tau'])} | {f(r['alpha'])} | "
+            f"{f(r['mean_gamma'])} | {r['lossless']} |"
+        )
+    return "\n".join(lines)

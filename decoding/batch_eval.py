@@ -1,0 +1,314 @@
+"""``specdraft-eval batch_size=B`` / ``batch_sizes=[1,4,16]``: the serving regime.
+
+For each batch size B (and each policy asked for) it decodes the same prompts with plain
+decoding at batch B and with speculative decoding at batch B (``decoding/batch.py``), both with
+continuous batching, and reports total tokens/s, per-request tokens/s, their speedups, tau and
+alpha as at batch 1. At T = 0 every output is compared with the *batch-1* plain greedy output of
+its prompt (decoded once, with its logits, so that a divergence is classified as a near-tie or
+real as today).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from data.chat import prompt_ids
+from models.target import GenRequest
+
+from .batch import (
+    POLICIES,
+    BatchDecoder,
+    BatchError,
+    BatchStats,
+    StepCostModel,
+    check_batch_settings,
+)
+from .decoder import NoDraft, SpeculativeDecoder
+
+BATCH_CONVENTION = (
+    "batch rows: tokens_per_second = all requests' new tokens / wall time of the whole run "
+    "(prefills included), for plain and speculative decoding at the same batch size; "
+    "request_tokens_per_second = mean over requests of new tokens / (last token - admission); "
+    "tau and alpha pool every row-iteration (a row's verification counts once per forward it "
+    "rode in); mean_gamma = draft tokens per row-iteration."
+)
+
+
+def policies_of(cfg) -> list[str]:
+    """The policies to run: ``batch_policies`` if given, else the one ``stop``/``adaptive``
+    name (goodput / adaptive / fixed)."""
+    if cfg.batch_policies:
+        bad = [p for p in cfg.batch_policies if p not in POLICIES]
+        if bad:
+            raise BatchError(
+                f"batch_policies={list(cfg.batch_policies)}: {bad[0]!r} is not one "
+                f"of {', '.join(POLICIES)}"
+            )
+        return list(cfg.batch_policies)
+    if cfg.stop == "goodput":
+        return ["goodput"]
+    return ["adaptive" if cfg.adaptive else "fixed"]
+
+
+def batch_sizes_of(cfg) -> list[int]:
+    sizes = list(cfg.batch_sizes) if cfg.batch_sizes else [cfg.batch_size]
+    for b in sizes:
+        if not isinstance(b, int) or b < 1:
+            raise BatchError(f"batch size {b!r}: must be an integer >= 1")
+    return sizes
+
+
+def wants_batch(cfg) -> bool:
+    return (
+        bool(cfg.batch_sizes)
+        or cfg.batch_size != 1
+        or cfg.stop == "goodput"
+        or bool(cfg.batch_policies)
+    )
+
+
+def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
+    s = stats.rows
+    drafted = sum(s.drafted.values())
+    accepted = sum(s.accepted.values())
+    iters = s.target_calls
+    tps, ptps = stats.tokens_per_second, plain.tokens_per_second
+    rtps, prtps = stats.request_tokens_per_second, plain.request_tokens_per_second
+    other = s.t_total - s.t_target - s.t_draft - s.t_prefill
+    return {
+        "batch_size": b,
+        "policy": policy,
+        "tokens_per_second": tps,
+        "plain_tokens_per_second": ptps,
+        "speedup": tps / ptps if ptps else float("nan"),
+        "request_tokens_per_second": rtps,
+        "plain_request_tokens_per_second": prtps,
+        "request_speedup": rtps / prtps if prtps else float("nan"),
+        "tau": s.tau,
+        "alpha": s.alpha,
+        "alpha_per_position": s.alpha_per_position(),
+        "draft_acceptance_rate": accepted / drafted if drafted else float("nan"),
+        "mean_gamma": sum(g * n for g, n in s.gamma_used.items()) / iters if iters else 0.0,
+        "gamma_used": {str(k): v for k, v in sorted(s.gamma_used.items())},
+        "batch_gamma": {str(k): v for k, v in sorted(stats.batch_gamma.items())},
+        "forwards": stats.forwards,
+        "plain_forwards": plain.forwards,
+        "mean_rows_per_forward": stats.row_slots / stats.forwards if stats.forwards else 0.0,
+        # query tokens fed that were padding (rows with shorter proposals than the longest)
+        "padding_fraction": 1 - (iters + drafted) / stats.verified_tokens
+        if stats.verified_tokens
+        else 0.0,
+        # cache columns attended that hold nothing for the row (left padding, rejected drafts)
+        "hole_fraction": 1 - stats.valid_columns / stats.cache_columns
+        if stats.cache_columns
+        else 0.0,
+        "new_tokens": s.new_tokens,
+        "time_s": {
+            "total": s.t_total,
+            "target_forward": s.t_target,
+            "draft": s.t_draft,
+            "prefill": s.t_prefill,
+            "other": other,
+        },
+        "plain_time_s": {
+            "total": plain.rows.t_total,
+            "target_forward": plain.rows.t_target,
+            "prefill": plain.rows.t_prefill,
+        },
+    }
+
+
+def pooled(stats: list) -> BatchStats:
+    """Several runs of one configuration as one: counters and seconds added."""
+    out = BatchStats()
+    for s in stats:
+        out.rows.merge(s.rows)
+        out.forwards += s.forwards
+        out.prefills += s.prefills
+        out.row_slots += s.row_slots
+        out.verified_tokens += s.verified_tokens
+        out.batch_gamma.update(s.batch_gamma)
+        out.wall += s.wall
+        out.requests.extend(s.requests)
+        out.cache_columns += s.cache_columns
+        out.valid_columns += s.valid_columns
+    return out
+
+
+def evaluate_batched(
+    cfg, target, proposer, draft_desc: str, questions, sampling, stop: set[int]
+) -> dict[str, Any]:
+    """The batch sweep's report (see the module docstring)."""
+    from .eval import CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
+
+    check_batch_settings(cfg, target, proposer)
+    sizes, policies = batch_sizes_of(cfg), policies_of(cfg)
+    tok = target.tokenizer
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+    requests = [GenRequest(i, p, seed=cfg.seed * 100_003 + i) for i, p in enumerate(prompts)]
+    # warm-up: first-call costs stay out of the timings
+    for pr in (NoDraft(), proposer):
+        BatchDecoder(target, pr, sampling, 2, gamma=cfg.gamma, calibrate=False).run(
+            requests[:2], cfg.warmup_tokens, stop
+        )
+    reference = logits = None
+    if sampling.greedy:
+        ref_dec = SpeculativeDecoder(target, NoDraft(), sampling, gamma=0, record_logits=True)
+        reference, logits = {}, {}
+        for r in tqdm(requests, desc="batch-1 reference", dynamic_ncols=True, file=sys.stderr):
+            reference[r.key] = ref_dec.generate(r.prompt, cfg.max_new_tokens, stop)
+            logits[r.key] = ref_dec.last_logits
+    tolerance = NEAR_TIE_TOLERANCE.get(target.dtype, 0.5)
+    rows, detail = [], []
+    if cfg.batch_repeats < 1:
+        raise BatchError(f"batch_repeats={cfg.batch_repeats}: must be >= 1")
+    for b in sizes:
+        bar = tqdm(
+            total=len(requests) * (1 + len(policies)) * cfg.batch_repeats,
+            desc=f"batch {b}",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        cost = None  # one cost model per batch size, shared by the policies that use it
+        if "goodput" in policies:
+            cost = StepCostModel()
+            k_top = (proposer.tree_depth or cfg.gamma) + 1
+            cost.calibrate(
+                target,
+                rows=sorted({1, b}),
+                ks=sorted({1, 2, max(1, k_top // 2), k_top}),
+                lengths=[128, 512],
+            )
+        names = ["plain", *policies]
+        runs: dict[str, list] = {n: [] for n in names}
+        outs: dict[str, dict] = {}
+        for rep in range(cfg.batch_repeats):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                if name == "plain":
+                    dec = BatchDecoder(target, NoDraft(), sampling, b, gamma=0)
+                else:
+                    dec = BatchDecoder(
+                        target, proposer, sampling, b, gamma=cfg.gamma, policy=name, cost=cost
+                    )
+                outs[name] = dec.run(requests, cfg.max_new_tokens, stop, progress=bar.update)
+                runs[name].append(dec.stats)
+        plain = pooled(runs["plain"])
+        plain_out = outs["plain"]
+        for policy in policies:
+            out = outs[policy]
+            row = _row(pooled(runs[policy]), plain, b, policy)
+            row["repeats"] = cfg.batch_repeats
+            if sampling.greedy:
+                divs = []
+                plain_divs = 0
+                for r in requests:
+                    d = classify_divergence(reference[r.key], out[r.key], logits[r.key], tolerance)
+                    if d is not None:
+                        divs.append({"request": r.key, **d})
+                    plain_divs += reference[r.key] != plain_out[r.key]
+                near = sum(d["near_tie"] for d in divs)
+                row.update(
+                    lossless=near == len(divs),
+                    divergences=len(divs),
+                    near_tie_divergences=near,
+                    plain_batch_vs_batch1_differ=plain_divs,
+                )
+                detail.extend({"batch_size": b, "policy": policy, **d} for d in divs)
+            else:
+                row.update(lossless=None)
+            if policy == "goodput":
+                row["cost_model"] = {
+                    "c0_s": cost.coef[0],
+                    "per_token_s": cost.coef[1],
+                    "per_token_per_1k_columns_s": cost.coef[2],
+                }
+            rows.append(row)
+        bar.close()
+    greedy = sampling.greedy
+    lossless = all(r["lossless"] for r in rows) if greedy else None
+    if greedy:
+        n_div = sum(r["divergences"] for r in rows)
+        near = sum(r["near_tie_divergences"] for r in rows)
+        note = (
+            f"every row compared with its prompt's batch-1 plain greedy output: "
+            f"{len(rows) * len(requests) - n_div}/{len(rows) * len(requests)} identical"
+            + (
+                f"; {n_div} parted, {near} at a near-tie (logit gap <= {tolerance})"
+                if n_div
+                else ""
+            )
+        )
+    else:
+        note = (
+            "T > 0: outputs are samples, each request with its own random stream; exactness "
+            "per row is tested statistically (tests/test_batch.py)"
+        )
+    return {
+        "batch": rows,
+        "lossless": lossless,
+        "lossless_note": note,
+        "divergence_details": detail,
+        "convention": CONVENTION + " " + BATCH_CONVENTION,
+        "num_requests": len(requests),
+        "draft_description": draft_desc,
+    }
+
+
+def print_batch_report(r: dict[str, Any], out=print) -> None:
+    from .batch import speedup_table
+
+    s = r["settings"]
+    out(
+        f"\ndraft: {s['draft_description']}   target: {s['target_identity']}   "
+        f"T={s['temperature']}   {r['num_requests']} requests x {s['max_new_tokens']} tokens"
+    )
+    out(speedup_table(r["batch"]))
+    for row in r["batch"]:
+        if row["policy"] == "goodput" and row.get("cost_model"):
+            c = row["cost_model"]
+            out(
+                f"goodput cost model at batch {row['batch_size']}: step = {c['c0_s'] * 1e3:.1f} ms"
+                f" + {c['per_token_s'] * 1e3:.2f} ms/token + "
+                f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns"
+            )
+    out(f"lossless: {r['lossless']} ({r['lossless_note']})")
+    out(f"convention: {r['convention']}")
+
+
+def plot_batch_report(r: dict[str, Any], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    by_policy: dict[str, list] = {}
+    for row in r["batch"]:
+        by_policy.setdefault(row["policy"], []).append(row)
+    for pol, rs in by_policy.items():
+        xs = [x["batch_size"] for x in rs]
+        a.plot(xs, [x["speedup"] for x in rs], "o-", label=pol)
+        b.plot(xs, [x["tokens_per_second"] for x in rs], "o-", label=f"spec ({pol})")
+    first = next(iter(by_policy.values()))
+    b.plot(
+        [x["batch_size"] for x in first],
+        [x["plain_tokens_per_second"] for x in first],
+        "k--",
+        label="plain",
+    )
+    a.axhline(1.0, color="grey", lw=0.8)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.legend(fontsize=8)
+    a.set_ylabel("speedup over plain at the same batch")
+    b.set_ylabel("total tokens/s")
+    a.set_title("speculation vs batch size")
+    b.set_title("throughput")
+    fig.suptitle(r["settings"]["draft_description"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

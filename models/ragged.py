@@ -1,0 +1,89 @@
+"""A KV cache shared by rows of different lengths, for batched decoding with ragged acceptance
+(``decoding/batch.py``) and batched drafting (``BatchedProposer``s).
+
+One transformers ``DynamicCache`` of shape (B, heads, L, d) plus a boolean ``valid`` (B, L):
+the columns each row attends to. Appending a forward's n columns to every row and then masking
+the ones a row rejects (``keep_columns``) is the whole rollback: keys carry their rotary
+positions already, so a row's kept columns need be neither contiguous nor in order. ``tidy``
+cuts columns no row uses at the ends and compacts a cache that is mostly holes; ``join_rows``
+stacks newly prefilled rows under the running ones (left-padded with masked columns).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .target import _GrowingLayer, _join_caches, _trim_cache
+
+
+def join_rows(cache, valid: torch.Tensor, new, new_valid: torch.Tensor):
+    """The running rows and new ones in one cache, the shorter side left-padded with masked
+    columns; returns (cache, valid)."""
+    cache, valid = _join_caches(cache, valid, new, new_valid)
+    return cache, valid.bool()
+
+
+def keep_columns(valid: torch.Tensor, start: int, keeps: list[list[int]]) -> None:
+    """Ragged rollback: after a forward that appended columns ``start..`` to every row, row b
+    keeps (attends to from now on) the appended columns ``start + k`` for k in ``keeps[b]`` and
+    none of the others. ``valid`` (B, L) is updated in place."""
+    valid[:, start:] = False
+    for b, ks in enumerate(keeps):
+        if ks:
+            valid[b, torch.tensor(ks, device=valid.device) + start] = True
+
+
+def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
+    """Gather each row's valid columns to the right end of a cache as long as the row with the
+    most, left-padding the others with masked columns; returns the new ``valid``."""
+    counts = valid.sum(1)
+    m = int(counts.max()) if valid.numel() else 0
+    b, length = valid.shape
+    # row r's valid column indices, in order, right-aligned; padding points at column 0
+    order = torch.arange(length, device=valid.device).expand(b, length)
+    key = torch.where(valid, order, order - length)  # invalid columns sort first
+    idx = key.sort(dim=1).values[:, length - m :]
+    new_valid = idx >= 0
+    idx = idx.clamp_min(0)
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            g = idx[:, None, :, None].expand(t.shape[0], t.shape[1], m, t.shape[3])
+            setattr(layer, name, t.gather(2, g.to(t.device)))
+    return new_valid
+
+
+def tidy(cache: DynamicCache, valid: torch.Tensor, holes: float = 0.5, slack: int = 64):
+    """Cut columns no row attends to at either end of the cache; compact when more than
+    ``holes`` of the rest (and over ``slack`` columns) are holes. Returns the new ``valid``."""
+    if valid.shape[1] == 0:
+        return valid
+    used = valid.any(0)
+    if not bool(used.any()):
+        last = 0
+    else:
+        last = int(used.nonzero().max()) + 1
+    if last < valid.shape[1]:
+        for layer in cache.layers:
+            layer.keys = layer.keys[..., :last, :]
+            layer.values = layer.values[..., :last, :]
+        valid = valid[:, :last]
+    if valid.shape[1] == 0:
+        return valid
+    first = int(valid.any(0).float().argmax())
+    if first > 0:
+        _trim_cache(cache, first)
+        valid = valid[:, first:]
+    length = valid.shape[1]
+    need = int(valid.sum(1).max())
+    if length - need > slack and (length - need) > holes * length:
+        valid = compact(cache, valid)
+    return valid
+
+
+def new_cache(config) -> DynamicCache:
+    c = DynamicCache(config=config)
+    c.layers = [_GrowingLayer() if type(x) is DynamicLayer else x for x in c.layers]
+    return c

@@ -1,0 +1,439 @@
+"""Batched speculative decoding (decoding/batch.py): ragged acceptance, continuous batching,
+exactness per row, the goodput policy and its cost model, and the evaluator's batch sweep."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import run_module
+
+import decoding.batch as batch
+from decoding.batch import (
+    BatchDecoder,
+    BatchError,
+    GoodputPolicy,
+    StepCostModel,
+    _Acceptance,
+)
+from decoding.decoder import NoDraft, SpeculativeDecoder
+from decoding.lookahead import LookaheadProposer
+from decoding.proposers import DraftLMProposer, NGramProposer
+from models.base import DecodeSettings, DecodeState, Proposal, Proposer
+from models.eagle import Eagle1Config, EagleHead
+from models.medusa import Medusa1Config, MedusaHeads
+from models.ragged import compact
+from models.sampling import Sampling
+from models.target import GenRequest
+from models.tiny import build_tiny_target
+
+N_NEW = 32
+
+
+def _prompts():
+    rng = random.Random(0)
+    ps = [[rng.randrange(3, 250) for _ in range(rng.randint(2, 30))] for _ in range(8)]
+    ps[3] = [257]  # a one-token prompt: nothing to prefill
+    ps[5] = [257, 72, 101, 108, 108, 111, 32, 72, 101, 108, 108, 111, 32, 119, 111, 114, 258]
+    return ps
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    dec = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False)
+    return {i: dec.generate(p, N_NEW) for i, p in enumerate(_prompts())}
+
+
+def _proposers(target):
+    other, _ = build_tiny_target(seed=1)
+    dyn = DecodeSettings(tree="dynamic", depth=3, top_k=3, total_tokens=8)
+    return {
+        "none": NoDraft(),
+        "ngram": NGramProposer(),
+        "draft_lm": DraftLMProposer(other),
+        "self": DraftLMProposer(target.model),  # accepts everything: long, ragged tails
+        "eagle": EagleHead(target, Eagle1Config()).proposer(),
+        "eagle_tree": EagleHead(target, Eagle1Config()).proposer(dyn),
+        "medusa": MedusaHeads(target, Medusa1Config(num_heads=3)).proposer(),
+    }
+
+
+def _run(target, proposer, policy="fixed", b=3, sampling=None, gamma=4, **kw):
+    dec = BatchDecoder(
+        target, proposer, sampling or Sampling(), batch_size=b, gamma=gamma, policy=policy, **kw
+    )
+    out = dec.run([GenRequest(i, p, seed=i) for i, p in enumerate(_prompts())], N_NEW)
+    return out, dec.stats
+
+
+@pytest.mark.parametrize(
+    "name", ["none", "ngram", "draft_lm", "self", "eagle", "eagle_tree", "medusa"]
+)
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "goodput"])
+def test_every_row_equals_its_batch1_greedy_output(tiny_target, reference, name, policy):
+    """8 prompts (1 to 30 tokens) through 3 rows: rows leave and join (continuous batching),
+    each accepts its own number of tokens; every output is the batch-1 greedy one."""
+    out, st = _run(tiny_target, _proposers(tiny_target)[name], policy)
+    assert out == reference
+    assert st.rows.new_tokens == sum(len(v) for v in reference.values())
+    assert st.prefills >= 3  # requests joined a running batch
+    if name == "self" and policy == "fixed":
+        assert st.rows.alpha == 1.0 and st.rows.tau > 4.0  # ragged only in the tails
+
+
+def test_compacting_every_iteration_changes_nothing(tiny_target, reference, monkeypatch):
+    orig = batch.tidy
+    calls = {"n": 0}
+
+    def always(cache, valid, holes=0.5, slack=64):
+        calls["n"] += 1
+        return orig(cache, valid, holes=0.0, slack=0)
+
+    monkeypatch.setattr(batch, "tidy", always)
+    out, _ = _run(tiny_target, _proposers(tiny_target)["eagle_tree"])
+    assert out == reference and calls["n"] > 10
+
+
+def test_compact_keeps_each_rows_valid_columns_in_order():
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    valid = torch.rand(3, 9, generator=g) > 0.5
+    valid[1] = False
+    valid[1, 4] = True
+    cache = DynamicCache()
+    k = torch.arange(3 * 9, dtype=torch.float32).reshape(3, 1, 9, 1).repeat(1, 2, 1, 4)
+    cache.update(k.clone(), k.clone() + 1000, 0)
+    new = compact(cache, valid)
+    m = int(valid.sum(1).max())
+    assert new.shape == (3, m)
+    for r in range(3):
+        want = k[r, 0, valid[r], 0]
+        got = cache.layers[0].keys[r, 0, new[r], 0]
+        assert torch.equal(got, want)
+        assert int(new[r].sum()) == int(valid[r].sum())
+        assert not new[r, : m - int(valid[r].sum())].any()  # left-padded
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.target import Target, TargetConfig
+
+    def make(seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=10,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        m = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            m.lm_head.weight.mul_(40.0)
+        return m
+
+    return Target(make(0), None, "small-vocab", TargetConfig(name="test")), make(1)
+
+
+class _Wrong(Proposer):
+    """Drafts tokens the target mostly rejects (a fixed function of the position)."""
+
+    name = "wrong"
+
+    def propose(self, state, gamma):
+        r = random.Random(len(state.ids))
+        return Proposal.chain([r.randrange(10) for _ in range(gamma)])
+
+
+def test_breaking_the_ragged_rollback_is_caught(small_vocab_pair, monkeypatch):
+    """A rollback that keeps every row's rejected columns must change outputs (the tiny
+    random target repeats one token whatever its context, so this uses the sharper 10-token
+    one): the equality tests above can fail."""
+    target, _ = small_vocab_pair
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10) for _ in range(rng.randint(1, 12))] for _ in range(8)]
+    ref_dec = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False)
+    ref = {i: ref_dec.generate(p, N_NEW) for i, p in enumerate(prompts)}
+    reqs = [GenRequest(i, p) for i, p in enumerate(prompts)]
+
+    def run():
+        dec = BatchDecoder(target, _Wrong(), Sampling(), batch_size=3, gamma=4)
+        return dec.run(reqs, N_NEW), dec.stats
+
+    out, st = run()
+    assert out == ref and st.rows.alpha < 0.3
+
+    def keep_everything(valid, start, keeps):
+        valid[:, start:] = True
+
+    monkeypatch.setattr(batch, "keep_columns", keep_everything)
+    out, _ = run()
+    assert sum(out[i] != ref[i] for i in ref) >= 4
+
+
+def test_sampling_follows_the_target_in_every_row(small_vocab_pair):
+    """T = 1, B = 4: requests of three different prompts share batches in every mix (rows of
+    different lengths, each accepting its own); for each prompt, a chi-square test
+    (false-alarm rate 1e-3 each) that the first two tokens follow the target's distribution."""
+    from scipy.stats import chisquare
+
+    from models.sampling import warp
+
+    target, draft = small_vocab_pair
+    s = Sampling(1.0)
+    prompts = [[1, 2, 3], [4], [7, 7, 2, 5, 1]]
+    n = 700
+    reqs = [GenRequest((j, i), prompts[j], seed=1000 * j + i) for i in range(n) for j in range(3)]
+    dec = BatchDecoder(target, DraftLMProposer(draft), s, batch_size=4, gamma=3)
+    out = dec.run(reqs, 3)
+    assert dec.stats.rows.alpha < 0.95  # the draft differs: rejections happen, rows go ragged
+    for j, p in enumerate(prompts):
+        with torch.no_grad():
+            p1 = warp(target.model(torch.tensor([p])).logits[0, -1], s)
+            p2 = torch.stack(
+                [warp(target.model(torch.tensor([p + [x]])).logits[0, -1], s) for x in range(10)]
+            )
+        expected = (p1[:, None] * p2).flatten()
+        counts = torch.zeros(100)
+        for i in range(n):
+            a, b = out[(j, i)][:2]
+            counts[a * 10 + b] += 1
+        e = expected * n
+        keep = e >= 5
+        obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+        exp = torch.cat([e[keep], e[~keep].sum()[None]])
+        assert (counts[expected == 0] == 0).all()
+        mask = exp > 0
+        assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3, f"prompt {j}"
+
+
+def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
+    cost = StepCostModel()
+    flat = GoodputPolicy(4, cost, parallel=False)
+    cost.coef = (0.010, 0.0, 0.0)  # verification is free: a forward costs the same at any size
+    flat.t_step = 0.0005
+    good = [_Acceptance(acc=8.0, tested=10.0) for _ in range(4)]  # alpha 0.8
+    assert flat.choose(good, [4] * 4, 100) == 4
+    cost.coef = (0.0, 0.010, 0.0)  # every token in the batch costs as much as a plain step
+    weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]  # alpha 0.2
+    choices = []
+    for _ in range(250):
+        choices.append(flat.choose(weak, [4] * 4, 100))
+        flat.update(None, tested=4 if choices[-1] else 0, accepted=0)
+    # off, with a probe of one token now and then, each probe that changes nothing doubling
+    # the wait: 16, 32, 64, 128 iterations
+    probes = [i for i, c in enumerate(choices) if c]
+    assert set(choices[i] for i in probes) == {1} and len(probes) == 4
+    assert [b - a for a, b in zip(probes, probes[1:], strict=False)] == [32, 64, 128]
+    assert flat.choose(good, [0, 0, 0, 0], 100) == 0  # nothing left to draft
+    assert flat.new_request().alpha < 0.5  # newcomers start from the pooled (poor) rate
+
+
+def test_cost_model_recovers_a_linear_step_time():
+    cost = StepCostModel(refit=1000)
+    for rows in (1, 4, 16):
+        for k in (1, 3, 5):
+            for length in (100, 800):
+                n = rows * k
+                cost.observe(rows, k, length, 0.02 + 0.003 * n + 0.0005 * n * length / 1000)
+    cost.fit()
+    c0, c1, c2 = cost.coef
+    assert c0 == pytest.approx(0.02, rel=1e-6) and c1 == pytest.approx(0.003, rel=1e-6)
+    assert c2 == pytest.approx(0.0005, rel=1e-6)
+    assert cost.predict(8, 2, 400) == pytest.approx(0.02 + 0.048 + 0.0005 * 16 * 0.4)
+
+
+def test_what_cannot_batch_says_so_in_one_line(tiny_target):
+    with pytest.raises(BatchError, match="side branch"):
+        BatchDecoder(tiny_target, LookaheadProposer(4, 3, 3), Sampling(), 2)
+    with pytest.raises(BatchError, match="batch_size=0"):
+        BatchDecoder(tiny_target, NoDraft(), Sampling(), 0)
+    with pytest.raises(BatchError, match="policy"):
+        BatchDecoder(tiny_target, NoDraft(), Sampling(), 2, policy="fastest")
+
+
+def test_eval_batch_sweep_report(tmp_path):
+    rep = tmp_path / "r.json"
+    r = run_module(
+        "decoding.eval",
+        [
+            "target=tiny_random",
+            "draft=truncate:1",
+            "num_prompts=5",
+            "max_new_tokens=12",
+            "batch_sizes=[1,2,4]",
+            "batch_policies=[fixed,goodput]",
+            "batch_repeats=2",
+            f"report={rep}",
+        ],
+        300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(rep.read_text())
+    rows = d["batch"]
+    assert [(x["batch_size"], x["policy"]) for x in rows] == [
+        (b, p) for b in (1, 2, 4) for p in ("fixed", "goodput")
+    ]
+    assert d["lossless"] is True and all(x["divergences"] == 0 for x in rows)
+    for x in rows:
+        assert x["repeats"] == 2 and x["new_tokens"] % 2 == 0  # pooled over both runs
+        assert x["tokens_per_second"] > 0 and x["plain_tokens_per_second"] > 0
+        assert x["tau"] >= 1.0 and x["request_tokens_per_second"] > 0
+    assert rep.with_suffix(".png").stat().st_size > 1000
+    assert "speedup" in r.stdout and "goodput cost model" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["batch_sizes=[0,2]"], "batch size 0"),
+        (["batch_policies=[fixed,best]"], "'best' is not one of"),
+        (["batch_size=2", "draft=lookahead"], "side branch"),
+        (["stop=goodput", "engine=llama.cpp"], "engine=torch"),
+        (["batch_size=2", "acceptance=typical", "temperature=1"], "only exact"),
+    ],
+)
+def test_impossible_batch_settings_are_refused(args, needle):
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from decoding.eval import EvalError, evaluate
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=["target=tiny_random", "num_prompts=2", *args])
+    with pytest.raises(EvalError, match=needle.replace("[", r"\[")):
+        evaluate(cfg)
+
+
+def test_a_batch_setting_error_is_one_line_on_the_command_line(tmp_path):
+    r = run_module(
+        "decoding.eval",
+        [
+            "target=tiny_random",
+            "draft=ngram",
+            "num_prompts=2",
+            "batch_size=2",
+            "turns=2",
+            f"report={tmp_path / 'r.json'}",
+        ],
+        120,
+    )
+    assert r.returncode == 2 and "turns=2 with batch_size > 1" in r.stderr, r.stderr[-2000:]
+    assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1
+    assert not (tmp_path / "r.json").exists()
+
+
+# -- draft=streaming (MagicDec self-speculation) ---------------------------------------------
+
+
+def test_streaming_self_draft_is_lossless_and_evicts(tiny_target, reference):
+    from decoding.streaming import StreamingDraft
+
+    prompts = _prompts()
+    draft = StreamingDraft(tiny_target, sinks=2, window=8, slack=4)
+    dec = SpeculativeDecoder(tiny_target, draft, Sampling(), gamma=4, adaptive=False)
+    for i, p in enumerate(prompts):
+        assert dec.generate(p, N_NEW) == reference[i]
+        if len(p) + N_NEW > 20:
+            assert draft.evicted > 0 and draft.cache.get_seq_length() <= 2 + 8 + 4 + 4
+    # the batched decoder: each row's draft prefills its prompt itself
+    out, _ = _run(tiny_target, StreamingDraft(tiny_target, sinks=2, window=8, slack=4))
+    assert out == reference
+
+
+def test_a_window_longer_than_the_context_is_plain_self_drafting(tiny_target):
+    from decoding.streaming import StreamingDraft
+
+    dec = SpeculativeDecoder(
+        tiny_target,
+        StreamingDraft(tiny_target, sinks=4, window=4096),
+        Sampling(),
+        gamma=3,
+        adaptive=False,
+    )
+    p = _prompts()[5]
+    dec.generate(p, 24)
+    assert dec.stats.alpha == 1.0 and dec.proposer.evicted == 0
+
+
+def test_streaming_sampling_follows_the_target(small_vocab_pair):
+    from conftest import assert_first_two_tokens_follow_the_target
+
+    from decoding.streaming import StreamingDraft
+
+    target, _ = small_vocab_pair
+    s = Sampling(1.0)
+    draft = StreamingDraft(target, sinks=1, window=2, slack=1)
+    dec = SpeculativeDecoder(target, draft, s, gamma=3, adaptive=False, seed=3)
+    assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3, 4, 5, 6, 7, 8], s, n=1500)
+    assert dec.stats.alpha < 0.99  # a window of 2 drafts differently from the full cache
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_eagle_drafting_proposes_what_each_row_would_alone(tiny_target, kind, temperature):
+    """The batched EAGLE drafter (one head forward per step for all rows, a shared ragged head
+    cache) against the batch-1 proposer, row by row, over several iterations with different
+    acceptance per row: the same tokens and (T > 0, same random streams) the same q."""
+    from models.eagle import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(0)
+    head = (
+        EagleHead(tiny_target, Eagle1Config())
+        if kind == "eagle1"
+        else Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
+    )
+    single = head.proposer()
+    s = Sampling(temperature)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
+
+    def feats(ids):
+        with torch.no_grad():
+            hs = tiny_target.model(torch.tensor([ids[:-1]]), output_hidden_states=True)
+        layers = [tiny_target.layer_index(i) for i in single.feature_layers]
+        return torch.stack([hs.hidden_states[j][0] for j in layers], dim=1)
+
+    def states(seed):
+        return [
+            DecodeState(
+                ids=list(x),
+                features=feats(x),
+                sampling=s,
+                device=tiny_target.device,
+                generator=torch.Generator().manual_seed(seed + b) if temperature else None,
+            )
+            for b, x in enumerate(seqs)
+        ]
+
+    rows, alone = states(5), states(5)
+    bp = single.batched()
+    bp.join(rows)
+    props = [single.fresh() for _ in alone]
+    for p, st in zip(props, alone, strict=True):
+        p.start(st)
+    for it in range(4):
+        gammas = [3, 1 + it % 3, 2]
+        got = bp.propose(rows, gammas)
+        want = [p.propose(st, g) for p, st, g in zip(props, alone, gammas, strict=True)]
+        for a, b in zip(got, want, strict=True):
+            assert a.tokens == b.tokens
+            if temperature:
+                torch.testing.assert_close(a.q, b.q)
+        # each row accepts its own number of drafted tokens, then a corrected one
+        for b in range(3):
+            k = (b + it) % (len(want[b]) + 1)
+            new = want[b].tokens[:k] + [rng.randrange(3, 250)]
+            for st in (rows[b], alone[b]):
+                st.ids.extend(new)
+                st.features = feats(st.ids)
+            props[b].rollback(alone[b], k)
+        bp.rollback(rows, [])
+    assert bp.valid.shape[0] == 3
