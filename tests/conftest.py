@@ -149,6 +149,13 @@ def assert_first_two_tokens_follow_the_target(target, dec, prompt, s, gen=2, n=2
     ``dec`` generates after ``prompt`` follow the target's warped distribution ``s``, over a
     10-token vocabulary; generating more than two lets the first iteration draft up to
     ``gen - 1`` tokens."""
+    pairs = [tuple(dec.generate(prompt, gen)[:2]) for _ in range(n)]
+    assert_pairs_follow_the_target(target, prompt, s, pairs)
+
+
+def assert_pairs_follow_the_target(target, prompt, s, pairs, what=""):
+    """Chi-square test (false-alarm rate 1e-3) that sampled (first, second) token pairs after
+    ``prompt`` follow the target's warped distribution ``s`` over a 10-token vocabulary."""
     from scipy.stats import chisquare
 
     from models.sampling import warp
@@ -159,17 +166,43 @@ def assert_first_two_tokens_follow_the_target(target, dec, prompt, s, gen=2, n=2
             [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
         )
     expected = (p1[:, None] * p2).flatten()
+    n = len(pairs)
     counts = torch.zeros(100)
-    for _ in range(n):
-        a, b = dec.generate(prompt, gen)[:2]
+    for a, b in pairs:
         counts[a * 10 + b] += 1
     e = expected * n
     keep = e >= 5
     obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     exp = torch.cat([e[keep], e[~keep].sum()[None]])
-    assert (counts[expected == 0] == 0).all()
+    assert (counts[expected == 0] == 0).all(), what
     mask = exp > 0
-    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3
+    assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3, what
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    """A target and a draft over a 10-token vocabulary (tiny random Llamas, sharpened)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from models.target import Target, TargetConfig
+
+    def make(seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=10,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        m = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            m.lm_head.weight.mul_(40.0)  # sharper, distinct distributions
+        return m
+
+    return Target(make(0), None, "small-vocab", TargetConfig(name="test")), make(1)
 
 
 def tiny_target_gguf(path, target) -> Path:

@@ -117,31 +117,6 @@ def test_compact_keeps_each_rows_valid_columns_in_order():
         assert not new[r, : m - int(valid[r].sum())].any()  # left-padded
 
 
-@pytest.fixture(scope="module")
-def small_vocab_pair():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models.target import Target, TargetConfig
-
-    def make(seed):
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(
-            vocab_size=10,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-        m = LlamaForCausalLM(cfg).eval()
-        with torch.no_grad():
-            m.lm_head.weight.mul_(40.0)
-        return m
-
-    return Target(make(0), None, "small-vocab", TargetConfig(name="test")), make(1)
-
-
 class _Wrong(Proposer):
     """Drafts tokens the target mostly rejects (a fixed function of the position)."""
 
@@ -182,9 +157,7 @@ def test_sampling_follows_the_target_in_every_row(small_vocab_pair):
     """T = 1, B = 4: requests of three different prompts share batches in every mix (rows of
     different lengths, each accepting its own); for each prompt, a chi-square test
     (false-alarm rate 1e-3 each) that the first two tokens follow the target's distribution."""
-    from scipy.stats import chisquare
-
-    from models.sampling import warp
+    from conftest import assert_pairs_follow_the_target
 
     target, draft = small_vocab_pair
     s = Sampling(1.0)
@@ -195,23 +168,8 @@ def test_sampling_follows_the_target_in_every_row(small_vocab_pair):
     out = dec.run(reqs, 3)
     assert dec.stats.rows.alpha < 0.95  # the draft differs: rejections happen, rows go ragged
     for j, p in enumerate(prompts):
-        with torch.no_grad():
-            p1 = warp(target.model(torch.tensor([p])).logits[0, -1], s)
-            p2 = torch.stack(
-                [warp(target.model(torch.tensor([p + [x]])).logits[0, -1], s) for x in range(10)]
-            )
-        expected = (p1[:, None] * p2).flatten()
-        counts = torch.zeros(100)
-        for i in range(n):
-            a, b = out[(j, i)][:2]
-            counts[a * 10 + b] += 1
-        e = expected * n
-        keep = e >= 5
-        obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-        exp = torch.cat([e[keep], e[~keep].sum()[None]])
-        assert (counts[expected == 0] == 0).all()
-        mask = exp > 0
-        assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3, f"prompt {j}"
+        pairs = [tuple(out[(j, i)][:2]) for i in range(n)]
+        assert_pairs_follow_the_target(target, p, s, pairs, f"prompt {j}")
 
 
 def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
