@@ -17,9 +17,13 @@ are cut at either end of the cache, and when holes make up most of it, it is com
 mask and per-row position ids (tokens count real positions only), so padding and holes never
 shift a row's positions.
 
-**Drafting.** Each row holds its own proposer (``Proposer.fresh``: same weights, its own caches
-and state) and drafts at batch 1; verification, the cost that grows with the batch, is one
-forward. How many tokens each row drafts is decided per iteration by a *policy*:
+**Drafting.** A proposer that has a batched form (``Proposer.batched``: EAGLE chains, draft LMs,
+the streaming self-draft) drafts for every row in one forward per step, over a ragged cache of
+its own; it reads a newcomer's sequence when the batch next drafts, so while a policy decodes
+plain, newcomers cost it nothing. Any other proposer (trees, Medusa, n-gram, DFlash, ...) is
+copied per row (``Proposer.fresh``: same weights, its own caches and state) and drafts at
+batch 1. Verification, the cost that grows with the batch, is one forward. How many tokens
+each row drafts is decided per iteration by a *policy*:
 
 - ``fixed``: gamma (or the proposer's tree) every iteration;
 - ``adaptive``: today's batch-1 gamma controller, one per request, blind to the batch;
@@ -40,13 +44,22 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from models.base import DecodeState, Proposal, Proposer
-from models.ragged import join_rows, keep_columns, new_cache, tidy
+from models.ragged import (
+    additive_mask,
+    causal_mask,
+    join_rows,
+    keep_columns,
+    left_padded,
+    new_cache,
+    tidy,
+)
 from models.sampling import Sampling, greedy_tokens, warp
 from models.target import GenRequest, Target
 
@@ -56,7 +69,6 @@ from .decoder import (
     _depths,
     _is_chain,
     _sync,
-    additive_mask,
     count_iteration,
 )
 from .verify import verify_greedy, verify_sampled
@@ -83,6 +95,8 @@ class StepCostModel:
         self.live: deque = deque(maxlen=window)
         self.coef = (0.0, 0.0, 0.0)
         self.refit, self.pending = refit, 0
+        #: the fit's relative error: root mean square of (predicted - measured) / measured
+        self.rel_error = 0.0
 
     @staticmethod
     def _x(rows: int, k: int, length: int) -> tuple[float, float]:
@@ -118,6 +132,8 @@ class StepCostModel:
         for i, v in zip(active, sol.tolist() if active else [], strict=False):
             coef[i] = float(v)
         self.coef = tuple(coef)
+        pred = a @ torch.tensor(coef, dtype=torch.float64)
+        self.rel_error = float(((pred - y) / y.clamp_min(1e-9)).square().mean().sqrt())
 
     @torch.no_grad()
     def calibrate(
@@ -185,10 +201,16 @@ class GoodputPolicy:
     the whole batch, the one maximising sum_rows E[tokens | g] / (drafting(g) + forward(rows,
     g + 1, cache length)), E[tokens | g] = (1 - a^(g+1)) / (1 - a) with each request's own a.
     A tree proposer's choice is between its whole tree and none. Drafting costs what it was
-    measured to cost per row and step (the rows draft one after another). When it chooses 0 for
-    ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back (waiting
-    twice as long after each probe that accepts nothing), so a useless draft costs almost
-    nothing and a useful one is not forgotten."""
+    measured to cost per step (per row and step where the rows draft one after another). A
+    length wins over plain decoding only by more than the cost model's relative error
+    (``StepCostModel.rel_error``, at most ``max_margin``): a smaller predicted gain is inside
+    what the model cannot tell apart, and drafting has overheads it does not see. When it chooses 0 for
+    ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back, so a
+    useful draft is not forgotten. After a probe that changed nothing it waits twice as long,
+    and at least long enough that probes cost at most ``probe_share`` of the time: a probe's
+    cost is what its iteration took beyond the predicted plain step (the drafter's catch-up
+    on the tokens decoded since it last drafted, its step, the larger verification), so a
+    useless draft costs almost nothing."""
 
     def __init__(
         self,
@@ -199,12 +221,17 @@ class GoodputPolicy:
         batched: bool = False,
         probe_every: int = 16,
         max_probe: int = 256,
+        probe_share: float = 0.02,
+        max_margin: float = 0.2,
     ):
         self.gamma, self.cost, self.parallel, self.tree = gamma, cost, parallel, tree
         self.batched = batched  # one draft step serves every row (a BatchedProposer)
         self.t_step: float | None = None  # seconds of one draft step of one row
         self.probe_every, self.max_probe = probe_every, max_probe
         self.wait, self.streak, self.probing = probe_every, 0, False
+        self.probe_share, self.budget_wait = probe_share, 0
+        self.max_margin = max_margin
+        self._plain_seconds: float | None = None  # predicted plain step of the last choice
         self.last_goodput: dict[int, float] = {}
         self.tree_nodes = float(gamma)  # a tree proposer: nodes per tree, measured
         self.after_probe = False
@@ -227,8 +254,9 @@ class GoodputPolicy:
         if self.t_step is None:
             return min(cap, 2) if not self.tree else cap  # measure the draft first
         rows = len(acc)
+        self._plain_seconds = self.cost.predict(rows, 1, length)
         options = [0, cap] if self.tree else list(range(cap + 1))
-        best, best_gp = 0, -1.0
+        best, best_gp, plain_gp = 0, -1.0, 0.0
         for g in options:
             tokens = 0.0
             for a, c in zip(acc, caps, strict=True):
@@ -241,11 +269,21 @@ class GoodputPolicy:
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
             gp = tokens / max(sec, 1e-9)
             self.last_goodput[g] = gp
+            if g == 0:
+                plain_gp = gp
             if gp > best_gp:
                 best, best_gp = g, gp
+        # draft only where it wins by more than the cost model's own error: a gain inside it
+        # is a coin toss that costs the probes' and drafts' overheads when it comes up wrong
+        if best and best_gp < plain_gp * (1 + min(self.cost.rel_error, self.max_margin)):
+            best = 0
         if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer
             self.after_probe = False
-            self.wait = self.probe_every if best > 0 else min(2 * self.wait, self.max_probe)
+            self.wait = (
+                self.probe_every
+                if best > 0
+                else min(max(2 * self.wait, self.budget_wait), self.max_probe)
+            )
         if best > 0:
             self.streak = 0
             return best
@@ -261,10 +299,15 @@ class GoodputPolicy:
         return _Acceptance(acc=2.0 * self.pool.alpha, tested=2.0)
 
     def update(
-        self, step_seconds: float | None, tested: int = 0, accepted: int = 0, tree_rows=()
+        self,
+        step_seconds: float | None,
+        tested: int = 0,
+        accepted: int = 0,
+        iteration_seconds: float | None = None,
     ) -> None:
         """After an iteration: one draft step's seconds (None: not measured), the batch's
-        tested and accepted draft tokens (for the pooled rate)."""
+        tested and accepted draft tokens (for the pooled rate), and the iteration's drafting
+        plus verification seconds (a probe's cost)."""
         if step_seconds is not None:
             self.t_step = (
                 step_seconds if self.t_step is None else 0.8 * self.t_step + 0.2 * step_seconds
@@ -274,9 +317,32 @@ class GoodputPolicy:
             self.pool.tested = self.pool.tested * 0.98 + tested
         if self.probing:
             self.after_probe = True
+            plain = self._plain_seconds
+            if iteration_seconds is not None and plain:
+                extra = max(0.0, iteration_seconds - plain)
+                self.budget_wait = math.ceil(extra / (self.probe_share * plain))
 
 
 # -- the decoder --------------------------------------------------------------------------------
+
+
+class _RowCache:
+    """One row's columns of the batch's prefill cache (left-padded: the row's prompt fills
+    the last columns), as the ``DecodeState.prefill_cache`` a self-drafter copies from:
+    views, no copy; the prefill's tensors are never written in place afterwards (the batch
+    cache grows into new room or new tensors)."""
+
+    def __init__(self, cache: DynamicCache, row: int, first: int):
+        self.layers = [
+            SimpleNamespace(
+                keys=layer.keys[row : row + 1, :, first:, :],
+                values=layer.values[row : row + 1, :, first:, :],
+            )
+            for layer in cache.layers
+        ]
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].keys.shape[-2] if self.layers else 0
 
 
 @dataclass
@@ -434,16 +500,9 @@ class BatchDecoder:
         """Prefill the prompts but their last token, left-padded (one masked pad column for a
         one-token prompt). Returns the cache, its ``valid`` and each request's features."""
         fed = [r.prompt[:-1] for r in reqs]
-        n = max(1, max(len(f) for f in fed))
-        ids = torch.zeros(len(reqs), n, dtype=torch.long)
-        real = torch.zeros(len(reqs), n, dtype=torch.bool)
-        for i, f in enumerate(fed):
-            if f:
-                ids[i, n - len(f) :] = torch.tensor(f)
-                real[i, n - len(f) :] = True
-        pos = (real.long().cumsum(-1) - 1).clamp_min(0)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        allowed = (causal[None] & real[:, None, :]) | torch.eye(n, dtype=torch.bool)[None]
+        ids, pos, real = left_padded(fed, [0] * len(fed))
+        n = ids.shape[1]
+        allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
         cache = new_cache(self.target.config)
         out = self.target.model(
             input_ids=ids.to(self.device),
@@ -456,7 +515,11 @@ class BatchDecoder:
         )
         h = self._hidden(out)
         feats = [(h[i, n - len(f) :] if (h is not None and f) else None) for i, f in enumerate(fed)]
-        return cache, real.to(self.device), feats
+        views = [
+            _RowCache(cache, i, n - len(f)) if (f and self.template.reads_prefill_cache) else None
+            for i, f in enumerate(fed)
+        ]
+        return cache, real.to(self.device), feats, views
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -476,6 +539,7 @@ class BatchDecoder:
         st = BatchStats()
         self.stats = st
         self.bp = self.template.batched()  # fresh for this run (None: row-by-row drafting)
+        joined = 0  # rows[:joined] are the batched drafter's rows
         t0 = time.perf_counter()
         queue = deque(requests)
         rows: list[_Row] = []
@@ -489,7 +553,7 @@ class BatchDecoder:
             if queue and free and (not rows or free >= max(1, B // 4)):
                 reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
                 t = time.perf_counter()
-                c, v, feats = self._prefill(reqs)
+                c, v, feats, views = self._prefill(reqs)
                 if cache is None:
                     cache, valid = c, v
                 else:
@@ -497,7 +561,7 @@ class BatchDecoder:
                 _sync(self.device)
                 st.rows.t_prefill += time.perf_counter() - t
                 st.prefills += 1
-                for r, f in zip(reqs, feats, strict=True):
+                for r, f, view in zip(reqs, feats, views, strict=True):
                     gen = None
                     if not greedy:
                         gen = torch.Generator(device=self.device).manual_seed(int(r.seed))
@@ -507,6 +571,7 @@ class BatchDecoder:
                         sampling=self.sampling,
                         generator=gen,
                         device=self.device,
+                        prefill_cache=view,
                     )
                     prop = self.template.fresh()
                     acc = self.goodput.new_request() if self.goodput else _Acceptance()
@@ -521,10 +586,8 @@ class BatchDecoder:
                         calls0=prop.draft_calls,
                     )
                     rows.append(row)  # its proposer starts when the row first drafts
-                if self.bp is not None:  # a batched drafter reads the newcomers' prompts now
-                    t = time.perf_counter()
-                    self.bp.join([r.state for r in rows[len(rows) - len(reqs) :]])
-                    st.rows.t_prefill += time.perf_counter() - t
+                    # a batched drafter reads the newcomers' prompts when the batch next drafts
+                # (``_join_drafter``): while the policy decodes plain, newcomers cost it nothing
             # -- how much each row drafts
             limits = [max_new_tokens - len(r.new) - 1 for r in rows]
             length = valid.shape[1]
@@ -560,6 +623,7 @@ class BatchDecoder:
                     gs.append(r.controller.choose(cap) if r.controller else cap)
             if gs is not None and self.bp is not None:
                 if max(gs, default=0):
+                    joined = self._join_drafter(rows, joined)
                     props = self.bp.propose([r.state for r in rows], gs)
                     if self.bp.last_step_seconds is not None:
                         step_times.append(self.bp.last_step_seconds)
@@ -660,7 +724,10 @@ class BatchDecoder:
                 if not clean and steps:  # a proposer without its own measure: time / steps
                     clean = [t_draft / steps]
                 self.goodput.update(
-                    sum(clean) / len(clean) if clean else None, it_tested, it_accepted
+                    sum(clean) / len(clean) if clean else None,
+                    it_tested,
+                    it_accepted,
+                    iteration_seconds=t_draft + t_verify,
                 )
                 if self.tree and n > 1:
                     self.goodput.saw_tree(n - 1)
@@ -688,19 +755,34 @@ class BatchDecoder:
                     cache = valid = None
                     if self.bp is not None:
                         self.bp.select([])
+                        joined = 0
                     continue
                 cache.batch_select_indices(torch.tensor(keep, device=self.device))
                 valid = valid[keep]
                 if self.bp is not None:
-                    self.bp.select(keep)
+                    kept = [b for b in keep if b < joined]
+                    self.bp.select(kept)
+                    joined = len(kept)
             if self.bp is not None:
-                self.bp.rollback([r.state for r in rows], [])
+                self.bp.rollback([r.state for r in rows[:joined]], [])
             valid = tidy(cache, valid)
         st.wall = time.perf_counter() - t0
         st.rows.t_total = st.wall
         if self.bp is not None:
             st.rows.draft_calls += self.bp.draft_calls
         return done
+
+    def _join_drafter(self, rows: list[_Row], joined: int) -> int:
+        """Let the batched drafter read the rows it has not seen (rows[joined:]) before the
+        batch drafts: its prefill of their prompts and of what they decoded since, counted as
+        prefill, as a row-by-row proposer's start (``_propose``). Returns the new count."""
+        if joined < len(rows):
+            t = time.perf_counter()
+            self.bp.join([r.state for r in rows[joined:]])
+            for r in rows[joined:]:
+                r.state.prefill_cache = None  # read once: the batch's prefill can go
+            self._t_start += time.perf_counter() - t
+        return len(rows)
 
     def _propose(self, r: _Row, g: int) -> Proposal:
         """Row ``r``'s proposal of ``g`` tokens. A row's proposer starts (reads the sequence
@@ -710,6 +792,7 @@ class BatchDecoder:
         if not r.started:
             t = time.perf_counter()
             r.proposer.start(r.state)
+            r.state.prefill_cache = None
             r.started = True
             self._t_start += time.perf_counter() - t
         return r.proposer.propose(r.state, g)
@@ -758,8 +841,9 @@ def check_batch_settings(cfg, target: Target, proposer: Proposer) -> None:
 def speedup_table(rows: list[dict]) -> str:
     """A Markdown table of a batch sweep (``decoding.eval`` rows)."""
     head = (
-        "| batch | policy | plain tok/s | spec tok/s | speedup | per-request tok/s (plain / "
-        "spec) | tau | alpha | mean gamma | lossless |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| batch | policy | plain tok/s | spec tok/s | speedup | after prefill | per-request "
+        "tok/s (plain / spec) | tau | alpha | mean gamma | lossless |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -770,7 +854,7 @@ def speedup_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['batch_size']} | {r['policy']} | {f(r['plain_tokens_per_second'], 1)} | "
             f"{f(r['tokens_per_second'], 1)} | {f(r['speedup'])}x | "
-            f"{f(r['plain_request_tokens_per_second'], 1)} / "
+            f"{f(r.get('decode_speedup'))}x | {f(r['plain_request_tokens_per_second'], 1)} / "
             f"{f(r['request_tokens_per_second'], 1)} | {f(r['tau'])} | {f(r['alpha'])} | "
             f"{f(r['mean_gamma'])} | {r['lossless']} |"
         )

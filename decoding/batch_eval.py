@@ -33,7 +33,9 @@ BATCH_CONVENTION = (
     "(prefills included), for plain and speculative decoding at the same batch size; "
     "request_tokens_per_second = mean over requests of new tokens / (last token - admission); "
     "tau and alpha pool every row-iteration (a row's verification counts once per forward it "
-    "rode in); mean_gamma = draft tokens per row-iteration."
+    "rode in); mean_gamma = draft tokens per row-iteration; decode_speedup = the ratio of new "
+    "tokens per second of wall time less the prefills (a drafter's reading of a newcomer counts "
+    "as prefill)."
 )
 
 
@@ -78,12 +80,18 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
     tps, ptps = stats.tokens_per_second, plain.tokens_per_second
     rtps, prtps = stats.request_tokens_per_second, plain.request_tokens_per_second
     other = s.t_total - s.t_target - s.t_draft - s.t_prefill
+    decode, plain_decode = s.t_total - s.t_prefill, plain.rows.t_total - plain.rows.t_prefill
     return {
         "batch_size": b,
         "policy": policy,
         "tokens_per_second": tps,
         "plain_tokens_per_second": ptps,
         "speedup": tps / ptps if ptps else float("nan"),
+        # the same new tokens, timed after the prefills (the drafter's reading of newcomers
+        # counts as prefill): what speculation changes where long prompts dominate the wall
+        "decode_speedup": (s.new_tokens / decode) / (plain.rows.new_tokens / plain_decode)
+        if decode > 0 and plain_decode > 0 and plain.rows.new_tokens
+        else float("nan"),
         "request_tokens_per_second": rtps,
         "plain_request_tokens_per_second": prtps,
         "request_speedup": rtps / prtps if prtps else float("nan"),

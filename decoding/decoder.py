@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from models.base import DecodeState, Proposal, Proposer, crop_cache
+from models.ragged import additive_mask
 from models.sampling import Sampling, greedy_tokens, warp
 from models.target import Target
 
@@ -642,15 +643,6 @@ class SpeculativeDecoder:
             attention_mask=additive_mask(allowed, self.target.dtype)[None, None].to(self.device),
             position_ids=pos,
         )
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention pattern (True = attend) as the additive float mask that every
-    attention implementation reads the same way: 0 where allowed, the dtype's most negative
-    value elsewhere. (A boolean 4D mask is read as True = attend by SDPA but added as a 0/1 bias
-    by eager attention, which then masks nothing.)"""
-    m = torch.zeros(allowed.shape, dtype=dtype)
-    return m.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:

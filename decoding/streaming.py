@@ -6,9 +6,11 @@ verifies. No training, no second model: what drafting saves is the attention ove
 middle of a long context, so it pays where the KV cache, not the weights, is the cost (long
 contexts, large batches, memory-bound devices).
 
-The draft cache starts from the target's own prefill (``DecodeState.prefill_cache``, the batch-1
-decoder hands it over; the batched decoder does not, and the draft then prefills the prompt
-itself, counted as prefill). Keys keep the rotary positions they were computed at, and new
+The draft cache starts from the target's own prefill (``DecodeState.prefill_cache``: the batch-1
+decoder hands over its cache, the batched decoder a view of the row's columns of the batch's
+prefill), copying only the sinks and the window; tokens decoded since (the batched decoder starts
+a row's draft when the row first drafts) are fed then. Without one the draft prefills the prompt
+itself, counted as prefill. Keys keep the rotary positions they were computed at, and new
 tokens are fed at their real positions (StreamingLLM re-numbers positions inside the cache to
 reach past the model's trained length; MagicDec's contexts are within it, and so are ours).
 Evicting copies the kept columns, so it happens in steps of ``slack`` columns, between
@@ -25,14 +27,23 @@ import torch
 from transformers import DynamicCache
 
 from models.base import DecodeState, Proposal, Proposer, crop_cache, draft_signals
+from models.draft_lm import BatchedDraftLM
 from models.sampling import greedy_tokens, sample, warp
 from models.target import Target
+
+
+def kept_columns(n: int, sinks: int, window: int) -> list[int]:
+    """Cache columns kept out of ``n``: the sinks and the last ``window``."""
+    if n <= sinks + window:
+        return list(range(n))
+    return list(range(sinks)) + list(range(n - window, n))
 
 
 class StreamingDraft(Proposer):
     name = "streaming"
     measures_steps = True
     gives_signals = True
+    reads_prefill_cache = True
 
     def __init__(self, target: Target, sinks: int = 4, window: int = 256, slack: int = 64):
         if sinks < 0:
@@ -58,24 +69,26 @@ class StreamingDraft(Proposer):
         self.last_step_seconds = None
         n = len(state.ids) - 1
         pc = state.prefill_cache
-        if pc is not None and n > 0 and pc.get_seq_length() == n:
-            keep = self._keep(n)
+        m = pc.get_seq_length() if pc is not None else 0
+        if 0 < m <= n:  # the target's prefill of ids[:m]: copy its sinks and window
+            keep = torch.tensor(self._keep(m))
             for i, layer in enumerate(pc.layers):
-                k, v = layer.keys[..., keep, :], layer.values[..., keep, :]
-                self.cache.update(k.clone(), v.clone(), i)
-            self.fed, self.cols = n, len(keep)
-            self.evicted = n - len(keep)
-        elif n > 0:
-            self._feed(state.ids[:-1], 0, state.device)
+                k = layer.keys.index_select(-2, keep.to(layer.keys.device))
+                v = layer.values.index_select(-2, keep.to(layer.values.device))
+                self.cache.update(k, v, i)
+            self.fed, self.cols = m, len(keep)
+            self.evicted = m - len(keep)
+        if self.fed < n:  # what the prefill did not cover
+            self._feed(state.ids[self.fed : n], self.fed, state.device)
             self.fed = n
             self.cols = self.cache.get_seq_length()
             self._evict(force=True)
 
+    def batched(self) -> BatchedStreamingDraft | None:
+        return BatchedStreamingDraft(self.target, self.sinks, self.window, self.slack)
+
     def _keep(self, n: int) -> list[int]:
-        """Cache columns kept out of ``n``: the sinks and the last ``window``."""
-        if n <= self.sinks + self.window:
-            return list(range(n))
-        return list(range(self.sinks)) + list(range(n - self.window, n))
+        return kept_columns(n, self.sinks, self.window)
 
     def _evict(self, force: bool = False) -> None:
         n = self.cache.get_seq_length()
@@ -140,3 +153,63 @@ class StreamingDraft(Proposer):
         crop_cache(self.cache, keep)
         self.fed += keep - self.cols
         self.cols = keep
+
+
+class BatchedStreamingDraft(BatchedDraftLM):
+    """``StreamingDraft`` for every row of the batched decoder in one target forward per step
+    (MagicDec's setting: a batch of long contexts). The rows share one ragged cache
+    (``models/ragged.py``) in which eviction is masking: a row keeps its first ``sinks`` and
+    its last ``window`` committed columns, evicted when it holds ``slack`` more, before it
+    drafts, as the batch-1 draft does (whose proposals these are, tests/test_batch.py);
+    ``tidy`` frees the holes. A row starts from its columns of the batch's prefill
+    (``DecodeState.prefill_cache``), copying only the sinks and the window."""
+
+    def __init__(self, target: Target, sinks: int, window: int, slack: int):
+        super().__init__(target.model)
+        self.target, self.sinks, self.window, self.slack = target, sinks, window, slack
+
+    def _evict_rows(self, valid: torch.Tensor, limit: int) -> None:
+        """Mask the middle of every row holding more than ``limit`` columns (in place)."""
+        for b in range(valid.shape[0]):
+            cols = valid[b].nonzero()[:, 0]
+            if len(cols) > limit:
+                valid[b, cols[self.sinks : len(cols) - self.window]] = False
+
+    def _evict(self, states: list[DecodeState]) -> None:
+        self._evict_rows(self.valid, self.sinks + self.window + self.slack)
+
+    def _start_rows(self, states: list[DecodeState]):
+        from models.ragged import new_cache
+
+        dev = states[0].device
+        R = len(states)
+        ms, keeps = [], []
+        for s in states:
+            pc, n = s.prefill_cache, len(s.ids) - 1
+            m = pc.get_seq_length() if pc is not None else 0
+            m = m if 0 < m <= n else 0
+            ms.append(m)
+            keeps.append(kept_columns(m, self.sinks, self.window))
+        width = max(len(k) for k in keeps)
+        cache = new_cache(self.model.config)
+        valid = torch.zeros(R, width, dtype=torch.bool, device=dev)
+        if width:  # each row's sinks and window of its prefill, right-aligned
+            layers = next(s.prefill_cache for s, m in zip(states, ms, strict=True) if m).layers
+            for i, ref in enumerate(layers):
+                shape = (R, ref.keys.shape[1], width, ref.keys.shape[-1])
+                k = ref.keys.new_zeros(shape)
+                v = ref.values.new_zeros(shape)
+                for b, (s, keep) in enumerate(zip(states, keeps, strict=True)):
+                    if keep:
+                        src = s.prefill_cache.layers[i]
+                        idx = torch.tensor(keep, device=src.keys.device)
+                        k[b, :, width - len(keep) :] = src.keys[0].index_select(-2, idx)
+                        v[b, :, width - len(keep) :] = src.values[0].index_select(-2, idx)
+                cache.update(k, v, i)
+            for b, keep in enumerate(keeps):
+                valid[b, width - len(keep) :] = True
+        feeds = [s.ids[m : len(s.ids) - 1] for s, m in zip(states, ms, strict=True)]
+        if any(feeds):  # what the prefill did not cover, then the window as the batch-1 start
+            _, valid = self._forward(cache, valid, feeds, ms, dev)
+            self._evict_rows(valid, self.sinks + self.window)
+        return cache, valid, [len(s.ids) - 1 for s in states]

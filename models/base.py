@@ -223,8 +223,10 @@ class DecodeState:
     #: drafting after that token. None: draft the gamma tokens asked for.
     stop: Callable[[torch.Tensor], bool] | None = None
     #: during ``Proposer.start`` only: the target's KV cache right after the prompt's prefill
-    #: (``len(ids) - 1`` positions), for a self-drafter to copy from; read it, never change it.
-    #: None where the decoder has none to give (the batched decoder).
+    #: (its first ``get_seq_length()`` positions of ``ids``: the batched decoder starts a row's
+    #: proposer when the row first drafts, by which time it may have decoded more), for a
+    #: self-drafter to copy from; read it, never change it. Given only to a proposer with
+    #: ``reads_prefill_cache``; None where the decoder has none to give.
     prefill_cache: object | None = None
 
 
@@ -317,6 +319,8 @@ class Proposer(abc.ABC):
     #: by tokens drafted
     measures_steps: bool = False
     last_step_seconds: float | None = None
+    #: ``start`` reads ``DecodeState.prefill_cache`` (a self-drafter copying the target's cache)
+    reads_prefill_cache: bool = False
     #: the trained draft behind the proposer (the evaluator asks it whether it changes the
     #: target), None for model-free drafters
     method: DraftMethod | None = None

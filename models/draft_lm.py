@@ -10,7 +10,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .base import DecodeState, DraftError, Proposal, Proposer, crop_cache, draft_signals
+from .base import (
+    BatchedProposer,
+    DecodeState,
+    DraftError,
+    Proposal,
+    Proposer,
+    crop_cache,
+    draft_signals,
+)
 from .sampling import greedy_tokens, sample, warp
 from .target import Target, TargetError, check_same_vocabulary
 
@@ -30,6 +38,12 @@ def load_same_vocabulary_lm(path: str, target: Target, what: str) -> nn.Module:
     except TargetError as e:
         raise DraftError(str(e)) from None
     return model.to(target.device)
+
+
+def _full_attention(model: nn.Module) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(x) is DynamicLayer for x in DynamicCache(config=model.config).layers)
 
 
 class DraftLMProposer(Proposer):
@@ -55,6 +69,13 @@ class DraftLMProposer(Proposer):
         self.fed = 0  # committed tokens held by the draft's cache
         self.last_step_seconds: float | None = None
 
+    def batched(self) -> BatchedDraftLM | None:
+        """Every row of a batch drafted in one forward per step, where the draft model's cache
+        is full attention (a sliding-window draft drafts row by row)."""
+        if type(self) is not DraftLMProposer or not _full_attention(self.model):
+            return None
+        return BatchedDraftLM(self.model, self.vocab_size)
+
     def start(self, state: DecodeState) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.fed = 0
@@ -70,15 +91,7 @@ class DraftLMProposer(Proposer):
         logits = self.model(
             input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
         ).logits[0, -1]
-        v = self.vocab_size
-        if v is not None and logits.shape[-1] != v:
-            if logits.shape[-1] > v:
-                logits = logits[:v]
-            else:
-                logits = torch.cat(
-                    [logits, logits.new_full((v - logits.shape[-1],), float("-inf"))]
-                )
-        return logits
+        return _fit_vocab(logits, self.vocab_size)
 
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         # Time the steps that feed a few tokens; a long catch-up (after the decoder skipped
@@ -121,3 +134,160 @@ class DraftLMProposer(Proposer):
         keep = min(held, self.fed + n_accepted)
         crop_cache(self.cache, keep)
         self.fed = keep
+
+
+def _fit_vocab(logits: torch.Tensor, v: int | None) -> torch.Tensor:
+    """Logits (..., V') over the target's vocabulary (V): cut, or padded with -inf."""
+    if v is None or logits.shape[-1] == v:
+        return logits
+    if logits.shape[-1] > v:
+        return logits[..., :v]
+    pad = logits.new_full((*logits.shape[:-1], v - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+class BatchedDraftLM(BatchedProposer):
+    """A draft LM drafting for every row of the batched decoder in one forward per step.
+
+    The rows share one ragged KV cache (``models/ragged.py``): each forward feeds every row its
+    own tokens at its own positions, left-padded, with an explicit mask. After verification a
+    row keeps the columns of the drafted tokens it accepted (as the batch-1 proposer crops to
+    them) and masks the rest. Its proposals are the batch-1 ``DraftLMProposer``'s
+    (tests/test_batch.py). ``_evict`` is the hook a windowed drafter (the streaming
+    self-draft) uses to drop columns before a row drafts."""
+
+    def __init__(self, model: nn.Module, vocab_size: int | None = None):
+        self.model, self.vocab_size = model, vocab_size
+        self.cache = None
+        self.valid: torch.Tensor | None = None
+        self.fed: list[int] = []  # committed tokens each row's cache holds
+        self.pending: tuple | None = None  # the last proposal, until rollback
+        self.draft_calls = 0
+        self.last_step_seconds = None
+
+    @torch.no_grad()
+    def _forward(self, cache, valid, feeds: list[list[int]], starts: list[int], device):
+        """Feed ``feeds[b]`` at positions ``starts[b]..`` to every row; returns the logits at
+        each row's last query (R, V) and the new ``valid``."""
+        from .ragged import additive_mask, causal_mask, left_padded
+
+        ids, pos, real = left_padded(feeds, starts)
+        allowed = causal_mask(valid, real)
+        dtype = next(self.model.parameters()).dtype
+        out = self.model(
+            input_ids=ids.to(device),
+            attention_mask=additive_mask(allowed, dtype)[:, None].to(device),
+            position_ids=pos.to(device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.draft_calls += 1
+        logits = _fit_vocab(out.logits[:, -1], self.vocab_size)
+        return logits, torch.cat([valid, real.to(valid.device)], dim=1)
+
+    def _start_rows(self, states: list[DecodeState]):
+        """The newcomers' own cache (as the batch-1 proposer's ``start``): their sequences but
+        the last token prefilled. Returns (cache, valid, fed)."""
+        from .ragged import new_cache
+
+        dev = states[0].device
+        cache = new_cache(self.model.config)
+        valid = torch.zeros(len(states), 0, dtype=torch.bool, device=dev)
+        feeds = [s.ids[:-1] for s in states]
+        _, valid = self._forward(cache, valid, feeds, [0] * len(states), dev)
+        return cache, valid, [len(f) for f in feeds]
+
+    def join(self, states: list[DecodeState]) -> None:
+        from .ragged import join_rows
+
+        cache, valid, fed = self._start_rows(states)
+        self.fed.extend(fed)
+        if self.cache is None:
+            self.cache, self.valid = cache, valid
+        else:
+            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+
+    def select(self, keep: list[int]) -> None:
+        self.fed = [self.fed[i] for i in keep]
+        if self.pending is not None:
+            start, lens, drafted = self.pending
+            self.pending = (start, [lens[i] for i in keep], [drafted[i] for i in keep])
+        if not keep:
+            self.cache = self.valid = self.pending = None
+            return
+        self.cache.batch_select_indices(torch.tensor(keep, device=self.valid.device))
+        self.valid = self.valid[keep]
+
+    def _evict(self, states: list[DecodeState]) -> None:  # noqa: B027 (a no-op default)
+        """Drop cache columns before the rows draft (a windowed drafter); none by default."""
+
+    @torch.no_grad()
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        top = max(gammas, default=0)
+        self.pending = None
+        if top == 0:
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
+        self._evict(states)
+        dev, sampling = states[0].device, states[0].sampling
+        R = len(states)
+        times: list[float] = []
+        feeds = [s.ids[f:] for s, f in zip(states, self.fed, strict=True)]
+        t = time.perf_counter()
+        logits, self.valid = self._forward(self.cache, self.valid, feeds, self.fed, dev)
+        if max(len(f) for f in feeds) <= 2:  # a long catch-up is not one more draft step
+            times.append(time.perf_counter() - t)
+        self.fed = [len(s.ids) for s in states]
+        start = self.valid.shape[1]
+        tokens: list[list[int]] = [[] for _ in range(R)]
+        qs: list[list[torch.Tensor]] = [[] for _ in range(R)]
+        for i in range(top):
+            t = time.perf_counter()
+            if sampling.greedy:
+                xs = greedy_tokens(logits).tolist()
+            else:
+                q = warp(logits, sampling)
+                xs = [0] * R
+                for b in range(R):
+                    if i < gammas[b]:  # each row from its own random stream
+                        xs[b] = sample(q[b], states[b].generator)
+                        qs[b].append(q[b])
+            for b in range(R):
+                if i < gammas[b]:
+                    tokens[b].append(xs[b])
+            if i < top - 1:
+                starts = [f + i for f in self.fed]
+                logits, self.valid = self._forward(
+                    self.cache, self.valid, [[x] for x in xs], starts, dev
+                )
+            times.append(time.perf_counter() - t)
+        self.last_step_seconds = sum(times) / len(times)
+        self.pending = (start, [len(s.ids) for s in states], tokens)
+        return [Proposal.chain(tokens[b], torch.stack(qs[b]) if qs[b] else None) for b in range(R)]
+
+    def rollback(self, states: list[DecodeState], accepted: list[int]) -> None:
+        """Each row keeps the columns of the drafted tokens it committed (read from
+        ``states[b].ids``: the batched decoder may have dropped finished rows first) that its
+        batch-1 proposer would have fed: all but its last drafted token. (The batch fed that
+        one too, for rows that drafted fewer than the longest; it is fed again next time, so
+        that each row's cache holds what its batch-1 cache holds.)"""
+        from .ragged import keep_columns, tidy
+
+        if self.valid is None:
+            return
+        if self.pending is not None:
+            start, lens, drafted = self.pending
+            keeps = []
+            for b, s in enumerate(states):
+                a = 0
+                while a < len(drafted[b]) and lens[b] + a < len(s.ids):
+                    if s.ids[lens[b] + a] != drafted[b][a]:
+                        break
+                    a += 1
+                k = min(a, len(drafted[b]) - 1) if drafted[b] else 0
+                keeps.append(list(range(k)))
+                self.fed[b] += k
+            keep_columns(self.valid, start, keeps)
+            self.pending = None
+        self.valid = tidy(self.cache, self.valid)

@@ -18,6 +18,41 @@ from transformers.cache_utils import DynamicLayer
 from .target import _GrowingLayer, _join_caches, _trim_cache
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention pattern (True = attend) as the additive float mask that every
+    attention implementation reads the same way: 0 where allowed, the dtype's most negative
+    value elsewhere. (A boolean 4D mask is read as True = attend by SDPA but added as a 0/1 bias
+    by eager attention, which then masks nothing.)"""
+    m = torch.zeros(allowed.shape, dtype=dtype)
+    return m.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def left_padded(feeds: list[list[int]], starts: list[int]):
+    """Each row's tokens ``feeds[b]`` at positions ``starts[b]..``, right-aligned in one
+    (R, n) block (n >= 1: a row with nothing gets one masked query). Returns (ids, positions,
+    real), real marking the tokens that are not padding."""
+    R, n = len(feeds), max(1, max((len(f) for f in feeds), default=0))
+    ids = torch.zeros(R, n, dtype=torch.long)
+    pos = torch.zeros(R, n, dtype=torch.long)
+    real = torch.zeros(R, n, dtype=torch.bool)
+    for b, (f, s) in enumerate(zip(feeds, starts, strict=True)):
+        if f:
+            ids[b, n - len(f) :] = torch.tensor(f)
+            pos[b, n - len(f) :] = torch.arange(s, s + len(f))
+            real[b, n - len(f) :] = True
+    return ids, pos, real
+
+
+def causal_mask(valid: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """(R, n, L + n) boolean attention of n new queries per row after a cache whose columns
+    ``valid`` (R, L) marks: each real query sees its row's valid columns and the real queries
+    up to itself; a padding query sees only itself (a row of -inf would give NaN)."""
+    R, n = real.shape
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    inner = (causal[None] & real[:, None, :]) | torch.eye(n, dtype=torch.bool)[None]
+    return torch.cat([valid[:, None, :].expand(R, n, valid.shape[1]).cpu(), inner], dim=2)
+
+
 def join_rows(cache, valid: torch.Tensor, new, new_valid: torch.Tensor):
     """The running rows and new ones in one cache, the shorter side left-padded with masked
     columns; returns (cache, valid)."""

@@ -14,6 +14,26 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
+
+def pytest_configure(config):
+    """The suite runs on pytest-xdist workers (``-n`` in pyproject.toml). Each worker, and every
+    process it starts, computes with one thread: two processes each running two OpenMP threads
+    on two cores make PyTorch's small forwards 10-70x slower (the threads wait on each other)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = "1"
+        torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a launcher's rendezvous: tests run in parallel)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 CONVERSATION = [
     {"from": "human", "value": "What is the capital of France?"},
     {"from": "gpt", "value": "The capital of France is Paris."},
@@ -51,7 +71,7 @@ def synthetic_conversations(n: int, seed: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _env(tmp_path_factory):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     os.environ.setdefault("SPECDRAFT_CACHE", str(tmp_path_factory.mktemp("cache")))
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["WANDB_MODE"] = "offline"
@@ -129,6 +149,7 @@ def accelerate_cmd(nproc: int, args: list[str], module: str = "flow") -> list[st
         "no",
         "--dynamo_backend",
         "no",
+        *(["--main_process_port", str(free_port())] if nproc > 1 else []),
         "-m",
         module,
         *args,

@@ -194,6 +194,47 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     assert flat.new_request().alpha < 0.5  # newcomers start from the pooled (poor) rate
 
 
+def test_goodput_drafts_only_beyond_the_cost_models_error():
+    cost = StepCostModel()
+    cost.coef = (0.010, 0.001, 0.0)  # 4 rows: plain 14 ms, one more token each 18 ms
+    pol = GoodputPolicy(4, cost, parallel=False)
+    pol.t_step = 0.0
+    rows = [_Acceptance(acc=3.0, tested=10.0) for _ in range(4)]  # alpha 0.3: 1.3 x 14/18
+    assert pol.choose(rows, [4] * 4, 100) == 1  # predicted gain: 1.1%
+    cost.rel_error = 0.05  # the model's own error is larger than that gain
+    assert pol.choose(rows, [4] * 4, 100) == 0
+    rows = [_Acceptance(acc=6.0, tested=10.0) for _ in range(4)]  # alpha 0.6: a clear gain
+    assert pol.choose(rows, [4] * 4, 100) > 0
+
+
+def test_cost_model_reports_its_relative_error():
+    cost = StepCostModel(refit=1000)
+    for k in (1, 2, 3, 4):
+        cost.observe(1, k, 100, 0.010 + 0.002 * k)
+    cost.fit()
+    assert cost.rel_error < 1e-6
+    cost.observe(1, 2, 100, 0.028)  # a slow spell: twice the law
+    cost.fit()
+    assert 0.05 < cost.rel_error < 0.6
+
+
+def test_goodput_probes_cost_at_most_their_share_of_the_time():
+    cost = StepCostModel()
+    cost.coef = (0.0, 0.010, 0.0)  # a plain step of 4 rows: 40 ms; verification not free
+    pol = GoodputPolicy(4, cost, parallel=False, probe_share=0.02)
+    pol.t_step = 0.0005
+    weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]
+    choices = []
+    for _ in range(700):
+        choices.append(pol.choose(weak, [4] * 4, 100))
+        # a probe's iteration takes 80 ms more than the plain step (a long catch-up, say):
+        # at 2% of the time that buys one probe per 100 plain steps
+        it = 0.040 + (0.080 if choices[-1] else 0.0)
+        pol.update(None, tested=4 if choices[-1] else 0, accepted=0, iteration_seconds=it)
+    probes = [i for i, c in enumerate(choices) if c]
+    assert [b - a for a, b in zip(probes, probes[1:], strict=False)] == [100, 200, 256]
+
+
 def test_cost_model_recovers_a_linear_step_time():
     cost = StepCostModel(refit=1000)
     for rows in (1, 4, 16):
@@ -244,6 +285,10 @@ def test_eval_batch_sweep_report(tmp_path):
         assert x["repeats"] == 2 and x["new_tokens"] % 2 == 0  # pooled over both runs
         assert x["tokens_per_second"] > 0 and x["plain_tokens_per_second"] > 0
         assert x["tau"] >= 1.0 and x["request_tokens_per_second"] > 0
+        t, pt = x["time_s"], x["plain_time_s"]  # T = 0: the same new tokens on both sides
+        assert x["decode_speedup"] == pytest.approx(
+            (pt["total"] - pt["prefill"]) / (t["total"] - t["prefill"])
+        )
     assert rep.with_suffix(".png").stat().st_size > 1000
     assert "speedup" in r.stdout and "goodput cost model" in r.stdout
 
@@ -301,9 +346,81 @@ def test_streaming_self_draft_is_lossless_and_evicts(tiny_target, reference):
         assert dec.generate(p, N_NEW) == reference[i]
         if len(p) + N_NEW > 20:
             assert draft.evicted > 0 and draft.cache.get_seq_length() <= 2 + 8 + 4 + 4
-    # the batched decoder: each row's draft prefills its prompt itself
+    # the batched decoder: each row's draft copies its columns of the batch's prefill
     out, _ = _run(tiny_target, StreamingDraft(tiny_target, sinks=2, window=8, slack=4))
     assert out == reference
+
+
+def test_batched_streaming_drafts_copy_their_row_of_the_prefill(
+    tiny_target, reference, monkeypatch
+):
+    """A window longer than every context: the batched streaming draft, starting each row from
+    its own columns of the batch's left-padded prefill (no prefill of its own), reads exactly
+    the target's cache, so at T = 0 it accepts every drafted token; a view of the wrong row or
+    columns would not."""
+    from decoding.streaming import BatchedStreamingDraft, StreamingDraft
+
+    given = []
+    start = BatchedStreamingDraft._start_rows
+
+    def spy(self, states):
+        calls = self.draft_calls
+        out = start(self, states)
+        fed = self.draft_calls > calls  # the rows joined before decoding: nothing to feed
+        given.extend((s.prefill_cache is not None or len(s.ids) == 1) and not fed for s in states)
+        return out
+
+    monkeypatch.setattr(BatchedStreamingDraft, "_start_rows", spy)
+    out, st = _run(tiny_target, StreamingDraft(tiny_target, sinks=2, window=4096), gamma=3)
+    assert out == reference
+    assert st.rows.alpha == 1.0 and len(given) == len(reference) and all(given)
+
+
+def test_a_streaming_draft_started_late_feeds_what_the_prefill_did_not_cover(tiny_target):
+    """The batched decoder starts a row's draft when the row first drafts: the prefill then
+    covers only the prompt. The draft copies the prefill's sinks and window, feeds the tokens
+    decoded since over them (as every token it reads after its start), then keeps its window:
+    the cache built here by hand, and the bookkeeping of a draft that read it all itself."""
+    from transformers import DynamicCache
+
+    from decoding.streaming import StreamingDraft, kept_columns
+
+    rng = random.Random(3)
+    ids = [rng.randrange(3, 250) for _ in range(40)]
+    m, n = 25, 39
+    pc = DynamicCache(config=tiny_target.config)
+    with torch.no_grad():
+        tiny_target.model(torch.tensor([ids[:m]]), past_key_values=pc, use_cache=True)
+
+    def state(cache):
+        return DecodeState(
+            ids=ids,
+            features=None,
+            sampling=Sampling(),
+            generator=None,
+            device=tiny_target.device,
+            prefill_cache=cache,
+        )
+
+    late, own = StreamingDraft(tiny_target, 2, 8, 4), StreamingDraft(tiny_target, 2, 8, 4)
+    late.start(state(pc))
+    own.start(state(None))
+    assert (late.fed, late.cols, late.evicted) == (own.fed, own.cols, own.evicted) == (n, 10, 29)
+    want = DynamicCache(config=tiny_target.config)
+    keep = kept_columns(m, 2, 8)
+    for i, layer in enumerate(pc.layers):
+        want.update(layer.keys[..., keep, :], layer.values[..., keep, :], i)
+    with torch.no_grad():
+        tiny_target.model(
+            torch.tensor([ids[m:n]]),
+            position_ids=torch.arange(m, n)[None],
+            past_key_values=want,
+            use_cache=True,
+        )
+    keep = kept_columns(want.get_seq_length(), 2, 8)
+    for a, b in zip(late.cache.layers, want.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys[..., keep, :], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values[..., keep, :], atol=1e-5, rtol=1e-4)
 
 
 def test_a_window_longer_than_the_context_is_plain_self_drafting(tiny_target):
@@ -334,12 +451,25 @@ def test_streaming_sampling_follows_the_target(small_vocab_pair):
     assert dec.stats.alpha < 0.99  # a window of 2 drafts differently from the full cache
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_batched_eagle_drafting_proposes_what_each_row_would_alone(tiny_target, kind, temperature):
+@pytest.mark.parametrize(
+    "kind,temperature,late",
+    [
+        ("eagle1", 0.0, False),
+        ("eagle3", 0.0, False),
+        ("eagle1", 1.0, False),
+        ("eagle3", 1.0, False),
+        ("eagle3", 0.0, True),
+        ("eagle3", 1.0, True),
+    ],
+)
+def test_batched_eagle_drafting_proposes_what_each_row_would_alone(
+    tiny_target, kind, temperature, late
+):
     """The batched EAGLE drafter (one head forward per step for all rows, a shared ragged head
     cache) against the batch-1 proposer, row by row, over several iterations with different
-    acceptance per row: the same tokens and (T > 0, same random streams) the same q."""
+    acceptance per row: the same tokens and (T > 0, same random streams) the same q. ``late``:
+    rows 1 and 2 decode plain for two iterations and join the drafter then (the batched
+    decoder's lazy join), as their batch-1 proposers start then."""
     from models.eagle import Eagle3Config, Eagle3Head
 
     torch.manual_seed(0)
@@ -373,10 +503,26 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(tiny_target, 
 
     rows, alone = states(5), states(5)
     bp = single.batched()
-    bp.join(rows)
     props = [single.fresh() for _ in alone]
-    for p, st in zip(props, alone, strict=True):
+    first = 1 if late else 3
+    bp.join(rows[:first])
+    for p, st in zip(props[:first], alone[:first], strict=True):
         p.start(st)
+    if late:  # rows 1 and 2 decode two tokens plain, then join
+        for _ in range(2):
+            got = bp.propose(rows[:1], [2])
+            want = props[0].propose(alone[0], 2)
+            assert got[0].tokens == want.tokens
+            for b in range(3):
+                new = [rng.randrange(3, 250)]
+                for st in (rows[b], alone[b]):
+                    st.ids.extend(new)
+                    st.features = feats(st.ids)
+            props[0].rollback(alone[0], 0)
+            bp.rollback(rows[:1], [])
+        bp.join(rows[1:])
+        for p, st in zip(props[1:], alone[1:], strict=True):
+            p.start(st)
     for it in range(4):
         gammas = [3, 1 + it % 3, 2]
         got = bp.propose(rows, gammas)
@@ -395,3 +541,112 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(tiny_target, 
             props[b].rollback(alone[b], k)
         bp.rollback(rows, [])
     assert bp.valid.shape[0] == 3
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "streaming"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_lm_drafting_proposes_what_each_row_would_alone(tiny_target, kind, temperature):
+    """The batched draft-LM drafter and the batched streaming self-draft against their batch-1
+    proposers, row by row: rows 1 and 2 join after decoding plain (the decoder's lazy join;
+    the streaming rows' prefill then covers only their prompts), rows accept different
+    numbers of tokens, and the streaming rows (window 6, sinks 2, slack 2) evict as they go.
+    The same tokens and (T > 0, same random streams) the same q."""
+    from transformers import DynamicCache
+
+    from decoding.streaming import StreamingDraft
+
+    if kind == "draft_lm":
+        single = DraftLMProposer(build_tiny_target(seed=1)[0])
+    else:
+        single = StreamingDraft(tiny_target, sinks=2, window=6, slack=2)
+    s = Sampling(temperature)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
+
+    def prefill(ids):
+        if kind != "streaming":
+            return None
+        pc = DynamicCache(config=tiny_target.config)
+        with torch.no_grad():
+            tiny_target.model(torch.tensor([ids[:-1]]), past_key_values=pc, use_cache=True)
+        return pc
+
+    def states(seed):
+        return [
+            DecodeState(
+                ids=list(x),
+                features=None,
+                sampling=s,
+                device=tiny_target.device,
+                generator=torch.Generator().manual_seed(seed + b) if temperature else None,
+                prefill_cache=prefill(x),
+            )
+            for b, x in enumerate(seqs)
+        ]
+
+    def commit(b, new):
+        for st in (rows[b], alone[b]):
+            st.ids.extend(new)
+
+    rows, alone = states(5), states(5)
+    bp = single.batched()
+    assert bp is not None
+    props = [single.fresh() for _ in alone]
+    bp.join(rows[:1])
+    props[0].start(alone[0])
+    for _ in range(2):  # rows 1 and 2 decode plain while row 0 drafts
+        got = bp.propose(rows[:1], [2])[0]
+        want = props[0].propose(alone[0], 2)
+        assert got.tokens == want.tokens
+        commit(0, want.tokens[:1] + [rng.randrange(3, 250)])
+        props[0].rollback(alone[0], 1)
+        bp.rollback(rows[:1], [])
+        for b in (1, 2):
+            commit(b, [rng.randrange(3, 250)])
+    bp.join(rows[1:])
+    for p, st in zip(props[1:], alone[1:], strict=True):
+        p.start(st)
+    for it in range(6):
+        gammas = [3, 1 + it % 3, 2]
+        got = bp.propose(rows, gammas)
+        want = [p.propose(st, g) for p, st, g in zip(props, alone, gammas, strict=True)]
+        for a, b in zip(got, want, strict=True):
+            assert a.tokens == b.tokens
+            if temperature:
+                torch.testing.assert_close(a.q, b.q)
+        for b in range(3):
+            k = (b + it) % (len(want[b]) + 1)
+            commit(b, want[b].tokens[:k] + [rng.randrange(3, 250)])
+            props[b].rollback(alone[b], k)
+        bp.rollback(rows, [])
+    if kind == "streaming":  # every row evicted, and holds what its batch-1 draft holds
+        assert all(p.evicted > 0 for p in props)
+        assert bp.valid.sum(1).tolist() == [p.cache.get_seq_length() for p in props]
+
+
+@pytest.mark.parametrize("tree", ["chain", "static"])
+def test_batched_medusa_proposes_what_each_row_would_alone(tiny_target, tree):
+    """Every row's heads read in one forward: each row's chain or tree (cut to its own
+    gamma) is the batch-1 proposer's."""
+    torch.manual_seed(0)
+    single = MedusaHeads(tiny_target, Medusa1Config(num_heads=3)).proposer(
+        DecodeSettings(tree=tree)
+    )
+    bp = single.batched()
+    rng = random.Random(2)
+    states = [
+        DecodeState(
+            ids=[1, 2],
+            features=torch.randn(1 + rng.randrange(4), 1, tiny_target.hidden_size),
+            sampling=Sampling(),
+            generator=None,
+            device=tiny_target.device,
+        )
+        for _ in range(4)
+    ]
+    gammas = [3, 1, 0, 2]
+    got = bp.propose(states, gammas)
+    for st, g, a in zip(states, gammas, got, strict=True):
+        want = single.propose(st, g) if g else Proposal([], [])
+        assert (a.tokens, a.parents) == (want.tokens, want.parents)
+    assert [len(a.tokens) > 0 for a in got] == [True, True, False, True]

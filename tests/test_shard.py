@@ -18,6 +18,7 @@ from conftest import (
     accelerate_cmd,
     accelerate_launch,
     compose,
+    free_port,
     read_metrics,
     tiny_overrides,
 )
@@ -174,7 +175,7 @@ def test_two_machines_on_localhost_train_and_save_once(data_file, tmp_path):
     args = tiny_overrides(
         data_file, out, **{**COMMON, "train.max_steps": 4, "target.shard": "fsdp"}
     )
-    port = str(29600 + os.getpid() % 300)
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [

@@ -18,6 +18,7 @@ from ..base import (
     crop_cache,
     draft_signals,
 )
+from ..ragged import causal_mask
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -317,10 +318,7 @@ class BatchedEagleChain(BatchedProposer):
             real[i, n - (u - d) :] = True
         if h0 is None:
             h0 = torch.zeros(R, n, head.target.hidden_size, dtype=head._compute_dtype(), device=dev)
-        length = valid.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        inner = (causal[None] & real[:, None, :]) | torch.eye(n, dtype=torch.bool)[None]
-        allowed = torch.cat([valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
+        allowed = causal_mask(valid, real)
         emb = head._embed(toks.to(dev))
         h = head.step(h0, emb, pos.to(dev), allowed[:, None].to(dev), cache)
         self.draft_calls += 1
