@@ -95,7 +95,8 @@ class StepCostModel:
         self.live: deque = deque(maxlen=window)
         self.coef = (0.0, 0.0, 0.0)
         self.refit, self.pending = refit, 0
-        #: the fit's relative error: root mean square of (predicted - measured) / measured
+        #: the fit's relative error, reported beside it: root mean square of (predicted -
+        #: measured) / measured over the forwards it was fitted to
         self.rel_error = 0.0
 
     @staticmethod
@@ -201,10 +202,8 @@ class GoodputPolicy:
     the whole batch, the one maximising sum_rows E[tokens | g] / (drafting(g) + forward(rows,
     g + 1, cache length)), E[tokens | g] = (1 - a^(g+1)) / (1 - a) with each request's own a.
     A tree proposer's choice is between its whole tree and none. Drafting costs what it was
-    measured to cost per step (per row and step where the rows draft one after another). A
-    length wins over plain decoding only by more than the cost model's relative error
-    (``StepCostModel.rel_error``, at most ``max_margin``): a smaller predicted gain is inside
-    what the model cannot tell apart, and drafting has overheads it does not see. When it chooses 0 for
+    measured to cost per step (per row and step where the rows draft one after another). When
+    it chooses 0 for
     ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back, so a
     useful draft is not forgotten. After a probe that changed nothing it waits twice as long,
     and at least long enough that probes cost at most ``probe_share`` of the time: a probe's
@@ -222,7 +221,6 @@ class GoodputPolicy:
         probe_every: int = 16,
         max_probe: int = 256,
         probe_share: float = 0.02,
-        max_margin: float = 0.2,
     ):
         self.gamma, self.cost, self.parallel, self.tree = gamma, cost, parallel, tree
         self.batched = batched  # one draft step serves every row (a BatchedProposer)
@@ -230,7 +228,6 @@ class GoodputPolicy:
         self.probe_every, self.max_probe = probe_every, max_probe
         self.wait, self.streak, self.probing = probe_every, 0, False
         self.probe_share, self.budget_wait = probe_share, 0
-        self.max_margin = max_margin
         self._plain_seconds: float | None = None  # predicted plain step of the last choice
         self.last_goodput: dict[int, float] = {}
         self.tree_nodes = float(gamma)  # a tree proposer: nodes per tree, measured
@@ -256,7 +253,7 @@ class GoodputPolicy:
         rows = len(acc)
         self._plain_seconds = self.cost.predict(rows, 1, length)
         options = [0, cap] if self.tree else list(range(cap + 1))
-        best, best_gp, plain_gp = 0, -1.0, 0.0
+        best, best_gp = 0, -1.0
         for g in options:
             tokens = 0.0
             for a, c in zip(acc, caps, strict=True):
@@ -269,14 +266,8 @@ class GoodputPolicy:
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
             gp = tokens / max(sec, 1e-9)
             self.last_goodput[g] = gp
-            if g == 0:
-                plain_gp = gp
             if gp > best_gp:
                 best, best_gp = g, gp
-        # draft only where it wins by more than the cost model's own error: a gain inside it
-        # is a coin toss that costs the probes' and drafts' overheads when it comes up wrong
-        if best and best_gp < plain_gp * (1 + min(self.cost.rel_error, self.max_margin)):
-            best = 0
         if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer
             self.after_probe = False
             self.wait = (

@@ -232,6 +232,7 @@ def evaluate_batched(
                     "c0_s": cost.coef[0],
                     "per_token_s": cost.coef[1],
                     "per_token_per_1k_columns_s": cost.coef[2],
+                    "relative_error": cost.rel_error,
                 }
             rows.append(row)
         bar.close()
@@ -280,7 +281,8 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
             out(
                 f"goodput cost model at batch {row['batch_size']}: step = {c['c0_s'] * 1e3:.1f} ms"
                 f" + {c['per_token_s'] * 1e3:.2f} ms/token + "
-                f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns"
+                f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns "
+                f"(fit's relative error {c.get('relative_error', float('nan')):.1%})"
             )
     out(f"lossless: {r['lossless']} ({r['lossless_note']})")
     out(f"convention: {r['convention']}")

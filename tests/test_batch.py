@@ -194,19 +194,6 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     assert flat.new_request().alpha < 0.5  # newcomers start from the pooled (poor) rate
 
 
-def test_goodput_drafts_only_beyond_the_cost_models_error():
-    cost = StepCostModel()
-    cost.coef = (0.010, 0.001, 0.0)  # 4 rows: plain 14 ms, one more token each 18 ms
-    pol = GoodputPolicy(4, cost, parallel=False)
-    pol.t_step = 0.0
-    rows = [_Acceptance(acc=3.0, tested=10.0) for _ in range(4)]  # alpha 0.3: 1.3 x 14/18
-    assert pol.choose(rows, [4] * 4, 100) == 1  # predicted gain: 1.1%
-    cost.rel_error = 0.05  # the model's own error is larger than that gain
-    assert pol.choose(rows, [4] * 4, 100) == 0
-    rows = [_Acceptance(acc=6.0, tested=10.0) for _ in range(4)]  # alpha 0.6: a clear gain
-    assert pol.choose(rows, [4] * 4, 100) > 0
-
-
 def test_cost_model_reports_its_relative_error():
     cost = StepCostModel(refit=1000)
     for k in (1, 2, 3, 4):
