@@ -438,6 +438,49 @@ def test_streaming_sampling_follows_the_target(small_vocab_pair):
     assert dec.stats.alpha < 0.99  # a window of 2 drafts differently from the full cache
 
 
+def _drafting_side_by_side(single, rows, alone, commit, late, rounds, temperature, rng, props=None):
+    """Drive ``single.batched()`` over ``rows`` and a batch-1 copy of ``single`` per row over
+    ``alone`` (the same states twice) and check they propose alike: the same tokens and (T > 0,
+    same random streams) the same q. ``late``: rows 1 and 2 decode two tokens plain while row 0
+    drafts, then join (the batched decoder's lazy join; their batch-1 proposers start then).
+    Each round, each row accepts its own number of drafted tokens, then a corrected one
+    (``commit(b, tokens)`` adds them to both states of row b). Returns the batched drafter."""
+    bp = single.batched()
+    assert bp is not None
+    props = props or [single.fresh() for _ in alone]
+    first = 1 if late else len(rows)
+    bp.join(rows[:first])
+    for p, st in zip(props[:first], alone[:first], strict=True):
+        p.start(st)
+    if late:
+        for _ in range(2):
+            got = bp.propose(rows[:1], [2])[0]
+            want = props[0].propose(alone[0], 2)
+            assert got.tokens == want.tokens
+            commit(0, want.tokens[:1] + [rng.randrange(3, 250)])
+            props[0].rollback(alone[0], 1)
+            bp.rollback(rows[:1], [])
+            for b in range(1, len(rows)):
+                commit(b, [rng.randrange(3, 250)])
+        bp.join(rows[first:])
+        for p, st in zip(props[first:], alone[first:], strict=True):
+            p.start(st)
+    for it in range(rounds):
+        gammas = [3, 1 + it % 3, 2]
+        got = bp.propose(rows, gammas)
+        want = [p.propose(st, g) for p, st, g in zip(props, alone, gammas, strict=True)]
+        for a, b in zip(got, want, strict=True):
+            assert a.tokens == b.tokens
+            if temperature:
+                torch.testing.assert_close(a.q, b.q)
+        for b in range(len(rows)):
+            k = (b + it) % (len(want[b]) + 1)
+            commit(b, want[b].tokens[:k] + [rng.randrange(3, 250)])
+            props[b].rollback(alone[b], k)
+        bp.rollback(rows, [])
+    return bp
+
+
 @pytest.mark.parametrize(
     "kind,temperature,late",
     [
@@ -489,44 +532,13 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(
         ]
 
     rows, alone = states(5), states(5)
-    bp = single.batched()
-    props = [single.fresh() for _ in alone]
-    first = 1 if late else 3
-    bp.join(rows[:first])
-    for p, st in zip(props[:first], alone[:first], strict=True):
-        p.start(st)
-    if late:  # rows 1 and 2 decode two tokens plain, then join
-        for _ in range(2):
-            got = bp.propose(rows[:1], [2])
-            want = props[0].propose(alone[0], 2)
-            assert got[0].tokens == want.tokens
-            for b in range(3):
-                new = [rng.randrange(3, 250)]
-                for st in (rows[b], alone[b]):
-                    st.ids.extend(new)
-                    st.features = feats(st.ids)
-            props[0].rollback(alone[0], 0)
-            bp.rollback(rows[:1], [])
-        bp.join(rows[1:])
-        for p, st in zip(props[1:], alone[1:], strict=True):
-            p.start(st)
-    for it in range(4):
-        gammas = [3, 1 + it % 3, 2]
-        got = bp.propose(rows, gammas)
-        want = [p.propose(st, g) for p, st, g in zip(props, alone, gammas, strict=True)]
-        for a, b in zip(got, want, strict=True):
-            assert a.tokens == b.tokens
-            if temperature:
-                torch.testing.assert_close(a.q, b.q)
-        # each row accepts its own number of drafted tokens, then a corrected one
-        for b in range(3):
-            k = (b + it) % (len(want[b]) + 1)
-            new = want[b].tokens[:k] + [rng.randrange(3, 250)]
-            for st in (rows[b], alone[b]):
-                st.ids.extend(new)
-                st.features = feats(st.ids)
-            props[b].rollback(alone[b], k)
-        bp.rollback(rows, [])
+
+    def commit(b, new):
+        for st in (rows[b], alone[b]):
+            st.ids.extend(new)
+            st.features = feats(st.ids)
+
+    bp = _drafting_side_by_side(single, rows, alone, commit, late, 4, temperature, rng)
     assert bp.valid.shape[0] == 3
 
 
@@ -571,41 +583,14 @@ def test_batched_lm_drafting_proposes_what_each_row_would_alone(tiny_target, kin
             for b, x in enumerate(seqs)
         ]
 
+    rows, alone = states(5), states(5)
+
     def commit(b, new):
         for st in (rows[b], alone[b]):
             st.ids.extend(new)
 
-    rows, alone = states(5), states(5)
-    bp = single.batched()
-    assert bp is not None
     props = [single.fresh() for _ in alone]
-    bp.join(rows[:1])
-    props[0].start(alone[0])
-    for _ in range(2):  # rows 1 and 2 decode plain while row 0 drafts
-        got = bp.propose(rows[:1], [2])[0]
-        want = props[0].propose(alone[0], 2)
-        assert got.tokens == want.tokens
-        commit(0, want.tokens[:1] + [rng.randrange(3, 250)])
-        props[0].rollback(alone[0], 1)
-        bp.rollback(rows[:1], [])
-        for b in (1, 2):
-            commit(b, [rng.randrange(3, 250)])
-    bp.join(rows[1:])
-    for p, st in zip(props[1:], alone[1:], strict=True):
-        p.start(st)
-    for it in range(6):
-        gammas = [3, 1 + it % 3, 2]
-        got = bp.propose(rows, gammas)
-        want = [p.propose(st, g) for p, st, g in zip(props, alone, gammas, strict=True)]
-        for a, b in zip(got, want, strict=True):
-            assert a.tokens == b.tokens
-            if temperature:
-                torch.testing.assert_close(a.q, b.q)
-        for b in range(3):
-            k = (b + it) % (len(want[b]) + 1)
-            commit(b, want[b].tokens[:k] + [rng.randrange(3, 250)])
-            props[b].rollback(alone[b], k)
-        bp.rollback(rows, [])
+    bp = _drafting_side_by_side(single, rows, alone, commit, True, 6, temperature, rng, props)
     if kind == "streaming":  # every row evicted, and holds what its batch-1 draft holds
         assert all(p.evicted > 0 for p in props)
         assert bp.valid.sum(1).tolist() == [p.cache.get_seq_length() for p in props]
