@@ -200,30 +200,38 @@ def assert_pairs_follow_the_target(target, prompt, s, pairs, what=""):
     assert chisquare(obs[mask].numpy(), exp[mask].numpy()).pvalue > 1e-3, what
 
 
+def small_vocab_llama(seed: int, layers: int = 2):
+    """A tiny random Llama over a 10-token vocabulary, its LM head sharpened (x40) so that its
+    distributions are distinct: the chi-square tests' model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40.0)
+    return m
+
+
+def small_vocab_target(layers: int = 2):
+    """``small_vocab_llama(0, layers)`` as a target."""
+    from models.target import Target, TargetConfig
+
+    return Target(small_vocab_llama(0, layers), None, "small-vocab", TargetConfig(name="test"))
+
+
 @pytest.fixture(scope="module")
 def small_vocab_pair():
     """A target and a draft over a 10-token vocabulary (tiny random Llamas, sharpened)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models.target import Target, TargetConfig
-
-    def make(seed):
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(
-            vocab_size=10,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-        m = LlamaForCausalLM(cfg).eval()
-        with torch.no_grad():
-            m.lm_head.weight.mul_(40.0)  # sharper, distinct distributions
-        return m
-
-    return Target(make(0), None, "small-vocab", TargetConfig(name="test")), make(1)
+    return small_vocab_target(), small_vocab_llama(1)
 
 
 def tiny_target_gguf(path, target) -> Path:

@@ -157,31 +157,6 @@ def test_tree_verification_keeps_the_accepted_path(tiny_target):
     assert dec.stats.tau == 4.0  # every level's right token is in the tree
 
 
-@pytest.fixture(scope="module")
-def small_vocab_pair():
-    """A target and a draft over a 10-token vocabulary (tiny random Llamas)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def make(seed):
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(
-            vocab_size=10,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-        m = LlamaForCausalLM(cfg).eval()
-        with torch.no_grad():
-            m.lm_head.weight.mul_(40.0)  # sharper, distinct distributions
-        return m
-
-    target = Target(make(0), None, "small-vocab", TargetConfig(name="test"))
-    return target, make(1)
-
-
 @pytest.mark.parametrize(
     "s",
     [Sampling(1.0), Sampling(1.0, top_k=4), Sampling(0.8, top_p=0.7)],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
+import conftest
 import pytest
 import torch
 from conftest import (
@@ -330,24 +331,7 @@ def test_dynamic_tree_min_prob_sizes_the_tree_by_confidence(tiny_target):
 
 @pytest.fixture(scope="module")
 def small_vocab_target():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models.target import Target, TargetConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=10,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(40.0)
-    return Target(m, None, "small-vocab", TargetConfig(name="test"))
+    return conftest.small_vocab_target()
 
 
 @pytest.mark.parametrize("min_prob", [0.0, 0.02], ids=["fixed", "min_prob"])

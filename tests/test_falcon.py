@@ -62,25 +62,11 @@ def test_the_chain_proposer_drafts_what_training_computes(tiny_target):
 
 def test_falcon_tree_is_exact_at_t1():
     """Chi-square on the first two tokens (false-alarm rate 1e-3) through Falcon's tree."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import small_vocab_target
 
     from decoding.decoder import SpeculativeDecoder
-    from models.target import Target, TargetConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=10,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(40.0)
-    target = Target(m, None, "small-vocab", TargetConfig(name="test"))
+    target = small_vocab_target()
     h = lively(FalconHead(target, FalconConfig(k=2, lstm_layers=1)), 3)
     prop = h.proposer(DecodeSettings(tree="dynamic", depth=2, top_k=2, total_tokens=6))
     s = Sampling(1.0)

@@ -4,6 +4,7 @@ drafts what training computes, sampling stays exact, and one-line errors. The co
 
 from __future__ import annotations
 
+import conftest
 import pytest
 import torch
 from conftest import assert_first_two_tokens_follow_the_target
@@ -84,24 +85,7 @@ def test_depth_sampling_keeps_the_share_asked_for(tiny_target):
 
 @pytest.fixture(scope="module")
 def small_vocab_target():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from models.target import Target, TargetConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=10,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(40.0)
-    return Target(m, None, "small-vocab", TargetConfig(name="test"))
+    return conftest.small_vocab_target(4)
 
 
 def test_sampled_peagle_chain_follows_the_target(small_vocab_target):
