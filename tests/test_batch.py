@@ -438,13 +438,28 @@ def test_streaming_sampling_follows_the_target(small_vocab_pair):
     assert dec.stats.alpha < 0.99  # a window of 2 drafts differently from the full cache
 
 
-def _drafting_side_by_side(single, rows, alone, commit, late, rounds, temperature, rng, props=None):
+def _path(p: Proposal, k: int) -> list[int]:
+    """The tokens of the first ``k`` nodes down ``p``'s first root-to-leaf path (a chain's
+    first k tokens): what a row accepting k tokens of ``p`` commits."""
+    out, node = [], -1
+    while len(out) < k:
+        node = next((i for i, par in enumerate(p.parents) if par == node), None)
+        if node is None:
+            break
+        out.append(p.tokens[node])
+    return out
+
+
+def _drafting_side_by_side(
+    single, rows, alone, commit, late, rounds, temperature, rng, props=None, gammas=None
+):
     """Drive ``single.batched()`` over ``rows`` and a batch-1 copy of ``single`` per row over
     ``alone`` (the same states twice) and check they propose alike: the same tokens and (T > 0,
     same random streams) the same q. ``late``: rows 1 and 2 decode two tokens plain while row 0
     drafts, then join (the batched decoder's lazy join; their batch-1 proposers start then).
-    Each round, each row accepts its own number of drafted tokens, then a corrected one
-    (``commit(b, tokens)`` adds them to both states of row b). Returns the batched drafter."""
+    Each round, each row accepts its own number of drafted tokens (down a tree's first path),
+    then a corrected one (``commit(b, tokens)`` adds them to both states of row b); a row's
+    length in round ``it`` is ``gammas(it)[b]``. Returns the batched drafter."""
     bp = single.batched()
     assert bp is not None
     props = props or [single.fresh() for _ in alone]
@@ -466,16 +481,19 @@ def _drafting_side_by_side(single, rows, alone, commit, late, rounds, temperatur
         for p, st in zip(props[first:], alone[first:], strict=True):
             p.start(st)
     for it in range(rounds):
-        gammas = [3, 1 + it % 3, 2]
-        got = bp.propose(rows, gammas)
-        want = [p.propose(st, g) for p, st, g in zip(props, alone, gammas, strict=True)]
+        gs = gammas(it) if gammas else [3, 1 + it % 3, 2]
+        got = bp.propose(rows, gs)
+        want = [
+            p.propose(st, g) if g else Proposal([], [])
+            for p, st, g in zip(props, alone, gs, strict=True)
+        ]
         for a, b in zip(got, want, strict=True):
-            assert a.tokens == b.tokens
+            assert (a.tokens, a.parents) == (b.tokens, b.parents)
             if temperature:
                 torch.testing.assert_close(a.q, b.q)
         for b in range(len(rows)):
             k = (b + it) % (len(want[b]) + 1)
-            commit(b, want[b].tokens[:k] + [rng.randrange(3, 250)])
+            commit(b, _path(want[b], k) + [rng.randrange(3, 250)])
             props[b].rollback(alone[b], k)
         bp.rollback(rows, [])
     return bp
@@ -540,6 +558,53 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(
 
     bp = _drafting_side_by_side(single, rows, alone, commit, late, 4, temperature, rng)
     assert bp.valid.shape[0] == 3
+
+
+@pytest.mark.parametrize("min_prob,late", [(0.0, False), (0.0, True), (0.1, False)])
+def test_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min_prob, late):
+    """EAGLE-2 dynamic trees for every row, one head forward per level: each row's tree
+    (tokens and shape) is the batch-1 proposer's, with rows of different depths (0 included:
+    a row at its length limit drafts nothing while the others do), trees sized by the draft's
+    confidence (``min_prob``: rows stop growing at different levels), ragged acceptance down
+    each tree's path, and rows that join late."""
+    from models.eagle import Eagle3Config, Eagle3Head
+    from models.eagle.proposer import BatchedEagleTree
+
+    torch.manual_seed(0)
+    head = Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
+    with torch.no_grad():  # a peaked draft, as a trained one: trees of many shapes
+        head.lm_head.weight.mul_(20)
+    settings = DecodeSettings(tree="dynamic", depth=4, top_k=3, total_tokens=9, min_prob=min_prob)
+    single = head.proposer(settings)
+    assert isinstance(single.batched(), BatchedEagleTree)
+    rng = random.Random(3)
+    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
+
+    def feats(ids):
+        with torch.no_grad():
+            hs = tiny_target.model(torch.tensor([ids[:-1]]), output_hidden_states=True)
+        layers = [tiny_target.layer_index(i) for i in single.feature_layers]
+        return torch.stack([hs.hidden_states[j][0] for j in layers], dim=1)
+
+    def states():
+        return [
+            DecodeState(list(x), feats(x), Sampling(), None, tiny_target.device)
+            for x in seqs
+        ]
+
+    rows, alone = states(), states()
+
+    def commit(b, new):
+        for st in (rows[b], alone[b]):
+            st.ids.extend(new)
+            st.features = feats(st.ids)
+
+    def gammas(it):
+        return [4, 1 + it % 4, 0 if it % 3 == 1 else 3]
+
+    bp = _drafting_side_by_side(single, rows, alone, commit, late, 5, 0.0, rng, gammas=gammas)
+    assert bp.valid.shape[0] == 3
+    assert all(len(s) <= 9 for s in bp.last_scores)
 
 
 @pytest.mark.parametrize("kind", ["draft_lm", "streaming"])

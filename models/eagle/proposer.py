@@ -197,6 +197,12 @@ class EagleTreeProposer(EagleProposer):
         self.log_min = math.log(min_prob) if min_prob > 0 else float("-inf")
         self.tree_depth = depth  # the decoder verifies the whole tree: no adaptive gamma
 
+    def batched(self) -> BatchedEagleTree | None:
+        """Trees for every row of the batched decoder, one head forward per level."""
+        if type(self) is not EagleTreeProposer:
+            return None
+        return BatchedEagleTree(self.head, self.depth, self.top_k, self.total_tokens, self.log_min)
+
     @torch.no_grad()
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         head, dev = self.head, state.device
@@ -207,71 +213,109 @@ class EagleTreeProposer(EagleProposer):
         n = len(state.ids)
         t0 = time.perf_counter()
         h = self._catch_up(state, upto=n - 1)[0, -1]  # predicts the pending token's successor
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        depths: list[int] = []
-        out_h: dict[int, torch.Tensor] = {}  # node -> head output after feeding it
-        fed: list[int] = []  # nodes fed to the head's cache this call, in cache order
-
-        def add_children(nodes: list[int], hidden: torch.Tensor, d: int) -> list[int]:
-            """Children (the draft's top_k) of every node in ``nodes`` (-1: the root) at once:
-            one LM-head product for the whole level. hidden: (len(nodes), H)."""
-            logp, ids = head.top_tokens(hidden, self.top_k)
-            new = []
-            for parent, lps, toks in zip(nodes, logp.tolist(), ids.tolist(), strict=True):
-                base = scores[parent] if parent >= 0 else 0.0
-                for lp, tok in zip(lps, toks, strict=True):
-                    if lp == float("-inf"):
-                        break
-                    tokens.append(tok)
-                    parents.append(parent)
-                    scores.append(base + lp)
-                    depths.append(d)
-                    new.append(len(tokens) - 1)
-            return new
-
-        level = add_children([-1], h[None], 1)
+        tree = _Tree(h)
+        logp, ids = head.top_tokens(h[None], self.top_k)  # one LM-head product per level
+        level = tree.add_children([-1], logp.tolist(), ids.tolist(), 1)
         levels = 1
         for d in range(1, depth):
-            frontier = sorted(level, key=lambda i: -scores[i])[: self.top_k]
-            if not frontier or scores[frontier[0]] < self.log_min:
+            frontier = tree.frontier(level, self.top_k, self.log_min)
+            if not frontier:
                 break  # no node here is likely enough to be accepted to be worth a step
             levels += 1
             q = len(frontier)
-            hidden = torch.stack([h if parents[v] < 0 else out_h[parents[v]] for v in frontier])
-            emb = head._embed(torch.tensor([[tokens[v] for v in frontier]], device=dev))
             # keys: committed pairs, earlier tree entries, these queries; a query sees the
             # committed context, its own ancestors and itself
-            k_tree = fed + frontier
-            mask = torch.zeros(q, self.done + len(k_tree), dtype=torch.bool, device=dev)
+            mask = torch.zeros(q, self.done + len(tree.col) + q, dtype=torch.bool, device=dev)
             mask[:, : self.done] = True
-            col = {v: self.done + i for i, v in enumerate(k_tree)}
             for r, v in enumerate(frontier):
-                a = v
-                while a >= 0:
-                    if a in col:
-                        mask[r, col[a]] = True
-                    a = parents[a]
+                tree.col[v] = self.done + len(tree.col)
+                mask[r, tree.ancestor_columns(v)] = True
             pos = torch.full((1, q), n - 2 + d, device=dev)
-            out = head.step(hidden[None], emb, pos, mask[None, None], self.cache)[0]
+            emb = head._embed(torch.tensor([[tree.tokens[v] for v in frontier]], device=dev))
+            out = head.step(tree.inputs(frontier)[None], emb, pos, mask[None, None], self.cache)
             self.draft_calls += 1
-            fed.extend(frontier)
-            for r, v in enumerate(frontier):
-                out_h[v] = out[r]
-            level = add_children(frontier, out, d + 1)
-        # rerank: best total_tokens by score; a parent sorts before its children
-        # (a child never scores above its parent, so both cuts keep the tree ancestor-closed)
-        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
-        keep = [v for v in order[: self.total_tokens] if scores[v] >= self.log_min] or order[:1]
-        keep.sort(key=lambda i: (depths[i], -scores[i], i))
-        index = {v: j for j, v in enumerate(keep)}
+            logp, ids = head.top_tokens(out[0], self.top_k)
+            level = tree.expand(frontier, out[0], logp.tolist(), ids.tolist(), d + 1)
         self.last_step_seconds = (time.perf_counter() - t0) / levels
-        #: the kept nodes' cumulative draft log-probabilities, in proposal order
-        self.last_scores = [scores[v] for v in keep]
-        return Proposal(
-            [tokens[v] for v in keep],
-            [index[parents[v]] if parents[v] >= 0 else -1 for v in keep],
+        proposal, self.last_scores = tree.proposal(self.total_tokens, self.log_min)
+        return proposal
+
+
+class _Tree:
+    """One EAGLE-2 draft tree as it grows: its nodes (token, parent, cumulative log-probability,
+    depth), the head's output after feeding each fed node, and the draft cache column each fed
+    node occupies. Shared by the batch-1 proposer and the batched one, so both grow and cut a
+    tree by the same rules."""
+
+    def __init__(self, root_hidden: torch.Tensor):
+        self.root = root_hidden  # (H,): the head's output that predicts the first level
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.depths: list[int] = []
+        self.out: dict[int, torch.Tensor] = {}  # node -> head output after feeding it
+        self.col: dict[int, int] = {}  # fed node -> its column in the draft's cache
+
+    def add_children(self, nodes: list[int], logp: list, ids: list, d: int) -> list[int]:
+        """The draft's top-k children (log-probabilities ``logp`` and tokens ``ids``, one row
+        per node) of every node in ``nodes`` (-1: the root); returns the new nodes."""
+        new = []
+        for parent, lps, toks in zip(nodes, logp, ids, strict=True):
+            base = self.scores[parent] if parent >= 0 else 0.0
+            for lp, tok in zip(lps, toks, strict=True):
+                if lp == float("-inf"):
+                    break
+                self.tokens.append(tok)
+                self.parents.append(parent)
+                self.scores.append(base + lp)
+                self.depths.append(d)
+                new.append(len(self.tokens) - 1)
+        return new
+
+    def expand(self, fed: list[int], out: torch.Tensor, logp: list, ids: list, d: int):
+        """After feeding ``fed`` (the head's outputs ``out``, one row per node): their
+        children at depth ``d``."""
+        for r, v in enumerate(fed):
+            self.out[v] = out[r]
+        return self.add_children(fed, logp, ids, d)
+
+    def frontier(self, level: list[int], top_k: int, log_min: float) -> list[int]:
+        """The ``top_k`` nodes of ``level`` to feed next by cumulative score; none when even
+        the best is below ``log_min`` (not likely enough to be accepted to be worth a step)."""
+        best = sorted(level, key=lambda i: -self.scores[i])[:top_k]
+        return best if best and self.scores[best[0]] >= log_min else []
+
+    def inputs(self, frontier: list[int]) -> torch.Tensor:
+        """(len(frontier), H): each node's parent's head output (the root's for level 1)."""
+        return torch.stack(
+            [self.root if self.parents[v] < 0 else self.out[self.parents[v]] for v in frontier]
+        )
+
+    def ancestor_columns(self, v: int) -> list[int]:
+        """The cache columns of ``v`` and its fed ancestors: what its query attends to in the
+        tree besides the committed context."""
+        cols = []
+        while v >= 0:
+            if v in self.col:
+                cols.append(self.col[v])
+            v = self.parents[v]
+        return cols
+
+    def proposal(self, total_tokens: int, log_min: float) -> tuple[Proposal, list[float]]:
+        """The tree to verify: the best ``total_tokens`` nodes by score (at least the best
+        one), a parent before its children. A child never scores above its parent, so both
+        cuts keep the tree ancestor-closed. Returns it and the kept nodes' scores."""
+        s = self.scores
+        order = sorted(range(len(self.tokens)), key=lambda i: (-s[i], self.depths[i], i))
+        keep = [v for v in order[:total_tokens] if s[v] >= log_min] or order[:1]
+        keep.sort(key=lambda i: (self.depths[i], -s[i], i))
+        index = {v: j for j, v in enumerate(keep)}
+        p = self.parents
+        return (
+            Proposal(
+                [self.tokens[v] for v in keep], [index[p[v]] if p[v] >= 0 else -1 for v in keep]
+            ),
+            [s[v] for v in keep],
         )
 
 
@@ -411,3 +455,100 @@ class BatchedEagleChain(BatchedProposer):
             self.valid[:, self.draft_start :] = False  # fed again with real features
             self.draft_start = None
         self.valid = tidy(self.cache, self.valid)
+
+
+class BatchedEagleTree(BatchedEagleChain):
+    """EAGLE-2 dynamic trees for every row of the batched decoder: one head forward per tree
+    level for all rows, each row growing its own tree by the batch-1 rules (``_Tree``).
+
+    Each level appends as many columns to every row of the shared head cache as the widest
+    frontier has nodes; a row's queries see its committed columns, their own fed ancestors and
+    themselves (a row with a narrower or no frontier pads with queries that see only
+    themselves). A row's tree stops where its batch-1 tree would (its depth, ``min_prob``);
+    the others go on. After verification the tree columns are masked out, as the chain's
+    drafted ones, and the accepted path is fed with its real features at the next catch-up.
+    Its proposals are the batch-1 proposer's (tests/test_batch.py)."""
+
+    def __init__(self, head: EagleHead, depth: int, top_k: int, total_tokens: int, log_min: float):
+        super().__init__(head)
+        self.depth, self.top_k, self.total_tokens, self.log_min = (
+            depth,
+            top_k,
+            total_tokens,
+            log_min,
+        )
+        self.last_scores: list[list[float]] = []
+
+    @torch.no_grad()
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        head, dev = self.head, states[0].device
+        depths = [min(self.depth, g) for g in gammas]
+        R = len(states)
+        if max(depths, default=0) < 1 or any(s.features is None or len(s.ids) < 2 for s in states):
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
+        t0 = time.perf_counter()
+        h, self.valid = self._feed(
+            states, list(range(R)), [len(s.ids) - 1 for s in states], self.cache, self.valid
+        )
+        self.draft_start = start = self.valid.shape[1]
+        committed = self.valid.cpu()
+        active = [b for b in range(R) if depths[b] >= 1]
+        trees: dict[int, _Tree] = {b: _Tree(h[b]) for b in active}
+        logp, ids = head.top_tokens(h[active], self.top_k)  # one LM-head product per level
+        level = {
+            b: trees[b].add_children([-1], [lp], [ix], 1)
+            for b, lp, ix in zip(active, logp.tolist(), ids.tolist(), strict=True)
+        }
+        levels = 1
+        for d in range(1, max(depths)):
+            fronts = {
+                b: f
+                for b in active
+                if d < depths[b] and (f := trees[b].frontier(level[b], self.top_k, self.log_min))
+            }
+            if not fronts:
+                break
+            levels += 1
+            q, length = max(len(f) for f in fronts.values()), self.valid.shape[1]
+            hidden = h.new_zeros(R, q, h.shape[-1])
+            toks = torch.zeros(R, q, dtype=torch.long)
+            pos = torch.zeros(R, q, dtype=torch.long)
+            allowed = torch.zeros(R, q, length + q, dtype=torch.bool)
+            allowed[:, torch.arange(q), length + torch.arange(q)] = True  # itself
+            for b, f in fronts.items():
+                t = trees[b]
+                hidden[b, : len(f)] = t.inputs(f)
+                toks[b, : len(f)] = torch.tensor([t.tokens[v] for v in f])
+                pos[b, : len(f)] = len(states[b].ids) - 2 + d
+                allowed[b, : len(f), :start] = committed[b]
+                for r, v in enumerate(f):
+                    t.col[v] = length + r
+                    allowed[b, r, t.ancestor_columns(v)] = True
+            out = head.step(
+                hidden, head._embed(toks.to(dev)), pos.to(dev), allowed[:, None].to(dev), self.cache
+            )
+            self.valid = torch.cat([self.valid, self.valid.new_zeros(R, q)], dim=1)
+            self.draft_calls += 1
+            bs = list(fronts)
+            flat = torch.cat([out[b, : len(fronts[b])] for b in bs])
+            logp, ids = head.top_tokens(flat, self.top_k)
+            logp, ids, i = logp.tolist(), ids.tolist(), 0
+            for b in bs:
+                n = len(fronts[b])
+                level[b] = trees[b].expand(
+                    fronts[b], out[b, :n], logp[i : i + n], ids[i : i + n], d + 1
+                )
+                i += n
+        # one level for the whole batch: one head forward and one LM head over every frontier
+        self.last_step_seconds = (time.perf_counter() - t0) / levels
+        out_props, self.last_scores = [], []
+        for b in range(R):
+            p, s = (
+                trees[b].proposal(self.total_tokens, self.log_min)
+                if b in trees
+                else (Proposal([], []), [])
+            )
+            out_props.append(p)
+            self.last_scores.append(s)
+        return out_props
