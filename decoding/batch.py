@@ -17,11 +17,11 @@ are cut at either end of the cache, and when holes make up most of it, it is com
 mask and per-row position ids (tokens count real positions only), so padding and holes never
 shift a row's positions.
 
-**Drafting.** A proposer that has a batched form (``Proposer.batched``: EAGLE chains, draft LMs,
-the streaming self-draft) drafts for every row in one forward per step, over a ragged cache of
-its own; it reads a newcomer's sequence when the batch next drafts, so while a policy decodes
-plain, newcomers cost it nothing. Any other proposer (trees, Medusa, n-gram, DFlash, ...) is
-copied per row (``Proposer.fresh``: same weights, its own caches and state) and drafts at
+**Drafting.** A proposer that has a batched form (``Proposer.batched``: EAGLE chains and
+EAGLE-2 trees, Medusa, draft LMs, the streaming self-draft) drafts for every row in one forward
+per step (a tree: per level), over a ragged cache of its own; it reads a newcomer's sequence
+when the batch next drafts, so while a policy decodes plain, newcomers cost it nothing. Any
+other proposer (n-gram and prompt lookup, DFlash, P-EAGLE, Falcon) is copied per row (``Proposer.fresh``: same weights, its own caches and state) and drafts at
 batch 1. Verification, the cost that grows with the batch, is one forward. How many tokens
 each row drafts is decided per iteration by a *policy*:
 
@@ -98,6 +98,9 @@ class StepCostModel:
         #: the fit's relative error, reported beside it: root mean square of (predicted -
         #: measured) / measured over the forwards it was fitted to
         self.rel_error = 0.0
+        #: the coefficients' covariance (least squares: residual variance x (A^T A)^-1 over the
+        #: coefficients the fit kept), for the standard error of a predicted difference
+        self.cov = torch.zeros(3, 3, dtype=torch.float64)
 
     @staticmethod
     def _x(rows: int, k: int, length: int) -> tuple[float, float]:
@@ -108,6 +111,15 @@ class StepCostModel:
         n, nl = self._x(rows, k, length)
         c0, c1, c2 = self.coef
         return c0 + c1 * n + c2 * nl
+
+    def extra_sd(self, rows: int, k: int, length: int) -> float:
+        """Standard error of the predicted extra seconds of verifying k tokens per row instead
+        of one (same rows and cache): what the fit knows of verification's price, apart from
+        the slow and fast spells that move every forward alike."""
+        n1, nl1 = self._x(rows, 1, length)
+        n, nl = self._x(rows, k, length)
+        d = torch.tensor([0.0, n - n1, nl - nl1], dtype=torch.float64)
+        return float((d @ self.cov @ d).clamp_min(0.0).sqrt())
 
     def observe(self, rows: int, k: int, length: int, seconds: float) -> None:
         self.live.append((*self._x(rows, k, length), seconds))
@@ -135,6 +147,13 @@ class StepCostModel:
         self.coef = tuple(coef)
         pred = a @ torch.tensor(coef, dtype=torch.float64)
         self.rel_error = float(((pred - y) / y.clamp_min(1e-9)).square().mean().sqrt())
+        self.cov = torch.zeros(3, 3, dtype=torch.float64)
+        if active and len(data) > len(active):
+            sigma2 = float((pred - y).square().sum()) / (len(data) - len(active))
+            sub = a[:, active]
+            inv = torch.linalg.pinv(sub.T @ sub) * sigma2
+            idx = torch.tensor(active)
+            self.cov[idx[:, None], idx[None, :]] = inv
 
     @torch.no_grad()
     def calibrate(
@@ -180,18 +199,41 @@ class _Acceptance:
     tested: float = 2.0
     tree_tokens: float | None = None
 
+    tree_sq: float = 0.0  # decayed mean of the square of tokens per tree iteration
+    tree_n: float = 0.0  # decayed count of tree iterations
+
     @property
     def alpha(self) -> float:
         return self.acc / self.tested
 
+    def tokens(self, g: int) -> tuple[float, float]:
+        """Expected tokens a chain of ``g`` emits, E = 1 + a + ... + a^g, and its standard
+        error from a's: a's Beta posterior (the decayed counts) through dE/da."""
+        a = min(max(self.alpha, 0.0), 1.0)
+        if g == 0:
+            return 1.0, 0.0
+        x, y = max(self.acc, 1e-9), max(self.tested - self.acc, 1e-9)
+        sd = math.sqrt(x * y / ((x + y) ** 2 * (x + y + 1.0)))
+        slope = sum(j * a ** (j - 1) for j in range(1, g + 1))
+        return GammaController.expected_tokens(a, g), slope * sd
+
+    def tree_estimate(self) -> tuple[float, float]:
+        """Mean tokens per tree iteration and its standard error (2 and 0 before any: the
+        first tree measures)."""
+        if self.tree_tokens is None:
+            return 2.0, 0.0
+        var = max(0.0, self.tree_sq - self.tree_tokens**2)
+        return self.tree_tokens, math.sqrt(var / max(self.tree_n, 1.0))
+
     def update(self, tested: int, accepted: int, tree: bool) -> None:
         if tree:
             x = accepted + 1.0
-            self.tree_tokens = (
-                x
-                if self.tree_tokens is None
-                else self.decay * self.tree_tokens + (1 - self.decay) * x
-            )
+            if self.tree_tokens is None:
+                self.tree_tokens, self.tree_sq = x, x * x
+            else:
+                self.tree_tokens = self.decay * self.tree_tokens + (1 - self.decay) * x
+                self.tree_sq = self.decay * self.tree_sq + (1 - self.decay) * x * x
+            self.tree_n = self.decay * self.tree_n + 1.0
         elif tested:
             self.acc = self.acc * self.decay + accepted
             self.tested = self.tested * self.decay + tested
@@ -202,8 +244,16 @@ class GoodputPolicy:
     the whole batch, the one maximising sum_rows E[tokens | g] / (drafting(g) + forward(rows,
     g + 1, cache length)), E[tokens | g] = (1 - a^(g+1)) / (1 - a) with each request's own a.
     A tree proposer's choice is between its whole tree and none. Drafting costs what it was
-    measured to cost per step (per row and step where the rows draft one after another). When
-    it chooses 0 for
+    measured to cost per step (per row and step where the rows draft one after another).
+
+    Each length is scored by a lower confidence bound of its goodput, ``caution`` standard
+    errors below: expected tokens minus their standard error (each request's acceptance is a
+    Beta posterior over few, decayed observations) over the predicted time plus the standard
+    error of verification's predicted extra cost (from the cost fit's coefficients). Plain
+    decoding (g = 0) has neither, so drafting is chosen only where its gain clears what the
+    estimates cannot tell apart: a predicted 1% gain from a handful of observations (batch 1
+    on a CPU where verification costs ~1.4 steps) is declined, a 20% one (batch 4, where a
+    drafted token per row is nearly free to verify) is not. When it chooses 0 for
     ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back, so a
     useful draft is not forgotten. After a probe that changed nothing it waits twice as long,
     and at least long enough that probes cost at most ``probe_share`` of the time: a probe's
@@ -221,8 +271,10 @@ class GoodputPolicy:
         probe_every: int = 16,
         max_probe: int = 256,
         probe_share: float = 0.02,
+        caution: float = 1.0,
     ):
         self.gamma, self.cost, self.parallel, self.tree = gamma, cost, parallel, tree
+        self.caution = caution
         self.batched = batched  # one draft step serves every row (a BatchedProposer)
         self.t_step: float | None = None  # seconds of one draft step of one row
         self.probe_every, self.max_probe = probe_every, max_probe
@@ -254,20 +306,22 @@ class GoodputPolicy:
         self._plain_seconds = self.cost.predict(rows, 1, length)
         options = [0, cap] if self.tree else list(range(cap + 1))
         best, best_gp = 0, -1.0
+        z = self.caution
         for g in options:
-            tokens = 0.0
+            tokens = var = 0.0
             for a, c in zip(acc, caps, strict=True):
                 gg = min(g, c)
-                if self.tree and gg:
-                    tokens += a.tree_tokens if a.tree_tokens is not None else 2.0
-                else:
-                    tokens += GammaController.expected_tokens(a.alpha, gg)
+                t, sd = a.tree_estimate() if (self.tree and gg) else a.tokens(gg)
+                tokens += t
+                var += sd * sd
             k = 1 + (round(self.tree_nodes) if (self.tree and g) else g)
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
-            gp = tokens / max(sec, 1e-9)
-            self.last_goodput[g] = gp
-            if gp > best_gp:
-                best, best_gp = g, gp
+            self.last_goodput[g] = tokens / max(sec, 1e-9)
+            low = (tokens - z * math.sqrt(var)) / max(
+                sec + z * self.cost.extra_sd(rows, k, length), 1e-9
+            )
+            if low > best_gp:
+                best, best_gp = g, low
         if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer
             self.after_probe = False
             self.wait = (

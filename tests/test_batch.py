@@ -178,7 +178,12 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     cost.coef = (0.010, 0.0, 0.0)  # verification is free: a forward costs the same at any size
     flat.t_step = 0.0005
     good = [_Acceptance(acc=8.0, tested=10.0) for _ in range(4)]  # alpha 0.8
-    assert flat.choose(good, [4] * 4, 100) == 4
+    # drafting, deep: the plain expectation picks 4; one standard error below it (the
+    # default), the 4th token's gain (~2%) is inside the error of alpha from 10 observations
+    sure = GoodputPolicy(4, cost, parallel=False, caution=0.0)
+    sure.t_step = 0.0005
+    assert sure.choose(good, [4] * 4, 100) == 4
+    assert flat.choose(good, [4] * 4, 100) == 3
     cost.coef = (0.0, 0.010, 0.0)  # every token in the batch costs as much as a plain step
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]  # alpha 0.2
     choices = []
@@ -203,6 +208,38 @@ def test_cost_model_reports_its_relative_error():
     cost.observe(1, 2, 100, 0.028)  # a slow spell: twice the law
     cost.fit()
     assert 0.05 < cost.rel_error < 0.6
+
+
+def test_goodput_drafts_only_where_its_gain_clears_the_estimates_error():
+    """A lower confidence bound decides: at batch 1, with verification of 2 tokens costing
+    1.4 steps and acceptance 0.45 from ten observations, drafting's predicted gain (~3%) is
+    inside its error and goodput decodes plain (it drafts with ``caution=0``, the plain
+    expectation); at batch 4, where a drafted token per row is nearly free to verify, it
+    drafts. A noisy cost fit widens the bound; an exact one adds nothing."""
+    cost = StepCostModel(refit=1000)
+    for rows in (1, 4):
+        for k in (1, 2, 3):
+            for length in (100, 400):
+                n = rows * k
+                cost.observe(rows, k, length, 0.06 + 0.04 * n)  # exact: no error
+    cost.fit()
+    assert cost.extra_sd(1, 2, 100) < 1e-9
+    rows = [_Acceptance(acc=4.5, tested=10.0)]  # alpha 0.45
+    sure = GoodputPolicy(3, cost, parallel=False, caution=0.0)
+    careful = GoodputPolicy(3, cost, parallel=False)
+    for pol in (sure, careful):
+        pol.t_step = 0.001
+    assert sure.choose(rows, [3], 100) == 1  # 1.45 / 0.141 s > 1 / 0.100 s: +3%
+    assert careful.choose(rows, [3], 100) == 0
+    # batch 4 with a large fixed cost: a token per row adds 4 x 5 ms to a 100 ms step
+    cost.coef, cost.cov = (0.1, 0.005, 0.0), torch.zeros(3, 3, dtype=torch.float64)
+    assert careful.choose(rows * 4, [3] * 4, 100) >= 1
+    # the same decision with a fit whose slope is uncertain: the bound is lower
+    noisy = StepCostModel(refit=1000)
+    for i, k in enumerate((1, 2, 3) * 4):
+        noisy.observe(1, k, 100, (0.1 + 0.04 * k) * (1.3 if i % 2 else 0.75))
+    noisy.fit()
+    assert noisy.extra_sd(1, 2, 100) > 0.005
 
 
 def test_goodput_probes_cost_at_most_their_share_of_the_time():
@@ -587,10 +624,7 @@ def test_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min
         return torch.stack([hs.hidden_states[j][0] for j in layers], dim=1)
 
     def states():
-        return [
-            DecodeState(list(x), feats(x), Sampling(), None, tiny_target.device)
-            for x in seqs
-        ]
+        return [DecodeState(list(x), feats(x), Sampling(), None, tiny_target.device) for x in seqs]
 
     rows, alone = states(), states()
 
