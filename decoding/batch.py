@@ -256,10 +256,12 @@ class GoodputPolicy:
     drafted token per row is nearly free to verify) is not. When it chooses 0 for
     ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back, so a
     useful draft is not forgotten. After a probe that changed nothing it waits twice as long,
-    and at least long enough that probes cost at most ``probe_share`` of the time: a probe's
+    and always long enough that probes cost at most ``probe_share`` of the time: a probe's
     cost is what its iteration took beyond the predicted plain step (the drafter's catch-up
-    on the tokens decoded since it last drafted, its step, the larger verification), so a
-    useless draft costs almost nothing."""
+    on the tokens decoded since it last drafted, its step, the larger verification), and
+    before the first probe what the cost model predicts it to cost (a whole tree for 16 rows
+    is a dear probe). A draft step not yet measured is priced at 0: the first draft measures
+    it, and a draft that does not pay even for free is never run to find out."""
 
     def __init__(
         self,
@@ -300,8 +302,6 @@ class GoodputPolicy:
         cap = max(caps, default=0)
         if cap == 0:
             return 0
-        if self.t_step is None:
-            return min(cap, 2) if not self.tree else cap  # measure the draft first
         rows = len(acc)
         self._plain_seconds = self.cost.predict(rows, 1, length)
         options = [0, cap] if self.tree else list(range(cap + 1))
@@ -333,10 +333,22 @@ class GoodputPolicy:
             self.streak = 0
             return best
         self.streak += 1
-        if self.streak >= self.wait:
+        if self.streak >= max(self.wait, self._predicted_wait(rows, cap, length)):
             self.streak, self.probing = 0, True
             return min(cap, 1) if not self.tree else cap
         return 0
+
+    def _predicted_wait(self, rows: int, cap: int, length: int) -> int:
+        """Iterations between probes for a probe's predicted cost to be ``probe_share`` of
+        the time, before any probe was measured."""
+        if self.budget_wait or not self._plain_seconds:
+            return 0  # a probe's measured cost rules (``budget_wait``)
+        g = cap if self.tree else min(cap, 1)
+        k = 1 + (round(self.tree_nodes) if self.tree else g)
+        extra = self.cost.predict(rows, k, length) + self.draft_seconds(rows, g)
+        return math.ceil(
+            max(0.0, extra - self._plain_seconds) / (self.probe_share * self._plain_seconds)
+        )
 
     def new_request(self) -> _Acceptance:
         """A request's acceptance before it has drafted: the batch's pooled rate, worth two

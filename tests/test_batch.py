@@ -174,7 +174,7 @@ def test_sampling_follows_the_target_in_every_row(small_vocab_pair):
 
 def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     cost = StepCostModel()
-    flat = GoodputPolicy(4, cost, parallel=False)
+    flat = GoodputPolicy(4, cost, parallel=False, probe_share=1.0)  # probes' cost: below
     cost.coef = (0.010, 0.0, 0.0)  # verification is free: a forward costs the same at any size
     flat.t_step = 0.0005
     good = [_Acceptance(acc=8.0, tested=10.0) for _ in range(4)]  # alpha 0.8
@@ -196,6 +196,11 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     assert set(choices[i] for i in probes) == {1} and len(probes) == 4
     assert [b - a for a, b in zip(probes, probes[1:], strict=False)] == [32, 64, 128]
     assert flat.choose(good, [0, 0, 0, 0], 100) == 0  # nothing left to draft
+    # at the default 2% share the first probe waits until its predicted cost (a 2-token
+    # verification of 4 rows and a draft step: +42 ms on a 40 ms step) is 2% of the time
+    dear = GoodputPolicy(4, cost, parallel=False)
+    dear.t_step = 0.0005
+    assert next(i for i in range(200) if dear.choose(weak, [4] * 4, 100)) == 52
     assert flat.new_request().alpha < 0.5  # newcomers start from the pooled (poor) rate
 
 
