@@ -206,16 +206,20 @@ class _Acceptance:
     def alpha(self) -> float:
         return self.acc / self.tested
 
-    def tokens(self, g: int) -> tuple[float, float]:
-        """Expected tokens a chain of ``g`` emits, E = 1 + a + ... + a^g, and its standard
-        error from a's: a's Beta posterior (the decayed counts) through dE/da."""
+    @property
+    def alpha_sd(self) -> float:
+        """Standard deviation of a's Beta posterior (the decayed counts)."""
+        x, y = max(self.acc, 1e-9), max(self.tested - self.acc, 1e-9)
+        return math.sqrt(x * y / ((x + y) ** 2 * (x + y + 1.0)))
+
+    def tokens(self, g: int, alpha_sd: float) -> tuple[float, float]:
+        """Expected tokens a chain of ``g`` emits, E = 1 + a + ... + a^g, and the error
+        ``alpha_sd`` in a makes in it (through dE/da)."""
         a = min(max(self.alpha, 0.0), 1.0)
         if g == 0:
             return 1.0, 0.0
-        x, y = max(self.acc, 1e-9), max(self.tested - self.acc, 1e-9)
-        sd = math.sqrt(x * y / ((x + y) ** 2 * (x + y + 1.0)))
         slope = sum(j * a ** (j - 1) for j in range(1, g + 1))
-        return GammaController.expected_tokens(a, g), slope * sd
+        return GammaController.expected_tokens(a, g), slope * alpha_sd
 
     def tree_estimate(self) -> tuple[float, float]:
         """Mean tokens per tree iteration and its standard error (2 and 0 before any: the
@@ -247,9 +251,11 @@ class GoodputPolicy:
     measured to cost per step (per row and step where the rows draft one after another).
 
     Each length is scored by a lower confidence bound of its goodput, ``caution`` standard
-    errors below: expected tokens minus their standard error (each request's acceptance is a
-    Beta posterior over few, decayed observations) over the predicted time plus the standard
-    error of verification's predicted extra cost (from the cost fit's coefficients). Plain
+    errors below: expected tokens minus their standard error over the predicted time plus the
+    standard error of verification's predicted extra cost (from the cost fit's coefficients).
+    A chain's tokens are uncertain through the draft's skill on this workload, shared by every
+    request: the pooled rate's Beta posterior, its error moving all rows together (each row's
+    own rate sets its expected tokens); a tree's, through each row's mean tokens per tree. Plain
     decoding (g = 0) has neither, so drafting is chosen only where its gain clears what the
     estimates cannot tell apart: a predicted 1% gain from a handful of observations (batch 1
     on a CPU where verification costs ~1.4 steps) is declined, a 20% one (batch 4, where a
@@ -307,13 +313,22 @@ class GoodputPolicy:
         options = [0, cap] if self.tree else list(range(cap + 1))
         best, best_gp = 0, -1.0
         z = self.caution
+        # a chain's tokens are uncertain through the draft's skill on this workload, which
+        # every request shares: the pooled rate's error, moving all rows together
+        pooled_sd = self.pool.alpha_sd
         for g in options:
             tokens = var = 0.0
+            shared = 0.0  # the pooled skill's error, common to every row
             for a, c in zip(acc, caps, strict=True):
                 gg = min(g, c)
-                t, sd = a.tree_estimate() if (self.tree and gg) else a.tokens(gg)
+                if self.tree and gg:
+                    t, sd = a.tree_estimate()
+                    var += sd * sd
+                else:
+                    t, sd = a.tokens(gg, pooled_sd)
+                    shared += sd
                 tokens += t
-                var += sd * sd
+            var += shared * shared
             k = 1 + (round(self.tree_nodes) if (self.tree and g) else g)
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
             self.last_goodput[g] = tokens / max(sec, 1e-9)

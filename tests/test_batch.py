@@ -179,11 +179,14 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     flat.t_step = 0.0005
     good = [_Acceptance(acc=8.0, tested=10.0) for _ in range(4)]  # alpha 0.8
     # drafting, deep: the plain expectation picks 4; one standard error below it (the
-    # default), the 4th token's gain (~2%) is inside the error of alpha from 10 observations
+    # default, the draft's pooled rate 0.8 from 40 observations) the 4th token's gain (~2%)
+    # is inside the error
     sure = GoodputPolicy(4, cost, parallel=False, caution=0.0)
     sure.t_step = 0.0005
     assert sure.choose(good, [4] * 4, 100) == 4
-    assert flat.choose(good, [4] * 4, 100) == 3
+    deep = GoodputPolicy(4, cost, parallel=False)
+    deep.t_step, deep.pool = 0.0005, _Acceptance(acc=32.0, tested=40.0)
+    assert deep.choose(good, [4] * 4, 100) == 3
     cost.coef = (0.0, 0.010, 0.0)  # every token in the batch costs as much as a plain step
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]  # alpha 0.2
     choices = []
@@ -217,8 +220,8 @@ def test_cost_model_reports_its_relative_error():
 
 def test_goodput_drafts_only_where_its_gain_clears_the_estimates_error():
     """A lower confidence bound decides: at batch 1, with verification of 2 tokens costing
-    1.4 steps and acceptance 0.45 from ten observations, drafting's predicted gain (~3%) is
-    inside its error and goodput decodes plain (it drafts with ``caution=0``, the plain
+    1.4 steps and the draft's pooled acceptance 0.45 from 40 observations, drafting's predicted
+    gain (~3%) is inside its error and goodput decodes plain (it drafts with ``caution=0``, the plain
     expectation); at batch 4, where a drafted token per row is nearly free to verify, it
     drafts. A noisy cost fit widens the bound; an exact one adds nothing."""
     cost = StepCostModel(refit=1000)
@@ -234,6 +237,7 @@ def test_goodput_drafts_only_where_its_gain_clears_the_estimates_error():
     careful = GoodputPolicy(3, cost, parallel=False)
     for pol in (sure, careful):
         pol.t_step = 0.001
+        pol.pool = _Acceptance(acc=18.0, tested=40.0)
     assert sure.choose(rows, [3], 100) == 1  # 1.45 / 0.141 s > 1 / 0.100 s: +3%
     assert careful.choose(rows, [3], 100) == 0
     # batch 4 with a large fixed cost: a token per row adds 4 x 5 ms to a 100 ms step
