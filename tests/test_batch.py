@@ -545,6 +545,41 @@ def _drafting_side_by_side(
     return bp
 
 
+def _eagle_rows(target, single, seqs, temperature=0.0):
+    """Two identical sets of decode states over ``seqs`` (the batched drafter's rows and the
+    batch-1 proposers'), with the target's features at ``single``'s layers and, at T > 0, one
+    random stream per row; and ``commit(b, tokens)``, which extends row b in both sets and
+    recomputes its features."""
+    s = Sampling(temperature)
+    layers = [target.layer_index(i) for i in single.feature_layers]
+
+    def feats(ids):
+        with torch.no_grad():
+            hs = target.model(torch.tensor([ids[:-1]]), output_hidden_states=True)
+        return torch.stack([hs.hidden_states[j][0] for j in layers], dim=1)
+
+    def states():
+        return [
+            DecodeState(
+                ids=list(x),
+                features=feats(x),
+                sampling=s,
+                device=target.device,
+                generator=torch.Generator().manual_seed(5 + b) if temperature else None,
+            )
+            for b, x in enumerate(seqs)
+        ]
+
+    rows, alone = states(), states()
+
+    def commit(b, new):
+        for st in (rows[b], alone[b]):
+            st.ids.extend(new)
+            st.features = feats(st.ids)
+
+    return rows, alone, commit
+
+
 @pytest.mark.parametrize(
     "kind,temperature,late",
     [
@@ -573,35 +608,9 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(
         else Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
     )
     single = head.proposer()
-    s = Sampling(temperature)
     rng = random.Random(1)
     seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
-
-    def feats(ids):
-        with torch.no_grad():
-            hs = tiny_target.model(torch.tensor([ids[:-1]]), output_hidden_states=True)
-        layers = [tiny_target.layer_index(i) for i in single.feature_layers]
-        return torch.stack([hs.hidden_states[j][0] for j in layers], dim=1)
-
-    def states(seed):
-        return [
-            DecodeState(
-                ids=list(x),
-                features=feats(x),
-                sampling=s,
-                device=tiny_target.device,
-                generator=torch.Generator().manual_seed(seed + b) if temperature else None,
-            )
-            for b, x in enumerate(seqs)
-        ]
-
-    rows, alone = states(5), states(5)
-
-    def commit(b, new):
-        for st in (rows[b], alone[b]):
-            st.ids.extend(new)
-            st.features = feats(st.ids)
-
+    rows, alone, commit = _eagle_rows(tiny_target, single, seqs, temperature)
     bp = _drafting_side_by_side(single, rows, alone, commit, late, 4, temperature, rng)
     assert bp.valid.shape[0] == 3
 
@@ -625,22 +634,7 @@ def test_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min
     assert isinstance(single.batched(), BatchedEagleTree)
     rng = random.Random(3)
     seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
-
-    def feats(ids):
-        with torch.no_grad():
-            hs = tiny_target.model(torch.tensor([ids[:-1]]), output_hidden_states=True)
-        layers = [tiny_target.layer_index(i) for i in single.feature_layers]
-        return torch.stack([hs.hidden_states[j][0] for j in layers], dim=1)
-
-    def states():
-        return [DecodeState(list(x), feats(x), Sampling(), None, tiny_target.device) for x in seqs]
-
-    rows, alone = states(), states()
-
-    def commit(b, new):
-        for st in (rows[b], alone[b]):
-            st.ids.extend(new)
-            st.features = feats(st.ids)
+    rows, alone, commit = _eagle_rows(tiny_target, single, seqs)
 
     def gammas(it):
         return [4, 1 + it % 4, 0 if it % 3 == 1 else 3]
