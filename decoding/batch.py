@@ -58,6 +58,9 @@ from models.ragged import (
     keep_columns,
     left_padded,
     new_cache,
+    prefill_groups,
+    prefill_waste,
+    stack_groups,
     tidy,
 )
 from models.sampling import Sampling, greedy_tokens, warp
@@ -427,6 +430,7 @@ class _Row:
     acc: _Acceptance
     new: list[int] = field(default_factory=list)
     t_admit: float = 0.0
+    budget: int = 0  # the request's own max_new_tokens
     calls0: int = 0
     started: bool = False
     fbuf: torch.Tensor | None = None  # room for the features, grown by doubling
@@ -497,9 +501,12 @@ class BatchDecoder:
         policy: str = "fixed",
         calibrate: bool = True,
         cost: StepCostModel | None = None,
+        admit: int | None = None,
     ):
         if batch_size < 1:
             raise BatchError(f"batch_size={batch_size}: must be >= 1")
+        if admit is not None and not 1 <= admit <= batch_size:
+            raise BatchError(f"admit={admit}: must be between 1 and the batch size ({batch_size})")
         if gamma < 0:
             raise BatchError(f"gamma={gamma}: must be >= 0")
         if policy not in POLICIES:
@@ -507,9 +514,13 @@ class BatchDecoder:
         check_batchable(target, proposer)
         self.target, self.template, self.sampling = target, proposer, sampling
         self.batch_size, self.policy = batch_size, policy
+        # waiting requests join once this many slots are free (each join is a prefill forward
+        # and a copy of the running cache); None: a quarter of the batch
+        self.admit = admit if admit is not None else max(1, batch_size // 4)
         self.tree = proposer.tree_depth is not None
         self.gamma = proposer.tree_depth if self.tree else gamma
         self.device = target.device
+        self.prefill_waste = prefill_waste(self.device)
         self.layers = tuple(proposer.feature_layers)
         self.t_verify1: list[float] | None = None
         if policy == "adaptive" and self.gamma and calibrate:
@@ -570,28 +581,38 @@ class BatchDecoder:
     @torch.no_grad()
     def _prefill(self, reqs: list[GenRequest]):
         """Prefill the prompts but their last token, left-padded (one masked pad column for a
-        one-token prompt). Returns the cache, its ``valid`` and each request's features."""
-        fed = [r.prompt[:-1] for r in reqs]
-        ids, pos, real = left_padded(fed, [0] * len(fed))
-        n = ids.shape[1]
-        allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
-        cache = new_cache(self.target.config)
-        out = self.target.model(
-            input_ids=ids.to(self.device),
-            attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
-            position_ids=pos.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=bool(self.layers),
-            logits_to_keep=1,
-        )
-        h = self._hidden(out)
-        feats = [(h[i, n - len(f) :] if (h is not None and f) else None) for i, f in enumerate(fed)]
-        views = [
-            _RowCache(cache, i, n - len(f)) if (f and self.template.reads_prefill_cache) else None
-            for i, f in enumerate(fed)
-        ]
-        return cache, real.to(self.device), feats, views
+        one-token prompt), in groups of similar lengths (``prefill_groups``). Returns the
+        cache and its ``valid`` (rows in the requests' order), each request's features and
+        its rows of the prefill cache (for a drafter that copies them)."""
+        fed_all = [r.prompt[:-1] for r in reqs]
+        groups = prefill_groups([len(f) for f in fed_all], self.prefill_waste)
+        feats: list = [None] * len(reqs)
+        views: list = [None] * len(reqs)
+        parts = []
+        for g in groups:
+            fed = [fed_all[i] for i in g]
+            ids, pos, real = left_padded(fed, [0] * len(fed))
+            n = ids.shape[1]
+            allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
+            cache = new_cache(self.target.config)
+            out = self.target.model(
+                input_ids=ids.to(self.device),
+                attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
+                position_ids=pos.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=bool(self.layers),
+                logits_to_keep=1,
+            )
+            h = self._hidden(out)
+            for j, (i, f) in enumerate(zip(g, fed, strict=True)):
+                if h is not None and f:
+                    feats[i] = h[j, n - len(f) :]
+                if f and self.template.reads_prefill_cache:
+                    views[i] = _RowCache(cache, j, n - len(f))
+            parts.append((cache, real.to(self.device)))
+        cache, valid = stack_groups(parts, groups)
+        return cache, valid, feats, views
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -622,7 +643,7 @@ class BatchDecoder:
         B = self.batch_size
         while queue or rows:
             free = B - len(rows)
-            if queue and free and (not rows or free >= max(1, B // 4)):
+            if queue and free and (not rows or free >= min(self.admit, len(queue))):
                 reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
                 t = time.perf_counter()
                 c, v, feats, views = self._prefill(reqs)
@@ -655,13 +676,14 @@ class BatchDecoder:
                         self._controller(),
                         acc,
                         t_admit=time.perf_counter(),
+                        budget=r.budget(max_new_tokens),
                         calls0=prop.draft_calls,
                     )
                     rows.append(row)  # its proposer starts when the row first drafts
                     # a batched drafter reads the newcomers' prompts when the batch next drafts
                 # (``_join_drafter``): while the policy decodes plain, newcomers cost it nothing
             # -- how much each row drafts
-            limits = [max_new_tokens - len(r.new) - 1 for r in rows]
+            limits = [r.budget - len(r.new) - 1 for r in rows]
             length = valid.shape[1]
             props: list[Proposal] = []
             self._t_start = 0.0
@@ -782,7 +804,7 @@ class BatchDecoder:
                     r.controller.update(
                         len(p), tested, len(path), step, t_verify, p.bucket, t_draft=t_draft / R
                     )
-                if emitted[-1] in stop_ids or len(r.new) >= max_new_tokens:
+                if emitted[-1] in stop_ids or len(r.new) >= r.budget:
                     finished.append(b)
             keep_columns(valid, length, keeps)
             if self.goodput is not None:
@@ -813,7 +835,7 @@ class BatchDecoder:
                 now = time.perf_counter()
                 for b in finished:
                     r = rows[b]
-                    out_tokens = r.new[:max_new_tokens]
+                    out_tokens = r.new[: r.budget]
                     done[r.key] = out_tokens
                     st.rows.new_tokens += len(out_tokens)
                     if self.bp is None:
@@ -914,8 +936,9 @@ def speedup_table(rows: list[dict]) -> str:
     """A Markdown table of a batch sweep (``decoding.eval`` rows)."""
     head = (
         "| batch | policy | plain tok/s | spec tok/s | speedup | after prefill | per-request "
-        "tok/s (plain / spec) | tau | alpha | mean gamma | lossless |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        "tok/s (plain / spec) | rows per forward (plain / spec) | tau | alpha | mean gamma | "
+        "lossless |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -927,7 +950,9 @@ def speedup_table(rows: list[dict]) -> str:
             f"| {r['batch_size']} | {r['policy']} | {f(r['plain_tokens_per_second'], 1)} | "
             f"{f(r['tokens_per_second'], 1)} | {f(r['speedup'])}x | "
             f"{f(r.get('decode_speedup'))}x | {f(r['plain_request_tokens_per_second'], 1)} / "
-            f"{f(r['request_tokens_per_second'], 1)} | {f(r['tau'])} | {f(r['alpha'])} | "
+            f"{f(r['request_tokens_per_second'], 1)} | "
+            f"{f(r.get('plain_mean_rows_per_forward'), 1)} / {f(r.get('mean_rows_per_forward'), 1)} | "
+            f"{f(r['tau'])} | {f(r['alpha'])} | "
             f"{f(r['mean_gamma'])} | {r['lossless']} |"
         )
     return "\n".join(lines)

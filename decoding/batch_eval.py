@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
@@ -63,6 +64,20 @@ def batch_sizes_of(cfg) -> list[int]:
     return sizes
 
 
+def request_budgets(cfg, n: int) -> list[int | None]:
+    """Each request's max_new_tokens: None (the run's) for ``request_lengths=equal``; for
+    ``mixed``, drawn per prompt uniformly from [max_new_tokens / 4, max_new_tokens] by a
+    generator seeded with ``seed``, so every configuration and repeat gets the same lengths."""
+    if cfg.request_lengths == "equal":
+        return [None] * n
+    if cfg.request_lengths != "mixed":
+        raise BatchError(f"request_lengths={cfg.request_lengths!r}: use equal or mixed")
+    hi = cfg.max_new_tokens
+    lo = max(1, hi // 4)
+    g = torch.Generator().manual_seed(cfg.seed * 7_919 + 17)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
 def wants_batch(cfg) -> bool:
     return (
         bool(cfg.batch_sizes)
@@ -105,6 +120,9 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
         "forwards": stats.forwards,
         "plain_forwards": plain.forwards,
         "mean_rows_per_forward": stats.row_slots / stats.forwards if stats.forwards else 0.0,
+        "plain_mean_rows_per_forward": plain.row_slots / plain.forwards if plain.forwards else 0.0,
+        "prefills": stats.prefills,
+        "plain_prefills": plain.prefills,
         # query tokens fed that were padding (rows with shorter proposals than the longest)
         "padding_fraction": 1 - (iters + drafted) / stats.verified_tokens
         if stats.verified_tokens
@@ -156,7 +174,17 @@ def evaluate_batched(
     sizes, policies = batch_sizes_of(cfg), policies_of(cfg)
     tok = target.tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
-    requests = [GenRequest(i, p, seed=cfg.seed * 100_003 + i) for i, p in enumerate(prompts)]
+    budgets = request_budgets(cfg, len(prompts))
+    requests = [
+        GenRequest(i, p, seed=cfg.seed * 100_003 + i, max_new_tokens=n)
+        for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+    if cfg.batch_admit < 0:
+        raise BatchError(f"batch_admit={cfg.batch_admit}: a number of free slots (0: B/4)")
+    admit = cfg.batch_admit or None
+    for b in sizes:
+        if admit is not None and admit > b:
+            raise BatchError(f"batch_admit={admit}: more than batch size {b}")
     # warm-up: first-call costs stay out of the timings
     for pr in (NoDraft(), proposer):
         BatchDecoder(target, pr, sampling, 2, gamma=cfg.gamma, calibrate=False).run(
@@ -167,7 +195,7 @@ def evaluate_batched(
         ref_dec = SpeculativeDecoder(target, NoDraft(), sampling, gamma=0, record_logits=True)
         reference, logits = {}, {}
         for r in tqdm(requests, desc="batch-1 reference", dynamic_ncols=True, file=sys.stderr):
-            reference[r.key] = ref_dec.generate(r.prompt, cfg.max_new_tokens, stop)
+            reference[r.key] = ref_dec.generate(r.prompt, r.budget(cfg.max_new_tokens), stop)
             logits[r.key] = ref_dec.last_logits
     tolerance = NEAR_TIE_TOLERANCE.get(target.dtype, 0.5)
     rows, detail = [], []
@@ -196,10 +224,17 @@ def evaluate_batched(
         for rep in range(cfg.batch_repeats):
             for name in names if rep % 2 == 0 else names[::-1]:
                 if name == "plain":
-                    dec = BatchDecoder(target, NoDraft(), sampling, b, gamma=0)
+                    dec = BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit)
                 else:
                     dec = BatchDecoder(
-                        target, proposer, sampling, b, gamma=cfg.gamma, policy=name, cost=cost
+                        target,
+                        proposer,
+                        sampling,
+                        b,
+                        gamma=cfg.gamma,
+                        policy=name,
+                        cost=cost,
+                        admit=admit,
                     )
                 outs[name] = dec.run(requests, cfg.max_new_tokens, stop, progress=bar.update)
                 runs[name].append(dec.stats)
@@ -272,7 +307,18 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
     s = r["settings"]
     out(
         f"\ndraft: {s['draft_description']}   target: {s['target_identity']}   "
-        f"T={s['temperature']}   {r['num_requests']} requests x {s['max_new_tokens']} tokens"
+        f"T={s['temperature']}   {r['num_requests']} requests x "
+        + (
+            f"{s['max_new_tokens']} tokens"
+            if s.get("request_lengths", "equal") == "equal"
+            else f"{max(1, s['max_new_tokens'] // 4)}-{s['max_new_tokens']} tokens (mixed lengths)"
+        )
+        + "   waiting requests join when "
+        + (
+            f"{s['batch_admit']} slot(s) are free"
+            if s.get("batch_admit")
+            else "a quarter of the batch's slots are free"
+        )
     )
     out(speedup_table(r["batch"]))
     for row in r["batch"]:

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -445,11 +446,18 @@ def target_identity(where: str, config: dict, sample_bytes: int = 1 << 20) -> st
 @dataclass
 class GenRequest:
     """One reply to generate: ``key`` names it to the caller; ``seed`` seeds its own sampling
-    stream, so what a request samples does not depend on which requests share its batch."""
+    stream, so what a request samples does not depend on which requests share its batch;
+    ``max_new_tokens``, where given, is this reply's own budget (at most the run's): a server's
+    requests ask for different lengths."""
 
     key: Any
     prompt: list[int]
     seed: int = 0
+    max_new_tokens: int | None = None
+
+    def budget(self, run_max: int) -> int:
+        """Tokens this request may get in a run that allows ``run_max``."""
+        return run_max if self.max_new_tokens is None else min(run_max, self.max_new_tokens)
 
 
 @torch.no_grad()
@@ -478,6 +486,7 @@ def generate_many(
 
     from transformers import DynamicCache
 
+    from .ragged import prefill_groups, prefill_waste
     from .sampling import greedy_tokens, warp
 
     dev = next(model.parameters()).device
@@ -485,12 +494,14 @@ def generate_many(
     queue = deque(requests)
     rows: list[dict] = []  # live rows: key, reply, generator, next position
     cache = mask = logits = None
-    joinable = True
+    # joining, stacking and trimming assume full-attention layers; a cache with sliding-window
+    # layers is prefilled in one padded forward and refilled once the whole batch has finished
+    joinable = all(type(x) is DynamicLayer for x in DynamicCache(config=model.config).layers)
     st = stats if stats is not None else {}
     for key in ("prefill_s", "decode_s", "steps", "row_steps", "cache_cols", "real_cols"):
         st.setdefault(key, 0)
 
-    def prefill(reqs: list[GenRequest]):
+    def prefill_group(reqs: list[GenRequest]):
         n = max(len(r.prompt) for r in reqs)
         ids = torch.full((len(reqs), n), pad_id, dtype=torch.long)
         m = torch.zeros_like(ids)
@@ -499,7 +510,6 @@ def generate_many(
             m[i, n - len(r.prompt) :] = 1
         ids, m = ids.to(dev), m.to(dev)
         pos = (m.cumsum(-1) - 1).clamp_min(0)
-        t0 = time.perf_counter()
         c = DynamicCache(config=model.config)
         c.layers = [_GrowingLayer() if type(x) is DynamicLayer else x for x in c.layers]
         out = model(
@@ -510,7 +520,23 @@ def generate_many(
             use_cache=True,
             logits_to_keep=1,
         )
-        lg = out.logits[:, -1].float()
+        return c, m, out.logits[:, -1].float()
+
+    def prefill(reqs: list[GenRequest]):
+        """Prompts of similar lengths prefilled together (``prefill_groups``), put back in
+        order; a cache with sliding-window layers cannot be stacked: one padded forward."""
+        t0 = time.perf_counter()
+        waste = prefill_waste(dev) if joinable else math.inf
+        groups = prefill_groups([len(r.prompt) for r in reqs], waste)
+        parts = [prefill_group([reqs[i] for i in g]) for g in groups]
+        if len(parts) == 1:
+            c, m, lg = parts[0]
+        else:
+            flat = [i for g in groups for i in g]
+            where = {i: k for k, i in enumerate(flat)}
+            order = [where[i] for i in range(len(flat))]
+            c, m = _stack_caches([(c, m) for c, m, _ in parts], order)
+            lg = torch.cat([lg for _, _, lg in parts])[torch.tensor(order, device=dev)]
         st["prefill_s"] += time.perf_counter() - t0
         return c, m, lg
 
@@ -521,12 +547,17 @@ def generate_many(
             c, m, lg = prefill(reqs)
             for r in reqs:
                 g = torch.Generator(device=dev).manual_seed(r.seed) if not greedy else None
-                rows.append({"key": r.key, "reply": [], "gen": g, "pos": len(r.prompt)})
+                rows.append(
+                    {
+                        "key": r.key,
+                        "reply": [],
+                        "gen": g,
+                        "pos": len(r.prompt),
+                        "budget": r.budget(max_new_tokens),
+                    }
+                )
             if cache is None:
                 cache, mask, logits = c, m, lg
-                # joining and trimming assume full-attention layers; a cache with sliding
-                # window layers is refilled only once the whole batch has finished
-                joinable = all(isinstance(x, _GrowingLayer) for x in c.layers)
             else:
                 cache, mask = _join_caches(cache, mask, c, m)
                 logits = torch.cat([logits, lg])
@@ -543,7 +574,7 @@ def generate_many(
             stop = t in stop_ids
             if not stop:
                 row["reply"].append(t)
-            if stop or len(row["reply"]) >= max_new_tokens:
+            if stop or len(row["reply"]) >= row["budget"]:
                 for r in on_done(row["key"], row["reply"], not stop) or ():
                     queue.appendleft(r)
             else:
@@ -619,10 +650,12 @@ class _GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _join_caches(a, mask_a, b, mask_b):
-    """Stack two KV caches along the batch, left-padding the shorter one with masked zeros."""
-    la, lb = mask_a.shape[1], mask_b.shape[1]
-    n = max(la, lb)
+def _stack_caches(parts: list, order: list[int] | None = None):
+    """Stack KV caches along the batch, each left-padded with masked zeros to the longest:
+    ``parts`` holds (cache, mask (rows, L)) pairs; ``order``, if given, lists which stacked row
+    goes where (row i of the result is stacked row ``order[i]``). The first cache object is
+    reused. Returns (cache, mask)."""
+    n = max(m.shape[1] for _, m in parts)
 
     def pad(t, by):
         if by == 0:
@@ -630,16 +663,22 @@ def _join_caches(a, mask_a, b, mask_b):
         z = t.new_zeros(*t.shape[:-2], by, t.shape[-1])
         return torch.cat([z, t], dim=-2)
 
-    for x, y in zip(a.layers, b.layers, strict=True):
-        x.keys = torch.cat([pad(x.keys, n - la), pad(y.keys, n - lb)])
-        x.values = torch.cat([pad(x.values, n - la), pad(y.values, n - lb)])
-    mask = torch.cat(
-        [
-            torch.cat([mask_a.new_zeros(mask_a.shape[0], n - la), mask_a], 1),
-            torch.cat([mask_b.new_zeros(mask_b.shape[0], n - lb), mask_b], 1),
-        ]
-    )
-    return a, mask
+    first = parts[0][0]
+    idx = None
+    if order is not None and order != list(range(len(order))):
+        idx = torch.tensor(order, device=parts[0][1].device)
+    for i, layer in enumerate(first.layers):
+        for name in ("keys", "values"):
+            ts = [pad(getattr(c.layers[i], name), n - m.shape[1]) for c, m in parts]
+            t = torch.cat(ts) if len(ts) > 1 else ts[0]
+            setattr(layer, name, t if idx is None else t.index_select(0, idx.to(t.device)))
+    mask = torch.cat([torch.cat([m.new_zeros(m.shape[0], n - m.shape[1]), m], 1) for _, m in parts])
+    return first, (mask if idx is None else mask[idx])
+
+
+def _join_caches(a, mask_a, b, mask_b):
+    """Stack two KV caches along the batch, left-padding the shorter one with masked zeros."""
+    return _stack_caches([(a, mask_a), (b, mask_b)])
 
 
 def _trim_cache(cache, first: int) -> None:

@@ -44,6 +44,7 @@ def main() -> None:
 
     def count(text: str) -> int:
         return len(prompt_ids(tok, [{"role": "user", "content": text}]))
+
     arts, k = articles(), 0
     recs = []
     for i in range(a.num):

@@ -4,6 +4,7 @@ exactness per row, the goodput policy and its cost model, and the evaluator's ba
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -24,7 +25,7 @@ from decoding.proposers import DraftLMProposer, NGramProposer
 from models.base import DecodeSettings, DecodeState, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead
 from models.medusa import Medusa1Config, MedusaHeads
-from models.ragged import compact
+from models.ragged import compact, prefill_groups
 from models.sampling import Sampling
 from models.target import GenRequest
 from models.tiny import build_tiny_target
@@ -38,6 +39,20 @@ def _prompts():
     ps[3] = [257]  # a one-token prompt: nothing to prefill
     ps[5] = [257, 72, 101, 108, 108, 111, 32, 72, 101, 108, 108, 111, 32, 119, 111, 114, 258]
     return ps
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    """The tiny random target with its own random LM head: with the tied one it repeats its
+    last token whatever the context, so a row reading another row's cache would go unseen."""
+    from models.target import TargetConfig, load_target
+
+    t = load_target(TargetConfig(name="tiny_random", device="cpu", dtype="float32"))
+    g = torch.Generator().manual_seed(5)
+    w = t.model.lm_head.weight
+    with torch.no_grad():
+        t.model.lm_head.weight = torch.nn.Parameter(torch.randn(w.shape, generator=g) * 3.0)
+    return t
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +109,71 @@ def test_compacting_every_iteration_changes_nothing(tiny_target, reference, monk
     monkeypatch.setattr(batch, "tidy", always)
     out, _ = _run(tiny_target, _proposers(tiny_target)["eagle_tree"])
     assert out == reference and calls["n"] > 10
+
+
+@pytest.mark.parametrize("name", ["none", "eagle"])
+def test_requests_of_their_own_lengths_and_admission_as_slots_free(tiny_target, reference, name):
+    """Each request stops at its own budget (the prefix of its batch-1 output); with
+    ``admit=1`` a waiting request takes a slot as soon as one frees, with ``admit=B`` only once
+    the whole batch (or what the queue can fill) is free: more prefills, fuller forwards."""
+    budgets = [3, N_NEW, 5, N_NEW, 2, 9, N_NEW, 4]
+    reqs = [
+        GenRequest(i, p, seed=i, max_new_tokens=n)
+        for i, (p, n) in enumerate(zip(_prompts(), budgets, strict=True))
+    ]
+    want = {i: reference[i][:n] for i, n in enumerate(budgets)}
+    stats = {}
+    for admit in (1, 3):
+        dec = BatchDecoder(
+            tiny_target, _proposers(tiny_target)[name], Sampling(), 3, gamma=3, admit=admit
+        )
+        assert dec.run(reqs, N_NEW) == want
+        stats[admit] = dec.stats
+    eager, lazy = stats[1], stats[3]
+    assert eager.prefills > lazy.prefills
+    occupancy = {a: s.row_slots / s.forwards for a, s in stats.items()}
+    assert occupancy[1] > occupancy[3]
+    assert eager.rows.new_tokens == sum(budgets)
+    with pytest.raises(BatchError, match="admit=4"):
+        BatchDecoder(tiny_target, NoDraft(), Sampling(), 3, admit=4)
+
+
+def test_prefill_groups_cover_every_prompt_once_within_their_padding_share():
+    rng = random.Random(1)
+    for _ in range(200):
+        lengths = [rng.choice([0, 1, 2, 7, 40, 41, 300]) + rng.randrange(5) for _ in range(17)]
+        for waste in (0.0, 0.25, 1.0):
+            groups = prefill_groups(lengths, waste)
+            assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+            for g in groups:
+                ls = [max(1, lengths[i]) for i in g]
+                assert len(g) == 1 or len(g) * max(ls) <= (1 + waste) * sum(ls) + 1e-9
+        assert prefill_groups(lengths, math.inf) == [sorted(range(17), key=lambda i: -lengths[i])]
+    assert prefill_groups([5, 5, 5], 0.0) == [[0, 1, 2]]
+    assert prefill_groups([], 0.25) == []
+
+
+def test_continuous_batching_for_data_keeps_order_and_budgets(tiny_target, reference):
+    """``generate_many`` (specdraft-prepare's plain decoding): prompts of 1-30 tokens are
+    prefilled in several groups and stacked back in order; each request stops at its budget."""
+    from models.target import generate_many
+
+    budgets = [N_NEW, 3, 7, N_NEW, 1, 12, 5, N_NEW]
+    got = {}
+    generate_many(
+        tiny_target.model,
+        [
+            GenRequest(i, p, max_new_tokens=n)
+            for i, (p, n) in enumerate(zip(_prompts(), budgets, strict=True))
+        ],
+        N_NEW,
+        set(),
+        0,
+        lambda k, reply, truncated: got.__setitem__(k, reply),
+        batch_size=3,
+    )
+    assert len(prefill_groups([len(p) for p in _prompts()[:3]])) > 1
+    assert got == {i: reference[i][:n] for i, n in enumerate(budgets)}
 
 
 def test_compact_keeps_each_rows_valid_columns_in_order():
@@ -303,6 +383,8 @@ def test_eval_batch_sweep_report(tmp_path):
             "batch_sizes=[1,2,4]",
             "batch_policies=[fixed,goodput]",
             "batch_repeats=2",
+            "request_lengths=mixed",
+            "batch_admit=1",
             f"report={rep}",
         ],
         300,
@@ -324,6 +406,9 @@ def test_eval_batch_sweep_report(tmp_path):
         )
     assert rep.with_suffix(".png").stat().st_size > 1000
     assert "speedup" in r.stdout and "goodput cost model" in r.stdout
+    # each request asked for its own length (3-12 tokens), and the batch-1 references too
+    assert "3-12 tokens (mixed lengths)" in r.stdout and "join when 1 slot(s) are free" in r.stdout
+    assert all(x["new_tokens"] < 2 * 5 * 12 for x in rows)
 
 
 @pytest.mark.parametrize(
@@ -334,6 +419,9 @@ def test_eval_batch_sweep_report(tmp_path):
         (["batch_size=2", "draft=lookahead"], "side branch"),
         (["stop=goodput", "engine=llama.cpp"], "engine=torch"),
         (["batch_size=2", "acceptance=typical", "temperature=1"], "only exact"),
+        (["batch_sizes=[2,4]", "batch_admit=3"], "batch_admit=3: more than batch size 2"),
+        (["batch_size=2", "batch_admit=-1"], "batch_admit=-1"),
+        (["batch_size=2", "request_lengths=random"], "use equal or mixed"),
     ],
 )
 def test_impossible_batch_settings_are_refused(args, needle):
