@@ -501,11 +501,11 @@ class BatchDecoder:
         policy: str = "fixed",
         calibrate: bool = True,
         cost: StepCostModel | None = None,
-        admit: int | None = None,
+        admit: int = 1,
     ):
         if batch_size < 1:
             raise BatchError(f"batch_size={batch_size}: must be >= 1")
-        if admit is not None and not 1 <= admit <= batch_size:
+        if not 1 <= admit <= batch_size:
             raise BatchError(f"admit={admit}: must be between 1 and the batch size ({batch_size})")
         if gamma < 0:
             raise BatchError(f"gamma={gamma}: must be >= 0")
@@ -514,9 +514,9 @@ class BatchDecoder:
         check_batchable(target, proposer)
         self.target, self.template, self.sampling = target, proposer, sampling
         self.batch_size, self.policy = batch_size, policy
-        # waiting requests join once this many slots are free (each join is a prefill forward
-        # and a copy of the running cache); None: a quarter of the batch
-        self.admit = admit if admit is not None else max(1, batch_size // 4)
+        # waiting requests join once this many slots are free (each join is a prefill forward,
+        # grouped by length, and a copy of the running cache)
+        self.admit = admit
         self.tree = proposer.tree_depth is not None
         self.gamma = proposer.tree_depth if self.tree else gamma
         self.device = target.device

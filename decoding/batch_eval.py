@@ -179,11 +179,11 @@ def evaluate_batched(
         GenRequest(i, p, seed=cfg.seed * 100_003 + i, max_new_tokens=n)
         for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
     ]
-    if cfg.batch_admit < 0:
-        raise BatchError(f"batch_admit={cfg.batch_admit}: a number of free slots (0: B/4)")
-    admit = cfg.batch_admit or None
+    admit = cfg.batch_admit
+    if not isinstance(admit, int) or admit < 1:
+        raise BatchError(f"batch_admit={admit}: a number of free slots, >= 1")
     for b in sizes:
-        if admit is not None and admit > b:
+        if admit > b:
             raise BatchError(f"batch_admit={admit}: more than batch size {b}")
     # warm-up: first-call costs stay out of the timings
     for pr in (NoDraft(), proposer):
@@ -313,12 +313,7 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
             if s.get("request_lengths", "equal") == "equal"
             else f"{max(1, s['max_new_tokens'] // 4)}-{s['max_new_tokens']} tokens (mixed lengths)"
         )
-        + "   waiting requests join when "
-        + (
-            f"{s['batch_admit']} slot(s) are free"
-            if s.get("batch_admit")
-            else "a quarter of the batch's slots are free"
-        )
+        + f"   waiting requests join when {s.get('batch_admit', 1)} slot(s) are free"
     )
     out(speedup_table(r["batch"]))
     for row in r["batch"]:

@@ -131,9 +131,11 @@ class EvalConfig:
     # order every other time, and pooled: a machine whose speed drifts between runs (+-20%
     # between two plain runs was seen on a 2-core VM) then weighs on every configuration alike
     batch_repeats: int = 1
-    # waiting requests join the batch once this many slots are free (0: a quarter of the batch);
-    # each join is one prefill forward and a copy of the running cache
-    batch_admit: int = 0
+    # waiting requests join the batch once this many slots are free: 1 = as soon as a row
+    # finishes (each join is one prefill forward and a copy of the running cache; with prefills
+    # grouped by length that costs no more prefill time than joining a quarter of the batch at
+    # once, and keeps the batch fuller: docs/benchmarks.md, issue 30 part 4)
+    batch_admit: int = 1
     # equal: every request asks for max_new_tokens; mixed: each asks for its own length, drawn
     # once per prompt (seeded) uniformly from [max_new_tokens / 4, max_new_tokens], as a
     # server's requests do (the same lengths for plain and speculative decoding)

@@ -420,7 +420,7 @@ def test_eval_batch_sweep_report(tmp_path):
         (["stop=goodput", "engine=llama.cpp"], "engine=torch"),
         (["batch_size=2", "acceptance=typical", "temperature=1"], "only exact"),
         (["batch_sizes=[2,4]", "batch_admit=3"], "batch_admit=3: more than batch size 2"),
-        (["batch_size=2", "batch_admit=-1"], "batch_admit=-1"),
+        (["batch_size=2", "batch_admit=0"], "batch_admit=0"),
         (["batch_size=2", "request_lengths=random"], "use equal or mixed"),
     ],
 )
