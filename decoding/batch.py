@@ -3,7 +3,7 @@
 The batch-1 decoder (``decoder.py``) stays the exact reference; this one serves a queue of
 requests the way a server does: up to ``batch_size`` rows decode together, a finished row leaves
 at once and a waiting request takes its place (continuous batching: the newcomers are prefilled
-together and joined to the running cache).
+in groups of similar lengths and joined to the running cache).
 
 **Ragged acceptance without moving the cache ("holes").** The batch shares one KV cache of
 shape (B, heads, L, d) and a boolean ``valid`` (B, L): the columns each row attends to. A

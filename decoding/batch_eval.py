@@ -297,6 +297,10 @@ def evaluate_batched(
         "divergence_details": detail,
         "convention": CONVENTION + " " + BATCH_CONVENTION,
         "num_requests": len(requests),
+        # the requests' own lengths (fewest, most) where they differ
+        "request_tokens": [min(budgets), max(budgets)]
+        if budgets and budgets[0] is not None
+        else None,
         "draft_description": draft_desc,
     }
 
@@ -310,8 +314,8 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
         f"T={s['temperature']}   {r['num_requests']} requests x "
         + (
             f"{s['max_new_tokens']} tokens"
-            if s.get("request_lengths", "equal") == "equal"
-            else f"{max(1, s['max_new_tokens'] // 4)}-{s['max_new_tokens']} tokens (mixed lengths)"
+            if not r.get("request_tokens")
+            else "{}-{} tokens (mixed lengths)".format(*r["request_tokens"])
         )
         + f"   waiting requests join when {s.get('batch_admit', 1)} slot(s) are free"
     )

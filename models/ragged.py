@@ -53,12 +53,16 @@ def prefill_groups(lengths: list[int], waste: float = CPU_PREFILL_WASTE) -> list
     return groups
 
 
+def group_order(groups: list[list[int]]) -> list[int]:
+    """For rows stacked group after group: which stacked row holds prompt i, for each i."""
+    where = {i: k for k, i in enumerate(i for g in groups for i in g)}
+    return [where[i] for i in range(len(where))]
+
+
 def stack_groups(parts: list, groups: list[list[int]]):
     """The caches of ``prefill_groups``' groups (``parts``: (cache, valid) each) as one cache
     whose rows are in the prompts' original order. Returns (cache, valid)."""
-    flat = [i for g in groups for i in g]
-    where = {i: k for k, i in enumerate(flat)}
-    cache, valid = _stack_caches(parts, [where[i] for i in range(len(flat))])
+    cache, valid = _stack_caches(parts, group_order(groups))
     return cache, valid.bool()
 
 

@@ -486,7 +486,7 @@ def generate_many(
 
     from transformers import DynamicCache
 
-    from .ragged import prefill_groups, prefill_waste
+    from .ragged import group_order, prefill_groups, prefill_waste
     from .sampling import greedy_tokens, warp
 
     dev = next(model.parameters()).device
@@ -532,9 +532,7 @@ def generate_many(
         if len(parts) == 1:
             c, m, lg = parts[0]
         else:
-            flat = [i for g in groups for i in g]
-            where = {i: k for k, i in enumerate(flat)}
-            order = [where[i] for i in range(len(flat))]
+            order = group_order(groups)
             c, m = _stack_caches([(c, m) for c, m, _ in parts], order)
             lg = torch.cat([lg for _, _, lg in parts])[torch.tensor(order, device=dev)]
         st["prefill_s"] += time.perf_counter() - t0
