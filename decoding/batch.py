@@ -58,9 +58,8 @@ from models.ragged import (
     keep_columns,
     left_padded,
     new_cache,
-    prefill_groups,
+    prefill_in_groups,
     prefill_waste,
-    stack_groups,
     tidy,
 )
 from models.sampling import Sampling, greedy_tokens, warp
@@ -585,34 +584,39 @@ class BatchDecoder:
         cache and its ``valid`` (rows in the requests' order), each request's features and
         its rows of the prefill cache (for a drafter that copies them)."""
         fed_all = [r.prompt[:-1] for r in reqs]
-        groups = prefill_groups([len(f) for f in fed_all], self.prefill_waste)
         feats: list = [None] * len(reqs)
         views: list = [None] * len(reqs)
-        parts = []
-        for g in groups:
+
+        def prefill(g: list[int]):
             fed = [fed_all[i] for i in g]
             ids, pos, real = left_padded(fed, [0] * len(fed))
             n = ids.shape[1]
             allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
             cache = new_cache(self.target.config)
-            out = self.target.model(
-                input_ids=ids.to(self.device),
-                attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
-                position_ids=pos.to(self.device),
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=bool(self.layers),
-                logits_to_keep=1,
-            )
-            h = self._hidden(out)
+            h = self._hidden(self._forward(ids, pos, allowed, cache, logits_to_keep=1))
             for j, (i, f) in enumerate(zip(g, fed, strict=True)):
                 if h is not None and f:
                     feats[i] = h[j, n - len(f) :]
                 if f and self.template.reads_prefill_cache:
                     views[i] = _RowCache(cache, j, n - len(f))
-            parts.append((cache, real.to(self.device)))
-        cache, valid = stack_groups(parts, groups)
+            return cache, real.to(self.device)
+
+        lengths = [len(f) for f in fed_all]
+        cache, valid = prefill_in_groups(lengths, self.prefill_waste, prefill)
         return cache, valid, feats, views
+
+    def _forward(self, ids, pos, allowed: torch.Tensor, cache, **kw):
+        """The target over ``ids`` at positions ``pos`` with the boolean attention ``allowed``
+        (R, n, columns), appending to ``cache``; hidden states where the drafter reads them."""
+        return self.target.model(
+            input_ids=ids.to(self.device),
+            attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
+            position_ids=pos.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(self.layers),
+            **kw,
+        )
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -747,14 +751,7 @@ class BatchDecoder:
                     inner[b, i + 1, i + 1] = True
             allowed = torch.cat([valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
             t = time.perf_counter()
-            out = self.target.model(
-                input_ids=ids.to(self.device),
-                attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
-                position_ids=pos.to(self.device),
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=bool(self.layers),
-            )
+            out = self._forward(ids, pos, allowed, cache)
             logits = out.logits
             feats = self._hidden(out)
             _sync(self.device)

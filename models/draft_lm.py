@@ -189,18 +189,18 @@ class BatchedDraftLM(BatchedProposer):
     def _start_rows(self, states: list[DecodeState]):
         """The newcomers' own cache (as the batch-1 proposer's ``start``): their sequences but
         the last token prefilled. Returns (cache, valid, fed)."""
-        from .ragged import new_cache, prefill_groups, prefill_waste, stack_groups
+        from .ragged import new_cache, prefill_in_groups, prefill_waste
 
         dev = states[0].device
         feeds = [s.ids[:-1] for s in states]
-        groups = prefill_groups([len(f) for f in feeds], prefill_waste(dev))
-        parts = []
-        for g in groups:
+
+        def prefill(g: list[int]):
             cache = new_cache(self.model.config)
             valid = torch.zeros(len(g), 0, dtype=torch.bool, device=dev)
             _, valid = self._forward(cache, valid, [feeds[i] for i in g], [0] * len(g), dev)
-            parts.append((cache, valid))
-        cache, valid = stack_groups(parts, groups)
+            return cache, valid
+
+        cache, valid = prefill_in_groups([len(f) for f in feeds], prefill_waste(dev), prefill)
         return cache, valid, [len(f) for f in feeds]
 
     def join(self, states: list[DecodeState]) -> None:

@@ -8,7 +8,7 @@ positions already, so a row's kept columns need be neither contiguous nor in ord
 cuts columns no row uses at the ends and compacts a cache that is mostly holes; ``join_rows``
 stacks newly prefilled rows under the running ones (left-padded with masked columns).
 ``prefill_groups`` splits newcomers of very different lengths into a few left-padded prefills
-(on a CPU, padding costs as much as real tokens), ``stack_groups`` puts them back in order.
+(on a CPU, padding costs as much as real tokens); ``prefill_in_groups`` stacks them back in order.
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ def group_order(groups: list[list[int]]) -> list[int]:
     return [where[i] for i in range(len(where))]
 
 
-def stack_groups(parts: list, groups: list[list[int]]):
-    """The caches of ``prefill_groups``' groups (``parts``: (cache, valid) each) as one cache
-    whose rows are in the prompts' original order. Returns (cache, valid)."""
-    cache, valid = _stack_caches(parts, group_order(groups))
+def prefill_in_groups(lengths: list[int], waste: float, prefill):
+    """Prefill prompts of ``lengths`` in ``prefill_groups``: ``prefill(group)`` (the group's
+    indices) returns its (cache, valid); the groups' caches are stacked back in the prompts'
+    original order. Returns (cache, valid)."""
+    groups = prefill_groups(lengths, waste)
+    cache, valid = _stack_caches([prefill(g) for g in groups], group_order(groups))
     return cache, valid.bool()
 
 
