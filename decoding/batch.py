@@ -18,11 +18,12 @@ mask and per-row position ids (tokens count real positions only), so padding and
 shift a row's positions.
 
 **Drafting.** A proposer that has a batched form (``Proposer.batched``: EAGLE chains and
-EAGLE-2 trees, Medusa, draft LMs, the streaming self-draft) drafts for every row in one forward
-per step (a tree: per level), over a ragged cache of its own; it reads a newcomer's sequence
-when the batch next drafts, so while a policy decodes plain, newcomers cost it nothing. Any
-other proposer (n-gram and prompt lookup, DFlash, P-EAGLE, Falcon) is copied per row (``Proposer.fresh``: same weights, its own caches and state) and drafts at
-batch 1. Verification, the cost that grows with the batch, is one forward. How many tokens
+EAGLE-2 trees, P-EAGLE, DFlash, Falcon chains, Medusa, draft LMs, the streaming self-draft)
+drafts for every row in one forward per step (a tree: per level; P-EAGLE and DFlash: one per
+iteration), over a ragged cache of its own; it reads a newcomer's sequence when the batch next
+drafts, so while a policy decodes plain, newcomers cost it nothing. Any other proposer (n-gram
+and prompt lookup, which cost no forward; Falcon's tree) is copied per row
+(``Proposer.fresh``: same weights, its own caches and state) and drafts at batch 1. Verification, the cost that grows with the batch, is one forward. How many tokens
 each row drafts is decided per iteration by a *policy*:
 
 - ``fixed``: gamma (or the proposer's tree) every iteration;

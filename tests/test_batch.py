@@ -734,6 +734,79 @@ def test_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min
     assert all(len(s) <= 9 for s in bp.last_scores)
 
 
+def _block_drafter(target, kind):
+    """A P-EAGLE head (K = 4), a DFlash draft (block of 5) or a Falcon head (k = 3) with
+    random, lively weights."""
+    from models.dflash import DFlashConfig, DFlashDraft
+    from models.falcon import FalconConfig, FalconHead
+    from models.peagle import PEagleConfig, PEagleHead
+
+    torch.manual_seed(0)
+    if kind == "falcon":
+        d = FalconHead(target, FalconConfig(k=3))
+    elif kind == "peagle":
+        d = PEagleHead(
+            target,
+            PEagleConfig(draft_vocab_size=64, fuse_layers=[0, 1, 2], mask_token_id=5, ttt_steps=4),
+        )
+    else:
+        d = DFlashDraft(
+            target,
+            DFlashConfig(draft_vocab_size=64, mask_token_id=5, block_size=5, fuse_layers=[1, 2]),
+        )
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for w in d.parameters():
+            w.add_(torch.randn(w.shape, generator=g) * 0.1)
+    return d.eval()
+
+
+@pytest.mark.parametrize("kind", ["peagle", "dflash", "falcon"])
+@pytest.mark.parametrize("temperature,late", [(0.0, False), (0.0, True), (1.0, True)])
+def test_batched_block_drafters_propose_what_each_row_would_alone(
+    tiny_target, kind, temperature, late
+):
+    """P-EAGLE (every row's new pairs and K - 1 mask slots in one head forward), DFlash
+    (every row's context in one ragged cache, one block forward) and Falcon chains (k tokens
+    per forward for every row, blocks shorter than k while a row is young) against their
+    batch-1 proposers, row by row: rows of different lengths, each asking for its own number
+    of tokens (0 included) and accepting its own, rows joining late; the same tokens and
+    (T > 0, same random streams) the same q."""
+    from models.dflash.proposer import BatchedDFlash
+    from models.falcon.proposer import BatchedFalcon
+    from models.peagle.proposer import BatchedPEagle
+
+    single = _block_drafter(tiny_target, kind).proposer()
+    want = {"peagle": BatchedPEagle, "dflash": BatchedDFlash, "falcon": BatchedFalcon}[kind]
+    assert isinstance(single.batched(), want)
+    rng = random.Random(4)
+    # row 0 starts with one committed pair: Falcon's blocks are 1 slot, then grow to k
+    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (2, 17, 9)]
+    rows, alone, commit = _eagle_rows(tiny_target, single, seqs, temperature)
+
+    def gammas(it):  # more than a forward gives (P-EAGLE's K, DFlash's block) is capped
+        return [6, 1 + it % 4, 0 if it % 3 == 1 else 3]
+
+    bp = _drafting_side_by_side(
+        single, rows, alone, commit, late, 5, temperature, rng, gammas=gammas
+    )
+    assert bp.valid.shape[0] == 3
+    if kind != "falcon":  # one forward a round (Falcon: one per k tokens)
+        assert bp.draft_calls <= (9 if late else 6)  # joins, late rounds, 5 rounds
+
+
+@pytest.mark.parametrize("kind", ["peagle", "dflash", "falcon"])
+def test_block_drafters_batched_keep_every_row_exact(tiny_target, reference, kind):
+    """Through the batched decoder (rows leaving and joining, ragged acceptance, goodput's
+    choices), every output is the batch-1 greedy one; and the drafting was batched."""
+    prop = _block_drafter(tiny_target, kind).proposer()
+    for policy in ("fixed", "goodput"):
+        out, st = _run(tiny_target, prop, policy, b=3, gamma=3)
+        assert out == reference, policy
+    dec = BatchDecoder(tiny_target, prop, Sampling(), 3, gamma=3)
+    assert dec.batched_drafting
+
+
 @pytest.mark.parametrize("kind", ["draft_lm", "streaming"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_batched_lm_drafting_proposes_what_each_row_would_alone(tiny_target, kind, temperature):

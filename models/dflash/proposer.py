@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..base import DecodeState, Proposal, Proposer
+from ..base import BatchedProposer, DecodeState, Proposal, Proposer
+from ..ragged import join_rows, new_cache, tidy
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ class DFlashProposer(Proposer):
         self.draft_calls = 0
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.done = 0  # context positions held in ``kv``
+
+    def batched(self) -> BatchedDFlash:
+        return BatchedDFlash(self.draft)
 
     def start(self, state: DecodeState) -> None:
         self.kv, self.done = None, 0
@@ -89,3 +93,108 @@ class DFlashProposer(Proposer):
             q = d.to_target_vocab(q_own)
         self.last_step_seconds = time.perf_counter() - t0
         return Proposal.chain(tokens, q)
+
+
+class BatchedDFlash(BatchedProposer):
+    """DFlash for every row of the batched decoder: the rows' context keys/values in one
+    ragged cache (``models/ragged.py``: left-padded, ``valid`` marks each row's columns), each
+    row catching up on its own newly committed positions in one padded pass, then one block
+    forward for the whole batch. The context never changes, so nothing is rolled back. Its
+    proposals are the batch-1 proposer's (tests/test_batch.py)."""
+
+    def __init__(self, draft: DFlashDraft):
+        self.draft = draft
+        self.cache = None
+        self.valid: torch.Tensor | None = None
+        self.done: list[int] = []  # context positions each row's columns hold
+        self.draft_calls = 0
+        self.last_step_seconds = None
+
+    @torch.no_grad()
+    def _catch_up(self, states: list[DecodeState], rows: list[int], cache, valid):
+        """Append each row's context keys/values of positions done..len(features)-1,
+        left-padded to the longest (at least one column: a row with nothing gets a masked
+        one). Returns the new ``valid``."""
+        d, dev = self.draft, states[0].device
+        upto = [0 if s.features is None else s.features.shape[0] for s in states]
+        news = [u - self.done[r] for r, u in zip(rows, upto, strict=True)]
+        m, R = max(1, max(news)), len(rows)
+        feats = None
+        real = torch.zeros(R, m, dtype=torch.bool)
+        pos = torch.zeros(R, m, dtype=torch.long)
+        for i, (r, u, k) in enumerate(zip(rows, upto, news, strict=True)):
+            if k <= 0:
+                continue
+            f = states[i].features[u - k : u]
+            if feats is None:
+                feats = f.new_zeros(R, m, *f.shape[1:])
+            feats[i, m - k :] = f
+            pos[i, m - k :] = torch.arange(u - k, u)
+            real[i, m - k :] = True
+            self.done[r] = u
+        if feats is None:  # nothing to read: one masked column
+            n_f = len(d.feature_layers)
+            feats = torch.zeros(R, m, n_f, d.target.hidden_size, device=dev)
+        for i, (k, v) in enumerate(d.context_kv(d.context(feats), pos.to(dev))):
+            cache.update(k, v, i)
+        return torch.cat([valid, real.to(valid.device)], dim=1)
+
+    def join(self, states: list[DecodeState]) -> None:
+        cache = new_cache(None)
+        valid = torch.zeros(len(states), 0, dtype=torch.bool, device=states[0].device)
+        base = len(self.done)
+        self.done.extend([0] * len(states))
+        valid = self._catch_up(states, list(range(base, base + len(states))), cache, valid)
+        if self.cache is None:
+            self.cache, self.valid = cache, valid
+        else:
+            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+
+    def select(self, keep: list[int]) -> None:
+        self.done = [self.done[i] for i in keep]
+        if not keep:
+            self.cache = self.valid = None
+            return
+        self.cache.batch_select_indices(torch.tensor(keep, device=self.valid.device))
+        self.valid = self.valid[keep]
+
+    @torch.no_grad()
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        d = self.draft
+        S = d.cfg.block_size
+        ks = [min(g, S - 1) for g in gammas]
+        top = max(ks, default=0)
+        if top == 0 or any(s.features is None or len(s.ids) < 2 for s in states):
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
+        t0 = time.perf_counter()
+        R, dev = len(states), states[0].device
+        news = [s.features.shape[0] - o for s, o in zip(states, self.done, strict=True)]
+        if max(news) > 0:
+            self.valid = self._catch_up(states, list(range(R)), self.cache, self.valid)
+        tok = torch.full((R, 1, S), d.cfg.mask_token_id, device=dev)
+        tok[:, 0, 0] = torch.tensor([s.ids[-1] for s in states], device=dev)
+        start = torch.tensor([len(s.ids) - 1 for s in states], device=dev)
+        pos = (start[:, None] + torch.arange(S, device=dev))[:, None]
+        kv = [(layer.keys, layer.values) for layer in self.cache.layers]
+        h = d.blocks(d.embed(tok), pos, kv, self.valid[:, None, :])
+        logits = d.draft_logits(h[:, 0, 1 : top + 1])  # (R, top, Vd)
+        self.draft_calls += 1
+        if states[0].sampling.greedy:
+            j = logits.argmax(-1)
+            ids = (j + d.d2t[j]).tolist()
+            props = [Proposal.chain(ids[b][: ks[b]]) for b in range(R)]
+        else:
+            q_own = warp(logits, states[0].sampling)
+            props = []
+            for b in range(R):
+                js = [sample(q_own[b, i], states[b].generator) for i in range(ks[b])]
+                q = d.to_target_vocab(q_own[b, : ks[b]]) if js else None
+                props.append(Proposal.chain([j + int(d.d2t[j]) for j in js], q))
+        # one block forward drafts every row; a long catch-up is not what it costs
+        self.last_step_seconds = time.perf_counter() - t0 if max(news) <= 8 else None
+        return props
+
+    def rollback(self, states: list[DecodeState], accepted: list[int]) -> None:
+        if self.valid is not None:
+            self.valid = tidy(self.cache, self.valid)  # columns of rows that left

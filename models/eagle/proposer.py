@@ -338,37 +338,41 @@ class BatchedEagleChain(BatchedProposer):
         self.last_step_seconds = None
 
     @torch.no_grad()
-    def _feed(self, states, rows: list[int], upto: list[int], cache, valid):
+    def _feed(self, states, rows: list[int], upto: list[int], cache, valid, tail: int = 0):
         """Feed each row's committed pairs (f_t, x_{t+1}) for t = done..upto-1, left-padded to
-        the longest (at least one query: a row with nothing to feed gets a masked one).
-        Returns the head output at each row's last query (R, H) and the new ``valid``."""
+        the longest (at least one query: a row with nothing to feed gets a masked one), then
+        ``tail`` mask slots at the row's next positions (P-EAGLE's: ``head.mask_inputs``),
+        causal, in the same forward. Returns the head output at each row's last pair and its
+        tail slots (R, 1 + tail, H) and the new ``valid``."""
         head, dev = self.head, states[0].device
-        n = max(1, max(u - self.done[r] for r, u in zip(rows, upto, strict=True)))
+        n = max(1, max(u - self.done[r] for r, u in zip(rows, upto, strict=True))) + tail
         R = len(rows)
         toks = torch.zeros(R, n, dtype=torch.long)
         pos = torch.zeros(R, n, dtype=torch.long)
         real = torch.zeros(R, n, dtype=torch.bool)
-        h0 = None
+        h0 = torch.zeros(R, n, head.target.hidden_size, dtype=head._compute_dtype(), device=dev)
+        end = n - tail  # pairs end here, tail slots follow
         for i, (r, u) in enumerate(zip(rows, upto, strict=True)):
             st, d = states[i], self.done[r]
             if u <= d:
                 continue
-            f = head.initial_hidden(st.features[d:u])
-            if h0 is None:
-                h0 = f.new_zeros(R, n, f.shape[-1])
-            h0[i, n - (u - d) :] = f
-            toks[i, n - (u - d) :] = torch.tensor(st.ids[d + 1 : u + 1])
-            pos[i, n - (u - d) :] = torch.arange(d, u)
-            real[i, n - (u - d) :] = True
-        if h0 is None:
-            h0 = torch.zeros(R, n, head.target.hidden_size, dtype=head._compute_dtype(), device=dev)
+            h0[i, end - (u - d) : end] = head.initial_hidden(st.features[d:u])
+            toks[i, end - (u - d) : end] = torch.tensor(st.ids[d + 1 : u + 1])
+            pos[i, end - (u - d) : end] = torch.arange(d, u)
+            real[i, end - (u - d) : end] = True
+        if tail:
+            hm, _ = head.mask_inputs(tail)
+            h0[:, end:] = hm.to(h0.dtype)
+            toks[:, end:] = head.cfg.mask_token_id
+            pos[:, end:] = torch.tensor(upto)[:, None] + torch.arange(tail)
+            real[:, end:] = True
         allowed = causal_mask(valid, real)
         emb = head._embed(toks.to(dev))
         h = head.step(h0, emb, pos.to(dev), allowed[:, None].to(dev), cache)
         self.draft_calls += 1
         for r, u in zip(rows, upto, strict=True):
             self.done[r] = max(self.done[r], u)
-        return h[:, -1], torch.cat([valid, real.to(valid.device)], dim=1)
+        return h[:, end - 1 :], torch.cat([valid, real.to(valid.device)], dim=1)
 
     def join(self, states: list[DecodeState]) -> None:
         from ..ragged import join_rows, new_cache
@@ -408,6 +412,7 @@ class BatchedEagleChain(BatchedProposer):
         upto = [len(s.ids) - 1 for s in states]
         small = max(u - d for u, d in zip(upto, self.done, strict=True)) <= 8
         h, self.valid = self._feed(states, list(range(R)), upto, self.cache, self.valid)
+        h = h[:, 0]
         if small:  # a long catch-up is not what one more draft step costs
             times.append(time.perf_counter() - t)
         self.draft_start = self.valid.shape[1]
@@ -491,6 +496,7 @@ class BatchedEagleTree(BatchedEagleChain):
         h, self.valid = self._feed(
             states, list(range(R)), [len(s.ids) - 1 for s in states], self.cache, self.valid
         )
+        h = h[:, 0]
         self.draft_start = start = self.valid.shape[1]
         committed = self.valid.cpu()
         active = [b for b in range(R) if depths[b] >= 1]

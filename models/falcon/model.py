@@ -107,10 +107,12 @@ class FalconHead(DraftMethod):
         return torch.cat([feats.to(dt), e.to(dt)], -1)
 
     def run_lstm(
-        self, x: torch.Tensor, state: LSTMState | None = None
+        self, x: torch.Tensor, state: LSTMState | None = None, real: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The LSTM over x (N, L, 2H) from ``state`` (zeros: None). Returns its output
-        (N, L, H) and every layer's states at every step [(h (N, L, H), c (N, L, H))]."""
+        """The LSTM over x (N, L, 2H) from ``state`` (zeros: None). ``real`` (N, L) bool: a
+        step where it is False is padding, the row's states pass it unchanged (None: all
+        real). Returns its output (N, L, H) and every layer's states at every step
+        [(h (N, L, H), c (N, L, H))]."""
         N, L, _ = x.shape
         H = self.lstm[0].hidden_size
         every = []
@@ -118,7 +120,14 @@ class FalconHead(DraftMethod):
             h, c = state[i] if state is not None else (x.new_zeros(N, H), x.new_zeros(N, H))
             hs, cs = [], []
             for t in range(L):
-                h, c = cell(x[:, t], (h.to(x.dtype), c.to(x.dtype)))
+                h1, c1 = cell(x[:, t], (h.to(x.dtype), c.to(x.dtype)))
+                if real is not None:
+                    keep = real[:, t, None]
+                    h1, c1 = (
+                        torch.where(keep, h1, h.to(h1.dtype)),
+                        torch.where(keep, c1, c.to(c1.dtype)),
+                    )
+                h, c = h1, c1
                 hs.append(h)
                 cs.append(c)
             x = torch.stack(hs, 1)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..base import DecodeState, Proposal, Proposer
+from ..base import BatchedProposer, DecodeState, Proposal, Proposer
+from ..ragged import join_rows, new_cache, tidy
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -33,6 +34,10 @@ class FalconProposer(Proposer):
         self.head = self.method = head.eval()
         self.draft_calls = 0
         self.reset()
+
+    def batched(self) -> BatchedFalcon | None:
+        """The batched decoder's drafter: chains only (Falcon's tree drafts row by row)."""
+        return BatchedFalcon(self.head) if type(self) is FalconProposer else None
 
     def reset(self) -> None:
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, kvh, done, D) each
@@ -253,3 +258,193 @@ class FalconTreeProposer(FalconProposer):
             [tokens[v] for v in keep],
             [index[parents[v]] if parents[v] >= 0 else -1 for v in keep],
         )
+
+
+class BatchedFalcon(BatchedProposer):
+    """Falcon chains for every row of the batched decoder, one head forward per k tokens for
+    the whole batch. Per row, as the batch-1 proposer: the LSTM's state after the committed
+    pairs, the LSTM outputs of the last k committed positions (forward 1's block) and the
+    layer's keys/values of the committed context, here in one ragged cache (left-padded,
+    ``valid`` marks each row's columns; committed positions only, in order, never rolled
+    back). Blocks are left-padded to k slots (a row's first block is shorter while it has
+    fewer than k committed positions), padding masked as keys and skipped by the LSTM. Its
+    proposals are the batch-1 proposer's (tests/test_batch.py)."""
+
+    def __init__(self, head):
+        self.head = head
+        self.cache = None
+        self.valid: torch.Tensor | None = None
+        self.state: list | None = None  # per LSTM layer (h (R, H), c (R, H))
+        self.tail: list[torch.Tensor] = []  # per row: LSTM outputs of its last <= k positions
+        self.done: list[int] = []  # committed pairs each row's columns hold
+        self.draft_calls = 0
+        self.last_step_seconds = None
+
+    @torch.no_grad()
+    def _catch_up(self, states: list[DecodeState], rows: list[int], cache, valid):
+        """Feed each row's committed pairs (f_t, x_{t+1}) for t = done..len(features)-1
+        through the LSTM (from the row's state) and append their keys/values, left-padded to
+        the longest (at least one column: a row with nothing gets a masked one). Returns the
+        new ``valid``."""
+        head, dev = self.head, states[0].device
+        ups = [0 if s.features is None else s.features.shape[0] for s in states]
+        news = [u - self.done[r] for r, u in zip(rows, ups, strict=True)]
+        m, R = max(1, max(news)), len(rows)
+        H = head.target.hidden_size
+        feats = torch.zeros(R, m, H, dtype=head._dtype(), device=dev)
+        nxt = torch.zeros(R, m, dtype=torch.long)
+        pos = torch.zeros(R, m, dtype=torch.long)
+        real = torch.zeros(R, m, dtype=torch.bool)
+        for i, (r, u, k) in enumerate(zip(rows, ups, news, strict=True)):
+            if k <= 0:
+                continue
+            d = self.done[r]
+            feats[i, m - k :] = states[i].features[d:u, 0].to(feats.dtype)
+            nxt[i, m - k :] = torch.tensor(states[i].ids[d + 1 : u + 1])
+            pos[i, m - k :] = torch.arange(d, u)
+            real[i, m - k :] = True
+        idx = torch.tensor(rows, device=dev)
+        lstm = [(h[idx], c[idx]) for h, c in self.state]
+        xs, every = head.run_lstm(head.inputs(feats, nxt.to(dev)), lstm, real.to(dev))
+        for j, (h, c) in enumerate(every):
+            self.state[j][0][idx] = h[:, -1].to(self.state[j][0].dtype)
+            self.state[j][1][idx] = c[:, -1].to(self.state[j][1].dtype)
+        k_new, v_new = head.context(xs, pos.to(dev))
+        cache.update(k_new, v_new, 0)
+        for i, (r, k) in enumerate(zip(rows, news, strict=True)):
+            if k > 0:
+                self.tail[r] = torch.cat([self.tail[r], xs[i, m - k :]])[-head.cfg.k :]
+                self.done[r] = ups[i]
+        return torch.cat([valid, real.to(valid.device)], dim=1)
+
+    def join(self, states: list[DecodeState]) -> None:
+        head, dev = self.head, states[0].device
+        n, H = len(states), head.lstm[0].hidden_size
+        zero = [(torch.zeros(n, H, device=dev), torch.zeros(n, H, device=dev)) for _ in head.lstm]
+        self.state = (
+            zero
+            if self.state is None
+            else [
+                (torch.cat([h, h0.to(h.dtype)]), torch.cat([c, c0.to(c.dtype)]))
+                for (h, c), (h0, c0) in zip(self.state, zero, strict=True)
+            ]
+        )
+        base = len(self.done)
+        self.done.extend([0] * n)
+        self.tail.extend([torch.zeros(0, head.target.hidden_size, device=dev)] * n)
+        cache = new_cache(None)
+        valid = torch.zeros(n, 0, dtype=torch.bool, device=dev)
+        valid = self._catch_up(states, list(range(base, base + n)), cache, valid)
+        if self.cache is None:
+            self.cache, self.valid = cache, valid
+        else:
+            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+
+    def select(self, keep: list[int]) -> None:
+        self.done = [self.done[i] for i in keep]
+        self.tail = [self.tail[i] for i in keep]
+        if not keep:
+            self.cache = self.valid = self.state = None
+            return
+        idx = torch.tensor(keep, device=self.valid.device)
+        self.state = [(h[idx], c[idx]) for h, c in self.state]
+        self.cache.batch_select_indices(idx)
+        self.valid = self.valid[keep]
+
+    def _tokens(self, out, real, states, rows, qs):
+        """Each listed row's tokens after its predicted features ``out`` (R, k, H) at its
+        ``real`` slots: argmax, or samples from the row's stream (their q appended to
+        ``qs[b]``), slot by slot as the batch-1 proposer draws them."""
+        logits = self.head.logits(out[rows])  # (len(rows), k, V)
+        toks: dict[int, list[int]] = {}
+        for i, b in enumerate(rows):
+            lg = logits[i][real[b]]
+            if states[b].sampling.greedy:
+                toks[b] = lg.argmax(-1).tolist()
+            else:
+                q = warp(lg, states[b].sampling)
+                toks[b] = [sample(q[j], states[b].generator) for j in range(len(q))]
+                qs[b].append(q)
+        return toks
+
+    @torch.no_grad()
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        head = self.head
+        if max(gammas, default=0) < 1 or any(s.features is None or len(s.ids) < 2 for s in states):
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
+        t0 = time.perf_counter()
+        R, dev, K = len(states), states[0].device, head.cfg.k
+        news = [s.features.shape[0] - d for s, d in zip(states, self.done, strict=True)]
+        if max(news) > 0:
+            self.valid = self._catch_up(states, list(range(R)), self.cache, self.valid)
+        # forward 1: each row's block of its last <= k committed positions, reading the
+        # committed context before it
+        sizes = [len(t) for t in self.tail]  # slots per block, k once a row has k positions
+        real = torch.zeros(R, K, dtype=torch.bool, device=dev)
+        xb = torch.zeros(R, K, self.tail[0].shape[-1], dtype=self.tail[0].dtype, device=dev)
+        pos = torch.zeros(R, K, dtype=torch.long, device=dev)
+        for b, (t, s) in enumerate(zip(self.tail, sizes, strict=True)):
+            xb[b, K - s :] = t
+            pos[b, K - s :] = torch.arange(self.done[b] - s, self.done[b], device=dev)
+            real[b, K - s :] = True
+        after = self.valid.flip(1).cumsum(1).flip(1)  # valid columns at or after each one
+        n_blk = torch.tensor(sizes, device=dev)[:, None]
+        before = self.valid & (after > n_blk)  # the context before each row's block
+        kv = (self.cache.layers[0].keys, self.cache.layers[0].values)
+        out = head.attend(xb[:, None], pos[:, None], kv, before[:, None], real[:, None])[:, 0]
+        calls = 1
+        rows = [b for b in range(R) if gammas[b] >= 1]
+        qs: list[list[torch.Tensor]] = [[] for _ in range(R)]
+        toks = self._tokens(out, real, states, rows, qs)
+        tokens = {b: list(toks[b]) for b in rows}
+        # later forwards: each row's previous block of predicted (feature, token) pairs,
+        # continuing the LSTM from the committed state, reading the committed context and
+        # its own earlier draft blocks
+        lstm = [(h.clone(), c.clone()) for h, c in self.state]
+        k_ex = v_ex = ex_valid = None
+        while True:
+            rows = [b for b in rows if len(tokens[b]) < gammas[b]]
+            if not rows:
+                break
+            nxt = torch.zeros(R, K, dtype=torch.long)
+            bpos = torch.zeros(R, K, dtype=torch.long, device=dev)
+            for b in rows:
+                s = sizes[b]
+                nxt[b, K - s :] = torch.tensor(toks[b])
+                start = self.done[b] + len(tokens[b]) - s
+                bpos[b, K - s :] = torch.arange(start, start + s, device=dev)
+            xs, every = head.run_lstm(head.inputs(out, nxt.to(dev)), lstm, real)
+            lstm = [(h[:, -1], c[:, -1]) for h, c in every]
+            kb, vb = head.context(xs, bpos)
+            ctx_k, ctx_v = kv
+            allowed = self.valid
+            if k_ex is not None:
+                ctx_k, ctx_v = torch.cat([ctx_k, k_ex], 2), torch.cat([ctx_v, v_ex], 2)
+                allowed = torch.cat([allowed, ex_valid], 1)
+            out = head.attend(
+                xs[:, None], bpos[:, None], (ctx_k, ctx_v), allowed[:, None], real[:, None]
+            )[:, 0]
+            k_ex = kb if k_ex is None else torch.cat([k_ex, kb], 2)
+            v_ex = vb if v_ex is None else torch.cat([v_ex, vb], 2)
+            ex_valid = real if ex_valid is None else torch.cat([ex_valid, real], 1)
+            calls += 1
+            toks = self._tokens(out, real, states, rows, qs)
+            for b in rows:
+                tokens[b] += toks[b]
+        self.draft_calls += calls
+        props = []
+        for b in range(R):
+            if gammas[b] < 1:
+                props.append(Proposal([], []))
+                continue
+            q = torch.cat(qs[b])[: gammas[b]] if qs[b] else None
+            props.append(Proposal.chain(tokens[b][: gammas[b]], q))
+        n_tok = max(1, max(len(p) for p in props))
+        # one forward drafts k tokens for every row: a per-token cost, as the batch-1 proposer
+        self.last_step_seconds = (time.perf_counter() - t0) / n_tok if max(news) <= 8 else None
+        return props
+
+    def rollback(self, states: list[DecodeState], accepted: list[int]) -> None:
+        if self.valid is not None:
+            self.valid = tidy(self.cache, self.valid)  # columns of rows that left
