@@ -267,7 +267,8 @@ class GoodputPolicy:
     useful draft is not forgotten. After a probe that changed nothing it waits twice as long,
     and always long enough that probes cost at most ``probe_share`` of the time: a probe's
     cost is what its iteration took beyond the predicted plain step (the drafter's catch-up
-    on the tokens decoded since it last drafted, its step, the larger verification), and
+    on the tokens decoded since it last drafted and its reading of the requests that joined
+    since, its step, the larger verification), and
     before the first probe what the cost model predicts it to cost (a whole tree for 16 rows
     is a dear probe). A draft step not yet measured is priced at 0: the first draft measures
     it, and a draft that does not pay even for free is never run to find out."""
@@ -819,7 +820,9 @@ class BatchDecoder:
                     sum(clean) / len(clean) if clean else None,
                     it_tested,
                     it_accepted,
-                    iteration_seconds=t_draft + t_verify,
+                    # a probe also pays for the drafter reading the rows that joined since
+                    # it last drafted (``_t_start``, counted as prefill in the report)
+                    iteration_seconds=t_draft + t_verify + self._t_start,
                 )
                 if self.tree and n > 1:
                     self.goodput.saw_tree(n - 1)

@@ -471,11 +471,13 @@ def generate_many(
     sampling: Any = None,
     batch_size: int = 32,
     stats: dict | None = None,
+    admit: int = 1,
 ) -> None:
     """Continuous batching for any HF causal LM with a KV cache: up to ``batch_size`` replies
     are generated together; a finished row leaves the batch at once (its cache rows dropped)
-    and waiting requests join (prefilled together, left-padded into the running cache), so the
-    batch stays full instead of idling behind its longest reply.
+    and waiting requests join once ``admit`` slots are free (or the queue fits in what is
+    free), prefilled in groups of similar lengths and left-padded into the running cache, so
+    the batch stays full instead of idling behind its longest reply.
 
     ``on_done(key, reply, truncated)`` gets each reply (stop token excluded) and whether it ran
     to ``max_new_tokens``; it may return new requests, which are served next (e.g. a
@@ -489,6 +491,8 @@ def generate_many(
     from .ragged import group_order, prefill_groups, prefill_waste
     from .sampling import greedy_tokens, warp
 
+    if not 1 <= admit <= batch_size:
+        raise ValueError(f"admit={admit}: must be between 1 and the batch size ({batch_size})")
     dev = next(model.parameters()).device
     greedy = sampling is None or sampling.greedy
     queue = deque(requests)
@@ -529,18 +533,16 @@ def generate_many(
         waste = prefill_waste(dev) if joinable else math.inf
         groups = prefill_groups([len(r.prompt) for r in reqs], waste)
         parts = [prefill_group([reqs[i] for i in g]) for g in groups]
-        if len(parts) == 1:
-            c, m, lg = parts[0]
-        else:
-            order = group_order(groups)
-            c, m = _stack_caches([(c, m) for c, m, _ in parts], order)
-            lg = torch.cat([lg for _, _, lg in parts])[torch.tensor(order, device=dev)]
+        # groups hold the prompts longest first, a single group too: always put them back
+        order = group_order(groups)
+        c, m = _stack_caches([(c, m) for c, m, _ in parts], order)
+        lg = torch.cat([lg for _, _, lg in parts])[torch.tensor(order, device=dev)]
         st["prefill_s"] += time.perf_counter() - t0
         return c, m, lg
 
     while queue or rows:
         free = batch_size - len(rows)
-        if queue and (not rows or (joinable and free >= max(1, batch_size // 4))):
+        if queue and (not rows or (joinable and free >= min(admit, len(queue)))) and free:
             reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
             c, m, lg = prefill(reqs)
             for r in reqs:

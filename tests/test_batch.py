@@ -153,27 +153,45 @@ def test_prefill_groups_cover_every_prompt_once_within_their_padding_share():
     assert prefill_groups([], 0.25) == []
 
 
-def test_continuous_batching_for_data_keeps_order_and_budgets(tiny_target, reference):
+@pytest.mark.parametrize("device_kind", ["cpu", "gpu"])
+def test_continuous_batching_for_data_keeps_order_and_budgets(
+    tiny_target, reference, device_kind, monkeypatch
+):
     """``generate_many`` (specdraft-prepare's plain decoding): prompts of 1-30 tokens are
-    prefilled in several groups and stacked back in order; each request stops at its budget."""
+    prefilled in groups (several on a CPU; one, longest first, on a GPU, where padding is
+    cheap) and put back in order; each request stops at its budget."""
+    import models.ragged
     from models.target import generate_many
 
+    if device_kind == "gpu":  # a GPU's prefill: every newcomer in one padded group
+        monkeypatch.setattr(models.ragged, "prefill_waste", lambda device: math.inf)
+
     budgets = [N_NEW, 3, 7, N_NEW, 1, 12, 5, N_NEW]
-    got = {}
-    generate_many(
-        tiny_target.model,
-        [
-            GenRequest(i, p, max_new_tokens=n)
-            for i, (p, n) in enumerate(zip(_prompts(), budgets, strict=True))
-        ],
-        N_NEW,
-        set(),
-        0,
-        lambda k, reply, truncated: got.__setitem__(k, reply),
-        batch_size=3,
-    )
-    assert len(prefill_groups([len(p) for p in _prompts()[:3]])) > 1
-    assert got == {i: reference[i][:n] for i, n in enumerate(budgets)}
+    reqs = [
+        GenRequest(i, p, max_new_tokens=n)
+        for i, (p, n) in enumerate(zip(_prompts(), budgets, strict=True))
+    ]
+    occupancy = {}
+    for admit in (1, 3):  # join as soon as a row is free / once the whole batch is
+        got, st = {}, {}
+        generate_many(
+            tiny_target.model,
+            reqs,
+            N_NEW,
+            set(),
+            0,
+            lambda k, reply, truncated, got=got: got.__setitem__(k, reply),
+            batch_size=3,
+            stats=st,
+            admit=admit,
+        )
+        assert got == {i: reference[i][:n] for i, n in enumerate(budgets)}, admit
+        occupancy[admit] = st["row_steps"] / st["steps"]
+    if device_kind == "cpu":
+        assert len(prefill_groups([len(p) for p in _prompts()[:3]])) > 1
+    assert occupancy[1] > occupancy[3]
+    with pytest.raises(ValueError, match="admit=4"):
+        generate_many(tiny_target.model, reqs, 4, set(), 0, print, batch_size=3, admit=4)
 
 
 def test_compact_keeps_each_rows_valid_columns_in_order():
@@ -346,6 +364,39 @@ def test_goodput_probes_cost_at_most_their_share_of_the_time():
         pol.update(None, tested=4 if choices[-1] else 0, accepted=0, iteration_seconds=it)
     probes = [i for i, c in enumerate(choices) if c]
     assert [b - a for a, b in zip(probes, probes[1:], strict=False)] == [100, 200, 256]
+
+
+def test_a_probe_is_charged_for_the_drafter_reading_the_newcomers(tiny_target, monkeypatch):
+    """The batched drafter reads the rows that joined since it last drafted when the batch
+    next drafts: that is part of what the drafting iteration cost the goodput policy (a dear
+    join makes probes rarer), though the report counts it as prefill."""
+    import time
+
+    from models.eagle.proposer import BatchedEagleChain
+
+    slow, seen = 0.3, []
+    join = BatchedEagleChain.join
+
+    def slow_join(self, states):
+        time.sleep(slow)
+        return join(self, states)
+
+    update = GoodputPolicy.update
+
+    def spy(self, step_seconds, tested=0, accepted=0, iteration_seconds=None):
+        if tested:
+            seen.append(iteration_seconds)
+        return update(self, step_seconds, tested, accepted, iteration_seconds)
+
+    monkeypatch.setattr(BatchedEagleChain, "join", slow_join)
+    monkeypatch.setattr(GoodputPolicy, "update", spy)
+    cost = StepCostModel()
+    cost.coef = (0.01, 0.0, 0.0)  # verification is free: drafting pays from the start
+    out, st = _run(
+        tiny_target, _proposers(tiny_target)["eagle"], "goodput", cost=cost, calibrate=False
+    )
+    assert seen and max(seen) >= slow
+    assert st.rows.t_prefill >= slow
 
 
 def test_cost_model_recovers_a_linear_step_time():

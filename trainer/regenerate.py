@@ -53,6 +53,9 @@ class PrepareConfig:
     top_k: int = 0
     max_turns: int | None = None  # assistant turns regenerated per conversation (None: all)
     batch_size: int = 64  # replies generated together (continuous batching)
+    #: waiting replies join the batch once this many rows are free (1: as soon as one
+    #: finishes; each join is a prefill forward and a copy of the running cache)
+    batch_admit: int = 1
     seed: int = 0
     progress: bool = True
 
@@ -196,6 +199,11 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     for key, ok, why in [
         ("max_new_tokens", cfg.max_new_tokens >= 1, "must be >= 1"),
         ("batch_size", cfg.batch_size >= 1, "must be >= 1"),
+        (
+            "batch_admit",
+            1 <= cfg.batch_admit <= max(1, cfg.batch_size),
+            f"free rows before waiting replies join: between 1 and batch_size ({cfg.batch_size})",
+        ),
         ("temperature", cfg.temperature >= 0, "must be >= 0"),
         ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
         ("max_turns", cfg.max_turns is None or cfg.max_turns >= 1, "must be >= 1"),
@@ -291,6 +299,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             on_done,
             Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
             batch_size=cfg.batch_size,
+            admit=cfg.batch_admit,
         )
     bar.close()
     counts_file.write_text(json.dumps(counts))
