@@ -57,6 +57,7 @@ from models.ragged import (
     causal_mask,
     join_rows,
     keep_columns,
+    keep_rows,
     left_padded,
     new_cache,
     prefill_in_groups,
@@ -653,10 +654,7 @@ class BatchDecoder:
                 reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
                 t = time.perf_counter()
                 c, v, feats, views = self._prefill(reqs)
-                if cache is None:
-                    cache, valid = c, v
-                else:
-                    cache, valid = join_rows(cache, valid, c, v)
+                cache, valid = join_rows(cache, valid, c, v)
                 _sync(self.device)
                 st.rows.t_prefill += time.perf_counter() - t
                 st.prefills += 1
@@ -852,8 +850,7 @@ class BatchDecoder:
                         self.bp.select([])
                         joined = 0
                     continue
-                cache.batch_select_indices(torch.tensor(keep, device=self.device))
-                valid = valid[keep]
+                cache, valid = keep_rows(cache, valid, keep)
                 if self.bp is not None:
                     kept = [b for b in keep if b < joined]
                     self.bp.select(kept)

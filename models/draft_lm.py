@@ -208,21 +208,18 @@ class BatchedDraftLM(BatchedProposer):
 
         cache, valid, fed = self._start_rows(states)
         self.fed.extend(fed)
-        if self.cache is None:
-            self.cache, self.valid = cache, valid
-        else:
-            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+        self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
 
     def select(self, keep: list[int]) -> None:
+        from .ragged import keep_rows
+
         self.fed = [self.fed[i] for i in keep]
         if self.pending is not None:
             start, lens, drafted = self.pending
             self.pending = (start, [lens[i] for i in keep], [drafted[i] for i in keep])
         if not keep:
-            self.cache = self.valid = self.pending = None
-            return
-        self.cache.batch_select_indices(torch.tensor(keep, device=self.valid.device))
-        self.valid = self.valid[keep]
+            self.pending = None
+        self.cache, self.valid = keep_rows(self.cache, self.valid, keep)
 
     def _evict(self, states: list[DecodeState]) -> None:  # noqa: B027 (a no-op default)
         """Drop cache columns before the rows draft (a windowed drafter); none by default."""

@@ -103,11 +103,22 @@ def causal_mask(valid: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return torch.cat([valid[:, None, :].expand(R, n, valid.shape[1]).cpu(), inner], dim=2)
 
 
-def join_rows(cache, valid: torch.Tensor, new, new_valid: torch.Tensor):
-    """The running rows and new ones in one cache, the shorter side left-padded with masked
-    columns; returns (cache, valid)."""
+def join_rows(cache, valid: torch.Tensor | None, new, new_valid: torch.Tensor):
+    """The running rows (``cache`` None: none yet) and new ones in one cache, the shorter side
+    left-padded with masked columns; returns (cache, valid)."""
+    if cache is None:
+        return new, new_valid
     cache, valid = _join_caches(cache, valid, new, new_valid)
     return cache, valid.bool()
+
+
+def keep_rows(cache, valid: torch.Tensor, keep: list[int]):
+    """Only the rows at ``keep``, in that order; returns (cache, valid), (None, None) when no
+    row is left."""
+    if not keep:
+        return None, None
+    cache.batch_select_indices(torch.tensor(keep, device=valid.device))
+    return cache, valid[keep]
 
 
 def keep_columns(valid: torch.Tensor, start: int, keeps: list[list[int]]) -> None:

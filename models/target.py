@@ -542,7 +542,7 @@ def generate_many(
 
     while queue or rows:
         free = batch_size - len(rows)
-        if queue and (not rows or (joinable and free >= min(admit, len(queue)))) and free:
+        if queue and (not rows or (joinable and free >= min(admit, len(queue)))):
             reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
             c, m, lg = prefill(reqs)
             for r in reqs:

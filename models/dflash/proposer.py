@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..base import BatchedProposer, DecodeState, Proposal, Proposer
-from ..ragged import join_rows, new_cache, tidy
+from ..ragged import join_rows, keep_rows, new_cache, tidy
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -145,18 +145,11 @@ class BatchedDFlash(BatchedProposer):
         base = len(self.done)
         self.done.extend([0] * len(states))
         valid = self._catch_up(states, list(range(base, base + len(states))), cache, valid)
-        if self.cache is None:
-            self.cache, self.valid = cache, valid
-        else:
-            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+        self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
 
     def select(self, keep: list[int]) -> None:
         self.done = [self.done[i] for i in keep]
-        if not keep:
-            self.cache = self.valid = None
-            return
-        self.cache.batch_select_indices(torch.tensor(keep, device=self.valid.device))
-        self.valid = self.valid[keep]
+        self.cache, self.valid = keep_rows(self.cache, self.valid, keep)
 
     @torch.no_grad()
     def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:

@@ -385,18 +385,15 @@ class BatchedEagleChain(BatchedProposer):
         # only draft steps
         upto = [max(0, len(s.ids) - 2) if s.features is not None else 0 for s in states]
         _, valid = self._feed(states, list(range(base, base + len(states))), upto, cache, valid)
-        if self.cache is None:
-            self.cache, self.valid = cache, valid
-        else:
-            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+        self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
 
     def select(self, keep: list[int]) -> None:
+        from ..ragged import keep_rows
+
         self.done = [self.done[i] for i in keep]
+        self.cache, self.valid = keep_rows(self.cache, self.valid, keep)
         if not keep:
-            self.cache = self.valid = self.draft_start = None
-            return
-        self.cache.batch_select_indices(torch.tensor(keep, device=self.valid.device))
-        self.valid = self.valid[keep]
+            self.draft_start = None
 
     @torch.no_grad()
     def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..base import BatchedProposer, DecodeState, Proposal, Proposer
-from ..ragged import join_rows, new_cache, tidy
+from ..ragged import join_rows, keep_rows, left_padded, new_cache, tidy
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -289,20 +289,15 @@ class BatchedFalcon(BatchedProposer):
         head, dev = self.head, states[0].device
         ups = [0 if s.features is None else s.features.shape[0] for s in states]
         news = [u - self.done[r] for r, u in zip(rows, ups, strict=True)]
-        m, R = max(1, max(news)), len(rows)
-        H = head.target.hidden_size
-        feats = torch.zeros(R, m, H, dtype=head._dtype(), device=dev)
-        nxt = torch.zeros(R, m, dtype=torch.long)
-        pos = torch.zeros(R, m, dtype=torch.long)
-        real = torch.zeros(R, m, dtype=torch.bool)
-        for i, (r, u, k) in enumerate(zip(rows, ups, news, strict=True)):
-            if k <= 0:
-                continue
-            d = self.done[r]
-            feats[i, m - k :] = states[i].features[d:u, 0].to(feats.dtype)
-            nxt[i, m - k :] = torch.tensor(states[i].ids[d + 1 : u + 1])
-            pos[i, m - k :] = torch.arange(d, u)
-            real[i, m - k :] = True
+        starts = [self.done[r] for r in rows]
+        nxt, pos, real = left_padded(
+            [s.ids[d + 1 : u + 1] for s, d, u in zip(states, starts, ups, strict=True)], starts
+        )
+        m = nxt.shape[1]
+        feats = torch.zeros(len(rows), m, head.target.hidden_size, dtype=head._dtype(), device=dev)
+        for i, (d, u, k) in enumerate(zip(starts, ups, news, strict=True)):
+            if k > 0:
+                feats[i, m - k :] = states[i].features[d:u, 0].to(feats.dtype)
         idx = torch.tensor(rows, device=dev)
         lstm = [(h[idx], c[idx]) for h, c in self.state]
         xs, every = head.run_lstm(head.inputs(feats, nxt.to(dev)), lstm, real.to(dev))
@@ -335,21 +330,13 @@ class BatchedFalcon(BatchedProposer):
         cache = new_cache(None)
         valid = torch.zeros(n, 0, dtype=torch.bool, device=dev)
         valid = self._catch_up(states, list(range(base, base + n)), cache, valid)
-        if self.cache is None:
-            self.cache, self.valid = cache, valid
-        else:
-            self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
+        self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
 
     def select(self, keep: list[int]) -> None:
         self.done = [self.done[i] for i in keep]
         self.tail = [self.tail[i] for i in keep]
-        if not keep:
-            self.cache = self.valid = self.state = None
-            return
-        idx = torch.tensor(keep, device=self.valid.device)
-        self.state = [(h[idx], c[idx]) for h, c in self.state]
-        self.cache.batch_select_indices(idx)
-        self.valid = self.valid[keep]
+        self.state = [(h[keep], c[keep]) for h, c in self.state] if keep else None
+        self.cache, self.valid = keep_rows(self.cache, self.valid, keep)
 
     def _tokens(self, out, real, states, rows, qs):
         """Each listed row's tokens after its predicted features ``out`` (R, k, H) at its
