@@ -40,7 +40,14 @@ from data.chat import prompt_ids
 from models.base import DraftError
 from models.target import load_target, target_gguf
 
-from .llama_cpp import BUILD, Completion, EngineError, LlamaServer, bench_forward_ms
+from .llama_cpp import (
+    BUILD,
+    Completion,
+    EngineError,
+    LlamaServer,
+    bench_forward_ms,
+    resolve_repack,
+)
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 
@@ -269,6 +276,7 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
             f"{target.identity} (convert it with llama.cpp's convert_hf_to_gguf.py)"
         )
     spec_type, draft, desc = _draft_gguf(cfg, target, log)
+    repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
     questions = bench_questions(cfg)
     threads = cfg.engine_threads or None
     stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
@@ -286,13 +294,16 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
             p_min=p_min if p is None else p,
             threads=threads,
             ngram=cfg.ngram_max,
+            repack=repack,
         )
 
-    with LlamaServer(tgt_gguf, threads=threads) as plain:
+    with LlamaServer(tgt_gguf, threads=threads, repack=repack) as plain:
         plain.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
         costs = plan = None
         if cfg.predict or cfg.plan:
-            costs, plan = _calibrate(cfg, plain, spec_server, tgt_gguf, warm, plain.threads, log)
+            costs, plan = _calibrate(
+                cfg, plain, spec_server, tgt_gguf, warm, plain.threads, log, repack
+            )
             if cfg.plan:
                 n_max = plan["n_max"]
                 log(f"plan: n_max={n_max} (predicted {plan['predicted_speedup']:.2f}x)")
@@ -395,6 +406,7 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
                 "target_gguf": str(tgt_gguf),
                 "draft_gguf": str(draft) if draft else None,
                 "engine_threads": plain.threads,
+                "engine_repack_used": repack,
                 "machine": platform.machine(),
                 "cpu": _cpu_name(),
                 "date": datetime.now(timezone.utc).isoformat(),
@@ -440,7 +452,7 @@ def nonnegative_fit(A, y) -> tuple[float, float]:
     return (v, 0.0) if j == 0 else (0.0, v)
 
 
-def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log):
+def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log, repack=True):
     """The engine's costs, measured on a calibration prompt apart from the evaluation's runs:
     the plain server's ms per token; the target's forward over k tokens (llama-bench); the
     draft's cost per iteration and per draft forward, fitted (least squares) to speculative
@@ -453,7 +465,9 @@ def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log):
     plain_ms = ar.predicted_ms / max(1, int(ar.timings.get("predicted_n") or 1))
     top = int(cfg.plan_max)
     log(f"calibrating: the target's forward over 1..{top + 1} tokens (llama-bench)")
-    fwd = bench_forward_ms(tgt_gguf, list(range(1, max(top, int(cfg.gamma)) + 2)), threads)
+    fwd = bench_forward_ms(
+        tgt_gguf, list(range(1, max(top, int(cfg.gamma)) + 2)), threads, repack=repack
+    )
     rows = []
     alphas = None
     # at p_min 0: every iteration drafts the whole chain, so the draft's forwards are known

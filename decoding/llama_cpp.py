@@ -179,6 +179,7 @@ class LlamaServer:
         threads: int | None = None,
         ctx_size: int = 4096,
         port: int | None = None,
+        repack: bool = True,
         extra: list[str] | None = None,
         startup_timeout: float = 180.0,
         bin_dir: Path | None = None,
@@ -201,6 +202,8 @@ class LlamaServer:
             args += ["-md", str(draft), "-td", str(self.threads)]
         if spec_type:
             args += ["--spec-type", spec_type, *spec_args(spec_type, n_max, p_min, ngram)]
+        if not repack:  # llama.cpp's plain weight layouts (see ``repack_works``)
+            args += ["--no-repack"]
         self.args = args + list(extra or [])
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
@@ -324,8 +327,53 @@ class LlamaServer:
         return [(int(a), int(n)) for a, n in STEP_LINE.findall(text)]
 
 
+REPACK_MODES = ("auto", "on", "off")
+_REPACK_PROBED: dict[tuple[str, str], bool] = {}
+
+
+def repack_works(model: str | Path, bin_dir: Path | None = None) -> bool:
+    """Whether llama.cpp runs ``model`` here with its repacked CPU weight layouts (its "extra
+    buffer types": AMX tiles, AVX-512 / AVX2 repacks), on by default in llama.cpp. On an Intel
+    Xeon with AMX (a Firecracker VM, 2026-11-27) b11434 died with SIGSEGV at the Q4_1 target's
+    first forward of 2 or more tokens with them (1-token forwards ran) and ran without them. One
+    8-token ``llama-bench`` run tells; the answer is kept per model and build for the process.
+    A failure that is not a crash (a bad file) raises."""
+    bench = (bin_dir or engine_dir()) / "llama-bench"
+    key = (str(bench), str(model))
+    if key not in _REPACK_PROBED:
+        args = [str(bench), "-m", str(model), "-p", "8", "-n", "0", "-r", "1", "-t", "1"]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        if r.returncode > 0:
+            raise EngineError(
+                f"llama-bench could not run {model} ({r.returncode}): {r.stderr.strip()[-300:]}"
+            )
+        _REPACK_PROBED[key] = r.returncode == 0  # < 0: killed by a signal
+    return _REPACK_PROBED[key]
+
+
+def resolve_repack(mode: str, model: str | Path, log=print, bin_dir: Path | None = None) -> bool:
+    """``engine_repack``: on / off as given; auto = on unless ``repack_works`` finds that
+    llama.cpp crashes with it on this machine, then off, said in one line."""
+    if mode not in REPACK_MODES:
+        raise EngineError(f"engine_repack={mode!r}: one of {', '.join(REPACK_MODES)}")
+    if mode != "auto":
+        return mode == "on"
+    if repack_works(model, bin_dir):
+        return True
+    log(
+        "engine: llama.cpp crashes on this CPU with its repacked weight layouts (AMX / AVX-512 "
+        "repack); serving with --no-repack (engine_repack=on forces them)"
+    )
+    return False
+
+
 def bench_forward_ms(
-    model: str | Path, sizes: list[int], threads: int, depth: int = 128, reps: int = 5
+    model: str | Path,
+    sizes: list[int],
+    threads: int,
+    depth: int = 128,
+    reps: int = 5,
+    repack: bool = True,
 ) -> dict[int, float]:
     """The target's forward over k tokens in the engine (``llama-bench``: prompt processing of
     k tokens at a context of ``depth``), in ms, for each k in ``sizes``: what verifying k-1
@@ -334,6 +382,7 @@ def bench_forward_ms(
     args = [
         str(bench), "-m", str(model), "-p", ",".join(str(k) for k in sizes), "-n", "0",
         "-d", str(depth), "-r", str(reps), "-t", str(threads), "-o", "json",
+        "--repack", "1" if repack else "0",
     ]  # fmt: skip
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 
 import pytest
@@ -31,6 +32,8 @@ from models.target import GenRequest
 from models.tiny import build_tiny_target
 
 N_NEW = 32
+# SPECDRAFT_TEST_DEVICE=cuda runs this module's decoding on a GPU (scripts/gpu_check.sh); CI: cpu
+DEVICE = os.environ.get("SPECDRAFT_TEST_DEVICE", "cpu")
 
 
 def _prompts():
@@ -47,11 +50,13 @@ def tiny_target():
     last token whatever the context, so a row reading another row's cache would go unseen."""
     from models.target import TargetConfig, load_target
 
-    t = load_target(TargetConfig(name="tiny_random", device="cpu", dtype="float32"))
+    t = load_target(TargetConfig(name="tiny_random", device=DEVICE, dtype="float32"))
     g = torch.Generator().manual_seed(5)
     w = t.model.lm_head.weight
     with torch.no_grad():
-        t.model.lm_head.weight = torch.nn.Parameter(torch.randn(w.shape, generator=g) * 3.0)
+        t.model.lm_head.weight = torch.nn.Parameter(
+            torch.randn(w.shape, generator=g).to(w.device) * 3.0
+        )
     return t
 
 
@@ -62,16 +67,16 @@ def reference(tiny_target):
 
 
 def _proposers(target):
-    other, _ = build_tiny_target(seed=1)
+    other = build_tiny_target(seed=1)[0].to(target.device)
     dyn = DecodeSettings(tree="dynamic", depth=3, top_k=3, total_tokens=8)
     return {
         "none": NoDraft(),
         "ngram": NGramProposer(),
         "draft_lm": DraftLMProposer(other),
         "self": DraftLMProposer(target.model),  # accepts everything: long, ragged tails
-        "eagle": EagleHead(target, Eagle1Config()).proposer(),
-        "eagle_tree": EagleHead(target, Eagle1Config()).proposer(dyn),
-        "medusa": MedusaHeads(target, Medusa1Config(num_heads=3)).proposer(),
+        "eagle": EagleHead(target, Eagle1Config()).to(target.device).proposer(),
+        "eagle_tree": EagleHead(target, Eagle1Config()).to(target.device).proposer(dyn),
+        "medusa": MedusaHeads(target, Medusa1Config(num_heads=3)).to(target.device).proposer(),
     }
 
 
@@ -564,7 +569,9 @@ def test_a_streaming_draft_started_late_feeds_what_the_prefill_did_not_cover(tin
     m, n = 25, 39
     pc = DynamicCache(config=tiny_target.config)
     with torch.no_grad():
-        tiny_target.model(torch.tensor([ids[:m]]), past_key_values=pc, use_cache=True)
+        tiny_target.model(
+            torch.tensor([ids[:m]], device=tiny_target.device), past_key_values=pc, use_cache=True
+        )
 
     def state(cache):
         return DecodeState(
@@ -586,7 +593,7 @@ def test_a_streaming_draft_started_late_feeds_what_the_prefill_did_not_cover(tin
         want.update(layer.keys[..., keep, :], layer.values[..., keep, :], i)
     with torch.no_grad():
         tiny_target.model(
-            torch.tensor([ids[m:n]]),
+            torch.tensor([ids[m:n]], device=tiny_target.device),
             position_ids=torch.arange(m, n)[None],
             past_key_values=want,
             use_cache=True,
@@ -696,7 +703,9 @@ def _eagle_rows(target, single, seqs, temperature=0.0):
 
     def feats(ids):
         with torch.no_grad():
-            hs = target.model(torch.tensor([ids[:-1]]), output_hidden_states=True)
+            hs = target.model(
+                torch.tensor([ids[:-1]], device=target.device), output_hidden_states=True
+            )
         return torch.stack([hs.hidden_states[j][0] for j in layers], dim=1)
 
     def states():
@@ -706,7 +715,9 @@ def _eagle_rows(target, single, seqs, temperature=0.0):
                 features=feats(x),
                 sampling=s,
                 device=target.device,
-                generator=torch.Generator().manual_seed(5 + b) if temperature else None,
+                generator=torch.Generator(target.device).manual_seed(5 + b)
+                if temperature
+                else None,
             )
             for b, x in enumerate(seqs)
         ]
@@ -747,7 +758,7 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(
         EagleHead(tiny_target, Eagle1Config())
         if kind == "eagle1"
         else Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
-    )
+    ).to(tiny_target.device)
     single = head.proposer()
     rng = random.Random(1)
     seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
@@ -767,7 +778,7 @@ def test_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min
     from models.eagle.proposer import BatchedEagleTree
 
     torch.manual_seed(0)
-    head = Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
+    head = Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64)).to(tiny_target.device)
     with torch.no_grad():  # a peaked draft, as a trained one: trees of many shapes
         head.lm_head.weight.mul_(20)
     settings = DecodeSettings(tree="dynamic", depth=4, top_k=3, total_tokens=9, min_prob=min_prob)
@@ -809,7 +820,7 @@ def _block_drafter(target, kind):
     with torch.no_grad():
         for w in d.parameters():
             w.add_(torch.randn(w.shape, generator=g) * 0.1)
-    return d.eval()
+    return d.to(target.device).eval()
 
 
 @pytest.mark.parametrize("kind", ["peagle", "dflash", "falcon"])
@@ -871,7 +882,7 @@ def test_batched_lm_drafting_proposes_what_each_row_would_alone(tiny_target, kin
     from decoding.streaming import StreamingDraft
 
     if kind == "draft_lm":
-        single = DraftLMProposer(build_tiny_target(seed=1)[0])
+        single = DraftLMProposer(build_tiny_target(seed=1)[0].to(tiny_target.device))
     else:
         single = StreamingDraft(tiny_target, sinks=2, window=6, slack=2)
     s = Sampling(temperature)
@@ -883,7 +894,11 @@ def test_batched_lm_drafting_proposes_what_each_row_would_alone(tiny_target, kin
             return None
         pc = DynamicCache(config=tiny_target.config)
         with torch.no_grad():
-            tiny_target.model(torch.tensor([ids[:-1]]), past_key_values=pc, use_cache=True)
+            tiny_target.model(
+                torch.tensor([ids[:-1]], device=tiny_target.device),
+                past_key_values=pc,
+                use_cache=True,
+            )
         return pc
 
     def states(seed):
@@ -893,7 +908,9 @@ def test_batched_lm_drafting_proposes_what_each_row_would_alone(tiny_target, kin
                 features=None,
                 sampling=s,
                 device=tiny_target.device,
-                generator=torch.Generator().manual_seed(seed + b) if temperature else None,
+                generator=torch.Generator(tiny_target.device).manual_seed(seed + b)
+                if temperature
+                else None,
                 prefill_cache=prefill(x),
             )
             for b, x in enumerate(seqs)
@@ -917,15 +934,19 @@ def test_batched_medusa_proposes_what_each_row_would_alone(tiny_target, tree):
     """Every row's heads read in one forward: each row's chain or tree (cut to its own
     gamma) is the batch-1 proposer's."""
     torch.manual_seed(0)
-    single = MedusaHeads(tiny_target, Medusa1Config(num_heads=3)).proposer(
-        DecodeSettings(tree=tree)
+    single = (
+        MedusaHeads(tiny_target, Medusa1Config(num_heads=3))
+        .to(tiny_target.device)
+        .proposer(DecodeSettings(tree=tree))
     )
     bp = single.batched()
     rng = random.Random(2)
     states = [
         DecodeState(
             ids=[1, 2],
-            features=torch.randn(1 + rng.randrange(4), 1, tiny_target.hidden_size),
+            features=torch.randn(1 + rng.randrange(4), 1, tiny_target.hidden_size).to(
+                tiny_target.device
+            ),
             sampling=Sampling(),
             generator=None,
             device=tiny_target.device,

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,14 +182,17 @@ def shipped_gguf(smollm2, tmp_path_factory):
 @pytest.mark.slow
 def test_engine_serves_the_shipped_head_losslessly(smollm2, shipped_gguf):
     from data.chat import prompt_ids
-    from decoding.llama_cpp import LlamaServer
+    from decoding.llama_cpp import LlamaServer, repack_works
     from models.target import target_gguf
 
     tg = target_gguf(smollm2)
     ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "What is a prime number?"}])
+    rp = repack_works(tg)
     with (
-        LlamaServer(tg) as plain,
-        LlamaServer(tg, shipped_gguf / "draft.gguf", spec_type="draft-eagle3", n_max=3) as spec,
+        LlamaServer(tg, repack=rp) as plain,
+        LlamaServer(
+            tg, shipped_gguf / "draft.gguf", spec_type="draft-eagle3", n_max=3, repack=rp
+        ) as spec,
     ):
         a = plain.complete(ids, 48)
         b = spec.complete(ids, 48)
@@ -277,6 +281,45 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
                     spec_type="draft-eagle3").start()  # fmt: skip
     out = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a llama-server was left running"
+
+
+def test_repacked_layouts_are_turned_off_only_where_the_engine_crashes_with_them(tmp_path):
+    """engine_repack=auto probes llama.cpp once per model: a crash (killed by a signal) turns
+    the repacked weight layouts off with one line, any other failure is an error naming the
+    file, on / off are taken as given, and a server started without them says --no-repack."""
+    from decoding.llama_cpp import EngineError, LlamaServer, repack_works, resolve_repack
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+
+    def engine(tag: str, body: str) -> Path:
+        d = tmp_path / tag
+        d.mkdir()
+        for name in ("llama-bench", "llama-server"):
+            (d / name).write_text(f'#!/bin/sh\necho "$@" >> {d}/calls\n{body}\n')
+            (d / name).chmod(0o755)
+        return d
+
+    ok, crash, broken = (
+        engine("ok", "exit 0"),
+        engine("crash", "kill -SEGV $$"),
+        engine("broken", "echo 'bad magic' >&2; exit 1"),
+    )
+    said: list[str] = []
+    assert resolve_repack("auto", model, said.append, ok) is True and said == []
+    assert resolve_repack("auto", model, said.append, crash) is False
+    assert len(said) == 1 and "--no-repack" in said[0]
+    assert resolve_repack("auto", model, said.append, crash) is False  # probed once
+    assert (crash / "calls").read_text().count("-p 8") == 1
+    assert resolve_repack("on", model, said.append, crash) is True
+    assert resolve_repack("off", model, said.append, ok) is False
+    with pytest.raises(EngineError, match="m.gguf"):
+        repack_works(model, broken)
+    with pytest.raises(EngineError, match="engine_repack='maybe'"):
+        resolve_repack("maybe", model, said.append, ok)
+    off = LlamaServer(model, repack=False, bin_dir=ok, port=None)
+    on = LlamaServer(model, bin_dir=ok)
+    assert "--no-repack" in off.args and "--no-repack" not in on.args
 
 
 def test_cost_fit_is_least_squares_with_nonnegative_costs():
