@@ -226,22 +226,27 @@ class _Acceptance:
         return GammaController.expected_tokens(a, g), slope * alpha_sd
 
     def tree_estimate(self) -> tuple[float, float]:
-        """Mean tokens per tree iteration and its standard error (2 and 0 before any: the
-        first tree measures)."""
+        """Mean tokens per tree iteration and its standard error: the trees' decayed average
+        shrunk towards a prior of 2 tokens (variance 1) worth 2 trees, as a chain's rate starts
+        from Beta(1, 1), so that one tree, accepted or not, does not settle it (2 and 0 before
+        any: the first tree measures)."""
+        m0, v0, w0 = 2.0, 1.0, 2.0
         if self.tree_tokens is None:
-            return 2.0, 0.0
-        var = max(0.0, self.tree_sq - self.tree_tokens**2)
-        return self.tree_tokens, math.sqrt(var / max(self.tree_n, 1.0))
+            return m0, 0.0
+        n = self.tree_n
+        mean = (n * self.tree_tokens + w0 * m0) / (n + w0)
+        var = (n * max(0.0, self.tree_sq - self.tree_tokens**2) + w0 * v0) / (n + w0)
+        return mean, math.sqrt(var / (n + w0))
 
     def update(self, tested: int, accepted: int, tree: bool) -> None:
-        if tree:
+        if tree:  # the decayed average: each tree weighs decay^age, the first no more
             x = accepted + 1.0
             if self.tree_tokens is None:
-                self.tree_tokens, self.tree_sq = x, x * x
-            else:
-                self.tree_tokens = self.decay * self.tree_tokens + (1 - self.decay) * x
-                self.tree_sq = self.decay * self.tree_sq + (1 - self.decay) * x * x
-            self.tree_n = self.decay * self.tree_n + 1.0
+                self.tree_tokens, self.tree_sq, self.tree_n = x, x * x, 0.0
+            n = self.decay * self.tree_n
+            self.tree_tokens = (n * self.tree_tokens + x) / (n + 1.0)
+            self.tree_sq = (n * self.tree_sq + x * x) / (n + 1.0)
+            self.tree_n = n + 1.0
         elif tested:
             self.acc = self.acc * self.decay + accepted
             self.tested = self.tested * self.decay + tested
@@ -259,7 +264,9 @@ class GoodputPolicy:
     standard error of verification's predicted extra cost (from the cost fit's coefficients).
     A chain's tokens are uncertain through the draft's skill on this workload, shared by every
     request: the pooled rate's Beta posterior, its error moving all rows together (each row's
-    own rate sets its expected tokens); a tree's, through each row's mean tokens per tree. Plain
+    own rate sets its expected tokens); a tree's likewise, through the standard error of the
+    pooled mean tokens per tree (each row's own mean sets its expected tokens; before any tree
+    was pooled, each row's own error). Plain
     decoding (g = 0) has neither, so drafting is chosen only where its gain clears what the
     estimates cannot tell apart: a predicted 1% gain from a handful of observations (batch 1
     on a CPU where verification costs ~1.4 steps) is declined, a 20% one (batch 4, where a
@@ -297,7 +304,7 @@ class GoodputPolicy:
         self.last_goodput: dict[int, float] = {}
         self.tree_nodes = float(gamma)  # a tree proposer: nodes per tree, measured
         self.after_probe = False
-        self.pool = _Acceptance()  # every request's outcomes, pooled (slower decay)
+        self.pool = _Acceptance(decay=0.98)  # every request's outcomes, pooled (slower decay)
 
     def saw_tree(self, nodes: int) -> None:
         self.tree_nodes = 0.8 * self.tree_nodes + 0.2 * nodes
@@ -321,6 +328,8 @@ class GoodputPolicy:
         # a chain's tokens are uncertain through the draft's skill on this workload, which
         # every request shares: the pooled rate's error, moving all rows together
         pooled_sd = self.pool.alpha_sd
+        # a tree's: the pooled mean's standard error (None before any tree: each row's own)
+        tree_sd = self.pool.tree_estimate()[1] if self.pool.tree_tokens is not None else None
         for g in options:
             tokens = var = 0.0
             shared = 0.0  # the pooled skill's error, common to every row
@@ -328,7 +337,10 @@ class GoodputPolicy:
                 gg = min(g, c)
                 if self.tree and gg:
                     t, sd = a.tree_estimate()
-                    var += sd * sd
+                    if tree_sd is None:
+                        var += sd * sd
+                    else:
+                        shared += tree_sd
                 else:
                     t, sd = a.tokens(gg, pooled_sd)
                     shared += sd
@@ -372,8 +384,16 @@ class GoodputPolicy:
 
     def new_request(self) -> _Acceptance:
         """A request's acceptance before it has drafted: the batch's pooled rate, worth two
-        observations (the draft's skill on this workload is the best guess for a newcomer)."""
-        return _Acceptance(acc=2.0 * self.pool.alpha, tested=2.0)
+        observations, and the pooled mean tokens per tree (the draft's skill on this workload
+        is the best guess for a newcomer)."""
+        acc = _Acceptance(acc=2.0 * self.pool.alpha, tested=2.0)
+        if self.pool.tree_tokens is not None:
+            acc.tree_tokens, acc.tree_sq, acc.tree_n = self.pool.tree_tokens, self.pool.tree_sq, 2.0
+        return acc
+
+    def saw_row_tree(self, accepted: int) -> None:
+        """One row's tree iteration: ``accepted`` of its nodes on the accepted path (pooled)."""
+        self.pool.update(0, accepted, tree=True)
 
     def update(
         self,
@@ -787,7 +807,13 @@ class BatchDecoder:
                 tested = count_iteration(st.rows, p, path)
                 it_tested += tested
                 it_accepted += len(path)
-                r.acc.update(tested, len(path), not _is_chain(p))
+                # a tree proposer's every tree counts as one, a chain-shaped one too (a tree
+                # sized by min_prob is a chain where the draft is sure: counting only the
+                # branching ones would count its doubts alone)
+                as_tree = bool(p.tokens) and (self.tree or not _is_chain(p))
+                r.acc.update(tested, len(path), as_tree)
+                if self.goodput is not None and as_tree:
+                    self.goodput.saw_row_tree(len(path))
                 if r.controller is not None:
                     step = (
                         self.bp.last_step_seconds

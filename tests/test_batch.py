@@ -354,6 +354,61 @@ def test_goodput_drafts_only_where_its_gain_clears_the_estimates_error():
     assert noisy.extra_sd(1, 2, 100) > 0.005
 
 
+def test_goodput_judges_a_tree_by_the_drafts_pooled_skill():
+    """A tree's expected tokens come from each row's own mean, their uncertainty from the
+    pooled mean's standard error (the draft's skill on this workload, shared by every row), and
+    a newcomer starts from the pooled mean: a request with a handful of noisy trees of its own
+    still drafts a tree that pays for the batch's evidence, where judged by its own error
+    alone it would decode plain (short requests then never drafted: 1.07x at batch 1 against
+    the fixed tree's 1.48x, docs/benchmarks.md). A tree that does not pay is declined."""
+    cost = StepCostModel(refit=1000)
+    cost.coef = (0.0375, 0.0012, 0.0)  # 38.7 ms plain; a 12-node tree's 13 tokens: 53.1 ms
+    outcomes = [0, 3, 0, 2, 0]  # accepted nodes per tree: 1, 4, 1, 3, 1 tokens (mean 2)
+
+    def policy():
+        pol = GoodputPolicy(4, cost, parallel=False, tree=True, batched=True, probe_share=1.0)
+        pol.t_step, pol.tree_nodes = 0.0014, 12.0
+        return pol
+
+    pooled = policy()
+    for i in range(60):
+        pooled.saw_row_tree(outcomes[i % 5])
+    row = pooled.new_request()
+    assert abs(row.tree_estimate()[0] - 2.0) < 0.3  # a newcomer: the pooled mean
+    alone, own = policy(), _Acceptance()
+    for a in outcomes:
+        row.update(0, a, tree=True)
+        own.update(0, a, tree=True)
+    assert pooled.choose([row], [4], 100) == 4  # (2.0 - 0.2) / 58.7 ms > 1 / 38.7 ms
+    own.tree_tokens = row.tree_tokens  # the same mean, judged by its own 5 trees' error
+    assert alone.choose([own], [4], 100) == 0
+    weak = policy()
+    for _ in range(60):
+        weak.saw_row_tree(0)  # trees that never pay: 1 token for 58.7 ms
+    assert weak.choose([weak.new_request()], [4], 100) == 0
+
+
+def test_goodput_counts_chain_shaped_trees_as_trees(tiny_target):
+    """A tree sized by the draft's confidence (min_prob) is a single path where the draft is
+    sure. Goodput judges a tree proposer by its tokens per tree: every drafted tree must count,
+    chain-shaped ones too, or only the draft's doubts are counted (the shipped head's trees
+    then looked like 1 token each and goodput stopped drafting at batch 1, where the trees gave
+    1.48x). Here a tree proposer whose trees are all chains the target accepts whole."""
+
+    class SureTrees(DraftLMProposer):  # the target drafting for itself: always right
+        tree_depth = 3
+
+    cost = StepCostModel(refit=1000)
+    cost.coef = (0.01, 0.0001, 0.0)
+    dec = BatchDecoder(
+        tiny_target, SureTrees(tiny_target.model), Sampling(), 2, policy="goodput", cost=cost
+    )
+    dec.run([GenRequest(i, p, seed=i) for i, p in enumerate(_prompts()[:4])], N_NEW)
+    pool = dec.goodput.pool
+    assert pool.tree_tokens is not None and pool.tree_tokens > 3.5  # 4 tokens a tree
+    assert dec.stats.rows.tau > 3.0  # and it kept drafting them
+
+
 def test_goodput_probes_cost_at_most_their_share_of_the_time():
     cost = StepCostModel()
     cost.coef = (0.0, 0.010, 0.0)  # a plain step of 4 rows: 40 ms; verification not free
