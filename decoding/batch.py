@@ -558,7 +558,7 @@ class BatchDecoder:
             if self.cost is None:
                 self.cost = StepCostModel()
                 if calibrate:
-                    k_top = self.gamma + 1
+                    k_top = (proposer.tree_nodes or self.gamma) + 1
                     ks = sorted({1, 2, max(1, k_top // 2), k_top})
                     self.cost.calibrate(
                         target,

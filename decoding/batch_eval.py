@@ -211,7 +211,8 @@ def evaluate_batched(
         cost = None  # one cost model per batch size, shared by the policies that use it
         if "goodput" in policies:
             cost = StepCostModel()
-            k_top = (proposer.tree_depth or cfg.gamma) + 1
+            # a tree's whole size is what its verification feeds (not its depth)
+            k_top = (proposer.tree_nodes or proposer.tree_depth or cfg.gamma) + 1
             cost.calibrate(
                 target,
                 rows=sorted({1, b}),

@@ -314,6 +314,9 @@ class Proposer(abc.ABC):
     parallel: bool = False
     #: not None: proposes trees of this depth, verified whole (no adaptive gamma)
     tree_depth: int | None = None
+    #: not None: the most nodes such a tree holds (the goodput cost model is calibrated on
+    #: forwards of up to this many tokens + 1 instead of extrapolating from depth + 1)
+    tree_nodes: int | None = None
     #: True: ``last_step_seconds`` is this proposer's own measure of one draft step (None after
     #: a propose call with nothing clean to measure); False: the decoder divides drafting time
     #: by tokens drafted

@@ -196,6 +196,7 @@ class EagleTreeProposer(EagleProposer):
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.log_min = math.log(min_prob) if min_prob > 0 else float("-inf")
         self.tree_depth = depth  # the decoder verifies the whole tree: no adaptive gamma
+        self.tree_nodes = total_tokens
 
     def batched(self) -> BatchedEagleTree | None:
         """Trees for every row of the batched decoder, one head forward per level."""

@@ -173,6 +173,7 @@ class FalconTreeProposer(FalconProposer):
                 raise ValueError(f"{key}={v}: must be >= 1")
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.tree_depth = depth * head.cfg.k
+        self.tree_nodes = total_tokens
 
     @torch.no_grad()
     def propose(self, state: DecodeState, gamma: int) -> Proposal:

@@ -27,6 +27,7 @@ class MedusaProposer(Proposer):
         self.tree = tree
         if tree is not None:  # verified whole every iteration: no adaptive gamma
             self.tree_depth = max(len(p) for p in tree)
+            self.tree_nodes = len(tree)
         self.feature_layers = (-1,)
         self.draft_calls = 0
         self.last_step_seconds: float | None = None
