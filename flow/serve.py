@@ -16,6 +16,8 @@ def serve_hint(method: str, run_dir: Path) -> str:
                 f"  specdraft-export {run_dir} --format gguf",
                 f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
                 "--spec-type draft-eagle3 --spec-draft-n-max 3",
+                "  (add --no-repack where llama.cpp crashes with its repacked weights, as b11434 did "
+                "on an AMX Xeon; specdraft-eval finds that by itself)",
                 f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",
                 f"vLLM / SGLang: specdraft-export {run_dir} --format vllm (or sglang)",
             ]
