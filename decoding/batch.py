@@ -159,6 +159,23 @@ class StepCostModel:
             idx = torch.tensor(active)
             self.cov[idx[:, None], idx[None, :]] = inv
 
+    @classmethod
+    def for_proposer(
+        cls, target: Target, proposer: Proposer, gamma: int, batch_size: int
+    ) -> StepCostModel:
+        """A model calibrated for ``proposer`` at ``batch_size``: forwards of 1 and
+        ``batch_size`` rows, of up to the most tokens one verification feeds it (a tree's whole
+        size, not its depth; else gamma + 1), after caches of 128 and 512 columns."""
+        k_top = (proposer.tree_nodes or proposer.tree_depth or gamma) + 1
+        cost = cls()
+        cost.calibrate(
+            target,
+            rows=sorted({1, batch_size}),
+            ks=sorted({1, 2, max(1, k_top // 2), k_top}),
+            lengths=[128, 512],
+        )
+        return cost
+
     @torch.no_grad()
     def calibrate(
         self, target: Target, rows: list[int], ks: list[int], lengths: list[int], reps: int = 3
@@ -556,16 +573,11 @@ class BatchDecoder:
         self.cost = cost
         if policy == "goodput" and self.gamma:
             if self.cost is None:
-                self.cost = StepCostModel()
-                if calibrate:
-                    k_top = (proposer.tree_nodes or self.gamma) + 1
-                    ks = sorted({1, 2, max(1, k_top // 2), k_top})
-                    self.cost.calibrate(
-                        target,
-                        rows=sorted({1, batch_size}),
-                        ks=ks,
-                        lengths=[128, 512],
-                    )
+                self.cost = (
+                    StepCostModel.for_proposer(target, proposer, gamma, batch_size)
+                    if calibrate
+                    else StepCostModel()
+                )
         # a drafter that drafts for all rows in one forward per step, where the proposer has one
         self.batched_drafting = proposer.batched() is not None
         self.bp = None

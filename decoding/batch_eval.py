@@ -210,15 +210,7 @@ def evaluate_batched(
         )
         cost = None  # one cost model per batch size, shared by the policies that use it
         if "goodput" in policies:
-            cost = StepCostModel()
-            # a tree's whole size is what its verification feeds (not its depth)
-            k_top = (proposer.tree_nodes or proposer.tree_depth or cfg.gamma) + 1
-            cost.calibrate(
-                target,
-                rows=sorted({1, b}),
-                ks=sorted({1, 2, max(1, k_top // 2), k_top}),
-                lengths=[128, 512],
-            )
+            cost = StepCostModel.for_proposer(target, proposer, cfg.gamma, b)
         names = ["plain", *policies]
         runs: dict[str, list] = {n: [] for n in names}
         outs: dict[str, dict] = {}

@@ -159,8 +159,8 @@ class EvalConfig:
     p_min: float = 0.0
     target_gguf: str | None = None  # llama.cpp: the target's GGUF (default: the embedded one's)
     engine_threads: int | None = None  # llama.cpp threads (default: all cores)
-    # llama.cpp's repacked CPU weight layouts (AMX, AVX-512 repack): auto = on unless a 1-token
-    # llama-bench run of 8 tokens crashes with them here (seen on an AMX Xeon), then off, said
+    # llama.cpp's repacked CPU weight layouts (AMX, AVX-512 repack): auto = on unless an
+    # 8-token llama-bench run crashes with them here (seen on an AMX Xeon), then off, said
     engine_repack: str = "auto"
     engine_ngram: str = (
         "ngram-simple"  # llama.cpp: its n-gram type for draft=ngram (gamma: its length)
