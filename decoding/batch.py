@@ -105,6 +105,9 @@ class StepCostModel:
         #: the coefficients' covariance (least squares: residual variance x (A^T A)^-1 over the
         #: coefficients the fit kept), for the standard error of a predicted difference
         self.cov = torch.zeros(3, 3, dtype=torch.float64)
+        #: seconds per token of the drafter's reading of a sequence (its prefill of a prompt,
+        #: its catch-up), where measured (``BatchDecoder``'s calibration); not a forward's
+        self.read_s_per_token: float | None = None
 
     @staticmethod
     def _x(rows: int, k: int, length: int) -> tuple[float, float]:
@@ -274,7 +277,10 @@ class GoodputPolicy:
     the whole batch, the one maximising sum_rows E[tokens | g] / (drafting(g) + forward(rows,
     g + 1, cache length)), E[tokens | g] = (1 - a^(g+1)) / (1 - a) with each request's own a.
     A tree proposer's choice is between its whole tree and none. Drafting costs what it was
-    measured to cost per step (per row and step where the rows draft one after another).
+    measured to cost per step (per row and step where the rows draft one after another), and
+    a drafter that has not read the rows' sequences (newcomers' prompts, tokens decoded while
+    it did not draft) reads them first: that reading, priced per token as measured, is spread
+    over ``probe_every`` choices. A tree is priced at its largest size until trees are seen.
 
     Each length is scored by a lower confidence bound of its goodput, ``caution`` standard
     errors below: expected tokens minus their standard error over the predicted time plus the
@@ -291,12 +297,16 @@ class GoodputPolicy:
     ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back, so a
     useful draft is not forgotten. After a probe that changed nothing it waits twice as long,
     and always long enough that probes cost at most ``probe_share`` of the time: a probe's
-    cost is what its iteration took beyond the predicted plain step (the drafter's catch-up
-    on the tokens decoded since it last drafted and its reading of the requests that joined
-    since, its step, the larger verification), and
-    before the first probe what the cost model predicts it to cost (a whole tree for 16 rows
-    is a dear probe). A draft step not yet measured is priced at 0: the first draft measures
-    it, and a draft that does not pay even for free is never run to find out."""
+    cost is its draft step and larger verification beyond the predicted plain step (what the
+    last probe measured, before the first one what the cost model predicts: a whole tree for
+    16 rows is a dear probe) plus the drafter's reading of what it has not read yet (the
+    prompts of the requests that joined since it last drafted and the tokens decoded since),
+    priced per token as measured (``saw_reading``; before any reading, as calibrated before
+    the run). The reading grows while the policy waits, so where keeping a drafter's reading
+    current costs more than ``probe_share`` of a plain step (16 rows on a 2-core CPU), probes
+    stop at ``max_wait`` iterations apart. A draft step not yet measured is priced at 0: the
+    first draft measures it, and a draft that does not pay even for free is never run to
+    find out."""
 
     def __init__(
         self,
@@ -309,6 +319,8 @@ class GoodputPolicy:
         max_probe: int = 256,
         probe_share: float = 0.02,
         caution: float = 1.0,
+        max_wait: int = 1024,
+        tree_nodes: int | None = None,
     ):
         self.gamma, self.cost, self.parallel, self.tree = gamma, cost, parallel, tree
         self.caution = caution
@@ -316,10 +328,18 @@ class GoodputPolicy:
         self.t_step: float | None = None  # seconds of one draft step of one row
         self.probe_every, self.max_probe = probe_every, max_probe
         self.wait, self.streak, self.probing = probe_every, 0, False
-        self.probe_share, self.budget_wait = probe_share, 0
+        self.probe_share, self.max_wait = probe_share, max_wait
+        #: the last probe's cost beyond the plain step, its reading aside (None: no probe yet)
+        self.probe_fixed: float | None = None
+        #: seconds per token of the drafter's reading (a join's, a catch-up's); None: unknown
+        self.t_read: float | None = getattr(cost, "read_s_per_token", None)
+        self._unread = 0  # tokens the drafter had not read at the last choice
         self._plain_seconds: float | None = None  # predicted plain step of the last choice
         self.last_goodput: dict[int, float] = {}
-        self.tree_nodes = float(gamma)  # a tree proposer: nodes per tree, measured
+        # a tree proposer: nodes per tree, measured; before any tree, its largest (a tree
+        # priced at its depth would be priced at a third of its size: the first tree at 16
+        # rows would look nearly free to verify)
+        self.tree_nodes = float(tree_nodes or gamma)
         self.after_probe = False
         self.pool = _Acceptance(decay=0.98)  # every request's outcomes, pooled (slower decay)
 
@@ -332,8 +352,17 @@ class GoodputPolicy:
         steps = 1 if self.parallel else (self.gamma if self.tree else g)
         return (1 if self.batched else rows) * steps * self.t_step
 
-    def choose(self, acc: list[_Acceptance], caps: list[int], length: int) -> int:
+    def saw_reading(self, tokens: int, seconds: float) -> None:
+        """The drafter read ``tokens`` tokens (a join, a row's start) in ``seconds``."""
+        if tokens > 0:
+            per = seconds / tokens
+            self.t_read = per if self.t_read is None else 0.8 * self.t_read + 0.2 * per
+
+    def choose(self, acc: list[_Acceptance], caps: list[int], length: int, unread: int = 0) -> int:
+        """The batch's speculation length; ``unread``: tokens of the rows' sequences the
+        drafter has not read (what drafting now would make it read first)."""
         self.probing = False
+        self._unread = unread
         cap = max(caps, default=0)
         if cap == 0:
             return 0
@@ -365,6 +394,8 @@ class GoodputPolicy:
             var += shared * shared
             k = 1 + (round(self.tree_nodes) if (self.tree and g) else g)
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
+            if g:  # the drafter reads what it has not yet, once: spread over the next choices
+                sec += unread * (self.t_read or 0.0) / self.probe_every
             self.last_goodput[g] = tokens / max(sec, 1e-9)
             low = (tokens - z * math.sqrt(var)) / max(
                 sec + z * self.cost.extra_sd(rows, k, length), 1e-9
@@ -376,28 +407,35 @@ class GoodputPolicy:
             self.wait = (
                 self.probe_every
                 if best > 0
-                else min(max(2 * self.wait, self.budget_wait), self.max_probe)
+                else min(
+                    max(2 * self.wait, self._budget_wait(rows, cap, length, 0)), self.max_probe
+                )
             )
         if best > 0:
             self.streak = 0
             return best
         self.streak += 1
-        if self.streak >= max(self.wait, self._predicted_wait(rows, cap, length)):
+        if self.streak >= max(self.wait, self._budget_wait(rows, cap, length, unread)):
             self.streak, self.probing = 0, True
             return min(cap, 1) if not self.tree else cap
         return 0
 
-    def _predicted_wait(self, rows: int, cap: int, length: int) -> int:
-        """Iterations between probes for a probe's predicted cost to be ``probe_share`` of
-        the time, before any probe was measured."""
-        if self.budget_wait or not self._plain_seconds:
-            return 0  # a probe's measured cost rules (``budget_wait``)
-        g = cap if self.tree else min(cap, 1)
-        k = 1 + (round(self.tree_nodes) if self.tree else g)
-        extra = self.cost.predict(rows, k, length) + self.draft_seconds(rows, g)
-        return math.ceil(
-            max(0.0, extra - self._plain_seconds) / (self.probe_share * self._plain_seconds)
-        )
+    def _budget_wait(self, rows: int, cap: int, length: int, unread: int) -> int:
+        """Iterations of plain steps for a probe's cost now (its step and verification, as
+        the last probe measured or the cost model predicts, and the reading of ``unread``
+        tokens) to be ``probe_share`` of the time; at most ``max_wait``."""
+        if not self._plain_seconds:
+            return 0
+        if self.probe_fixed is not None:
+            fixed = self.probe_fixed
+        else:
+            g = cap if self.tree else min(cap, 1)
+            k = 1 + (round(self.tree_nodes) if self.tree else g)
+            extra = self.cost.predict(rows, k, length) + self.draft_seconds(rows, g)
+            fixed = max(0.0, extra - self._plain_seconds)
+        extra = fixed + unread * (self.t_read or 0.0)
+        need = math.ceil(extra / (self.probe_share * self._plain_seconds))
+        return min(need, self.max_wait)
 
     def new_request(self) -> _Acceptance:
         """A request's acceptance before it has drafted: the batch's pooled rate, worth two
@@ -433,8 +471,10 @@ class GoodputPolicy:
             self.after_probe = True
             plain = self._plain_seconds
             if iteration_seconds is not None and plain:
+                # what it cost beyond a plain step, less its reading (priced afresh each time:
+                # it grows with the wait)
                 extra = max(0.0, iteration_seconds - plain)
-                self.budget_wait = math.ceil(extra / (self.probe_share * plain))
+                self.probe_fixed = max(0.0, extra - self._unread * (self.t_read or 0.0))
 
 
 # -- the decoder --------------------------------------------------------------------------------
@@ -472,6 +512,7 @@ class _Row:
     budget: int = 0  # the request's own max_new_tokens
     calls0: int = 0
     started: bool = False
+    read: int = 0  # tokens of the sequence its drafter has read (0: none yet)
     fbuf: torch.Tensor | None = None  # room for the features, grown by doubling
 
     def append_features(self, new: torch.Tensor) -> None:
@@ -504,6 +545,7 @@ class BatchStats:
     rows: Stats = field(default_factory=Stats)
     forwards: int = 0  # batched verification forwards
     prefills: int = 0
+    probes: int = 0  # goodput's probes: drafting chosen to learn, not because it paid
     row_slots: int = 0  # rows summed over forwards (occupancy = row_slots / forwards)
     verified_tokens: int = 0  # query tokens fed to verification forwards, padding included
     batch_gamma: Counter = field(default_factory=Counter)  # the longest proposal per forward
@@ -581,6 +623,14 @@ class BatchDecoder:
         # a drafter that drafts for all rows in one forward per step, where the proposer has one
         self.batched_drafting = proposer.batched() is not None
         self.bp = None
+        if (
+            policy == "goodput"
+            and self.gamma
+            and calibrate
+            and not proposer.free
+            and self.cost.read_s_per_token is None
+        ):
+            self.cost.read_s_per_token = self._reading_cost()
         self.goodput = (
             GoodputPolicy(
                 self.gamma,
@@ -588,6 +638,7 @@ class BatchDecoder:
                 proposer.parallel,
                 tree=self.tree,
                 batched=self.batched_drafting,
+                tree_nodes=proposer.tree_nodes,
             )
             if policy == "goodput" and self.gamma
             else None
@@ -595,6 +646,44 @@ class BatchDecoder:
         self.stats = BatchStats()
 
     # -- helpers -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _reading_cost(self, rows: int = 2, tokens: int = 96) -> float:
+        """Seconds per token of the drafter's reading of sequences it has not seen (a batched
+        drafter's join, a row-by-row proposer's start), timed on ``rows`` random prompts of
+        ``tokens`` tokens after one untimed reading: the goodput policy prices a probe with
+        it before the run has measured one."""
+        g = torch.Generator().manual_seed(1)
+        vocab = self.target.config.vocab_size
+        reqs = [
+            GenRequest(("calibration", i), torch.randint(0, vocab, (tokens,), generator=g).tolist())
+            for i in range(rows)
+        ]
+        _, _, feats, views = self._prefill(reqs)
+        seconds = 0.0
+        for _ in range(2):  # a warm-up, then the timed reading
+            states = [
+                DecodeState(
+                    ids=list(r.prompt),
+                    features=f,
+                    sampling=self.sampling,
+                    generator=torch.Generator(device=self.device).manual_seed(0),
+                    device=self.device,
+                    prefill_cache=v,
+                )
+                for r, f, v in zip(reqs, feats, views, strict=True)
+            ]
+            _sync(self.device)
+            t = time.perf_counter()
+            bp = self.template.batched()
+            if bp is not None:
+                bp.join(states)
+            else:
+                for st in states:
+                    self.template.fresh().start(st)
+            _sync(self.device)
+            seconds = time.perf_counter() - t
+        return seconds / (rows * (tokens - 1))
 
     def _hidden(self, out) -> torch.Tensor | None:
         if not self.layers:
@@ -734,7 +823,13 @@ class BatchDecoder:
                         for r, c in zip(rows, caps, strict=True)
                     ]
                     caps = [min(c, len(p)) for c, p in zip(caps, found, strict=True)]
-                g = self.goodput.choose([r.acc for r in rows], caps, length)
+                unread = (
+                    0
+                    if self.template.free
+                    else sum(max(0, len(r.state.ids) - 1 - r.read) for r in rows)
+                )
+                g = self.goodput.choose([r.acc for r in rows], caps, length, unread)
+                st.probes += self.goodput.probing
                 if self.template.free:
                     props = [f.truncated(min(g, c)) for f, c in zip(found, caps, strict=True)]
                 else:
@@ -755,6 +850,8 @@ class BatchDecoder:
                 if max(gs, default=0):
                     joined = self._join_drafter(rows, joined)
                     props = self.bp.propose([r.state for r in rows], gs)
+                    for r in rows:  # it caught every row up
+                        r.read = len(r.state.ids) - 1
                     if self.bp.last_step_seconds is not None:
                         step_times.append(self.bp.last_step_seconds)
                 else:
@@ -762,6 +859,8 @@ class BatchDecoder:
             elif gs is not None:
                 for r, gg in zip(rows, gs, strict=True):
                     props.append(self._propose(r, gg) if gg else Proposal([], []))
+                    if gg:
+                        r.read = len(r.state.ids) - 1
                     self._step_time(r, props[-1], step_times)
             _sync(self.device)
             t_draft = time.perf_counter() - t - self._t_start
@@ -911,7 +1010,10 @@ class BatchDecoder:
             self.bp.join([r.state for r in rows[joined:]])
             for r in rows[joined:]:
                 r.state.prefill_cache = None  # read once: the batch's prefill can go
-            self._t_start += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self._t_start += dt
+            if self.goodput is not None:  # what reading costs, for pricing the next probe
+                self.goodput.saw_reading(sum(len(r.state.ids) - 1 for r in rows[joined:]), dt)
         return len(rows)
 
     def _propose(self, r: _Row, g: int) -> Proposal:
@@ -924,7 +1026,10 @@ class BatchDecoder:
             r.proposer.start(r.state)
             r.state.prefill_cache = None
             r.started = True
-            self._t_start += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            self._t_start += dt
+            if self.goodput is not None:
+                self.goodput.saw_reading(len(r.state.ids) - 1, dt)
         return r.proposer.propose(r.state, g)
 
     @staticmethod

@@ -122,6 +122,7 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
         "mean_rows_per_forward": stats.row_slots / stats.forwards if stats.forwards else 0.0,
         "plain_mean_rows_per_forward": plain.row_slots / plain.forwards if plain.forwards else 0.0,
         "prefills": stats.prefills,
+        "probes": stats.probes,
         "plain_prefills": plain.prefills,
         # query tokens fed that were padding (rows with shorter proposals than the longest)
         "padding_fraction": 1 - (iters + drafted) / stats.verified_tokens
@@ -154,6 +155,7 @@ def pooled(stats: list) -> BatchStats:
         out.rows.merge(s.rows)
         out.forwards += s.forwards
         out.prefills += s.prefills
+        out.probes += s.probes
         out.row_slots += s.row_slots
         out.verified_tokens += s.verified_tokens
         out.batch_gamma.update(s.batch_gamma)
@@ -261,6 +263,10 @@ def evaluate_batched(
                     "per_token_s": cost.coef[1],
                     "per_token_per_1k_columns_s": cost.coef[2],
                     "relative_error": cost.rel_error,
+                    # the drafter's reading (a join's prefill), calibrated before the runs
+                    "read_ms_per_token": None
+                    if cost.read_s_per_token is None
+                    else cost.read_s_per_token * 1e3,
                 }
             rows.append(row)
         bar.close()
@@ -321,6 +327,12 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
                 f" + {c['per_token_s'] * 1e3:.2f} ms/token + "
                 f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns "
                 f"(fit's relative error {c.get('relative_error', float('nan')):.1%})"
+                + (
+                    f"; the drafter reads {c['read_ms_per_token']:.3f} ms/token"
+                    if c.get("read_ms_per_token") is not None
+                    else ""
+                )
+                + f"; {row.get('probes', 0)} probes"
             )
     out(f"lossless: {r['lossless']} ({r['lossless_note']})")
     out(f"convention: {r['convention']}")

@@ -426,6 +426,74 @@ def test_goodput_probes_cost_at_most_their_share_of_the_time():
     assert [b - a for a, b in zip(probes, probes[1:], strict=False)] == [100, 200, 256]
 
 
+def test_a_probe_waits_until_its_reading_fits_the_share_too():
+    """A probe makes the drafter read what it has not read (the newcomers' prompts, every
+    token decoded while it was off): priced per token as measured, that reading is part of
+    the probe's cost, so with 16 rows whose prompts nobody read the first probe waits until
+    that too is ``probe_share`` of the time (on the AMX Xeon the drafter's reading of 16 MT-bench
+    prompts cost 0.28 s, 5% of a 5.3 s run, with drafting off otherwise); and where the
+    reading grows faster than the share allows, probes stop at ``max_wait`` apart."""
+    cost = StepCostModel()
+    cost.coef = (0.0, 0.010, 0.0)  # a plain step of 4 rows: 40 ms; the 2% share: 0.8 ms
+    weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]
+
+    def first_probe(unread, t_read, **kw):
+        pol = GoodputPolicy(4, cost, parallel=False, probe_share=0.02, **kw)
+        pol.t_step, pol.t_read = 0.0005, t_read
+        return next((i for i in range(2000) if pol.choose(weak, [4] * 4, 100, unread(i))), None)
+
+    # nothing to read: the step and verification alone (+42 ms) -> 52 iterations
+    assert first_probe(lambda i: 0, 1e-4) == 52
+    # 400 unread tokens at 0.1 ms and 4 more every step (0.4 ms a step): 42 + 40 + 0.4 i ms
+    # must fit 0.8 (i + 1) ms
+    assert first_probe(lambda i: 400 + 4 * i, 1e-4) == 203
+    # 40 new tokens a step to read (4 ms) outgrows the 0.8 ms a step: at most max_wait apart
+    assert first_probe(lambda i: 40 * i, 1e-4, max_wait=300) == 299
+    # measured readings set the price (a join, a row's start)
+    pol = GoodputPolicy(4, cost, parallel=False)
+    pol.saw_reading(1000, 0.2)
+    assert pol.t_read == pytest.approx(2e-4)
+    pol.saw_reading(0, 1.0)  # nothing read: nothing learnt
+    assert pol.t_read == pytest.approx(2e-4)
+
+
+def test_an_unseen_tree_is_priced_at_its_size_and_its_reading():
+    """Before any tree was seen the policy prices one at the proposer's largest tree, not at
+    its depth (priced at depth 4 a 12-node tree for 16 rows looked nearly free to verify and
+    was drafted at the first step: the drafter read 16 prompts for one tree), and drafting
+    now pays for the reading it needs first, spread over ``probe_every`` choices."""
+    cost = StepCostModel(refit=1000)
+    cost.coef = (0.040, 0.001, 0.0)  # plain, 4 rows: 44 ms (91 tokens/s)
+    rows = 4
+
+    def policy(**kw):
+        pol = GoodputPolicy(4, cost, parallel=False, tree=True, batched=True, **kw)
+        pol.t_step, pol.t_read = 0.0, 1e-4
+        return pol
+
+    fresh = [_Acceptance() for _ in range(rows)]  # 2 tokens a tree (the prior)
+    assert policy().choose(fresh, [4] * rows, 100) == 4  # at depth 4: 8 tokens / 60 ms
+    assert policy(tree_nodes=12).choose(fresh, [4] * rows, 100) == 0  # 8 tokens / 92 ms
+    # 8,000 tokens to read at 0.1 ms, over 16 choices: +50 ms -> 8 tokens / 110 ms
+    assert policy().choose(fresh, [4] * rows, 100, unread=8000) == 0
+
+
+def test_the_decoder_prices_its_drafters_reading(tiny_target):
+    """The goodput decoder measures the drafter's reading before the run (kept with the
+    shared cost model) and tells the policy its tree's size."""
+    cost = StepCostModel()
+    cost.coef = (0.01, 0.0, 0.0)
+    tree = _proposers(tiny_target)["eagle_tree"]
+    dec = BatchDecoder(tiny_target, tree, Sampling(), 2, policy="goodput", cost=cost)
+    assert cost.read_s_per_token is not None and cost.read_s_per_token > 0
+    assert dec.goodput.t_read == cost.read_s_per_token
+    assert dec.goodput.tree_nodes == tree.tree_nodes == 8
+    again = BatchDecoder(tiny_target, tree, Sampling(), 2, policy="goodput", cost=cost)
+    assert again.goodput.t_read == cost.read_s_per_token  # measured once per cost model
+    out = dec.run([GenRequest(i, p, seed=i) for i, p in enumerate(_prompts()[:3])], N_NEW)
+    assert all(len(v) == N_NEW for v in out.values())  # the calibration left no trace
+
+
 def test_a_probe_is_charged_for_the_drafter_reading_the_newcomers(tiny_target, monkeypatch):
     """The batched drafter reads the rows that joined since it last drafted when the batch
     next drafts: that is part of what the drafting iteration cost the goodput policy (a dear
