@@ -140,6 +140,11 @@ class EvalConfig:
     # once per prompt (seeded) uniformly from [max_new_tokens / 4, max_new_tokens], as a
     # server's requests do (the same lengths for plain and speculative decoding)
     request_lengths: str = "equal"
+    # decode every request to its full length, past the end-of-sequence token (vLLM's
+    # benchmark_serving --ignore-eos): at T > 0 speculative and plain decoding draw different
+    # samples, which end at different steps, so the batch's joins differ by chance; with this
+    # both decode the same number of tokens per request
+    ignore_eos: bool = False
     # write acceptance traces (per drafted token: the draft's signals, and whether it was
     # accepted) to this JSONL file, for ``specdraft-disco``; needs adaptive=false
     traces: str | None = None
@@ -304,6 +309,13 @@ def bench_questions(cfg: DictConfig) -> list[dict[str, Any]]:
     )
 
 
+def stop_ids(cfg: DictConfig, tok) -> set[int]:
+    """The tokens that end a reply: EOS (and the pad token), none with ``ignore_eos``."""
+    if cfg.ignore_eos:
+        return set()
+    return {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.engine not in ("torch", "llama.cpp"):
         raise EvalError(f"engine={cfg.engine!r}: use torch (built in) or llama.cpp")
@@ -315,6 +327,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 "batch_size / batch_sizes / stop=goodput are measured in the built-in decoder "
                 "(engine=torch); llama-server's parallel slots are not"
             )
+        if cfg.ignore_eos:
+            raise EvalError("ignore_eos=true is for the built-in decoder (engine=torch)")
         return _clean(evaluate_engine(cfg))
     if cfg.gamma < 1:
         raise EvalError(f"gamma={cfg.gamma}: must be >= 1 (use draft=none for plain decoding)")
@@ -373,7 +387,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if wants_batch(cfg):
         sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
         tok = target.tokenizer
-        stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+        stop = stop_ids(cfg, tok)
         try:
             report = evaluate_batched(cfg, target, proposer, draft_desc, questions, sampling, stop)
         except BatchError as e:
@@ -430,7 +444,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise EvalError(f"draft={cfg.draft}: {e}") from None
     typical = cfg.acceptance == "typical" and not sampling.greedy
     lenient = cfg.lenience < 1
-    stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+    stop = stop_ids(cfg, tok)
     # warm-up: first-call costs (allocations, kernel selection) stay out of the timings
     w = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
     for dec in (ar, spec):
@@ -625,8 +639,11 @@ def _hf_assisted(target, proposer, questions, cfg, stop, report) -> dict[str, An
         "do_sample": cfg.temperature > 0,
         "assistant_model": model,
         "pad_token_id": tok.pad_token_id,
-        "eos_token_id": sorted(stop),
     }
+    if stop:
+        kw["eos_token_id"] = sorted(stop)
+    else:  # ignore_eos: transformers has no such switch; a minimum length does the same
+        kw["min_new_tokens"] = cfg.max_new_tokens
     if cfg.temperature > 0:
         kw.update(temperature=cfg.temperature, top_k=cfg.sample_top_k or None, top_p=cfg.top_p)
     ours = SpeculativeDecoder(

@@ -603,6 +603,7 @@ def test_eval_batch_sweep_report(tmp_path):
         (["batch_sizes=[2,4]", "batch_admit=3"], "batch_admit=3: more than batch size 2"),
         (["batch_size=2", "batch_admit=0"], "batch_admit=0"),
         (["batch_size=2", "request_lengths=random"], "use equal or mixed"),
+        (["ignore_eos=true", "engine=llama.cpp"], "ignore_eos=true is for the built-in"),
     ],
 )
 def test_impossible_batch_settings_are_refused(args, needle):
@@ -615,6 +616,29 @@ def test_impossible_batch_settings_are_refused(args, needle):
         cfg = compose("eval", overrides=["target=tiny_random", "num_prompts=2", *args])
     with pytest.raises(EvalError, match=needle.replace("[", r"\[")):
         evaluate(cfg)
+
+
+def test_ignore_eos_decodes_every_request_to_its_length(tiny_target):
+    """``ignore_eos=true`` (vLLM's --ignore-eos): no token ends a reply, so plain and
+    speculative decoding decode the same number of tokens per request even where their T > 0
+    samples differ; without it a reply ends at its end-of-sequence token."""
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from decoding.eval import stop_ids
+
+    tok = tiny_target.tokenizer
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        on = compose("eval", overrides=["target=tiny_random", "ignore_eos=true"])
+        off = compose("eval", overrides=["target=tiny_random"])
+    assert stop_ids(on, tok) == set() and tok.eos_token_id in stop_ids(off, tok)
+    reqs = [GenRequest(i, p, seed=i) for i, p in enumerate(_prompts()[:3])]
+    free = BatchDecoder(tiny_target, NoDraft(), Sampling(1.0), 2, gamma=0).run(reqs, N_NEW)
+    ender = free[0][1]  # make the second token of the first reply an end-of-sequence token
+    ended = BatchDecoder(tiny_target, NoDraft(), Sampling(1.0), 2, gamma=0).run(
+        reqs, N_NEW, {ender}
+    )
+    assert len(ended[0]) <= 2 and all(len(v) == N_NEW for v in free.values())
 
 
 def test_a_batch_setting_error_is_one_line_on_the_command_line(tmp_path):
