@@ -257,7 +257,7 @@ def _near_tie(plain_srv: LlamaServer, prompt, plain, spec, pos, tolerance):
 
 
 def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
-    from .eval import CONVENTION, EvalError, bench_questions
+    from .eval import CONVENTION, EvalError, bench_questions, stop_ids
 
     if cfg.max_new_tokens < 1:
         raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
@@ -279,7 +279,7 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
     repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
     questions = bench_questions(cfg)
     threads = cfg.engine_threads or None
-    stop = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+    stop = stop_ids(cfg, tok)  # ignore_eos was refused before: EOS ends a reply
     greedy = cfg.temperature == 0
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     n_max, p_min = int(cfg.gamma), float(cfg.p_min)
