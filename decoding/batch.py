@@ -295,13 +295,17 @@ class GoodputPolicy:
     on a CPU where verification costs ~1.4 steps) is declined, a 20% one (batch 4, where a
     drafted token per row is nearly free to verify) is not. When it chooses 0 for
     ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back, so a
-    useful draft is not forgotten. After a probe that changed nothing it waits twice as long,
-    and always long enough that probes cost at most ``probe_share`` of the time: a probe's
-    cost is its draft step and larger verification beyond the predicted plain step (what the
-    last probe measured, before the first one what the cost model predicts: a whole tree for
-    16 rows is a dear probe) plus the drafter's reading of what it has not read yet (the
-    prompts of the requests that joined since it last drafted and the tokens decoded since),
-    priced per token as measured (``saw_reading``; before any reading, as calibrated before
+    useful draft is not forgotten. While the plain expectation (no caution) still says drafting
+    pays, a probe is expected to bring more tokens than the time it takes, and only how few
+    outcomes were seen keeps the bound below plain: it probes every ``probe_every`` choices
+    (a good draft's unlucky first trees at batch 1 kept it off for ~190 of ~500 iterations when
+    such probes waited as any other). Otherwise, after a probe that changed nothing it waits
+    twice as long, and always long enough that probes cost at most ``probe_share`` of the
+    time: a probe's cost is its draft step and larger verification beyond the predicted plain
+    step (what the last probe measured, before the first one what the cost model predicts: a
+    whole tree for 16 rows is a dear probe) plus the drafter's reading of what it has not read
+    yet (the prompts of the requests that joined since it last drafted and the tokens decoded
+    since), priced per token as measured (``saw_reading``; before any reading, as calibrated before
     the run). The reading grows while the policy waits, so where keeping a drafter's reading
     current costs more than ``probe_share`` of a plain step (16 rows on a 2-core CPU), probes
     stop at ``max_wait`` iterations apart. A draft step not yet measured is priced at 0: the
@@ -402,6 +406,10 @@ class GoodputPolicy:
             )
             if low > best_gp:
                 best, best_gp = g, low
+        # the plain expectation (no caution) says drafting pays: a probe is expected to cost
+        # nothing (it brings more tokens than the time it takes), and what keeps the bound
+        # below plain is only how few outcomes were seen, which probes add to
+        hopeful = any(self.last_goodput[g] > self.last_goodput[0] for g in options if g)
         if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer
             self.after_probe = False
             self.wait = (
@@ -415,7 +423,12 @@ class GoodputPolicy:
             self.streak = 0
             return best
         self.streak += 1
-        if self.streak >= max(self.wait, self._budget_wait(rows, cap, length, unread)):
+        wait = (
+            self.probe_every
+            if hopeful
+            else max(self.wait, self._budget_wait(rows, cap, length, unread))
+        )
+        if self.streak >= wait:
             self.streak, self.probing = 0, True
             return min(cap, 1) if not self.tree else cap
         return 0

@@ -3,6 +3,7 @@ distributions that both the draft and the target are sampled/verified under."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -57,4 +58,26 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=generator))
+    """One draw from the distribution ``p`` (V,): non-negative weights with a positive total
+    (normalised or not, as ``torch.multinomial`` takes them), by the inverse of its cumulative
+    distribution at one uniform draw from ``generator``: the first index whose cumulative
+    weight exceeds u * total, so a token of weight 0 is never drawn.
+
+    The same law as ``torch.multinomial(p, 1)``, but 17x cheaper on a CPU (0.05 against
+    0.87 ms for a 49,152-token distribution on the AMX Xeon, docs/benchmarks.md), where one
+    draw per row and per drafted token was a third of a batched plain step at T = 1. The
+    cumulative sum is taken in float64, so rounding moves no token's probability by more than
+    ~1e-16 (float32 over 49,152 terms would move it by up to ~1e-4 relative)."""
+    c = p.cumsum(-1, dtype=torch.float64)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
+    i = int(torch.searchsorted(c, (u * c[-1]).reshape(1), right=True))
+    if i < p.shape[-1]:
+        return i
+    # u * total rounded up to the total itself (u within 2^-53 of 1), or no usable mass
+    total = float(c[-1])
+    if not (total > 0 and math.isfinite(total)):
+        raise ValueError(
+            f"cannot sample from a distribution whose total weight is {total} "
+            f"({p.shape[-1]} entries): the warped probabilities are all zero or not finite"
+        )
+    return int(torch.nonzero(p > 0)[-1])

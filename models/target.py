@@ -489,7 +489,7 @@ def generate_many(
     from transformers import DynamicCache
 
     from .ragged import group_order, prefill_groups, prefill_waste
-    from .sampling import greedy_tokens, warp
+    from .sampling import greedy_tokens, sample, warp
 
     if not 1 <= admit <= batch_size:
         raise ValueError(f"admit={admit}: must be between 1 and the batch size ({batch_size})")
@@ -565,10 +565,7 @@ def generate_many(
             nxt = greedy_tokens(logits).tolist()
         else:
             probs = warp(logits, sampling)
-            nxt = [
-                int(torch.multinomial(probs[i], 1, generator=row["gen"]))
-                for i, row in enumerate(rows)
-            ]
+            nxt = [sample(probs[i], row["gen"]) for i, row in enumerate(rows)]
         keep = []
         for i, (row, t) in enumerate(zip(rows, nxt, strict=True)):
             stop = t in stop_ids

@@ -354,6 +354,38 @@ def test_goodput_drafts_only_where_its_gain_clears_the_estimates_error():
     assert noisy.extra_sd(1, 2, 100) > 0.005
 
 
+def test_goodput_probes_often_while_the_plain_expectation_says_drafting_pays():
+    """Where only the bound keeps drafting off (the mean says +3%, too few outcomes to be
+    sure), a probe is expected to bring more tokens than it costs: probes come every
+    ``probe_every`` choices, neither doubling their wait nor waiting for the 2% share (a good
+    draft's unlucky first trees kept batch 1 plain for ~190 of ~500 iterations when they
+    did). Where the mean says drafting loses, they still wait longer after each probe."""
+    cost = StepCostModel(refit=1000)
+    for k in (1, 2, 3):
+        for length in (100, 400):
+            cost.observe(1, k, length, 0.06 + 0.04 * k)  # exact: verification of 2 = 1.4 steps
+    cost.fit()
+
+    def probe_gaps(rate):
+        pol = GoodputPolicy(3, cost, parallel=False)
+        pol.t_step, pol.pool = 0.001, _Acceptance(acc=40.0 * rate, tested=40.0)
+        rows = [_Acceptance(acc=10.0 * rate, tested=10.0)]
+        picks = []
+        for _ in range(200):
+            picks.append(pol.choose(rows, [3], 100))
+            pol.update(None, iteration_seconds=0.1 + (0.041 if picks[-1] else 0.0))
+        probes = [i for i, g in enumerate(picks) if g]
+        return [b - a for a, b in zip(probes, probes[1:], strict=False)], pol
+
+    gaps, pol = probe_gaps(0.45)
+    assert pol.last_goodput[1] > pol.last_goodput[0]  # the mean: drafting pays
+    assert pol.choose([_Acceptance(acc=4.5, tested=10.0)], [3], 100) == 0  # the bound: not
+    assert gaps and set(gaps) == {16}
+    gaps, pol = probe_gaps(0.2)
+    assert pol.last_goodput[1] < pol.last_goodput[0]
+    assert len(gaps) >= 2 and all(b > a for a, b in zip(gaps, gaps[1:], strict=False))
+
+
 def test_goodput_judges_a_tree_by_the_drafts_pooled_skill():
     """A tree's expected tokens come from each row's own mean, their uncertainty from the
     pooled mean's standard error (the draft's skill on this workload, shared by every row), and

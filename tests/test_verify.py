@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 import decoding.verify as verify
-from models.sampling import Sampling, greedy_tokens, warp
+from models.sampling import Sampling, greedy_tokens, sample, warp
 
 V = 6
 ALPHA_TEST = 1e-3  # false-alarm rate of each chi-square test (seeds are fixed: deterministic)
@@ -122,6 +122,55 @@ def test_warp_top_k_and_top_p():
     assert (p[:2] > 0).all() and (p[2:] == 0).all()
     for k, t in itertools.product([0, 3], [0.5, 2.0]):
         assert torch.isclose(warp(logits, Sampling(t, top_k=k)).sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("scale", [1.0, 7.5])  # normalised weights, and weights that are not
+def test_sample_draws_the_given_distribution_and_never_a_zero_weight(scale):
+    """``sample`` (the inverse CDF that replaced torch.multinomial) draws p: chi-square over
+    the tokens of positive weight, and never a token of weight 0 (at either end or between)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(40, generator=g).softmax(-1)
+    p[[0, 7, 8, 39]] = 0.0
+    p = p / p.sum() * scale
+    n = 20_000
+    counts = torch.bincount(torch.tensor([sample(p, g) for _ in range(n)]), minlength=40)
+    assert counts[p == 0].sum() == 0
+    pos = p > 0
+    w = p[pos].double()
+    expected = w / w.sum() * n
+    assert chisquare(counts[pos].double(), expected).pvalue > ALPHA_TEST
+
+
+def test_the_sampler_test_notices_an_off_by_one_draw():
+    """The test above can fail: a sampler that reads u as 1 - u for a skewed p would pass the
+    zero-weight check, but not the chi-square (here checked against an off-by-one draw)."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.7, 0.2, 0.1])
+    n = 20_000
+    draws = torch.tensor([sample(p, g) for _ in range(n)])
+    shifted = (draws + 1) % 3  # what an off-by-one search would return
+    want = p.double() / p.double().sum() * n
+    ok = chisquare(torch.bincount(draws, minlength=3).double(), want).pvalue
+    bad = chisquare(torch.bincount(shifted, minlength=3).double(), want).pvalue
+    assert ok > ALPHA_TEST and bad < ALPHA_TEST
+
+
+@pytest.mark.parametrize(
+    "p", [[0.0, 0.0, 0.0], [float("nan"), 1.0, 0.0], [1.0, float("inf")]], ids=str
+)
+def test_sample_refuses_a_distribution_with_no_usable_mass(p):
+    with pytest.raises(ValueError, match="total weight"):
+        sample(torch.tensor(p), torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("u, want", [(1.0, 1), (0.0, 1)])
+def test_sample_at_either_end_of_the_unit_interval_draws_a_token_of_weight(monkeypatch, u, want):
+    """u * total may round up to the total itself: the draw is then the last token of positive
+    weight, not an index past the end; and u = 0 draws the first token of positive weight, not
+    a token of weight 0 before it."""
+    p = torch.tensor([0.0, 0.25, 0.75, 0.0]) if u == 0.0 else torch.tensor([0.25, 0.75, 0.0, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(u, dtype=torch.float64))
+    assert sample(p, None) == want
 
 
 def test_a_token_the_draft_could_not_have_drawn_is_never_emitted_where_p_is_zero():

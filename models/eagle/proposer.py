@@ -426,12 +426,13 @@ class BatchedEagleChain(BatchedProposer):
                 # from its own random stream, q laid out over the target's vocabulary
                 logits, offset = head.own_logits(h)
                 q_own = warp(logits, sampling)
+                q_all = head.to_target_vocab(q_own)  # every row's at once
                 xs = [0] * R
                 for b in range(R):
                     if i < gammas[b]:
                         j = sample(q_own[b], states[b].generator)
                         xs[b] = j + (int(offset[j]) if offset is not None else 0)
-                        qs[b].append(head.to_target_vocab(q_own[b]))
+                        qs[b].append(q_all[b])
             for b in range(R):
                 if i < gammas[b]:
                     tokens[b].append(xs[b])
