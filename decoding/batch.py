@@ -522,6 +522,8 @@ class _Row:
     acc: _Acceptance
     new: list[int] = field(default_factory=list)
     t_admit: float = 0.0
+    t_arrive: float = 0.0  # when the request arrived (the run's start + its ``arrival``)
+    t_first: float | None = None  # when its first new token came out
     budget: int = 0  # the request's own max_new_tokens
     calls0: int = 0
     started: bool = False
@@ -564,6 +566,10 @@ class BatchStats:
     batch_gamma: Counter = field(default_factory=Counter)  # the longest proposal per forward
     wall: float = 0.0
     requests: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
+    # each request's (seconds from its arrival to its first new token, to its last, tokens):
+    # time to first token and end-to-end latency, queueing for a slot included
+    latencies: list[tuple[float, float, int]] = field(default_factory=list)
+    idle: float = 0.0  # seconds with no request in the batch and the next yet to arrive
     cache_columns: int = 0  # summed over forwards: columns attended (holes and padding too)
     valid_columns: int = 0
 
@@ -576,6 +582,26 @@ class BatchStats:
         """Mean over requests of tokens / (finish - admission)."""
         rs = [n / s for n, s in self.requests if s > 0]
         return sum(rs) / len(rs) if rs else float("nan")
+
+    def latency_summary(self) -> dict[str, dict[str, float]]:
+        """Over the requests, in seconds: time to first token (``ttft``: arrival to the first
+        new token, waiting for a slot and the prefill included), time per output token after
+        the first (``tpot``: (latency - ttft) / (tokens - 1), vLLM's benchmark_serving
+        definition; requests of one token have none) and end-to-end ``latency``; each as
+        mean, p50, p90 and p99 (linear interpolation between order statistics)."""
+
+        def summary(xs: list[float]) -> dict[str, float]:
+            if not xs:
+                return {k: float("nan") for k in ("mean", "p50", "p90", "p99")}
+            t = torch.tensor(xs, dtype=torch.float64)
+            q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+            return {"mean": float(t.mean()), "p50": q[0], "p90": q[1], "p99": q[2]}
+
+        return {
+            "ttft": summary([a for a, _, _ in self.latencies]),
+            "tpot": summary([(e - a) / (n - 1) for a, e, n in self.latencies if n > 1]),
+            "latency": summary([e for _, e, _ in self.latencies]),
+        }
 
 
 class BatchDecoder:
@@ -774,8 +800,12 @@ class BatchDecoder:
         self.stats = st
         self.bp = self.template.batched()  # fresh for this run (None: row-by-row drafting)
         joined = 0  # rows[:joined] are the batched drafter's rows
+        for r in requests:
+            if not (r.arrival >= 0 and math.isfinite(r.arrival)):
+                raise BatchError(f"request {r.key!r}: arrival={r.arrival} (seconds >= 0)")
         t0 = time.perf_counter()
-        queue = deque(requests)
+        # in order of arrival (all at 0: the given order)
+        queue = deque(sorted(requests, key=lambda r: r.arrival))
         rows: list[_Row] = []
         cache: DynamicCache | None = None
         valid: torch.Tensor | None = None
@@ -784,8 +814,16 @@ class BatchDecoder:
         B = self.batch_size
         while queue or rows:
             free = B - len(rows)
-            if queue and free and (not rows or free >= min(self.admit, len(queue))):
-                reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
+            now = time.perf_counter() - t0
+            if not rows and queue[0].arrival > now:  # nothing to decode until the next arrives
+                time.sleep(queue[0].arrival - now)
+                st.idle += time.perf_counter() - t0 - now
+                now = time.perf_counter() - t0
+            arrived = 0  # the requests waiting now (the queue is in order of arrival)
+            while arrived < len(queue) and queue[arrived].arrival <= now:
+                arrived += 1
+            if arrived and free and (not rows or free >= min(self.admit, arrived)):
+                reqs = [queue.popleft() for _ in range(min(free, arrived))]
                 t = time.perf_counter()
                 c, v, feats, views = self._prefill(reqs)
                 cache, valid = join_rows(cache, valid, c, v)
@@ -814,6 +852,7 @@ class BatchDecoder:
                         self._controller(),
                         acc,
                         t_admit=time.perf_counter(),
+                        t_arrive=t0 + r.arrival,
                         budget=r.budget(max_new_tokens),
                         calls0=prop.draft_calls,
                     )
@@ -980,8 +1019,11 @@ class BatchDecoder:
             st.row_slots += R
             st.verified_tokens += R * n
             st.batch_gamma[n - 1] += 1
+            now = time.perf_counter()
+            for r in rows:
+                if r.t_first is None and r.new:
+                    r.t_first = now
             if finished:
-                now = time.perf_counter()
                 for b in finished:
                     r = rows[b]
                     out_tokens = r.new[: r.budget]
@@ -990,6 +1032,7 @@ class BatchDecoder:
                     if self.bp is None:
                         st.rows.draft_calls += r.proposer.draft_calls - r.calls0
                     st.requests.append((len(out_tokens), now - r.t_admit))
+                    st.latencies.append((r.t_first - r.t_arrive, now - r.t_arrive, len(out_tokens)))
                     if progress is not None:
                         progress(1)
                 keep = [b for b in range(R) if b not in set(finished)]
@@ -1086,27 +1129,59 @@ def check_batch_settings(cfg, target: Target, proposer: Proposer) -> None:
         )
 
 
+def _f(x, nd=2) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
 def speedup_table(rows: list[dict]) -> str:
-    """A Markdown table of a batch sweep (``decoding.eval`` rows)."""
+    """A Markdown table of a batch sweep (``decoding.eval`` rows); a column of arrival rates
+    where the sweep has them."""
+    rated = any(r.get("request_rate") is not None for r in rows)
     head = (
-        "| batch | policy | plain tok/s | spec tok/s | speedup | after prefill | per-request "
+        "| batch | "
+        + ("requests/s | " if rated else "")
+        + "policy | plain tok/s | spec tok/s | speedup | after prefill | per-request "
         "tok/s (plain / spec) | rows per forward (plain / spec) | tau | alpha | mean gamma | "
         "lossless |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if rated else "")
     )
     lines = [head]
+    f = _f
     for r in rows:
-
-        def f(x, nd=2):
-            return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
-
+        rate = r.get("request_rate")
         lines.append(
-            f"| {r['batch_size']} | {r['policy']} | {f(r['plain_tokens_per_second'], 1)} | "
+            f"| {r['batch_size']} | "
+            + ((f"{rate:g}" if rate is not None else "all at 0") + " | " if rated else "")
+            + f"{r['policy']} | {f(r['plain_tokens_per_second'], 1)} | "
             f"{f(r['tokens_per_second'], 1)} | {f(r['speedup'])}x | "
             f"{f(r.get('decode_speedup'))}x | {f(r['plain_request_tokens_per_second'], 1)} / "
             f"{f(r['request_tokens_per_second'], 1)} | "
             f"{f(r.get('plain_mean_rows_per_forward'), 1)} / {f(r.get('mean_rows_per_forward'), 1)} | "
             f"{f(r['tau'])} | {f(r['alpha'])} | "
             f"{f(r['mean_gamma'])} | {r['lossless']} |"
+        )
+    return "\n".join(lines)
+
+
+def latency_table(rows: list[dict]) -> str:
+    """Per-request latency of a sweep with arrival rates (``decoding.eval`` rows), plain /
+    speculative: mean and p99 end-to-end latency and time to first token, mean time per
+    output token after the first, and plain's mean latency over speculation's."""
+    lines = [
+        "| batch | requests/s | policy | latency mean, s | latency p99, s | TTFT mean, s | "
+        "TPOT mean, ms | latency speedup | mean gamma |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    f = _f
+    for r in rows:
+        p, s = r["plain_latency"], r["latency"]
+        rate = r.get("request_rate")
+        lines.append(
+            f"| {r['batch_size']} | {'all at 0' if rate is None else f'{rate:g}'} | "
+            f"{r['policy']} | {f(p['latency']['mean'])} / {f(s['latency']['mean'])} | "
+            f"{f(p['latency']['p99'])} / {f(s['latency']['p99'])} | "
+            f"{f(p['ttft']['mean'])} / {f(s['ttft']['mean'])} | "
+            f"{f(1e3 * p['tpot']['mean'], 1)} / {f(1e3 * s['tpot']['mean'], 1)} | "
+            f"{f(r['latency_speedup'])}x | {f(r['mean_gamma'])} |"
         )
     return "\n".join(lines)

@@ -10,6 +10,8 @@ real as today).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 from typing import Any
 
@@ -78,13 +80,50 @@ def request_budgets(cfg, n: int) -> list[int | None]:
     return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
 
 
+def request_rates_of(cfg) -> list[float | None]:
+    """The arrival rates to sweep, requests per second (``request_rates``); [None] where none
+    is given: every request waiting from the start (a saturated server)."""
+    rates = list(cfg.request_rates or [])
+    for r in rates:
+        if isinstance(r, bool) or not isinstance(r, int | float) or not (0 < r < math.inf):
+            raise BatchError(
+                f"request_rates={rates}: {r!r} is not a rate; requests per second, > 0 "
+                "(leave request_rates empty for every request waiting from the start)"
+            )
+    return [float(r) for r in rates] or [None]
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """A Poisson arrival process at ``rate`` requests per second (vLLM's benchmark_serving
+    ``--request-rate``): the first request at 0, then exponential gaps of mean 1 / rate, drawn
+    by a generator seeded with ``seed``: every configuration, policy and repeat meets the same
+    schedule."""
+    g = torch.Generator().manual_seed(seed * 7_919 + 29)
+    gaps = torch.empty(max(0, n - 1), dtype=torch.float64).exponential_(rate, generator=g)
+    return [0.0, *torch.cumsum(gaps, 0).tolist()][:n]
+
+
+def arrive(requests: list[GenRequest], rate: float | None, seed: int) -> list[GenRequest]:
+    """The requests, arriving at ``rate`` (None: all waiting from the start)."""
+    if rate is None:
+        return requests
+    times = arrival_times(len(requests), rate, seed)
+    return [dataclasses.replace(r, arrival=t) for r, t in zip(requests, times, strict=True)]
+
+
 def wants_batch(cfg) -> bool:
     return (
         bool(cfg.batch_sizes)
         or cfg.batch_size != 1
         or cfg.stop == "goodput"
         or bool(cfg.batch_policies)
+        or bool(cfg.request_rates)
     )
+
+
+def _ratio(plain: dict, spec: dict) -> float:
+    a, b = plain["latency"]["mean"], spec["latency"]["mean"]
+    return a / b if b > 0 else float("nan")
 
 
 def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
@@ -110,6 +149,8 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
         "request_tokens_per_second": rtps,
         "plain_request_tokens_per_second": prtps,
         "request_speedup": rtps / prtps if prtps else float("nan"),
+        # plain's mean end-to-end latency over speculation's (> 1: requests finish sooner)
+        "latency_speedup": _ratio(plain.latency_summary(), stats.latency_summary()),
         "tau": s.tau,
         "alpha": s.alpha,
         "alpha_per_position": s.alpha_per_position(),
@@ -133,6 +174,11 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
         if stats.cache_columns
         else 0.0,
         "new_tokens": s.new_tokens,
+        # per request, from its arrival: time to first token, time per output token after the
+        # first, end-to-end latency (mean, p50, p90, p99 seconds)
+        "latency": stats.latency_summary(),
+        "plain_latency": plain.latency_summary(),
+        "idle_s": stats.idle,
         "time_s": {
             "total": s.t_total,
             "target_forward": s.t_target,
@@ -161,6 +207,8 @@ def pooled(stats: list) -> BatchStats:
         out.batch_gamma.update(s.batch_gamma)
         out.wall += s.wall
         out.requests.extend(s.requests)
+        out.latencies.extend(s.latencies)
+        out.idle += s.idle
         out.cache_columns += s.cache_columns
         out.valid_columns += s.valid_columns
     return out
@@ -170,7 +218,7 @@ def evaluate_batched(
     cfg, target, proposer, draft_desc: str, questions, sampling, stop: set[int]
 ) -> dict[str, Any]:
     """The batch sweep's report (see the module docstring)."""
-    from .eval import CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
+    from .eval import CONVENTION, NEAR_TIE_TOLERANCE
 
     check_batch_settings(cfg, target, proposer)
     sizes, policies = batch_sizes_of(cfg), policies_of(cfg)
@@ -203,73 +251,30 @@ def evaluate_batched(
     rows, detail = [], []
     if cfg.batch_repeats < 1:
         raise BatchError(f"batch_repeats={cfg.batch_repeats}: must be >= 1")
+    rates = request_rates_of(cfg)
     for b in sizes:
-        bar = tqdm(
-            total=len(requests) * (1 + len(policies)) * cfg.batch_repeats,
-            desc=f"batch {b}",
-            dynamic_ncols=True,
-            file=sys.stderr,
-        )
         cost = None  # one cost model per batch size, shared by the policies that use it
         if "goodput" in policies:
             cost = StepCostModel.for_proposer(target, proposer, cfg.gamma, b)
-        names = ["plain", *policies]
-        runs: dict[str, list] = {n: [] for n in names}
-        outs: dict[str, dict] = {}
-        for rep in range(cfg.batch_repeats):
-            for name in names if rep % 2 == 0 else names[::-1]:
-                if name == "plain":
-                    dec = BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit)
-                else:
-                    dec = BatchDecoder(
-                        target,
-                        proposer,
-                        sampling,
-                        b,
-                        gamma=cfg.gamma,
-                        policy=name,
-                        cost=cost,
-                        admit=admit,
-                    )
-                outs[name] = dec.run(requests, cfg.max_new_tokens, stop, progress=bar.update)
-                runs[name].append(dec.stats)
-        plain = pooled(runs["plain"])
-        plain_out = outs["plain"]
-        for policy in policies:
-            out = outs[policy]
-            row = _row(pooled(runs[policy]), plain, b, policy)
-            row["repeats"] = cfg.batch_repeats
-            if sampling.greedy:
-                divs = []
-                plain_divs = 0
-                for r in requests:
-                    d = classify_divergence(reference[r.key], out[r.key], logits[r.key], tolerance)
-                    if d is not None:
-                        divs.append({"request": r.key, **d})
-                    plain_divs += reference[r.key] != plain_out[r.key]
-                near = sum(d["near_tie"] for d in divs)
-                row.update(
-                    lossless=near == len(divs),
-                    divergences=len(divs),
-                    near_tie_divergences=near,
-                    plain_batch_vs_batch1_differ=plain_divs,
+        for rate in rates:
+            rows.extend(
+                _sweep_point(
+                    cfg,
+                    target,
+                    proposer,
+                    sampling,
+                    stop,
+                    b,
+                    rate,
+                    policies,
+                    cost,
+                    arrive(requests, rate, cfg.seed),
+                    reference,
+                    logits,
+                    tolerance,
+                    detail,
                 )
-                detail.extend({"batch_size": b, "policy": policy, **d} for d in divs)
-            else:
-                row.update(lossless=None)
-            if policy == "goodput":
-                row["cost_model"] = {
-                    "c0_s": cost.coef[0],
-                    "per_token_s": cost.coef[1],
-                    "per_token_per_1k_columns_s": cost.coef[2],
-                    "relative_error": cost.rel_error,
-                    # the drafter's reading (a join's prefill), calibrated before the runs
-                    "read_ms_per_token": None
-                    if cost.read_s_per_token is None
-                    else cost.read_s_per_token * 1e3,
-                }
-            rows.append(row)
-        bar.close()
+            )
     greedy = sampling.greedy
     lossless = all(r["lossless"] for r in rows) if greedy else None
     if greedy:
@@ -304,8 +309,100 @@ def evaluate_batched(
     }
 
 
+def _sweep_point(
+    cfg,
+    target,
+    proposer,
+    sampling,
+    stop,
+    b,
+    rate,
+    policies,
+    cost,
+    requests,
+    reference,
+    logits,
+    tolerance,
+    detail,
+) -> list[dict[str, Any]]:
+    """One batch size at one arrival rate (None: every request waiting from the start): plain
+    decoding and each policy on the same requests, ``batch_repeats`` times; a report row per
+    policy (divergences from the batch-1 reference appended to ``detail``)."""
+    from .eval import classify_divergence
+
+    admit = cfg.batch_admit
+    bar = tqdm(
+        total=len(requests) * (1 + len(policies)) * cfg.batch_repeats,
+        desc=f"batch {b}" + ("" if rate is None else f", {rate:g} requests/s"),
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+    out_rows = []
+    names = ["plain", *policies]
+    runs: dict[str, list] = {n: [] for n in names}
+    outs: dict[str, dict] = {}
+    for rep in range(cfg.batch_repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            if name == "plain":
+                dec = BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit)
+            else:
+                dec = BatchDecoder(
+                    target,
+                    proposer,
+                    sampling,
+                    b,
+                    gamma=cfg.gamma,
+                    policy=name,
+                    cost=cost,
+                    admit=admit,
+                )
+            outs[name] = dec.run(requests, cfg.max_new_tokens, stop, progress=bar.update)
+            runs[name].append(dec.stats)
+    plain = pooled(runs["plain"])
+    plain_out = outs["plain"]
+    for policy in policies:
+        out = outs[policy]
+        row = _row(pooled(runs[policy]), plain, b, policy)
+        row["repeats"] = cfg.batch_repeats
+        row["request_rate"] = rate
+        if sampling.greedy:
+            divs = []
+            plain_divs = 0
+            for r in requests:
+                d = classify_divergence(reference[r.key], out[r.key], logits[r.key], tolerance)
+                if d is not None:
+                    divs.append({"request": r.key, **d})
+                plain_divs += reference[r.key] != plain_out[r.key]
+            near = sum(d["near_tie"] for d in divs)
+            row.update(
+                lossless=near == len(divs),
+                divergences=len(divs),
+                near_tie_divergences=near,
+                plain_batch_vs_batch1_differ=plain_divs,
+            )
+            detail.extend(
+                {"batch_size": b, "request_rate": rate, "policy": policy, **d} for d in divs
+            )
+        else:
+            row.update(lossless=None)
+        if policy == "goodput":
+            row["cost_model"] = {
+                "c0_s": cost.coef[0],
+                "per_token_s": cost.coef[1],
+                "per_token_per_1k_columns_s": cost.coef[2],
+                "relative_error": cost.rel_error,
+                # the drafter's reading (a join's prefill), calibrated before the runs
+                "read_ms_per_token": None
+                if cost.read_s_per_token is None
+                else cost.read_s_per_token * 1e3,
+            }
+        out_rows.append(row)
+    bar.close()
+    return out_rows
+
+
 def print_batch_report(r: dict[str, Any], out=print) -> None:
-    from .batch import speedup_table
+    from .batch import latency_table, speedup_table
 
     s = r["settings"]
     out(
@@ -319,6 +416,9 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
         + f"   waiting requests join when {s.get('batch_admit', 1)} slot(s) are free"
     )
     out(speedup_table(r["batch"]))
+    if any(row.get("request_rate") is not None for row in r["batch"]):
+        out("\nper-request latency from arrival, plain / speculative:")
+        out(latency_table(r["batch"]))
     for row in r["batch"]:
         if row["policy"] == "goodput" and row.get("cost_model"):
             c = row["cost_model"]
@@ -344,6 +444,9 @@ def plot_batch_report(r: dict[str, Any], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if any(row.get("request_rate") is not None for row in r["batch"]):
+        _plot_latency(r, plt, path)
+        return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     by_policy: dict[str, list] = {}
     for row in r["batch"]:
@@ -368,6 +471,45 @@ def plot_batch_report(r: dict[str, Any], path) -> None:
     b.set_ylabel("total tokens/s")
     a.set_title("speculation vs batch size")
     b.set_title("throughput")
+    fig.suptitle(r["settings"]["draft_description"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_latency(r: dict[str, Any], plt, path) -> None:
+    """Mean end-to-end latency and time per output token against the arrival rate, plain and
+    each policy, one line per batch size (SmartSpec's figures)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    rows = [x for x in r["batch"] if x.get("request_rate") is not None]
+    sizes = sorted({x["batch_size"] for x in rows})
+    for size in sizes:
+        at = [x for x in rows if x["batch_size"] == size]
+        tag = f"B={size} " if len(sizes) > 1 else ""
+        first = [x for x in at if x["policy"] == at[0]["policy"]]
+        xs = [x["request_rate"] for x in first]
+        a.plot(
+            xs, [x["plain_latency"]["latency"]["mean"] for x in first], "k--", label=f"{tag}plain"
+        )
+        b.plot(
+            xs,
+            [1e3 * x["plain_latency"]["tpot"]["mean"] for x in first],
+            "k--",
+            label=f"{tag}plain",
+        )
+        for pol in dict.fromkeys(x["policy"] for x in at):
+            ps = [x for x in at if x["policy"] == pol]
+            xs = [x["request_rate"] for x in ps]
+            a.plot(xs, [x["latency"]["latency"]["mean"] for x in ps], "o-", label=f"{tag}{pol}")
+            b.plot(xs, [1e3 * x["latency"]["tpot"]["mean"] for x in ps], "o-", label=f"{tag}{pol}")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("arrival rate, requests/s (Poisson)")
+        ax.legend(fontsize=8)
+    a.set_ylabel("mean latency per request, s")
+    b.set_ylabel("mean time per output token, ms")
+    a.set_title("end-to-end latency")
+    b.set_title("time per output token")
     fig.suptitle(r["settings"]["draft_description"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -140,6 +140,11 @@ class EvalConfig:
     # once per prompt (seeded) uniformly from [max_new_tokens / 4, max_new_tokens], as a
     # server's requests do (the same lengths for plain and speculative decoding)
     request_lengths: str = "equal"
+    # requests per second arriving as a Poisson process (seeded: the same schedule for plain
+    # and speculative decoding), one sweep point each (e.g. [0.5,2,8]); empty: every request
+    # waiting from the start. The report adds each request's time to first token, time per
+    # output token and end-to-end latency (mean, p50, p90, p99), as vLLM's benchmark_serving
+    request_rates: list[float] | None = None
     # decode every request to its full length, past the end-of-sequence token (vLLM's
     # benchmark_serving --ignore-eos): at T > 0 speculative and plain decoding draw different
     # samples, which end at different steps, so the batch's joins differ by chance; with this
@@ -324,8 +329,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
         if wants_batch(cfg):
             raise EvalError(
-                "batch_size / batch_sizes / stop=goodput are measured in the built-in decoder "
-                "(engine=torch); llama-server's parallel slots are not"
+                "batch_size / batch_sizes / request_rates / stop=goodput are measured in the "
+                "built-in decoder (engine=torch); llama-server's parallel slots are not"
             )
         if cfg.ignore_eos:
             raise EvalError("ignore_eos=true is for the built-in decoder (engine=torch)")

@@ -448,12 +448,15 @@ class GenRequest:
     """One reply to generate: ``key`` names it to the caller; ``seed`` seeds its own sampling
     stream, so what a request samples does not depend on which requests share its batch;
     ``max_new_tokens``, where given, is this reply's own budget (at most the run's): a server's
-    requests ask for different lengths."""
+    requests ask for different lengths. ``arrival``: seconds after the run starts at which the
+    request arrives (a server's arrival process, ``decoding/batch.py``; 0: waiting from the
+    start)."""
 
     key: Any
     prompt: list[int]
     seed: int = 0
     max_new_tokens: int | None = None
+    arrival: float = 0.0
 
     def budget(self, run_max: int) -> int:
         """Tokens this request may get in a run that allows ``run_max``."""

@@ -636,6 +636,9 @@ def test_eval_batch_sweep_report(tmp_path):
         (["batch_size=2", "batch_admit=0"], "batch_admit=0"),
         (["batch_size=2", "request_lengths=random"], "use equal or mixed"),
         (["ignore_eos=true", "engine=llama.cpp"], "ignore_eos=true is for the built-in"),
+        (["batch_size=2", "request_rates=[2,0]"], "0 is not a rate"),
+        (["request_rates=[-1]"], "request_rates=[-1.0]: -1.0 is not a rate"),
+        (["request_rates=[2]", "engine=llama.cpp"], "engine=torch"),
     ],
 )
 def test_impossible_batch_settings_are_refused(args, needle):
@@ -648,6 +651,89 @@ def test_impossible_batch_settings_are_refused(args, needle):
         cfg = compose("eval", overrides=["target=tiny_random", "num_prompts=2", *args])
     with pytest.raises(EvalError, match=needle.replace("[", r"\[")):
         evaluate(cfg)
+
+
+def test_requests_wait_for_their_arrival_and_report_their_latency(tiny_target, reference):
+    """With an arrival process a request joins only once it has arrived, the decoder idles
+    while nobody is waiting, outputs stay each prompt's batch-1 greedy output, and each
+    request's time to first token and latency count from its arrival."""
+    arrivals = [0.0, 0.0, 0.25, 0.5]
+    prop = _proposers(tiny_target)["eagle"]
+    reqs = [
+        GenRequest(i, p, seed=i, arrival=a)
+        for (i, p), a in zip(enumerate(_prompts()), arrivals, strict=False)
+    ]
+    dec = BatchDecoder(tiny_target, prop, Sampling(), batch_size=2, gamma=3)
+    out = dec.run(reqs[::-1], N_NEW)  # given in any order: admitted in order of arrival
+    assert out == {i: reference[i] for i in range(4)}
+    st = dec.stats
+    assert len(st.latencies) == len(st.requests) == 4
+    for (ttft, latency, n), (n2, since_admission) in zip(st.latencies, st.requests, strict=True):
+        assert n == n2 == N_NEW and 0 < ttft <= latency
+        assert latency >= since_admission - 1e-6  # admitted after it arrived, never before
+        assert ttft > latency - since_admission + 1e-5  # its first token: after a forward
+    assert st.wall >= 0.5 and st.idle > 0.1  # the tiny target is done long before 0.25 s
+    summary = st.latency_summary()
+    assert summary["latency"]["p50"] <= summary["latency"]["p99"]
+    assert summary["tpot"]["mean"] > 0
+    with pytest.raises(BatchError, match="arrival=-1"):
+        dec.run([GenRequest(0, [5, 6], arrival=-1.0)], 4)
+
+
+def test_latency_summary_is_the_stated_statistics():
+    st = batch.BatchStats()
+    # (ttft, latency, tokens): tpot = (latency - ttft) / (tokens - 1); one token: no tpot
+    st.latencies = [(0.1, 1.1, 11), (0.3, 2.3, 21), (0.2, 0.2, 1)]
+    s = st.latency_summary()
+    assert s["ttft"]["mean"] == pytest.approx(0.2) and s["ttft"]["p50"] == pytest.approx(0.2)
+    assert s["tpot"]["mean"] == pytest.approx(0.1)
+    assert s["latency"]["p99"] == pytest.approx(1.1 + 0.98 * 1.2)  # between the top two
+    assert math.isnan(batch.BatchStats().latency_summary()["latency"]["mean"])
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    from decoding.batch_eval import arrival_times
+
+    t = arrival_times(4000, rate=8.0, seed=0)
+    gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
+    assert t[0] == 0.0 and min(gaps) >= 0 and t == arrival_times(4000, 8.0, 0)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 8, rel=0.05)  # exponential, mean 1/rate
+    assert statistics_cv(gaps) == pytest.approx(1.0, rel=0.1)  # its coefficient of variation
+    assert arrival_times(4000, 8.0, 1) != t
+
+
+def statistics_cv(xs):
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs)) / m
+
+
+def test_eval_sweeps_arrival_rates_with_latency(tmp_path):
+    rep = tmp_path / "r.json"
+    r = run_module(
+        "decoding.eval",
+        [
+            "target=tiny_random",
+            "draft=truncate:1",
+            "num_prompts=4",
+            "max_new_tokens=6",
+            "batch_sizes=[2]",
+            "batch_policies=[goodput]",
+            "request_rates=[20,200]",
+            f"report={rep}",
+        ],
+        300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(rep.read_text())
+    assert [(x["batch_size"], x["request_rate"]) for x in d["batch"]] == [(2, 20.0), (2, 200.0)]
+    assert d["lossless"] is True
+    for x in d["batch"]:
+        for side in ("latency", "plain_latency"):
+            assert set(x[side]) == {"ttft", "tpot", "latency"}
+            assert 0 < x[side]["ttft"]["mean"] <= x[side]["latency"]["mean"]
+        assert x["latency_speedup"] > 0
+    assert "per-request latency from arrival" in r.stdout and "| 2 | 20 | goodput |" in r.stdout
+    assert rep.with_suffix(".png").stat().st_size > 1000
 
 
 def test_ignore_eos_decodes_every_request_to_its_length(tiny_target):
