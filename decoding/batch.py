@@ -295,9 +295,10 @@ class GoodputPolicy:
     on a CPU where verification costs ~1.4 steps) is declined, a 20% one (batch 4, where a
     drafted token per row is nearly free to verify) is not. When it chooses 0 for
     ``probe_every`` iterations in a row it drafts 1 to notice if acceptance came back, so a
-    useful draft is not forgotten. While the plain expectation (no caution) still says drafting
-    pays, a probe is expected to bring more tokens than the time it takes, and only how few
-    outcomes were seen keeps the bound below plain: it probes every ``probe_every`` choices
+    useful draft is not forgotten. While the plain expectation (no caution) says a probe pays,
+    the drafter's whole reading of what it has not read included, a probe is expected to bring
+    more tokens than the time it takes, and only how few outcomes were seen keeps the bound
+    below plain: it probes every ``probe_every`` choices
     (a good draft's unlucky first trees at batch 1 kept it off for ~190 of ~500 iterations when
     such probes waited as any other). Otherwise, after a probe that changed nothing it waits
     twice as long, and always long enough that probes cost at most ``probe_share`` of the
@@ -375,6 +376,8 @@ class GoodputPolicy:
         options = [0, cap] if self.tree else list(range(cap + 1))
         best, best_gp = 0, -1.0
         z = self.caution
+        probe_g = cap if self.tree else min(cap, 1)  # what a probe drafts
+        probe_gp = 0.0  # a probe's expected goodput, the whole reading it needs included
         # a chain's tokens are uncertain through the draft's skill on this workload, which
         # every request shares: the pooled rate's error, moving all rows together
         pooled_sd = self.pool.alpha_sd
@@ -398,18 +401,21 @@ class GoodputPolicy:
             var += shared * shared
             k = 1 + (round(self.tree_nodes) if (self.tree and g) else g)
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
+            reading = unread * (self.t_read or 0.0)
+            if g == probe_g:
+                probe_gp = tokens / max(sec + reading, 1e-9)
             if g:  # the drafter reads what it has not yet, once: spread over the next choices
-                sec += unread * (self.t_read or 0.0) / self.probe_every
+                sec += reading / self.probe_every
             self.last_goodput[g] = tokens / max(sec, 1e-9)
             low = (tokens - z * math.sqrt(var)) / max(
                 sec + z * self.cost.extra_sd(rows, k, length), 1e-9
             )
             if low > best_gp:
                 best, best_gp = g, low
-        # the plain expectation (no caution) says drafting pays: a probe is expected to cost
-        # nothing (it brings more tokens than the time it takes), and what keeps the bound
-        # below plain is only how few outcomes were seen, which probes add to
-        hopeful = any(self.last_goodput[g] > self.last_goodput[0] for g in options if g)
+        # the plain expectation (no caution) says a probe pays, the whole reading it needs
+        # included: it is expected to bring more tokens than the time it takes, and what keeps
+        # the bound below plain is only how few outcomes were seen, which probes add to
+        hopeful = probe_gp > self.last_goodput[0]
         if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer
             self.after_probe = False
             self.wait = (

@@ -423,7 +423,13 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
         if row["policy"] == "goodput" and row.get("cost_model"):
             c = row["cost_model"]
             out(
-                f"goodput cost model at batch {row['batch_size']}: step = {c['c0_s'] * 1e3:.1f} ms"
+                f"goodput cost model at batch {row['batch_size']}"
+                + (
+                    f", {row['request_rate']:g} requests/s"
+                    if row.get("request_rate") is not None
+                    else ""
+                )
+                + f": step = {c['c0_s'] * 1e3:.1f} ms"
                 f" + {c['per_token_s'] * 1e3:.2f} ms/token + "
                 f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns "
                 f"(fit's relative error {c.get('relative_error', float('nan')):.1%})"

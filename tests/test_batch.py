@@ -359,20 +359,22 @@ def test_goodput_probes_often_while_the_plain_expectation_says_drafting_pays():
     sure), a probe is expected to bring more tokens than it costs: probes come every
     ``probe_every`` choices, neither doubling their wait nor waiting for the 2% share (a good
     draft's unlucky first trees kept batch 1 plain for ~190 of ~500 iterations when they
-    did). Where the mean says drafting loses, they still wait longer after each probe."""
+    did). Where the mean says drafting loses, or a probe would first read more than its gain
+    pays for, they still wait longer after each probe and for their share of the time."""
     cost = StepCostModel(refit=1000)
     for k in (1, 2, 3):
         for length in (100, 400):
             cost.observe(1, k, length, 0.06 + 0.04 * k)  # exact: verification of 2 = 1.4 steps
     cost.fit()
 
-    def probe_gaps(rate):
+    def probe_gaps(rate, unread=0):
         pol = GoodputPolicy(3, cost, parallel=False)
         pol.t_step, pol.pool = 0.001, _Acceptance(acc=40.0 * rate, tested=40.0)
+        pol.t_read = 1e-4
         rows = [_Acceptance(acc=10.0 * rate, tested=10.0)]
         picks = []
-        for _ in range(200):
-            picks.append(pol.choose(rows, [3], 100))
+        for _ in range(400):
+            picks.append(pol.choose(rows, [3], 100, unread))
             pol.update(None, iteration_seconds=0.1 + (0.041 if picks[-1] else 0.0))
         probes = [i for i, g in enumerate(picks) if g]
         return [b - a for a, b in zip(probes, probes[1:], strict=False)], pol
@@ -384,6 +386,11 @@ def test_goodput_probes_often_while_the_plain_expectation_says_drafting_pays():
     gaps, pol = probe_gaps(0.2)
     assert pol.last_goodput[1] < pol.last_goodput[0]
     assert len(gaps) >= 2 and all(b > a for a, b in zip(gaps, gaps[1:], strict=False))
+    # the same draft, but a probe would first read 400 tokens (40 ms: the prompts of rows that
+    # joined while it was off): that probe does not pay for itself, and waits for its share
+    gaps, pol = probe_gaps(0.45, unread=400)
+    assert pol.last_goodput[1] > pol.last_goodput[0]  # drafting, its reading spread: pays
+    assert gaps and min(gaps) > 16
 
 
 def test_goodput_judges_a_tree_by_the_drafts_pooled_skill():
