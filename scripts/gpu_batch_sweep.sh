@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The serving regime on a GPU (issue 30): the shipped EAGLE-3 head on the embedded target, plain
 # decoding against a fixed chain of 4 and goodput (SmartSpec) at the same batch size, each run
-# after the one before it ended (one job at a time on the device).
+# after the one before it ended (one job at a time on the device). Superseded by
+# scripts/gpu_check.sh, which also brings the target over and checks exactness on the GPU.
 #   bash scripts/gpu_batch_sweep.sh [OUT_DIR]        # reports (JSON + PNG) and one log
 # What it runs, in order (each capped by LIMIT seconds, default 240, so a slow step leaves the
 # others their time):
