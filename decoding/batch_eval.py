@@ -252,29 +252,15 @@ def evaluate_batched(
     if cfg.batch_repeats < 1:
         raise BatchError(f"batch_repeats={cfg.batch_repeats}: must be >= 1")
     rates = request_rates_of(cfg)
+    sweep = _Sweep(
+        cfg, target, proposer, sampling, stop, policies, reference, logits, tolerance, detail
+    )
     for b in sizes:
         cost = None  # one cost model per batch size, shared by the policies that use it
         if "goodput" in policies:
             cost = StepCostModel.for_proposer(target, proposer, cfg.gamma, b)
         for rate in rates:
-            rows.extend(
-                _sweep_point(
-                    cfg,
-                    target,
-                    proposer,
-                    sampling,
-                    stop,
-                    b,
-                    rate,
-                    policies,
-                    cost,
-                    arrive(requests, rate, cfg.seed),
-                    reference,
-                    logits,
-                    tolerance,
-                    detail,
-                )
-            )
+            rows.extend(_sweep_point(sweep, b, rate, cost, arrive(requests, rate, cfg.seed)))
     greedy = sampling.greedy
     lossless = all(r["lossless"] for r in rows) if greedy else None
     if greedy:
@@ -309,27 +295,32 @@ def evaluate_batched(
     }
 
 
+@dataclasses.dataclass
+class _Sweep:
+    """What every point of a sweep shares; ``detail`` collects the divergences found."""
+
+    cfg: Any
+    target: Any
+    proposer: Any
+    sampling: Any
+    stop: set[int]
+    policies: list[str]
+    reference: dict | None  # T = 0: each request's batch-1 plain greedy output
+    logits: dict | None  # ... and its logits, to classify a divergence
+    tolerance: float
+    detail: list
+
+
 def _sweep_point(
-    cfg,
-    target,
-    proposer,
-    sampling,
-    stop,
-    b,
-    rate,
-    policies,
-    cost,
-    requests,
-    reference,
-    logits,
-    tolerance,
-    detail,
+    sw: _Sweep, b: int, rate: float | None, cost, requests: list[GenRequest]
 ) -> list[dict[str, Any]]:
     """One batch size at one arrival rate (None: every request waiting from the start): plain
     decoding and each policy on the same requests, ``batch_repeats`` times; a report row per
-    policy (divergences from the batch-1 reference appended to ``detail``)."""
+    policy (divergences from the batch-1 reference appended to ``sw.detail``)."""
     from .eval import classify_divergence
 
+    cfg, target, proposer, sampling, stop = sw.cfg, sw.target, sw.proposer, sw.sampling, sw.stop
+    policies, reference, logits, tolerance = sw.policies, sw.reference, sw.logits, sw.tolerance
     admit = cfg.batch_admit
     bar = tqdm(
         total=len(requests) * (1 + len(policies)) * cfg.batch_repeats,
@@ -380,7 +371,7 @@ def _sweep_point(
                 near_tie_divergences=near,
                 plain_batch_vs_batch1_differ=plain_divs,
             )
-            detail.extend(
+            sw.detail.extend(
                 {"batch_size": b, "request_rate": rate, "policy": policy, **d} for d in divs
             )
         else:
@@ -469,14 +460,27 @@ def plot_batch_report(r: dict[str, Any], path) -> None:
         label="plain",
     )
     a.axhline(1.0, color="grey", lw=0.8)
-    for ax in (a, b):
+    _finish(
+        plt,
+        fig,
+        r,
+        path,
+        "batch size",
+        [
+            ("speedup over plain at the same batch", "speculation vs batch size"),
+            ("total tokens/s", "throughput"),
+        ],
+    )
+
+
+def _finish(plt, fig, r: dict[str, Any], path, xlabel: str, labels: list[tuple[str, str]]) -> None:
+    """Both panels on a log2 x axis with their legends, (y label, title) each; saved."""
+    for ax, (ylabel, title) in zip(fig.axes, labels, strict=True):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
+        ax.set_xlabel(xlabel)
         ax.legend(fontsize=8)
-    a.set_ylabel("speedup over plain at the same batch")
-    b.set_ylabel("total tokens/s")
-    a.set_title("speculation vs batch size")
-    b.set_title("throughput")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
     fig.suptitle(r["settings"]["draft_description"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -508,15 +512,14 @@ def _plot_latency(r: dict[str, Any], plt, path) -> None:
             xs = [x["request_rate"] for x in ps]
             a.plot(xs, [x["latency"]["latency"]["mean"] for x in ps], "o-", label=f"{tag}{pol}")
             b.plot(xs, [1e3 * x["latency"]["tpot"]["mean"] for x in ps], "o-", label=f"{tag}{pol}")
-    for ax in (a, b):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("arrival rate, requests/s (Poisson)")
-        ax.legend(fontsize=8)
-    a.set_ylabel("mean latency per request, s")
-    b.set_ylabel("mean time per output token, ms")
-    a.set_title("end-to-end latency")
-    b.set_title("time per output token")
-    fig.suptitle(r["settings"]["draft_description"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(
+        plt,
+        fig,
+        r,
+        path,
+        "arrival rate, requests/s (Poisson)",
+        [
+            ("mean latency per request, s", "end-to-end latency"),
+            ("mean time per output token, ms", "time per output token"),
+        ],
+    )
