@@ -67,7 +67,12 @@ def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     0.87 ms for a 49,152-token distribution on the AMX Xeon, docs/benchmarks.md), where one
     draw per row and per drafted token was a third of a batched plain step at T = 1. The
     cumulative sum is taken in float64, so rounding moves no token's probability by more than
-    ~1e-16 (float32 over 49,152 terms would move it by up to ~1e-4 relative)."""
+    ~1e-16 (float32 over 49,152 terms would move it by up to ~1e-4 relative).
+
+    Where p itself moves by rounding (a batch of other rows, other padding), an inverse-CDF draw
+    moves to a neighbouring token more often than torch.multinomial's exponential race does:
+    data generation, whose resumed run must write the same file, keeps torch.multinomial
+    (``models.target.generate_many``)."""
     c = p.cumsum(-1, dtype=torch.float64)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
     i = int(torch.searchsorted(c, (u * c[-1]).reshape(1), right=True))

@@ -446,7 +446,8 @@ def target_identity(where: str, config: dict, sample_bytes: int = 1 << 20) -> st
 @dataclass
 class GenRequest:
     """One reply to generate: ``key`` names it to the caller; ``seed`` seeds its own sampling
-    stream, so what a request samples does not depend on which requests share its batch;
+    stream, so what a request samples does not depend on which requests share its batch (but
+    for rounding that does);
     ``max_new_tokens``, where given, is this reply's own budget (at most the run's): a server's
     requests ask for different lengths. ``arrival``: seconds after the run starts at which the
     request arrives (a server's arrival process, ``decoding/batch.py``; 0: waiting from the
@@ -492,7 +493,7 @@ def generate_many(
     from transformers import DynamicCache
 
     from .ragged import group_order, prefill_groups, prefill_waste
-    from .sampling import greedy_tokens, sample, warp
+    from .sampling import greedy_tokens, warp
 
     if not 1 <= admit <= batch_size:
         raise ValueError(f"admit={admit}: must be between 1 and the batch size ({batch_size})")
@@ -568,7 +569,14 @@ def generate_many(
             nxt = greedy_tokens(logits).tolist()
         else:
             probs = warp(logits, sampling)
-            nxt = [sample(probs[i], row["gen"]) for i, row in enumerate(rows)]
+            # torch.multinomial (an exponential race over every token), not ``sample`` (the
+            # inverse CDF): rounding that moves with the batch's composition moves an inverse-CDF
+            # draw to a neighbouring token far more often, and a resumed run must write the same
+            # file (tests/test_regenerate.py)
+            nxt = [
+                int(torch.multinomial(probs[i], 1, generator=row["gen"]))
+                for i, row in enumerate(rows)
+            ]
         keep = []
         for i, (row, t) in enumerate(zip(rows, nxt, strict=True)):
             stop = t in stop_ids
