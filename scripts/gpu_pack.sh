@@ -4,16 +4,16 @@
 # in three parts, one per call, and the wheels its image lacks (hydra-core, omegaconf, gguf...).
 #   bash scripts/gpu_pack.sh          # here, once: writes .gpu/p1 .gpu/p2 .gpu/p3 (git-ignored)
 # Then, on the device, three calls in a row (each within the 30 s a machine stays warm):
-#   run "bash scripts/gpu_check.sh stash"            carry [".gpu/p1"]
+#   run "bash scripts/gpu_check.sh exact \$OUT"      carry [".gpu/p1"]   timeout_s 180
 #   run "bash scripts/gpu_check.sh stash"            carry [".gpu/p2"]
-#   run "bash scripts/gpu_check.sh run \$OUT"        carry [".gpu/p3"]   timeout_s 600
+#   run "bash scripts/gpu_check.sh run \$OUT"        carry [".gpu/p3"]   timeout_s 480
 # (scripts/gpu_check.sh says what the last one runs.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 gguf=$(python3 -c "from models.target import SMOLLM2_GGUF, smollm2_package_dir; print(smollm2_package_dir() / SMOLLM2_GGUF)")
 rm -rf .gpu/p1 .gpu/p2 .gpu/p3
-mkdir -p .gpu/p1 .gpu/p2 .gpu/p3/whl
+mkdir -p .gpu/p1/whl .gpu/p2 .gpu/p3
 size=$(stat -c %s "$gguf")
 part=$(((size + 2) / 3))
 split -b "$part" -d -a 2 "$gguf" .gpu/part_
@@ -26,5 +26,5 @@ sha256sum "$gguf" | cut -d' ' -f1 >.gpu/p3/gguf.sha256
 pins=$(python3 -m pip list --format=freeze 2>/dev/null |
   grep -iE '^(hydra-core|omegaconf|antlr4-python3-runtime|gguf|dill)==' | tr '\n' ' ')
 # shellcheck disable=SC2086
-python3 -m pip wheel -q --no-deps -w .gpu/p3/whl $pins  # antlr4 4.9.3 is an sdist: built here
+python3 -m pip wheel -q --no-deps -w .gpu/p1/whl $pins  # antlr4 4.9.3 is an sdist: built here
 du -sh .gpu/p1 .gpu/p2 .gpu/p3
