@@ -1228,3 +1228,44 @@ def test_batched_medusa_proposes_what_each_row_would_alone(tiny_target, tree):
         want = single.propose(st, g) if g else Proposal([], [])
         assert (a.tokens, a.parents) == (want.tokens, want.parents)
     assert [len(a.tokens) > 0 for a in got] == [True, True, False, True]
+
+
+def test_an_accelerator_warms_each_batch_size_before_its_timed_runs(tiny_target, monkeypatch):
+    """On a GPU every batch size gets an untimed plain run first (all requests, none waiting
+    for its arrival), so that plain, the first timed run, does not pay alone for the new
+    shapes; on a CPU it does not."""
+    import types
+
+    import decoding.batch_eval as be
+
+    assert be.warms_each_batch("cuda") and be.warms_each_batch(torch.device("cuda", 0))
+    assert not be.warms_each_batch("cpu")
+    calls = []
+    real = BatchDecoder.run
+
+    def spy(self, requests, *a, **kw):
+        calls.append((self.policy if self.gamma else "plain", [r.arrival for r in requests]))
+        return real(self, requests, *a, **kw)
+
+    monkeypatch.setattr(BatchDecoder, "run", spy)
+    cfg = types.SimpleNamespace(batch_admit=1, batch_repeats=1, gamma=2, max_new_tokens=4)
+    reqs = [GenRequest(i, p, seed=i, arrival=0.01 * i) for i, p in enumerate(_prompts()[:3])]
+    sw = be._Sweep(
+        cfg,
+        tiny_target,
+        _proposers(tiny_target)["eagle"],
+        Sampling(1.0),
+        set(),
+        ["fixed"],
+        None,
+        None,
+        0.5,
+        [],
+    )
+    for warm, expected in ((False, ["plain", "fixed"]), (True, ["plain", "plain", "fixed"])):
+        calls.clear()
+        monkeypatch.setattr(be, "warms_each_batch", lambda device, w=warm: w)
+        rows = be._sweep_point(sw, 2, None, None, reqs)
+        assert [c[0] for c in calls] == expected and len(rows) == 1
+        if warm:  # the warm-up admits every request at once; the timed runs keep arrivals
+            assert calls[0][1] == [0.0] * 3 and calls[1][1] == [0.0, 0.01, 0.02]
