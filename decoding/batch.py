@@ -108,6 +108,8 @@ class StepCostModel:
         #: seconds per token of the drafter's reading of a sequence (its prefill of a prompt,
         #: its catch-up), where measured (``BatchDecoder``'s calibration); not a forward's
         self.read_s_per_token: float | None = None
+        #: seconds of one draft step, likewise measured before the run (None: not measured)
+        self.draft_step_s: float | None = None
 
     @staticmethod
     def _x(rows: int, k: int, length: int) -> tuple[float, float]:
@@ -308,9 +310,10 @@ class GoodputPolicy:
     since), priced per token as measured (``saw_reading``; before any reading, as calibrated
     before the run). The reading grows while the policy waits, so where keeping a drafter's reading
     current costs more than ``probe_share`` of a plain step (16 rows on a 2-core CPU), probes
-    stop at ``max_wait`` iterations apart. A draft step not yet measured is priced at 0: the
-    first draft measures it, and a draft that does not pay even for free is never run to
-    find out."""
+    stop at ``max_wait`` iterations apart. A draft step is priced as the run measures it, and
+    before its first draft as the decoder timed one before the run (the cost model's
+    ``draft_step_s``); where neither is known, at 0: the first draft measures it, and a draft
+    that does not pay even for free is never run to find out."""
 
     def __init__(
         self,
@@ -321,7 +324,7 @@ class GoodputPolicy:
         batched: bool = False,
         probe_every: int = 16,
         max_probe: int = 256,
-        probe_share: float = 0.02,
+        probe_share: float = 0.01,
         caution: float = 1.0,
         max_wait: int = 1024,
         tree_nodes: int | None = None,
@@ -329,7 +332,9 @@ class GoodputPolicy:
         self.gamma, self.cost, self.parallel, self.tree = gamma, cost, parallel, tree
         self.caution = caution
         self.batched = batched  # one draft step serves every row (a BatchedProposer)
-        self.t_step: float | None = None  # seconds of one draft step of one row
+        self.t_step: float | None = None  # seconds of one draft step of one row, measured
+        #: ... as timed before the run, until the run measures one (None: not timed)
+        self.t_step_prior: float | None = getattr(cost, "draft_step_s", None)
         self.probe_every, self.max_probe = probe_every, max_probe
         self.wait, self.streak, self.probing = probe_every, 0, False
         self.probe_share, self.max_wait = probe_share, max_wait
@@ -351,10 +356,11 @@ class GoodputPolicy:
         self.tree_nodes = 0.8 * self.tree_nodes + 0.2 * nodes
 
     def draft_seconds(self, rows: int, g: int) -> float:
-        if g == 0 or self.t_step is None:
+        t_step = self.t_step if self.t_step is not None else self.t_step_prior
+        if g == 0 or t_step is None:
             return 0.0
         steps = 1 if self.parallel else (self.gamma if self.tree else g)
-        return (1 if self.batched else rows) * steps * self.t_step
+        return (1 if self.batched else rows) * steps * t_step
 
     def saw_reading(self, tokens: int, seconds: float) -> None:
         """The drafter read ``tokens`` tokens (a join, a row's start) in ``seconds``."""
@@ -682,7 +688,7 @@ class BatchDecoder:
             and not proposer.free
             and self.cost.read_s_per_token is None
         ):
-            self.cost.read_s_per_token = self._reading_cost()
+            self.cost.read_s_per_token, self.cost.draft_step_s = self._drafting_cost()
         self.goodput = (
             GoodputPolicy(
                 self.gamma,
@@ -700,11 +706,13 @@ class BatchDecoder:
     # -- helpers -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _reading_cost(self, rows: int = 2, tokens: int = 96) -> float:
+    def _drafting_cost(self, rows: int = 2, tokens: int = 96) -> tuple[float, float | None]:
         """Seconds per token of the drafter's reading of sequences it has not seen (a batched
-        drafter's join, a row-by-row proposer's start), timed on ``rows`` random prompts of
-        ``tokens`` tokens after one untimed reading: the goodput policy prices a probe with
-        it before the run has measured one."""
+        drafter's join, a row-by-row proposer's start) and seconds of one draft step (None:
+        not measured), timed on ``rows`` random prompts of ``tokens`` tokens after an untimed
+        reading and draft: the goodput policy prices its first drafts and probes with them
+        before the run has measured its own (a first draft priced at nothing cost a host-bound
+        GPU a whole tree of ~50 ms steps)."""
         g = torch.Generator().manual_seed(1)
         vocab = self.target.config.vocab_size
         reqs = [
@@ -712,8 +720,8 @@ class BatchDecoder:
             for i in range(rows)
         ]
         _, _, feats, views = self._prefill(reqs)
-        seconds = 0.0
-        for _ in range(2):  # a warm-up, then the timed reading
+        seconds, step = 0.0, None
+        for _ in range(2):  # a warm-up, then the timed reading and draft
             states = [
                 DecodeState(
                     ids=list(r.prompt),
@@ -728,14 +736,41 @@ class BatchDecoder:
             _sync(self.device)
             t = time.perf_counter()
             bp = self.template.batched()
+            props = []
             if bp is not None:
                 bp.join(states)
             else:
-                for st in states:
-                    self.template.fresh().start(st)
+                props = [self.template.fresh() for _ in states]
+                for p, st in zip(props, states, strict=True):
+                    p.start(st)
             _sync(self.device)
             seconds = time.perf_counter() - t
-        return seconds / (rows * (tokens - 1))
+            step = self._time_draft(bp, props, states)
+        return seconds / (rows * (tokens - 1)), step
+
+    def _time_draft(self, bp, props: list[Proposer], states: list[DecodeState]) -> float | None:
+        """Seconds of one draft step of a ``gamma``-deep draft for ``states`` (one step for
+        all of them with the batched drafter ``bp``, else one row's, averaged over the rows),
+        as the run measures it."""
+        t = time.perf_counter()
+        if bp is not None:
+            drafted = bp.propose(states, [self.gamma] * len(states))
+            _sync(self.device)
+            if bp.last_step_seconds is not None:
+                return bp.last_step_seconds
+            steps = max((max(_depths(d), default=0) for d in drafted), default=0)
+            return (time.perf_counter() - t) / steps if steps else None
+        times = []
+        for p, st in zip(props, states, strict=True):
+            t = time.perf_counter()
+            d = p.propose(st, self.gamma)
+            _sync(self.device)
+            steps = 1 if self.template.parallel else max(_depths(d), default=0)
+            if p.measures_steps and p.last_step_seconds is not None:
+                times.append(p.last_step_seconds)
+            elif steps:
+                times.append((time.perf_counter() - t) / steps)
+        return sum(times) / len(times) if times else None
 
     def _hidden(self, out) -> torch.Tensor | None:
         if not self.layers:

@@ -404,6 +404,8 @@ def _sweep_point(
                 "read_ms_per_token": None
                 if cost.read_s_per_token is None
                 else cost.read_s_per_token * 1e3,
+                # one draft step, timed likewise (the policy's price before its first draft)
+                "draft_step_ms": None if cost.draft_step_s is None else cost.draft_step_s * 1e3,
             }
         out_rows.append(row)
     bar.close()
@@ -443,6 +445,11 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
                 + (
                     f"; the drafter reads {c['read_ms_per_token']:.3f} ms/token"
                     if c.get("read_ms_per_token") is not None
+                    else ""
+                )
+                + (
+                    f", a draft step {c['draft_step_ms']:.1f} ms before the run"
+                    if c.get("draft_step_ms") is not None
                     else ""
                 )
                 + f"; {row.get('probes', 0)} probes"

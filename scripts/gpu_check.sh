@@ -8,10 +8,12 @@
 # Each step is capped (seconds, times LIMIT_SCALE) so that a slow one leaves the others their
 # time, within the 15 device minutes a session has; reports and one log go under OUT:
 #   exact  (120) tests/test_batch.py's exactness tests on the GPU (SPECDRAFT_TEST_DEVICE=cuda)
-#   t0     (200) the batch sweep, T = 0, 32 MT-bench prompts x 48, B = 16 and 32, the saved tree
-#          fixed and goodput (every row compared with its batch-1 greedy output: lossless on CUDA)
-#   t1     (110) the same at T = 1 with ignore_eos
-#   rates  (100) requests arriving at 2 and 8 per second, at most 32 in flight, T = 0
+#   t0     (260) the batch sweep, T = 0, 32 MT-bench prompts x 48, B = 16 and 32, fixed and
+#          goodput (every row compared with its batch-1 greedy output: lossless on CUDA; on the
+#          H200 of 2026-11-27 the batch-1 reference alone took 69 s and B = 16 50 s)
+#   t1     (110) the same at T = 1 with ignore_eos (93 s there)
+#   rates  (100) requests arriving at 4 per second, at most 32 in flight, goodput, T = 1 with
+#          ignore_eos (T = 0 would compute the batch-1 reference again)
 # DEVICE (cuda), PROMPTS (32), TOKENS (48) and LIMIT_SCALE (1) change it; a CPU smoke run of
 # the whole path: export STASH=/tmp/s SITE=/tmp/site DEVICE=cpu PROMPTS=2 TOKENS=4 LIMIT_SCALE=3
 #   then bash scripts/gpu_check.sh exact /tmp/out; ... stash; ... run /tmp/out
@@ -84,10 +86,10 @@ fi
 n=${PROMPTS:-32}
 common=(draft=smollm2-eagle3 "target.device=$dev" batch_policies=[fixed,goodput]
   "max_new_tokens=${TOKENS:-48}" "num_prompts=$n")
-step t0 200 python3 -m decoding.eval "${common[@]}" temperature=0 batch_sizes=[16,32] \
+step t0 260 python3 -m decoding.eval "${common[@]}" temperature=0 batch_sizes=[16,32] \
   report="$out/t0.json" plot="$out/t0.png"
 step t1 110 python3 -m decoding.eval "${common[@]}" temperature=1 ignore_eos=true batch_sizes=[16,32] \
   report="$out/t1.json" plot="$out/t1.png"
-step rates 100 python3 -m decoding.eval "${common[@]}" temperature=0 batch_sizes=[32] \
-  request_rates=[2,8] report="$out/rates.json" plot="$out/rates.png"
+step rates 100 python3 -m decoding.eval "${common[@]}" batch_policies=[goodput] temperature=1 \
+  ignore_eos=true batch_sizes=[32] request_rates=[4] report="$out/rates.json" plot="$out/rates.png"
 grep -E '^(==|   rc|\||lossless|goodput cost)|passed|failed' "$log"

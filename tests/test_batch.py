@@ -303,11 +303,12 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     assert set(choices[i] for i in probes) == {1} and len(probes) == 4
     assert [b - a for a, b in zip(probes, probes[1:], strict=False)] == [32, 64, 128]
     assert flat.choose(good, [0, 0, 0, 0], 100) == 0  # nothing left to draft
-    # at the default 2% share the first probe waits until its predicted cost (a 2-token
-    # verification of 4 rows and a draft step: +42 ms on a 40 ms step) is 2% of the time
+    # at the default 1% share the first probe waits until its predicted cost (a 2-token
+    # verification of 4 rows and a draft step: +42 ms on a 40 ms step) is 1% of the time
     dear = GoodputPolicy(4, cost, parallel=False)
     dear.t_step = 0.0005
-    assert next(i for i in range(200) if dear.choose(weak, [4] * 4, 100)) == 52
+    assert dear.probe_share == 0.01
+    assert next(i for i in range(200) if dear.choose(weak, [4] * 4, 100)) == 104
     assert flat.new_request().alpha < 0.5  # newcomers start from the pooled (poor) rate
 
 
@@ -527,6 +528,11 @@ def test_the_decoder_prices_its_drafters_reading(tiny_target):
     dec = BatchDecoder(tiny_target, tree, Sampling(), 2, policy="goodput", cost=cost)
     assert cost.read_s_per_token is not None and cost.read_s_per_token > 0
     assert dec.goodput.t_read == cost.read_s_per_token
+    # a draft step too: what the policy pays for its first draft until the run measures one
+    assert cost.draft_step_s is not None and cost.draft_step_s > 0
+    assert dec.goodput.t_step is None and dec.goodput.t_step_prior == cost.draft_step_s
+    depth = tree.tree_depth  # a tree drafts its depth in steps, one step for both rows
+    assert dec.goodput.draft_seconds(2, depth) == pytest.approx(depth * cost.draft_step_s)
     assert dec.goodput.tree_nodes == tree.tree_nodes == 8
     again = BatchDecoder(tiny_target, tree, Sampling(), 2, policy="goodput", cost=cost)
     assert again.goodput.t_read == cost.read_s_per_token  # measured once per cost model
@@ -1269,3 +1275,22 @@ def test_an_accelerator_warms_each_batch_size_before_its_timed_runs(tiny_target,
         assert [c[0] for c in calls] == expected and len(rows) == 1
         if warm:  # the warm-up admits every request at once; the timed runs keep arrivals
             assert calls[0][1] == [0.0] * 3 and calls[1][1] == [0.0, 0.01, 0.02]
+
+
+@pytest.mark.parametrize("name", ["draft_lm", "eagle", "eagle_tree", "medusa"])
+def test_every_drafter_has_its_draft_step_timed_before_the_run(tiny_target, name):
+    """Batched or row by row, chain, tree or parallel heads: the goodput decoder times a draft
+    step before the run, and the policy prices a draft of g tokens with it (steps: g for a
+    chain, the depth for a tree, one for parallel heads; per row where rows draft one after
+    another) until the run measures its own."""
+    proposer = _proposers(tiny_target)[name]
+    cost = StepCostModel()
+    cost.coef = (0.01, 0.0, 0.0)
+    dec = BatchDecoder(tiny_target, proposer, Sampling(), 3, gamma=3, policy="goodput", cost=cost)
+    pol, step = dec.goodput, cost.draft_step_s
+    assert step is not None and 0 < step < 1.0 and pol.t_step_prior == step
+    steps = 1 if proposer.parallel else 3
+    per_rows = 1 if dec.batched_drafting else 3
+    assert pol.draft_seconds(3, 3) == pytest.approx(per_rows * steps * step)
+    pol.update(2 * step)  # the run's own measure replaces the prior at once
+    assert pol.draft_seconds(3, 3) == pytest.approx(per_rows * steps * 2 * step)
