@@ -711,8 +711,8 @@ class BatchDecoder:
         drafter's join, a row-by-row proposer's start) and seconds of one draft step (None:
         not measured), timed on ``rows`` random prompts of ``tokens`` tokens after an untimed
         reading and draft: the goodput policy prices its first drafts and probes with them
-        before the run has measured its own (a first draft priced at nothing cost a host-bound
-        GPU a whole tree of ~50 ms steps)."""
+        before the run has measured its own (a draft step priced at nothing made the first
+        choice a draft, whatever drafting costs here)."""
         g = torch.Generator().manual_seed(1)
         vocab = self.target.config.vocab_size
         reqs = [
