@@ -312,16 +312,6 @@ class _Sweep:
     detail: list
 
 
-def warms_each_batch(device) -> bool:
-    """Whether each batch size gets an untimed plain run before its timed ones: on a GPU the
-    first run at a new batch size meets new shapes (the caching allocator's device
-    allocations, kernel choices), and plain, always the first, paid for them alone (on an H200,
-    2026-11-27, plain's iterations at B = 32 took twice as long as goodput's later ones of the
-    same shape; the cause is inferred, not profiled). A CPU has no such cache; the B = 2
-    warm-up before the sweep suffices there."""
-    return torch.device(device).type != "cpu"
-
-
 def _sweep_point(
     sw: _Sweep, b: int, rate: float | None, cost, requests: list[GenRequest]
 ) -> list[dict[str, Any]]:
@@ -343,9 +333,9 @@ def _sweep_point(
     names = ["plain", *policies]
     runs: dict[str, list] = {n: [] for n in names}
     outs: dict[str, dict] = {}
-    if warms_each_batch(target.device):
-        # an accelerator's allocator and kernels meet this batch's shapes in an untimed plain
-        # run first: else the first timed run (plain's) pays for them alone
+    if cfg.batch_warmup:
+        # the device meets this batch's shapes in an untimed plain run first: else the first
+        # timed run (plain's) pays for them alone (EvalConfig.batch_warmup)
         warm = [dataclasses.replace(r, arrival=0.0) for r in requests]
         BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit).run(
             warm, cfg.max_new_tokens, stop

@@ -1236,16 +1236,16 @@ def test_batched_medusa_proposes_what_each_row_would_alone(tiny_target, tree):
     assert [len(a.tokens) > 0 for a in got] == [True, True, False, True]
 
 
-def test_an_accelerator_warms_each_batch_size_before_its_timed_runs(tiny_target, monkeypatch):
-    """On a GPU every batch size gets an untimed plain run first (all requests, none waiting
-    for its arrival), so that plain, the first timed run, does not pay alone for the new
-    shapes; on a CPU it does not."""
+def test_each_batch_size_is_warmed_before_its_timed_runs(tiny_target, monkeypatch):
+    """Every batch size gets an untimed plain run first (all requests, none waiting for its
+    arrival), so that plain, the first timed run, does not pay alone for the new shapes;
+    ``batch_warmup=false`` skips it."""
     import types
 
     import decoding.batch_eval as be
+    from decoding.eval import EvalConfig
 
-    assert be.warms_each_batch("cuda") and be.warms_each_batch(torch.device("cuda", 0))
-    assert not be.warms_each_batch("cpu")
+    assert EvalConfig().batch_warmup is True
     calls = []
     real = BatchDecoder.run
 
@@ -1254,23 +1254,24 @@ def test_an_accelerator_warms_each_batch_size_before_its_timed_runs(tiny_target,
         return real(self, requests, *a, **kw)
 
     monkeypatch.setattr(BatchDecoder, "run", spy)
-    cfg = types.SimpleNamespace(batch_admit=1, batch_repeats=1, gamma=2, max_new_tokens=4)
     reqs = [GenRequest(i, p, seed=i, arrival=0.01 * i) for i, p in enumerate(_prompts()[:3])]
-    sw = be._Sweep(
-        cfg,
-        tiny_target,
-        _proposers(tiny_target)["eagle"],
-        Sampling(1.0),
-        set(),
-        ["fixed"],
-        None,
-        None,
-        0.5,
-        [],
-    )
     for warm, expected in ((False, ["plain", "fixed"]), (True, ["plain", "plain", "fixed"])):
+        cfg = types.SimpleNamespace(
+            batch_admit=1, batch_repeats=1, gamma=2, max_new_tokens=4, batch_warmup=warm
+        )
+        sw = be._Sweep(
+            cfg,
+            tiny_target,
+            _proposers(tiny_target)["eagle"],
+            Sampling(1.0),
+            set(),
+            ["fixed"],
+            None,
+            None,
+            0.5,
+            [],
+        )
         calls.clear()
-        monkeypatch.setattr(be, "warms_each_batch", lambda device, w=warm: w)
         rows = be._sweep_point(sw, 2, None, None, reqs)
         assert [c[0] for c in calls] == expected and len(rows) == 1
         if warm:  # the warm-up admits every request at once; the timed runs keep arrivals
