@@ -301,16 +301,17 @@ class GoodputPolicy:
     the drafter's whole reading of what it has not read included, a probe is expected to bring
     more tokens than the time it takes, and only how few outcomes were seen keeps the bound
     below plain: it probes every ``probe_every`` choices (a good draft's unlucky first trees at
-    batch 1 kept it off for ~190 of ~500 iterations when such probes waited as any other). Otherwise, after a probe that changed nothing it waits
-    twice as long, and always long enough that probes cost at most ``probe_share`` of the
-    time: a probe's cost is its draft step and larger verification beyond the predicted plain
-    step (what the last probe measured, before the first one what the cost model predicts: a
-    whole tree for 16 rows is a dear probe) plus the drafter's reading of what it has not read
-    yet (the prompts of the requests that joined since it last drafted and the tokens decoded
-    since), priced per token as measured (``saw_reading``; before any reading, as calibrated
-    before the run). The reading grows while the policy waits, so where keeping a drafter's reading
-    current costs more than ``probe_share`` of a plain step (16 rows on a 2-core CPU), probes
-    stop at ``max_wait`` iterations apart. A draft step is priced as the run measures it, and
+    batch 1 kept it off for ~190 of ~500 iterations when such probes waited as any other).
+    Otherwise, after a probe that changed nothing it waits twice as long, and always long
+    enough that probes cost at most ``probe_share`` of the time: a probe's cost is its draft
+    step and larger verification beyond the predicted plain step (what the last probe
+    measured, before the first one what the cost model predicts: a whole tree for 16 rows is a
+    dear probe) plus the drafter's reading of what it has not read yet (the prompts of the
+    requests that joined since it last drafted and the tokens decoded since), priced per token
+    as measured (``saw_reading``; before any reading, as calibrated before the run). The
+    reading grows while the policy waits, so where keeping a drafter's reading current costs
+    more than ``probe_share`` of a plain step (16 rows on a 2-core CPU), probes stop at
+    ``max_wait`` iterations apart. A draft step is priced as the run measures it, and
     before its first draft as the decoder timed one before the run (the cost model's
     ``draft_step_s``); where neither is known, at 0: the first draft measures it, and a draft
     that does not pay even for free is never run to find out."""
@@ -752,8 +753,8 @@ class BatchDecoder:
         """Seconds of one draft step of a ``gamma``-deep draft for ``states`` (one step for
         all of them with the batched drafter ``bp``, else one row's, averaged over the rows),
         as the run measures it."""
-        t = time.perf_counter()
         if bp is not None:
+            t = time.perf_counter()
             drafted = bp.propose(states, [self.gamma] * len(states))
             _sync(self.device)
             if bp.last_step_seconds is not None:

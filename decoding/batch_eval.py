@@ -260,6 +260,12 @@ def evaluate_batched(
         cost = None  # one cost model per batch size, shared by the policies that use it
         if "goodput" in policies:
             cost = StepCostModel.for_proposer(target, proposer, cfg.gamma, b)
+        if cfg.batch_warmup:
+            # the device meets this batch's shapes in an untimed plain run first: else the
+            # first timed run (plain's) pays for them alone (EvalConfig.batch_warmup)
+            BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit).run(
+                requests, cfg.max_new_tokens, stop
+            )
         for rate in rates:
             rows.extend(_sweep_point(sweep, b, rate, cost, arrive(requests, rate, cfg.seed)))
     greedy = sampling.greedy
@@ -333,13 +339,6 @@ def _sweep_point(
     names = ["plain", *policies]
     runs: dict[str, list] = {n: [] for n in names}
     outs: dict[str, dict] = {}
-    if cfg.batch_warmup:
-        # the device meets this batch's shapes in an untimed plain run first: else the first
-        # timed run (plain's) pays for them alone (EvalConfig.batch_warmup)
-        warm = [dataclasses.replace(r, arrival=0.0) for r in requests]
-        BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit).run(
-            warm, cfg.max_new_tokens, stop
-        )
     for rep in range(cfg.batch_repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
             if name == "plain":

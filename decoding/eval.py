@@ -131,9 +131,9 @@ class EvalConfig:
     # order every other time, and pooled: a machine whose speed drifts between runs (+-20%
     # between two plain runs was seen on a 2-core VM) then weighs on every configuration alike
     batch_repeats: int = 1
-    # each batch size (and rate) gets an untimed plain run over its requests before the timed
-    # runs: the first run at new shapes pays alone for what a device does the first time (we
-    # infer: on a CPU oneDNN's kernels for each new prefill shape, on a GPU the allocator too), and plain,
+    # each batch size gets an untimed plain run over its requests before its timed runs: the
+    # first run at new shapes pays alone for what a device does the first time (we infer: on a
+    # CPU oneDNN's kernels for each new prefill shape, on a GPU the allocator too), and plain,
     # always the first timed run, read 3-4% slow at B = 16 on a CPU and up to 2x on an H200
     batch_warmup: bool = True
     # waiting requests join the batch once this many slots are free: 1 = as soon as a row

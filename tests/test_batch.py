@@ -1237,45 +1237,46 @@ def test_batched_medusa_proposes_what_each_row_would_alone(tiny_target, tree):
 
 
 def test_each_batch_size_is_warmed_before_its_timed_runs(tiny_target, monkeypatch):
-    """Every batch size gets an untimed plain run first (all requests, none waiting for its
-    arrival), so that plain, the first timed run, does not pay alone for the new shapes;
-    ``batch_warmup=false`` skips it."""
-    import types
+    """Every batch size gets one untimed plain run first (all requests waiting from the start),
+    before the timed runs of each of its arrival rates, so that plain, the first timed run,
+    does not pay alone for the new shapes; ``batch_warmup=false`` skips it."""
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
 
     import decoding.batch_eval as be
-    from decoding.eval import EvalConfig
+    import decoding.eval  # noqa: F401  (registers the structured configs)
 
-    assert EvalConfig().batch_warmup is True
     calls = []
     real = BatchDecoder.run
 
     def spy(self, requests, *a, **kw):
-        calls.append((self.policy if self.gamma else "plain", [r.arrival for r in requests]))
+        if self.batch_size > 2:  # the sweep's runs, not its B = 2 warm-up of first calls
+            rate = "all" if all(r.arrival == 0 for r in requests) else "timed"
+            calls.append((self.policy if self.gamma else "plain", rate))
         return real(self, requests, *a, **kw)
 
     monkeypatch.setattr(BatchDecoder, "run", spy)
-    reqs = [GenRequest(i, p, seed=i, arrival=0.01 * i) for i, p in enumerate(_prompts()[:3])]
-    for warm, expected in ((False, ["plain", "fixed"]), (True, ["plain", "plain", "fixed"])):
-        cfg = types.SimpleNamespace(
-            batch_admit=1, batch_repeats=1, gamma=2, max_new_tokens=4, batch_warmup=warm
-        )
-        sw = be._Sweep(
-            cfg,
-            tiny_target,
-            _proposers(tiny_target)["eagle"],
-            Sampling(1.0),
-            set(),
-            ["fixed"],
-            None,
-            None,
-            0.5,
-            [],
-        )
+    questions = [{"turns": [f"question {i}: say something"]} for i in range(3)]
+    timed = [("plain", "timed"), ("fixed", "timed")]
+    for warm in (True, False):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(
+                "eval",
+                overrides=[
+                    "target=tiny_random",
+                    "batch_sizes=[3]",
+                    "batch_policies=[fixed]",
+                    "request_rates=[500,1000]",
+                    "max_new_tokens=4",
+                    "temperature=1",
+                    f"batch_warmup={str(warm).lower()}",
+                ],
+            )
         calls.clear()
-        rows = be._sweep_point(sw, 2, None, None, reqs)
-        assert [c[0] for c in calls] == expected and len(rows) == 1
-        if warm:  # the warm-up admits every request at once; the timed runs keep arrivals
-            assert calls[0][1] == [0.0] * 3 and calls[1][1] == [0.0, 0.01, 0.02]
+        eagle = _proposers(tiny_target)["eagle"]
+        r = be.evaluate_batched(cfg, tiny_target, eagle, "eagle", questions, Sampling(1.0), set())
+        assert len(r["batch"]) == 2  # one row per rate
+        assert calls == ([("plain", "all")] if warm else []) + timed + timed
 
 
 @pytest.mark.parametrize("name", ["draft_lm", "eagle", "eagle_tree", "medusa"])
