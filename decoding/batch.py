@@ -89,45 +89,66 @@ class BatchError(ValueError):
 
 class StepCostModel:
     """Seconds of a target forward over ``rows`` rows of ``k`` tokens each after a cache of
-    ``length`` columns: t = c0 + c1 * rows * k + c2 * rows * k * length / 1000, the three
-    coefficients (>= 0) fitted by least squares to forwards timed on this machine
-    (``calibrate``) and to the real iterations' forwards (``observe``, refitted every
-    ``refit`` observations over the last ``window``)."""
+    ``length`` columns: t = c0 + c_row * rows + c_tok * rows * (k - 1) + c_wide * rows * [k > 1]
+    + c_ctx * rows * k * length / 1000, the five coefficients (>= 0) fitted by least squares to
+    forwards timed on this machine (``calibrate``, shaped as the decoder's: an explicit
+    attention mask and positions) and to the real iterations' forwards (``observe``, refitted
+    every ``refit`` observations over the last ``window``). A row's first token, its further
+    ones, and a price per row for verifying more than one at all are told apart: on the AMX
+    Xeon (the embedded target, 200 columns) a row cost 0.7 ms at 1 token; its second token
+    1.2 ms more, the next 0.45 ms and each after ~0.3 ms (2 tokens a row: +13% at 4 rows, +40% at
+    16). A line through tokens alone (``c_row = c_tok``, ``c_wide = 0``: what this model was)
+    priced a 1-token draft at 16 rows at half its cost."""
 
     def __init__(self, refit: int = 16, window: int = 256):
-        self.samples: list[tuple[float, float, float]] = []  # (tokens, tokens*len/1000, sec)
+        # (rows, rows * (k - 1), rows * [k > 1], rows * k * length / 1000, seconds)
+        self.samples: list[tuple[float, ...]] = []
         self.live: deque = deque(maxlen=window)
-        self.coef = (0.0, 0.0, 0.0)
+        self.coef = (0.0, 0.0, 0.0, 0.0, 0.0)
         self.refit, self.pending = refit, 0
         #: the fit's relative error, reported beside it: root mean square of (predicted -
         #: measured) / measured over the forwards it was fitted to
         self.rel_error = 0.0
         #: the coefficients' covariance (least squares: residual variance x (A^T A)^-1 over the
         #: coefficients the fit kept), for the standard error of a predicted difference
-        self.cov = torch.zeros(3, 3, dtype=torch.float64)
+        self.cov = torch.zeros(5, 5, dtype=torch.float64)
         #: seconds per token of the drafter's reading of a sequence (its prefill of a prompt,
         #: its catch-up), where measured (``BatchDecoder``'s calibration); not a forward's
         self.read_s_per_token: float | None = None
         #: seconds of one draft step, likewise measured before the run (None: not measured)
         self.draft_step_s: float | None = None
 
+    @classmethod
+    def linear(cls, c0: float, per_token: float, per_token_per_1k: float = 0.0) -> StepCostModel:
+        """A model priced by tokens alone: c0 + per_token * rows * k + per_token_per_1k *
+        rows * k * length / 1000."""
+        cost = cls()
+        cost.coef = (c0, per_token, per_token, 0.0, per_token_per_1k)
+        return cost
+
     @staticmethod
-    def _x(rows: int, k: int, length: int) -> tuple[float, float]:
-        n = rows * k
-        return float(n), n * length / 1000.0
+    def _x(rows: int, k: int, length: int) -> tuple[float, float, float, float]:
+        return (
+            float(rows),
+            float(rows * (k - 1)),
+            float(rows if k > 1 else 0),
+            rows * k * length / 1000.0,
+        )
 
     def predict(self, rows: int, k: int, length: int) -> float:
-        n, nl = self._x(rows, k, length)
-        c0, c1, c2 = self.coef
-        return c0 + c1 * n + c2 * nl
+        c0, c_row, c_tok, c_wide, c_ctx = self.coef
+        return (
+            c0
+            + rows * (c_row + c_tok * (k - 1) + (c_wide if k > 1 else 0.0))
+            + c_ctx * rows * k * length / 1000.0
+        )
 
     def extra_sd(self, rows: int, k: int, length: int) -> float:
         """Standard error of the predicted extra seconds of verifying k tokens per row instead
         of one (same rows and cache): what the fit knows of verification's price, apart from
         the slow and fast spells that move every forward alike."""
-        n1, nl1 = self._x(rows, 1, length)
-        n, nl = self._x(rows, k, length)
-        d = torch.tensor([0.0, n - n1, nl - nl1], dtype=torch.float64)
+        x1, x = self._x(rows, 1, length), self._x(rows, k, length)
+        d = torch.tensor([0.0, *(b - a for a, b in zip(x1, x, strict=True))], dtype=torch.float64)
         return float((d @ self.cov @ d).clamp_min(0.0).sqrt())
 
     def observe(self, rows: int, k: int, length: int, seconds: float) -> None:
@@ -141,22 +162,26 @@ class StepCostModel:
         self.pending = 0
         if len(data) < 3:
             return
-        a = torch.tensor([[1.0, n, nl] for n, nl, _ in data], dtype=torch.float64)
+        a = torch.tensor([[1.0, *x] for *x, _ in data], dtype=torch.float64)
         y = torch.tensor([s for *_, s in data], dtype=torch.float64)
-        # non-negative least squares over three coefficients: drop a negative one and refit
-        active = [0, 1, 2]
+        # non-negative least squares: drop a negative coefficient and refit (a column the
+        # data cannot tell from the others, as rows verifying more than one token where every
+        # forward verified one, is dropped: lstsq's minimum-norm answer gives it 0)
+        active = [0, 1, 2, 3, 4]
+        if bool((a[:, 1] == a[0, 1]).all()):  # one row count seen (batch 1): rows are c0
+            active.remove(1)
         while active:
-            sol = torch.linalg.lstsq(a[:, active], y[:, None]).solution[:, 0]
+            sol = torch.linalg.lstsq(a[:, active], y[:, None], driver="gelsd").solution[:, 0]
             if (sol >= 0).all():
                 break
             active.pop(int(sol.argmin()))
-        coef = [0.0, 0.0, 0.0]
+        coef = [0.0] * 5
         for i, v in zip(active, sol.tolist() if active else [], strict=False):
             coef[i] = float(v)
         self.coef = tuple(coef)
         pred = a @ torch.tensor(coef, dtype=torch.float64)
         self.rel_error = float(((pred - y) / y.clamp_min(1e-9)).square().mean().sqrt())
-        self.cov = torch.zeros(3, 3, dtype=torch.float64)
+        self.cov = torch.zeros(5, 5, dtype=torch.float64)
         if active and len(data) > len(active):
             sigma2 = float((pred - y).square().sum()) / (len(data) - len(active))
             sub = a[:, active]
@@ -200,9 +225,22 @@ class StepCostModel:
                 for _ in range(reps + 1):
                     for k in ks:
                         ids = torch.randint(0, vocab, (r, k), generator=g).to(dev)
+                        # as the decoder calls it: an explicit mask (a row sees the cache and
+                        # its own tokens causally) and positions (PyTorch's attention takes
+                        # another path without a mask: 1 ms faster for 4 rows of 1 token)
+                        allowed = torch.ones(r, k, n + k, dtype=torch.bool)
+                        allowed[:, :, n:] = torch.ones(k, k, dtype=torch.bool).tril()
+                        mask = additive_mask(allowed, target.dtype)[:, None].to(dev)
+                        pos = torch.arange(n, n + k).expand(r, k).to(dev)
                         _sync(dev)
                         t = time.perf_counter()
-                        target.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                        target.model(
+                            input_ids=ids,
+                            attention_mask=mask,
+                            position_ids=pos,
+                            past_key_values=cache,
+                            use_cache=True,
+                        )
                         _sync(dev)
                         runs[k].append(time.perf_counter() - t)
                         crop_cache(cache, n)
@@ -314,7 +352,11 @@ class GoodputPolicy:
     ``max_wait`` iterations apart. A draft step is priced as the run measures it, and
     before its first draft as the decoder timed one before the run (the cost model's
     ``draft_step_s``); where neither is known, at 0: the first draft measures it, and a draft
-    that does not pay even for free is never run to find out."""
+    that does not pay even for free is never run to find out.
+
+    While requests wait, a row that finishes sooner lets one in, and tokens a second is the
+    aim. With none waiting (``choose``'s ``remaining``), the batch drains and its time is its
+    last rows': tokens are then valued by the plain time they save (``drain_tokens``)."""
 
     def __init__(
         self,
@@ -369,9 +411,64 @@ class GoodputPolicy:
             per = seconds / tokens
             self.t_read = per if self.t_read is None else 0.8 * self.t_read + 0.2 * per
 
-    def choose(self, acc: list[_Acceptance], caps: list[int], length: int, unread: int = 0) -> int:
+    def plain_time(
+        self, remaining: list[float], length: int, steps: list[float] | None = None
+    ) -> float:
+        """Predicted seconds for plain decoding to finish rows with ``remaining`` tokens left
+        each: one token a row a step, the batch shrinking as rows finish (each stretch of steps
+        priced at its rows, after ``length`` cache columns; ``steps[m]``: a step of m rows, where
+        the caller has them)."""
+        left = sorted(x for x in remaining if x > 0)
+        total = prev = 0.0
+        for j, x in enumerate(left):
+            m = len(left) - j
+            total += (x - prev) * (steps[m] if steps else self.cost.predict(m, 1, length))
+            prev = x
+        return total
+
+    def drain_tokens(
+        self,
+        advances: list[float],
+        remaining: list[int],
+        length: int,
+        _memo: tuple[list[float], float] | None = None,
+    ) -> float:
+        """With no request waiting, what rows advancing by ``advances`` tokens is worth, in a
+        plain step's tokens: the plain time it saves (``plain_time`` before less after) over a
+        plain step of all the rows, times the rows. A plain step (every row advances 1) is
+        worth the rows exactly; advancing rows that finish early anyway is worth only what the
+        batch, shrinking sooner, saves; advancing the row that finishes last, all of it (on a
+        host-bound GPU, where a step costs the same at any rows, that row's advance is all
+        that counts). ``_memo``: the step prices by rows and the time before, as ``choose``
+        computes them once for all its lengths."""
+        steps, before = _memo or self._drain_memo(remaining, length)
+        rows = len(remaining)
+        if steps[rows] <= 0:  # no cost model: the batch's tokens, as with requests waiting
+            return sum(min(a, r) for a, r in zip(advances, remaining, strict=True))
+        after = [r - a for r, a in zip(remaining, advances, strict=True)]
+        saved = before - self.plain_time(after, length, steps)
+        return rows * saved / steps[rows]
+
+    def _drain_memo(self, remaining: list[int], length: int) -> tuple[list[float], float]:
+        steps = [0.0] + [self.cost.predict(m, 1, length) for m in range(1, len(remaining) + 1)]
+        return steps, self.plain_time(remaining, length, steps)
+
+    def choose(
+        self,
+        acc: list[_Acceptance],
+        caps: list[int],
+        length: int,
+        unread: int = 0,
+        remaining: list[int] | None = None,
+    ) -> int:
         """The batch's speculation length; ``unread``: tokens of the rows' sequences the
-        drafter has not read (what drafting now would make it read first)."""
+        drafter has not read (what drafting now would make it read first). ``remaining``:
+        where no request waits, each row's tokens still to come (its budget less what it has
+        made). Then the batch's time is what it takes its last rows to finish, not its tokens
+        a second: tokens are valued by the plain time they save (``drain_tokens``), each
+        row's expected advance lowered by ``caution`` of its error for the bound (the pooled
+        skill's error moves every row at once; a row's own, each alone, counted here as if
+        together: cautious)."""
         self.probing = False
         self._unread = unread
         cap = max(caps, default=0)
@@ -389,9 +486,12 @@ class GoodputPolicy:
         pooled_sd = self.pool.alpha_sd
         # a tree's: the pooled mean's standard error (None before any tree: each row's own)
         tree_sd = self.pool.tree_estimate()[1] if self.pool.tree_tokens is not None else None
+        memo = self._drain_memo(remaining, length) if remaining is not None else None
         for g in options:
             tokens = var = 0.0
             shared = 0.0  # the pooled skill's error, common to every row
+            ts: list[float] = []  # each row's expected tokens and its error
+            sds: list[float] = []
             for a, c in zip(acc, caps, strict=True):
                 gg = min(g, c)
                 if self.tree and gg:
@@ -400,11 +500,24 @@ class GoodputPolicy:
                         var += sd * sd
                     else:
                         shared += tree_sd
+                        sd = tree_sd
                 else:
                     t, sd = a.tokens(gg, pooled_sd)
                     shared += sd
                 tokens += t
+                ts.append(t)
+                sds.append(sd)
             var += shared * shared
+            if remaining is not None:
+                low_tokens = self.drain_tokens(
+                    [max(1.0, t - z * sd) for t, sd in zip(ts, sds, strict=True)],
+                    remaining,
+                    length,
+                    memo,
+                )
+                tokens = self.drain_tokens(ts, remaining, length, memo)
+            else:
+                low_tokens = tokens - z * math.sqrt(var)
             k = self._verified(g)
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
             reading = unread * (self.t_read or 0.0)
@@ -413,9 +526,7 @@ class GoodputPolicy:
             if g:  # the drafter reads what it has not yet, once: spread over the next choices
                 sec += reading / self.probe_every
             self.last_goodput[g] = tokens / max(sec, 1e-9)
-            low = (tokens - z * math.sqrt(var)) / max(
-                sec + z * self.cost.extra_sd(rows, k, length), 1e-9
-            )
+            low = low_tokens / max(sec + z * self.cost.extra_sd(rows, k, length), 1e-9)
             if low > best_gp:
                 best, best_gp = g, low
         # the plain expectation (no caution) says a probe pays, the whole reading it needs
@@ -581,6 +692,8 @@ class BatchStats:
     forwards: int = 0  # batched verification forwards
     prefills: int = 0
     probes: int = 0  # goodput's probes: drafting chosen to learn, not because it paid
+    # forwards with no request waiting (the batch drains: goodput values the last rows' time)
+    drain_forwards: int = 0
     row_slots: int = 0  # rows summed over forwards (occupancy = row_slots / forwards)
     verified_tokens: int = 0  # query tokens fed to verification forwards, padding included
     batch_gamma: Counter = field(default_factory=Counter)  # the longest proposal per forward
@@ -773,12 +886,6 @@ class BatchDecoder:
                 times.append((time.perf_counter() - t) / steps)
         return sum(times) / len(times) if times else None
 
-    def _hidden(self, out) -> torch.Tensor | None:
-        if not self.layers:
-            return None
-        hs = out.hidden_states
-        return torch.stack([hs[self.target.layer_index(i)] for i in self.layers], dim=2)
-
     def _controller(self):
         if self.policy != "adaptive" or not self.gamma:
             return None
@@ -805,7 +912,7 @@ class BatchDecoder:
             n = ids.shape[1]
             allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
             cache = new_cache(self.target.config)
-            h = self._hidden(self._forward(ids, pos, allowed, cache, logits_to_keep=1))
+            _, h = self._forward(ids, pos, allowed, cache, logits_to_keep=1)
             for j, (i, f) in enumerate(zip(g, fed, strict=True)):
                 if h is not None and f:
                     feats[i] = h[j, n - len(f) :]
@@ -819,14 +926,15 @@ class BatchDecoder:
 
     def _forward(self, ids, pos, allowed: torch.Tensor, cache, **kw):
         """The target over ``ids`` at positions ``pos`` with the boolean attention ``allowed``
-        (R, n, columns), appending to ``cache``; hidden states where the drafter reads them."""
-        return self.target.model(
+        (R, n, columns), appending to ``cache``: its output and the drafter's features (R, n,
+        layers, H), None where it reads none."""
+        return self.target.forward_features(
+            self.layers,
             input_ids=ids.to(self.device),
             attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
             position_ids=pos.to(self.device),
             past_key_values=cache,
             use_cache=True,
-            output_hidden_states=bool(self.layers),
             **kw,
         )
 
@@ -929,7 +1037,9 @@ class BatchDecoder:
                     if self.template.free
                     else sum(max(0, len(r.state.ids) - 1 - r.read) for r in rows)
                 )
-                g = self.goodput.choose([r.acc for r in rows], caps, length, unread)
+                # no request waiting: the batch drains, its time set by its last rows
+                remaining = [r.budget - len(r.new) for r in rows] if not queue else None
+                g = self.goodput.choose([r.acc for r in rows], caps, length, unread, remaining)
                 st.probes += self.goodput.probing
                 if self.template.free:
                     props = [f.truncated(min(g, c)) for f, c in zip(found, caps, strict=True)]
@@ -983,9 +1093,8 @@ class BatchDecoder:
                     inner[b, i + 1, i + 1] = True
             allowed = torch.cat([valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
             t = time.perf_counter()
-            out = self._forward(ids, pos, allowed, cache)
+            out, feats = self._forward(ids, pos, allowed, cache)
             logits = out.logits
-            feats = self._hidden(out)
             _sync(self.device)
             t_verify = time.perf_counter() - t
             st.cache_columns += R * length
@@ -1065,6 +1174,7 @@ class BatchDecoder:
             st.rows.t_target += t_verify
             st.rows.t_draft += t_draft
             st.forwards += 1
+            st.drain_forwards += not queue
             st.row_slots += R
             st.verified_tokens += R * n
             st.batch_gamma[n - 1] += 1

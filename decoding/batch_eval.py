@@ -165,6 +165,7 @@ def _row(stats, plain, b: int, policy: str) -> dict[str, Any]:
         "plain_mean_rows_per_forward": plain.row_slots / plain.forwards if plain.forwards else 0.0,
         "prefills": stats.prefills,
         "probes": stats.probes,
+        "drain_forwards": stats.drain_forwards,
         "plain_prefills": plain.prefills,
         # query tokens fed that were padding (rows with shorter proposals than the longest)
         "padding_fraction": 1 - (iters + drafted) / stats.verified_tokens
@@ -203,6 +204,7 @@ def pooled(stats: list) -> BatchStats:
         out.forwards += s.forwards
         out.prefills += s.prefills
         out.probes += s.probes
+        out.drain_forwards += s.drain_forwards
         out.row_slots += s.row_slots
         out.verified_tokens += s.verified_tokens
         out.batch_gamma.update(s.batch_gamma)
@@ -386,8 +388,10 @@ def _sweep_point(
         if policy == "goodput":
             row["cost_model"] = {
                 "c0_s": cost.coef[0],
-                "per_token_s": cost.coef[1],
-                "per_token_per_1k_columns_s": cost.coef[2],
+                "per_row_s": cost.coef[1],  # a row's first token
+                "per_further_token_s": cost.coef[2],  # each token of a row after its first
+                "per_wide_row_s": cost.coef[3],  # a row verifying more than one token
+                "per_token_per_1k_columns_s": cost.coef[4],
                 "relative_error": cost.rel_error,
                 # the drafter's reading (a join's prefill), calibrated before the runs
                 "read_ms_per_token": None
@@ -428,7 +432,9 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
                     else ""
                 )
                 + f": step = {c['c0_s'] * 1e3:.1f} ms"
-                f" + {c['per_token_s'] * 1e3:.2f} ms/token + "
+                f" + {c['per_row_s'] * 1e3:.2f} ms/row"
+                f" + {c['per_wide_row_s'] * 1e3:.2f} ms/row verifying more than one token"
+                f" + {c['per_further_token_s'] * 1e3:.2f} ms/token after a row's first + "
                 f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns "
                 f"(fit's relative error {c.get('relative_error', float('nan')):.1%})"
                 + (
@@ -442,6 +448,12 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
                     else ""
                 )
                 + f"; {row.get('probes', 0)} probes"
+                + (
+                    f"; {row['drain_forwards']} of {row['forwards']} forwards with no request"
+                    " waiting"
+                    if row.get("drain_forwards") is not None
+                    else ""
+                )
             )
     out(f"lossless: {r['lossless']} ({r['lossless_note']})")
     out(f"convention: {r['convention']}")

@@ -413,18 +413,10 @@ class SpeculativeDecoder:
         """Target forward over ``tokens`` after ``cache``: logits (k, V) and the proposer's
         features (k, L, H) or None. ``extra``: tree attention mask and position ids."""
         ids = torch.tensor([tokens], device=self.device)
-        out = self.target.model(
-            input_ids=ids,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=bool(self.layers),
-            **extra,
+        out, feats = self.target.forward_features(
+            self.layers, input_ids=ids, past_key_values=cache, use_cache=True, **extra
         )
-        feats = None
-        if self.layers:
-            hs = out.hidden_states
-            feats = torch.stack([hs[self.target.layer_index(i)][0] for i in self.layers], dim=1)
-        return out.logits[0], feats
+        return out.logits[0], None if feats is None else feats[0]
 
     def _calibrate(self, prefix: int = 256, reps: int = 5) -> list[float]:
         """Time target forwards over k + 1 tokens (k = 0..gamma) after a ``prefix``-token

@@ -279,7 +279,13 @@ def test_sampling_follows_the_target_in_every_row(small_vocab_pair):
 def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     cost = StepCostModel()
     flat = GoodputPolicy(4, cost, parallel=False, probe_share=1.0)  # probes' cost: below
-    cost.coef = (0.010, 0.0, 0.0)  # verification is free: a forward costs the same at any size
+    cost.coef = (
+        0.010,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    )  # verification is free: a forward costs the same at any size
     flat.t_step = 0.0005
     good = [_Acceptance(acc=8.0, tested=10.0) for _ in range(4)]  # alpha 0.8
     # drafting, deep: the plain expectation picks 4; one standard error below it (the
@@ -291,7 +297,13 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     deep = GoodputPolicy(4, cost, parallel=False)
     deep.t_step, deep.pool = 0.0005, _Acceptance(acc=32.0, tested=40.0)
     assert deep.choose(good, [4] * 4, 100) == 3
-    cost.coef = (0.0, 0.010, 0.0)  # every token in the batch costs as much as a plain step
+    cost.coef = (
+        0.0,
+        0.010,
+        0.010,
+        0.0,
+        0.0,
+    )  # every token in the batch costs as much as a plain step
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]  # alpha 0.2
     choices = []
     for _ in range(250):
@@ -310,6 +322,82 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     assert dear.probe_share == 0.01
     assert next(i for i in range(200) if dear.choose(weak, [4] * 4, 100)) == 104
     assert flat.new_request().alpha < 0.5  # newcomers start from the pooled (poor) rate
+
+
+def _host_bound_cost(rows: int = 16) -> StepCostModel:
+    """A host-bound GPU's forwards, as the H200 measured them: ~68 ms at 16 rows whatever the
+    rows, verifying 2 tokens a row 14% dearer (tokens in the batch priced by ``c1``)."""
+    cost = StepCostModel()
+    c1 = 0.14 * 0.068 / (rows * 0.86)
+    cost.coef = (0.068 - rows * c1, c1, c1, 0.0, 0.0)
+    return cost
+
+
+def test_goodput_with_no_request_waiting_values_the_last_rows_time():
+    """SmartSpec's tokens a second is the right aim while requests wait: a row that finishes
+    sooner lets one in. With none waiting the batch ends with its last row, so drafting pays
+    only if it moves the rows that finish last (the H200's B = 16 T = 0 run: goodput drafted
+    one token in 30 of 43 iterations for 0.92x plain, its slowest row accepting 5 of 30)."""
+    cost = _host_bound_cost()
+    pol = GoodputPolicy(4, cost, parallel=False, batched=True)  # one draft step: 4 ms
+    pol.t_step, pol.pool = 0.004, _Acceptance(acc=28.0, tested=40.0)
+    good = [_Acceptance(acc=8.0, tested=10.0) for _ in range(15)]  # alpha 0.8
+    slow = _Acceptance(acc=1.0, tested=10.0)  # alpha 0.1
+    caps = [4] * 16
+    assert pol.choose(good + [slow], caps, 100) >= 1  # requests waiting: the batch's tokens
+    assert pol.choose(good + [slow], caps, 100, remaining=[40] * 16) == 0  # the slow row last
+    # the slow row about to finish: the good rows finish last, and drafting moves them
+    assert pol.choose(good + [slow], caps, 100, remaining=[40] * 15 + [3]) >= 1
+    assert pol.choose(good, caps[:15], 100, remaining=[40] * 15) >= 1
+    # a plain step is worth the rows, whatever they have left and however steps are priced
+    for c in (cost, _cpu_cost()):
+        pol.cost = c
+        for rem in ([40] * 16, list(range(1, 17)), [1] * 8 + [300] * 8):
+            assert pol.drain_tokens([1.0] * 16, rem, 100) == pytest.approx(16.0)
+    # rows that finish early anyway: advancing them saves what the batch, shrinking sooner,
+    # saves: nearly their tokens on a CPU (a step priced by its rows), nothing where a step
+    # costs the same at any rows; advancing the last rows saves their steps at the end
+    rem = [10] * 8 + [40] * 8
+    for c in (_cpu_cost(), _flat_cost()):
+        pol.cost = c
+        c16, c8 = c.predict(16, 1, 100), c.predict(8, 1, 100)
+        early = pol.drain_tokens([2.0] * 8 + [1.0] * 8, rem, 100)
+        last = pol.drain_tokens([1.0] * 8 + [2.0] * 8, rem, 100)
+        assert early == pytest.approx(16.0 * (1 + (c16 - c8) / c16))
+        assert last == pytest.approx(16.0 * (1 + c8 / c16))
+    assert early == pytest.approx(16.0) and last == pytest.approx(32.0)  # the flat one
+
+
+def _cpu_cost() -> StepCostModel:
+    cost = StepCostModel()
+    cost.coef = (0.004, 0.006, 0.006, 0.0, 0.0)  # a step priced mostly by its rows
+    return cost
+
+
+def _flat_cost() -> StepCostModel:
+    cost = StepCostModel()
+    cost.coef = (0.068, 0.0, 0.0, 0.0, 0.0)  # the same at any rows
+    return cost
+
+
+def test_goodput_is_told_the_rows_remaining_only_when_no_request_waits(tiny_target, monkeypatch):
+    seen: list = []
+    choose = GoodputPolicy.choose
+
+    def spy(self, acc, caps, length, unread=0, remaining=None):
+        seen.append(remaining)
+        return choose(self, acc, caps, length, unread, remaining)
+
+    monkeypatch.setattr(GoodputPolicy, "choose", spy)
+    cost = StepCostModel()
+    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)
+    dec = BatchDecoder(tiny_target, NGramProposer(), Sampling(), 2, policy="goodput", cost=cost)
+    dec.run([GenRequest(i, p, seed=i) for i, p in enumerate(_prompts()[:4])], 6)
+    waiting = [r is None for r in seen]
+    first_drain = waiting.index(False)
+    assert first_drain > 0 and not any(waiting[first_drain:])  # the queue empties once
+    assert all(0 < x <= 6 for r in seen[first_drain:] for x in r)
+    assert dec.stats.drain_forwards == len(seen) - first_drain
 
 
 def test_cost_model_reports_its_relative_error():
@@ -346,7 +434,7 @@ def test_goodput_drafts_only_where_its_gain_clears_the_estimates_error():
     assert sure.choose(rows, [3], 100) == 1  # 1.45 / 0.141 s > 1 / 0.100 s: +3%
     assert careful.choose(rows, [3], 100) == 0
     # batch 4 with a large fixed cost: a token per row adds 4 x 5 ms to a 100 ms step
-    cost.coef, cost.cov = (0.1, 0.005, 0.0), torch.zeros(3, 3, dtype=torch.float64)
+    cost.coef, cost.cov = (0.1, 0.005, 0.005, 0.0, 0.0), torch.zeros(5, 5, dtype=torch.float64)
     assert careful.choose(rows * 4, [3] * 4, 100) >= 1
     # the same decision with a fit whose slope is uncertain: the bound is lower
     noisy = StepCostModel(refit=1000)
@@ -403,7 +491,13 @@ def test_goodput_judges_a_tree_by_the_drafts_pooled_skill():
     alone it would decode plain (short requests then never drafted: 1.07x at batch 1 against
     the fixed tree's 1.48x, docs/benchmarks.md). A tree that does not pay is declined."""
     cost = StepCostModel(refit=1000)
-    cost.coef = (0.0375, 0.0012, 0.0)  # 38.7 ms plain; a 12-node tree's 13 tokens: 53.1 ms
+    cost.coef = (
+        0.0375,
+        0.0012,
+        0.0012,
+        0.0,
+        0.0,
+    )  # 38.7 ms plain; a 12-node tree's 13 tokens: 53.1 ms
     outcomes = [0, 3, 0, 2, 0]  # accepted nodes per tree: 1, 4, 1, 3, 1 tokens (mean 2)
 
     def policy():
@@ -440,7 +534,7 @@ def test_goodput_counts_chain_shaped_trees_as_trees(tiny_target):
         tree_depth = 3
 
     cost = StepCostModel(refit=1000)
-    cost.coef = (0.01, 0.0001, 0.0)
+    cost.coef = (0.01, 0.0001, 0.0001, 0.0, 0.0)
     dec = BatchDecoder(
         tiny_target, SureTrees(tiny_target.model), Sampling(), 2, policy="goodput", cost=cost
     )
@@ -452,7 +546,13 @@ def test_goodput_counts_chain_shaped_trees_as_trees(tiny_target):
 
 def test_goodput_probes_cost_at_most_their_share_of_the_time():
     cost = StepCostModel()
-    cost.coef = (0.0, 0.010, 0.0)  # a plain step of 4 rows: 40 ms; verification not free
+    cost.coef = (
+        0.0,
+        0.010,
+        0.010,
+        0.0,
+        0.0,
+    )  # a plain step of 4 rows: 40 ms; verification not free
     pol = GoodputPolicy(4, cost, parallel=False, probe_share=0.02)
     pol.t_step = 0.0005
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]
@@ -475,7 +575,7 @@ def test_a_probe_waits_until_its_reading_fits_the_share_too():
     prompts cost 0.28 s, 5% of a 5.3 s run, with drafting off otherwise); and where the
     reading grows faster than the share allows, probes stop at ``max_wait`` apart."""
     cost = StepCostModel()
-    cost.coef = (0.0, 0.010, 0.0)  # a plain step of 4 rows: 40 ms; the 2% share: 0.8 ms
+    cost.coef = (0.0, 0.010, 0.010, 0.0, 0.0)  # a plain step of 4 rows: 40 ms; the 2% share: 0.8 ms
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]
 
     def first_probe(unread, t_read, **kw):
@@ -504,7 +604,7 @@ def test_an_unseen_tree_is_priced_at_its_size_and_its_reading():
     was drafted at the first step: the drafter read 16 prompts for one tree), and drafting
     now pays for the reading it needs first, spread over ``probe_every`` choices."""
     cost = StepCostModel(refit=1000)
-    cost.coef = (0.040, 0.001, 0.0)  # plain, 4 rows: 44 ms (91 tokens/s)
+    cost.coef = (0.040, 0.001, 0.001, 0.0, 0.0)  # plain, 4 rows: 44 ms (91 tokens/s)
     rows = 4
 
     def policy(**kw):
@@ -523,7 +623,7 @@ def test_the_decoder_prices_its_drafters_reading(tiny_target):
     """The goodput decoder measures the drafter's reading before the run (kept with the
     shared cost model) and tells the policy its tree's size."""
     cost = StepCostModel()
-    cost.coef = (0.01, 0.0, 0.0)
+    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)
     tree = _proposers(tiny_target)["eagle_tree"]
     dec = BatchDecoder(tiny_target, tree, Sampling(), 2, policy="goodput", cost=cost)
     assert cost.read_s_per_token is not None and cost.read_s_per_token > 0
@@ -565,7 +665,7 @@ def test_a_probe_is_charged_for_the_drafter_reading_the_newcomers(tiny_target, m
     monkeypatch.setattr(BatchedEagleChain, "join", slow_join)
     monkeypatch.setattr(GoodputPolicy, "update", spy)
     cost = StepCostModel()
-    cost.coef = (0.01, 0.0, 0.0)  # verification is free: drafting pays from the start
+    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)  # verification is free: drafting pays from the start
     out, st = _run(
         tiny_target, _proposers(tiny_target)["eagle"], "goodput", cost=cost, calibrate=False
     )
@@ -581,10 +681,40 @@ def test_cost_model_recovers_a_linear_step_time():
                 n = rows * k
                 cost.observe(rows, k, length, 0.02 + 0.003 * n + 0.0005 * n * length / 1000)
     cost.fit()
-    c0, c1, c2 = cost.coef
-    assert c0 == pytest.approx(0.02, rel=1e-6) and c1 == pytest.approx(0.003, rel=1e-6)
-    assert c2 == pytest.approx(0.0005, rel=1e-6)
+    c0, c_row, c_tok, c_wide, c_ctx = cost.coef
+    assert c0 == pytest.approx(0.02, rel=1e-6) and c_row == pytest.approx(0.003, rel=1e-6)
+    assert c_tok == pytest.approx(0.003, rel=1e-6) and c_wide == pytest.approx(0.0, abs=1e-9)
+    assert c_ctx == pytest.approx(0.0005, rel=1e-6)
     assert cost.predict(8, 2, 400) == pytest.approx(0.02 + 0.048 + 0.0005 * 16 * 0.4)
+    assert StepCostModel.linear(0.02, 0.003, 0.0005).predict(8, 2, 400) == pytest.approx(
+        cost.predict(8, 2, 400)
+    )
+
+
+def test_cost_model_prices_a_row_verifying_more_than_one_token():
+    """The AMX Xeon's forwards (the embedded target, 200 cache columns): 2 tokens a row cost
+    13% more than 1 at 4 rows and 40% more at 16, each token after that 1-3%. A line through
+    tokens alone cannot follow that step; the fit that prices a row's first token, its further
+    ones and a row verifying more than one apart does, and prices a 1-token draft at 16 rows
+    as dear as it is (the line: at half)."""
+    law = {(4, 1): 40.5, (4, 2): 45.8, (4, 3): 46.8, (4, 5): 49.3}
+    law |= {(16, 1): 48.9, (16, 2): 68.1, (16, 3): 75.3, (16, 5): 83.7}
+    law |= {(1, 1): 38.0, (1, 2): 39.4, (1, 3): 39.7, (1, 5): 40.3}
+    cost = StepCostModel(refit=1000)
+    for (rows, k), ms in law.items():
+        cost.observe(rows, k, 200, ms / 1000)
+    cost.fit()
+    assert cost.coef[3] > 0.0005  # a row verifying more than one token: ~0.9 ms
+    for (rows, k), ms in law.items():
+        assert cost.predict(rows, k, 200) * 1000 == pytest.approx(ms, rel=0.04), (rows, k)
+    assert cost.rel_error < 0.025
+    # the same forwards through tokens alone
+    a = torch.tensor([[1.0, r * k] for r, k in law], dtype=torch.float64)
+    y = torch.tensor(list(law.values()), dtype=torch.float64)
+    c0, c1 = torch.linalg.lstsq(a, y[:, None]).solution[:, 0].tolist()
+    line = (c0 + 32 * c1) / (c0 + 16 * c1) - 1
+    fit = cost.predict(16, 2, 200) / cost.predict(16, 1, 200) - 1
+    assert line < 0.6 * (law[(16, 2)] / law[(16, 1)] - 1) and fit > 0.3
 
 
 def test_what_cannot_batch_says_so_in_one_line(tiny_target):
@@ -1287,7 +1417,7 @@ def test_every_drafter_has_its_draft_step_timed_before_the_run(tiny_target, name
     another) until the run measures its own."""
     proposer = _proposers(tiny_target)[name]
     cost = StepCostModel()
-    cost.coef = (0.01, 0.0, 0.0)
+    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)
     dec = BatchDecoder(tiny_target, proposer, Sampling(), 3, gamma=3, policy="goodput", cost=cost)
     pol, step = dec.goodput, cost.draft_step_s
     assert step is not None and 0 < step < 1.0 and pol.t_step_prior == step

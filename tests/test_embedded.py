@@ -138,6 +138,44 @@ def test_smollm2_target_is_frozen_llama_with_expected_shape(smollm2):
     assert torch.allclose(smollm2.lm_head(f[:, :, 2]), logits, atol=1e-4)
 
 
+def test_forward_features_are_the_hidden_states_transformers_gives(smollm2, tiny_target):
+    """The decoders read the drafter's features through hooks on just the layers it reads:
+    the very tensors ``output_hidden_states`` gives (index 0 and other layouts take that path),
+    and nothing is kept outside the call."""
+    from transformers import DynamicCache
+
+    for t in (smollm2, tiny_target):
+        n = t.num_layers
+        ids = torch.tensor([SMOLLM2_GOLDEN[:12], SMOLLM2_GOLDEN[3:15]]) % t.config.vocab_size
+        ref = t.model(input_ids=ids, output_hidden_states=True).hidden_states
+        for layers in ((2, n // 2, -1), (1, n - 1, n), (0, 1), (n,)):
+            out, f = t.forward_features(layers, input_ids=ids)
+            want = torch.stack([ref[t.layer_index(i)] for i in layers], dim=2)
+            assert torch.equal(f, want), (t.identity, layers)
+            assert out.hidden_states is None or 0 in layers
+        assert t._captured is None
+        # with a cache, a step at a time, as the decoders call it
+        c1, c2 = DynamicCache(), DynamicCache()
+        t.forward_features((2, -1), input_ids=ids[:, :8], past_key_values=c1, use_cache=True)
+        t.model(input_ids=ids[:, :8], past_key_values=c2, use_cache=True)
+        _, f = t.forward_features((2, -1), input_ids=ids[:, 8:], past_key_values=c1, use_cache=True)
+        hs = t.model(
+            input_ids=ids[:, 8:], past_key_values=c2, use_cache=True, output_hidden_states=True
+        ).hidden_states
+        assert torch.equal(f, torch.stack([hs[2], hs[n]], dim=2))
+        # the training features: the decoder alone, with a padding mask
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        want = t.model.get_decoder()(
+            input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False
+        ).hidden_states
+        got = t.features(ids, mask, (1, n // 2, -1))
+        assert torch.equal(got, torch.stack([want[1], want[n // 2], want[n]], dim=2))
+        plain = t.model(input_ids=ids)  # hooks idle outside the call
+        assert t._captured is None and torch.isfinite(plain.logits).all()
+    assert tiny_target.forward_features((), input_ids=ids)[1] is None
+
+
 def test_train_eagle1_few_steps_on_embedded_target_and_sharegpt(tmp_path, smollm2):
     from models.eagle import EagleHead
     from trainer.train import run
