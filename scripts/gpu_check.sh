@@ -8,7 +8,9 @@
 # Each step is capped (seconds, times LIMIT_SCALE) so that a slow one leaves the others their
 # time, within the 15 device minutes a session has; reports and one log go under OUT:
 #   exact  (120) tests/test_batch.py's exactness tests on the GPU (SPECDRAFT_TEST_DEVICE=cuda)
-#   t0     (260) the batch sweep, T = 0, 32 MT-bench prompts x 48, B = 16 and 32, fixed and
+#   drain  (120) T = 0, 16 prompts x 48, B = 16, fixed and goodput: every forward in the
+#          batch's drain, the case part 9 measured at 0.92x (goodput's drain objective since)
+#   t0     (160) the batch sweep, T = 0, 32 MT-bench prompts x 48, B = 16 and 32, fixed and
 #          goodput (every row compared with its batch-1 greedy output: lossless on CUDA; on the
 #          H200 of 2026-11-27 the batch-1 reference alone took 69 s and B = 16 50 s)
 #   t1     (110) the same at T = 1 with ignore_eos (93 s there)
@@ -86,7 +88,12 @@ fi
 n=${PROMPTS:-32}
 common=(draft=smollm2-eagle3 "target.device=$dev" batch_policies=[fixed,goodput]
   "max_new_tokens=${TOKENS:-48}" "num_prompts=$n")
-step t0 260 python3 -m decoding.eval "${common[@]}" temperature=0 batch_sizes=[16,32] \
+# first the case part 9 left below the floor (0.92x): 16 prompts at B = 16, every forward in the
+# batch's drain (goodput has valued the drain by the plain time saved since part 10)
+step drain 120 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" \
+  batch_policies=[fixed,goodput] "max_new_tokens=${TOKENS:-48}" num_prompts=16 temperature=0 \
+  batch_sizes=[16] report="$out/drain.json" plot="$out/drain.png"
+step t0 160 python3 -m decoding.eval "${common[@]}" temperature=0 batch_sizes=[16,32] \
   report="$out/t0.json" plot="$out/t0.png"
 step t1 110 python3 -m decoding.eval "${common[@]}" temperature=1 ignore_eos=true batch_sizes=[16,32] \
   report="$out/t1.json" plot="$out/t1.png"
