@@ -279,13 +279,8 @@ def test_sampling_follows_the_target_in_every_row(small_vocab_pair):
 def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     cost = StepCostModel()
     flat = GoodputPolicy(4, cost, parallel=False, probe_share=1.0)  # probes' cost: below
-    cost.coef = (
-        0.010,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-    )  # verification is free: a forward costs the same at any size
+    # verification is free: a forward costs the same at any size
+    cost.coef = StepCostModel.linear(0.010, 0.0).coef
     flat.t_step = 0.0005
     good = [_Acceptance(acc=8.0, tested=10.0) for _ in range(4)]  # alpha 0.8
     # drafting, deep: the plain expectation picks 4; one standard error below it (the
@@ -297,13 +292,8 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
     deep = GoodputPolicy(4, cost, parallel=False)
     deep.t_step, deep.pool = 0.0005, _Acceptance(acc=32.0, tested=40.0)
     assert deep.choose(good, [4] * 4, 100) == 3
-    cost.coef = (
-        0.0,
-        0.010,
-        0.010,
-        0.0,
-        0.0,
-    )  # every token in the batch costs as much as a plain step
+    # every token in the batch costs as much as a plain step
+    cost.coef = StepCostModel.linear(0.0, 0.010).coef
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]  # alpha 0.2
     choices = []
     for _ in range(250):
@@ -327,10 +317,8 @@ def test_goodput_drafts_while_it_pays_and_stops_when_verification_costs():
 def _host_bound_cost(rows: int = 16) -> StepCostModel:
     """A host-bound GPU's forwards, as the H200 measured them: ~68 ms at 16 rows whatever the
     rows, verifying 2 tokens a row 14% dearer (tokens in the batch priced by ``c1``)."""
-    cost = StepCostModel()
     c1 = 0.14 * 0.068 / (rows * 0.86)
-    cost.coef = (0.068 - rows * c1, c1, c1, 0.0, 0.0)
-    return cost
+    return StepCostModel.linear(0.068 - rows * c1, c1)
 
 
 def test_goodput_with_no_request_waiting_values_the_last_rows_time():
@@ -369,15 +357,11 @@ def test_goodput_with_no_request_waiting_values_the_last_rows_time():
 
 
 def _cpu_cost() -> StepCostModel:
-    cost = StepCostModel()
-    cost.coef = (0.004, 0.006, 0.006, 0.0, 0.0)  # a step priced mostly by its rows
-    return cost
+    return StepCostModel.linear(0.004, 0.006)  # a step priced mostly by its rows
 
 
 def _flat_cost() -> StepCostModel:
-    cost = StepCostModel()
-    cost.coef = (0.068, 0.0, 0.0, 0.0, 0.0)  # the same at any rows
-    return cost
+    return StepCostModel.linear(0.068, 0.0)  # the same at any rows
 
 
 def test_goodput_is_told_the_rows_remaining_only_when_no_request_waits(tiny_target, monkeypatch):
@@ -389,8 +373,7 @@ def test_goodput_is_told_the_rows_remaining_only_when_no_request_waits(tiny_targ
         return choose(self, acc, caps, length, unread, remaining)
 
     monkeypatch.setattr(GoodputPolicy, "choose", spy)
-    cost = StepCostModel()
-    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)
+    cost = StepCostModel.linear(0.01, 0.0)
     dec = BatchDecoder(tiny_target, NGramProposer(), Sampling(), 2, policy="goodput", cost=cost)
     dec.run([GenRequest(i, p, seed=i) for i, p in enumerate(_prompts()[:4])], 6)
     waiting = [r is None for r in seen]
@@ -491,13 +474,8 @@ def test_goodput_judges_a_tree_by_the_drafts_pooled_skill():
     alone it would decode plain (short requests then never drafted: 1.07x at batch 1 against
     the fixed tree's 1.48x, docs/benchmarks.md). A tree that does not pay is declined."""
     cost = StepCostModel(refit=1000)
-    cost.coef = (
-        0.0375,
-        0.0012,
-        0.0012,
-        0.0,
-        0.0,
-    )  # 38.7 ms plain; a 12-node tree's 13 tokens: 53.1 ms
+    # 38.7 ms plain; a 12-node tree's 13 tokens: 53.1 ms
+    cost.coef = StepCostModel.linear(0.0375, 0.0012).coef
     outcomes = [0, 3, 0, 2, 0]  # accepted nodes per tree: 1, 4, 1, 3, 1 tokens (mean 2)
 
     def policy():
@@ -534,7 +512,7 @@ def test_goodput_counts_chain_shaped_trees_as_trees(tiny_target):
         tree_depth = 3
 
     cost = StepCostModel(refit=1000)
-    cost.coef = (0.01, 0.0001, 0.0001, 0.0, 0.0)
+    cost.coef = StepCostModel.linear(0.01, 0.0001).coef
     dec = BatchDecoder(
         tiny_target, SureTrees(tiny_target.model), Sampling(), 2, policy="goodput", cost=cost
     )
@@ -545,14 +523,8 @@ def test_goodput_counts_chain_shaped_trees_as_trees(tiny_target):
 
 
 def test_goodput_probes_cost_at_most_their_share_of_the_time():
-    cost = StepCostModel()
-    cost.coef = (
-        0.0,
-        0.010,
-        0.010,
-        0.0,
-        0.0,
-    )  # a plain step of 4 rows: 40 ms; verification not free
+    # a plain step of 4 rows: 40 ms; verification not free
+    cost = StepCostModel.linear(0.0, 0.010)
     pol = GoodputPolicy(4, cost, parallel=False, probe_share=0.02)
     pol.t_step = 0.0005
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]
@@ -574,8 +546,8 @@ def test_a_probe_waits_until_its_reading_fits_the_share_too():
     that too is ``probe_share`` of the time (on the AMX Xeon the drafter's reading of 16 MT-bench
     prompts cost 0.28 s, 5% of a 5.3 s run, with drafting off otherwise); and where the
     reading grows faster than the share allows, probes stop at ``max_wait`` apart."""
-    cost = StepCostModel()
-    cost.coef = (0.0, 0.010, 0.010, 0.0, 0.0)  # a plain step of 4 rows: 40 ms; the 2% share: 0.8 ms
+    # a plain step of 4 rows: 40 ms; the 2% share: 0.8 ms
+    cost = StepCostModel.linear(0.0, 0.010)
     weak = [_Acceptance(acc=2.0, tested=10.0) for _ in range(4)]
 
     def first_probe(unread, t_read, **kw):
@@ -604,7 +576,7 @@ def test_an_unseen_tree_is_priced_at_its_size_and_its_reading():
     was drafted at the first step: the drafter read 16 prompts for one tree), and drafting
     now pays for the reading it needs first, spread over ``probe_every`` choices."""
     cost = StepCostModel(refit=1000)
-    cost.coef = (0.040, 0.001, 0.001, 0.0, 0.0)  # plain, 4 rows: 44 ms (91 tokens/s)
+    cost.coef = StepCostModel.linear(0.040, 0.001).coef  # plain, 4 rows: 44 ms (91 tokens/s)
     rows = 4
 
     def policy(**kw):
@@ -622,8 +594,7 @@ def test_an_unseen_tree_is_priced_at_its_size_and_its_reading():
 def test_the_decoder_prices_its_drafters_reading(tiny_target):
     """The goodput decoder measures the drafter's reading before the run (kept with the
     shared cost model) and tells the policy its tree's size."""
-    cost = StepCostModel()
-    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)
+    cost = StepCostModel.linear(0.01, 0.0)
     tree = _proposers(tiny_target)["eagle_tree"]
     dec = BatchDecoder(tiny_target, tree, Sampling(), 2, policy="goodput", cost=cost)
     assert cost.read_s_per_token is not None and cost.read_s_per_token > 0
@@ -664,8 +635,8 @@ def test_a_probe_is_charged_for_the_drafter_reading_the_newcomers(tiny_target, m
 
     monkeypatch.setattr(BatchedEagleChain, "join", slow_join)
     monkeypatch.setattr(GoodputPolicy, "update", spy)
-    cost = StepCostModel()
-    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)  # verification is free: drafting pays from the start
+    # verification is free: drafting pays from the start
+    cost = StepCostModel.linear(0.01, 0.0)
     out, st = _run(
         tiny_target, _proposers(tiny_target)["eagle"], "goodput", cost=cost, calibrate=False
     )
@@ -1416,8 +1387,7 @@ def test_every_drafter_has_its_draft_step_timed_before_the_run(tiny_target, name
     chain, the depth for a tree, one for parallel heads; per row where rows draft one after
     another) until the run measures its own."""
     proposer = _proposers(tiny_target)[name]
-    cost = StepCostModel()
-    cost.coef = (0.01, 0.0, 0.0, 0.0, 0.0)
+    cost = StepCostModel.linear(0.01, 0.0)
     dec = BatchDecoder(tiny_target, proposer, Sampling(), 3, gamma=3, policy="goodput", cost=cost)
     pol, step = dec.goodput, cost.draft_step_s
     assert step is not None and 0 < step < 1.0 and pol.t_step_prior == step
