@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from models.base import DecodeState, Proposal, Proposer
+from models.base import DecodeState, Proposal, Proposer, cache_kw
 from models.ragged import (
     additive_mask,
     causal_mask,
@@ -220,7 +220,9 @@ class StepCostModel:
             for n in lengths:
                 cache = new_cache(target.config)
                 ctx = torch.randint(0, vocab, (r, n), generator=g).to(dev)
-                target.model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                target.model(
+                    input_ids=ctx, **cache_kw(target.model, cache), use_cache=True, logits_to_keep=1
+                )
                 runs: dict[int, list[float]] = {k: [] for k in ks}
                 for _ in range(reps + 1):
                     for k in ks:
@@ -238,7 +240,7 @@ class StepCostModel:
                             input_ids=ids,
                             attention_mask=mask,
                             position_ids=pos,
-                            past_key_values=cache,
+                            **cache_kw(target.model, cache),
                             use_cache=True,
                         )
                         _sync(dev)
@@ -779,9 +781,16 @@ class BatchDecoder:
         if policy == "adaptive" and self.gamma and calibrate:
             from .decoder import SpeculativeDecoder
 
-            # today's controller, as at batch 1: the batch-1 cost of each verification size
+            # today's controller, as at batch 1: the batch-1 cost of each verification size,
+            # on transformers' forward (the batched decoder's own)
             probe = SpeculativeDecoder(
-                target, proposer, sampling, gamma=self.gamma, adaptive=False, calibrate=False
+                target,
+                proposer,
+                sampling,
+                gamma=self.gamma,
+                adaptive=False,
+                calibrate=False,
+                compile="false",
             )
             self.t_verify1 = probe.forward_costs(range(1, self.gamma + 2))
         self.cost = cost
@@ -933,7 +942,7 @@ class BatchDecoder:
             input_ids=ids.to(self.device),
             attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
             position_ids=pos.to(self.device),
-            past_key_values=cache,
+            **cache_kw(self.target.model, cache),
             use_cache=True,
             **kw,
         )

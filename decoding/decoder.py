@@ -19,13 +19,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from models.base import DecodeState, Proposal, Proposer, crop_cache
-from models.ragged import additive_mask
+from models.base import DecodeState, Proposal, Proposer
 from models.sampling import Sampling, greedy_tokens, warp
 from models.target import Target
 
+from .runner import Layout, RunnerError, StaticRunner, TargetRunner, choose_runner
+from .runner import keep_cache_positions as keep_cache_positions  # re-exported for callers
 from .verify import (
     lenient_tvd,
     one_hot,
@@ -34,21 +34,6 @@ from .verify import (
     verify_sampled,
     verify_typical,
 )
-
-
-def keep_cache_positions(cache: DynamicCache, start: int, keep: list[int]) -> None:
-    """Keep entries [0, start) plus, in order, entries ``start + k`` for k in ``keep``."""
-    if keep == list(range(len(keep))):
-        crop_cache(cache, start + len(keep))
-        return
-    idx = torch.tensor([start + k for k in keep])
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            # the kept entries move down in place (index_select copies them first, so the
-            # overlap is safe): no copy of the whole context per layer and iteration
-            t[..., start : start + len(keep), :] = t.index_select(-2, idx.to(t.device))
-    crop_cache(cache, start + len(keep))
 
 
 @dataclass
@@ -331,6 +316,8 @@ class SpeculativeDecoder:
         lenience: float = 1.0,
         stop_rule=None,
         traces: list | None = None,
+        compile: str = "auto",
+        max_len: int = 2048,
     ):
         """``acceptance``: ``exact`` (speculative sampling: the output follows the target
         exactly) or ``typical`` (Medusa's typical acceptance at T > 0 with ``typical_epsilon``
@@ -347,7 +334,12 @@ class SpeculativeDecoder:
         predicts a rejection; it decides only how many tokens are drafted, so the output
         distribution is the target's whatever it says. ``traces``: a list that receives, per
         drafting iteration, the draft's signals for each drafted token and how many were
-        accepted (what the stop rule is trained on)."""
+        accepted (what the stop rule is trained on).
+
+        ``compile``: the target's forward (``decoding/runner.py``): ``true`` the lean forward
+        over a static cache at fixed widths (CUDA graphs on a GPU), ``false`` transformers'
+        forward over its dynamic cache, ``auto`` the first wherever it runs (``self.runner.kind``
+        says which ran). ``max_len``: the static cache's columns allocated up front."""
         if gamma < 0:
             raise ValueError(f"gamma={gamma}: must be >= 0")
         if acceptance not in ("exact", "typical"):
@@ -393,6 +385,19 @@ class SpeculativeDecoder:
         self.adaptive = adaptive
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.layers = tuple(proposer.feature_layers)
+        # the widest verification: a chain of gamma, a tree of its node budget (a proposer whose
+        # trees have no fixed budget, or a side branch, runs wider forwards eagerly)
+        widest = 1 + (proposer.tree_nodes or self.gamma) if self.gamma else 1
+        try:
+            self.runner: TargetRunner = choose_runner(
+                compile, target, proposer, self.layers, (1, widest), max_len
+            )
+        except RunnerError as e:
+            raise ValueError(str(e)) from None
+        if isinstance(self.runner, StaticRunner):  # the drafter on fixed shapes too, if it can
+            fast = proposer.fixed_shape(self.gamma, self.runner.graphs)
+            if fast is not None:
+                self.proposer = proposer = fast
         t_verify = (
             self._calibrate()
             if (calibrate and self.gamma and adaptive)
@@ -407,16 +412,6 @@ class SpeculativeDecoder:
         self.stats = Stats()
 
     # -- target forwards ----------------------------------------------------------------
-
-    @torch.no_grad()
-    def _forward(self, tokens: list[int], cache: DynamicCache, **extra):
-        """Target forward over ``tokens`` after ``cache``: logits (k, V) and the proposer's
-        features (k, L, H) or None. ``extra``: tree attention mask and position ids."""
-        ids = torch.tensor([tokens], device=self.device)
-        out, feats = self.target.forward_features(
-            self.layers, input_ids=ids, past_key_values=cache, use_cache=True, **extra
-        )
-        return out.logits[0], None if feats is None else feats[0]
 
     def _calibrate(self, prefix: int = 256, reps: int = 5) -> list[float]:
         """Time target forwards over k + 1 tokens (k = 0..gamma) after a ``prefix``-token
@@ -439,16 +434,18 @@ class SpeculativeDecoder:
         vocab = self.target.config.vocab_size
         g = torch.Generator().manual_seed(0)
         ctx = torch.randint(0, vocab, (prefix,), generator=g).tolist()
+        runner = self.runner
+        runner.reserve(2 * prefix)
         runs: list[list[float]] = [[] for _ in sizes]
         for _ in range(reps + 1):
             for i, n in enumerate(sizes):
-                cache = DynamicCache(config=self.target.config)
-                self._forward(ctx, cache)
+                runner.prefill(ctx)
                 _sync(self.device)
                 t = time.perf_counter()
-                self._forward(ctx[:n], cache)
+                runner.forward(Layout(ctx[0], Proposal.chain(ctx[1:n])))
                 _sync(self.device)
                 runs[i].append(time.perf_counter() - t)
+        runner.reset()
         return [sorted(r[1:])[len(r[1:]) // 2] for r in runs]
 
     # -- generation ---------------------------------------------------------------------
@@ -463,15 +460,21 @@ class SpeculativeDecoder:
         if not prompt:
             raise ValueError("empty prompt")
         st = Stats()
+        runner = self.runner
+        # a static cache sized before the clock starts (a CUDA graph captured again costs
+        # seconds; ``runner.capture_seconds`` reports it)
+        runner.reserve(len(prompt) + max_new_tokens + 1)
+        self.proposer.reserve(len(prompt) + max_new_tokens + 1)
         t_start = time.perf_counter()
-        cache = DynamicCache(config=self.target.config)
+        runner.reset()
         feats = None
         if len(prompt) > 1:
             t = time.perf_counter()
-            _, feats = self._forward(prompt[:-1], cache)
+            feats = runner.prefill(prompt[:-1])
             _sync(self.device)
             st.t_prefill += time.perf_counter() - t
             st.prefill_calls += 1
+        features = _Features(feats) if feats is not None else None
         state = DecodeState(
             ids=list(prompt),
             features=feats,
@@ -480,10 +483,12 @@ class SpeculativeDecoder:
             device=self.device,
             signals=self.stop_rule is not None or self.traces is not None,
             stop=self.stop_rule,
-            prefill_cache=cache if len(prompt) > 1 else None,
+            prefill_cache=runner.prefill_cache() if len(prompt) > 1 else None,
         )
         calls0 = self.proposer.draft_calls
         t = time.perf_counter()
+        if features is not None:
+            state.features = features.view
         self.proposer.start(state)  # a draft model prefills the prompt here: counted as prefill
         state.prefill_cache = None
         _sync(self.device)
@@ -511,13 +516,8 @@ class SpeculativeDecoder:
             side = self.proposer.side_branch(state) if (g > 0 or drafted) else None
             _sync(self.device)
             t_draft = time.perf_counter() - t
-            base = len(state.ids) - 1  # cache length before this forward
             t = time.perf_counter()
-            logits, f_new = (
-                self._forward([state.ids[-1]] + prop.tokens, cache)
-                if _is_chain(prop) and side is None
-                else self._forward_tree(state.ids[-1], prop, cache, base, side)
-            )
+            logits, f_new = runner.forward(Layout(state.ids[-1], prop, side))
             if side is not None:
                 n_main = len(prop) + 1
                 logits, side_logits = logits[:n_main], logits[n_main:]
@@ -551,10 +551,15 @@ class SpeculativeDecoder:
             _sync(self.device)
             t_verify = time.perf_counter() - t
             path = verdict.path
-            keep_cache_positions(cache, base, [0] + [i + 1 for i in path])
+            keep = [0] + [i + 1 for i in path]
+            runner.commit(keep)
             if self.layers:
-                sel = f_new[[0] + [i + 1 for i in path]]
-                state.features = sel if state.features is None else torch.cat([state.features, sel])
+                sel = f_new[keep] if len(keep) < len(f_new) else f_new
+                if features is None:
+                    features = _Features(sel)
+                else:
+                    features.append(sel)
+                state.features = features.view
             emitted = [prop.tokens[i] for i in path] + [verdict.token]
             if self.record_logits:  # the target rows that decided each emitted token
                 step_logits.extend(logits[[0] + [i + 1 for i in path]].float().cpu())
@@ -606,35 +611,33 @@ class SpeculativeDecoder:
         self.last_logits = step_logits[: len(new)] if self.record_logits else None
         return new
 
-    def _forward_tree(self, root: int, prop: Proposal, cache: DynamicCache, base: int, side=None):
-        """Verify a token tree in one forward: tree attention mask and depth position ids.
-        A proposer's ``side`` branch (``SideBranch``) rides along after the tree: its tokens
-        see the context, the root and each other as it says, and no tree node sees them."""
-        n = len(prop)
-        m = len(side.tokens) if side is not None else 0
-        anc = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool)
-        anc[0, 0] = True
-        depth = [0] * (n + 1)
-        for i, par in enumerate(prop.parents):
-            anc[i + 1] = anc[par + 1].clone()
-            anc[i + 1, i + 1] = True
-            depth[i + 1] = depth[par + 1] + 1
-        if m:
-            if side.allowed.shape != (m, m) or min(side.offsets) < 1:
-                raise ValueError(
-                    f"side branch of {m} tokens: allowed must be ({m}, {m}) and offsets >= 1"
-                )
-            anc[n + 1 :, 0] = True
-            anc[n + 1 :, n + 1 :] = side.allowed | torch.eye(m, dtype=torch.bool)
-            depth += list(side.offsets)
-        allowed = torch.cat([torch.ones(n + 1 + m, base, dtype=torch.bool), anc], dim=1)
-        pos = torch.tensor([[base + d for d in depth]], device=self.device)
-        return self._forward(
-            [root] + prop.tokens + (list(side.tokens) if m else []),
-            cache,
-            attention_mask=additive_mask(allowed, self.target.dtype)[None, None].to(self.device),
-            position_ids=pos,
-        )
+
+class _Features:
+    """The target's features at every fed position, (n, L, H), appended in place: storage
+    doubles when full, so a sequence costs O(n) copies instead of a concatenation of the whole
+    history per iteration. ``view`` is what proposers read (rows never change once written)."""
+
+    def __init__(self, first: torch.Tensor):
+        self.buf = torch.empty((max(64, 2 * len(first)), *first.shape[1:]), **_like(first))
+        self.buf[: len(first)] = first
+        self.n = len(first)
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.n + len(rows)
+        if need > len(self.buf):
+            grown = torch.empty((2 * need, *self.buf.shape[1:]), **_like(self.buf))
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : need] = rows
+        self.n = need
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self.buf[: self.n]
+
+
+def _like(t: torch.Tensor) -> dict:
+    return {"dtype": t.dtype, "device": t.device}
 
 
 def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:

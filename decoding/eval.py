@@ -73,6 +73,11 @@ class EvalConfig:
     sample_top_k: int = 0  # top-k sampling filter (0: off), applied to target and draft alike
     top_p: float = 1.0
     gamma: int = 4  # draft tokens per iteration (the maximum, with adaptive on)
+    # the target's forward in the built-in decoder (decoding/runner.py): true = the lean
+    # Llama-family forward over a static KV cache at fixed widths, captured as CUDA graphs on a
+    # GPU (eager on a CPU); false = transformers' forward over its dynamic cache; auto = the
+    # first wherever it runs (Llama, Mistral, Qwen2/3 targets; the report says which ran)
+    compile: str = "auto"
     adaptive: bool = True
     # Trained drafts: auto (EAGLE: chain, Medusa: static), chain (gamma tokens), dynamic
     # (EAGLE-2 tree) or static (Medusa's candidate tree). Trees are verified whole (gamma is
@@ -263,6 +268,11 @@ def _stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict
             if not spec.tree_iterations
             else float("nan")
         ),
+        # what the decoder would give if verifying cost a plain step and nothing but drafting
+        # were added: tau / (1 + drafting per iteration over a plain step). Measured speedup
+        # below it is the decoder's cost (wider forwards, bookkeeping); the bound itself below
+        # the goal is the draft's (its tau) or its drafting cost
+        "speedup_bound": _speedup_bound(spec, ar),
         "target_calls": spec.target_calls,
         # what drafting costs per iteration that drafted (a chain drafter: its steps; a
         # parallel one: its one forward), over one plain target step
@@ -287,6 +297,13 @@ def _stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict
             "other_fraction": other / spec.t_total if spec.t_total else float("nan"),
         },
     }
+
+
+def _speedup_bound(spec: Stats, ar: Stats) -> float:
+    if not (spec.target_calls and ar.target_calls and ar.t_target):
+        return float("nan")
+    plain_step = ar.t_target / ar.target_calls
+    return spec.tau / (1 + (spec.t_draft / spec.target_calls) / plain_step)
 
 
 def _decode_rate(s: Stats) -> float:
@@ -427,9 +444,18 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     method = proposer.method  # the trained draft behind it, if any
     changed = method.changes_target() if method is not None else None
     sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
-    ar = SpeculativeDecoder(
-        target, NoDraft(), sampling, gamma=0, seed=cfg.seed, record_logits=sampling.greedy
-    )
+    try:
+        ar = SpeculativeDecoder(
+            target,
+            NoDraft(),
+            sampling,
+            gamma=0,
+            seed=cfg.seed,
+            record_logits=sampling.greedy,
+            compile=cfg.compile,
+        )
+    except ValueError as e:
+        raise EvalError(str(e)) from None
     tolerance = NEAR_TIE_TOLERANCE.get(target.dtype, 0.5)
     # A tree is verified whole; with adaptive on, the decoder drafts one only while trees are
     # measured to be faster than plain decoding (chains: it sizes gamma).
@@ -449,9 +475,18 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             lenience=cfg.lenience,
             stop_rule=stop_rule,
             traces=traces,
+            compile=cfg.compile,
         )
     except ValueError as e:
         raise EvalError(f"draft={cfg.draft}: {e}") from None
+    # the static caches sized for the longest prompt before anything is timed
+    room = max(
+        len(prompt_ids(tok, [{"role": "user", "content": t}]))
+        for q in questions
+        for t in q["turns"][: cfg.turns]
+    )
+    for dec in (ar, spec):
+        dec.runner.reserve(cfg.turns * (room + cfg.max_new_tokens) + 64)
     typical = cfg.acceptance == "typical" and not sampling.greedy
     lenient = cfg.lenience < 1
     stop = stop_ids(cfg, tok)
@@ -514,6 +549,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         c = (spec.stats.t_draft / steps) / ar_step if steps else 0.0
     par = spec.proposer.parallel
     report = _stats_row(spec.stats, ar.stats, c, par)
+    report["decoder"] = {
+        "runner": spec.runner.kind,
+        "plain_runner": ar.runner.kind,
+        "compile": str(cfg.compile).lower(),
+        "drafter": type(spec.proposer).__name__,
+        "capture_seconds": spec.runner.capture_seconds + ar.runner.capture_seconds,
+        "plain_ms_per_step": 1e3 * ar_step,
+    }
     near = sum(d["near_tie"] for d in divergences)
     accepted = sum(spec.stats.accepted.values())
     if lenient and sampling.greedy:
@@ -663,6 +706,7 @@ def _hf_assisted(target, proposer, questions, cfg, stop, report) -> dict[str, An
         gamma=cfg.gamma,
         adaptive=cfg.adaptive,
         seed=cfg.seed,
+        compile=cfg.compile,
     )
     n_hf = n_ours = 0
     t_hf = t_ours = 0.0
@@ -750,6 +794,19 @@ def print_report(r: dict[str, Any], out=print) -> None:
         else:
             out(f"lossless: {r['lossless']} ({r['lossless_note']})")
     else:
+        d = r.get("decoder") or {}
+        if d:
+            out(
+                f"decoder: {d['runner']} (compile={d['compile']}; plain: {d['plain_runner']}, "
+                f"{f(d['plain_ms_per_step'])} ms a step"
+                + (
+                    f"; graphs captured in {f(d['capture_seconds'], 1)} s"
+                    if d["capture_seconds"]
+                    else ""
+                )
+                + f"); speedup {f(r['speedup'])} against a bound of {f(r.get('speedup_bound'))} "
+                "(tau over 1 + drafting's share of a plain step)"
+            )
         out(
             f"predicted speedup {f(r['predicted_speedup'])} (alpha {f(r['alpha'], 3)}, c "
             f"{f(r['draft_cost_ratio'], 3)}); gamma used {r['gamma_used']}; time outside model "

@@ -26,7 +26,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from models.base import DecodeState, Proposal, Proposer, crop_cache, draft_signals
+from models.base import DecodeState, Proposal, Proposer, cache_kw, crop_cache, draft_signals
 from models.draft_lm import BatchedDraftLM
 from models.sampling import greedy_tokens, sample, warp
 from models.target import Target
@@ -109,7 +109,7 @@ class StreamingDraft(Proposer):
         return self.model(
             input_ids=ids,
             position_ids=pos,
-            past_key_values=self.cache,
+            **cache_kw(self.model, self.cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits[0, -1]

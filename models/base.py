@@ -263,6 +263,26 @@ class SideBranch:
     allowed: torch.Tensor  # (m, m) bool: branch token i attends to branch token j (i itself too)
 
 
+_CACHE_KW: dict[type, str] = {}
+
+
+def cache_kw(module, cache) -> dict:
+    """``{name: cache}`` for a transformers module's forward: transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (warning on every call with the old name, to be removed in
+    5.40); older releases take only the old name. Looked up once per module class."""
+    kind = type(module)
+    name = _CACHE_KW.get(kind)
+    if name is None:
+        import inspect
+
+        try:
+            params = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        name = _CACHE_KW[kind] = "cache" if "cache" in params else "past_key_values"
+    return {name: cache}
+
+
 def crop_cache(cache, length: int) -> None:
     """Cut a transformers KV cache back to its first ``length`` positions."""
     n = cache.get_seq_length()
@@ -336,6 +356,17 @@ class Proposer(abc.ABC):
         (``BatchedProposer``), or None (the default): the batched decoder then gives each row
         its own ``fresh`` copy, drafting row by row."""
         return None
+
+    def fixed_shape(self, gamma: int, graphs: str) -> Proposer | None:
+        """This drafter for the decoder's static path (``compile=true``): fixed shapes, one
+        host read per proposal, captured as CUDA graphs where ``graphs`` is ``cuda``
+        (``emulate``: the same shapes run eagerly; ``off``: eager). None (the default): the
+        decoder drafts with this proposer as it is."""
+        return None
+
+    def reserve(self, total: int) -> None:  # noqa: B027 (a no-op default)
+        """Room for sequences of up to ``total`` tokens (a drafter with preallocated caches
+        allocates it now, before anything is timed)."""
 
     def fresh(self) -> Proposer:
         """Another proposer of the same draft for another sequence decoded at the same time

@@ -16,6 +16,7 @@ from .base import (
     DraftError,
     Proposal,
     Proposer,
+    cache_kw,
     crop_cache,
     draft_signals,
 )
@@ -89,7 +90,7 @@ class DraftLMProposer(Proposer):
         self.draft_calls += 1
         ids = torch.tensor([tokens], device=device)
         logits = self.model(
-            input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, **cache_kw(self.model, self.cache), use_cache=True, logits_to_keep=1
         ).logits[0, -1]
         return _fit_vocab(logits, self.vocab_size)
 
@@ -178,7 +179,7 @@ class BatchedDraftLM(BatchedProposer):
             input_ids=ids.to(device),
             attention_mask=additive_mask(allowed, dtype)[:, None].to(device),
             position_ids=pos.to(device),
-            past_key_values=cache,
+            **cache_kw(self.model, cache),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
+from .base import cache_kw
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -580,7 +582,7 @@ def generate_many(
             input_ids=ids,
             attention_mask=m,
             position_ids=pos,
-            past_key_values=c,
+            **cache_kw(model, c),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -666,7 +668,7 @@ def generate_many(
             input_ids=toks,
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=cache,
+            **cache_kw(model, cache),
             use_cache=True,
         )
         logits = out.logits[:, -1].float()

@@ -77,11 +77,16 @@ def _env(tmp_path_factory):
     os.environ["WANDB_MODE"] = "offline"
 
 
+#: where the decoder's exactness tests decode: cpu (CI), or cuda (scripts/gpu_check.sh, which
+#: selects the tests that are written device-clean: the runner-parametrized ones)
+TEST_DEVICE = os.environ.get("SPECDRAFT_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     from models.target import TargetConfig, load_target
 
-    return load_target(TargetConfig(name="tiny_random", device="cpu", dtype="float32"))
+    return load_target(TargetConfig(name="tiny_random", device=TEST_DEVICE, dtype="float32"))
 
 
 @pytest.fixture(scope="session")
@@ -181,11 +186,15 @@ def assert_pairs_follow_the_target(target, prompt, s, pairs, what=""):
 
     from models.sampling import warp
 
+    dev = target.device
     with torch.no_grad():
-        p1 = warp(target.model(torch.tensor([prompt])).logits[0, -1], s)
+        p1 = warp(target.model(torch.tensor([prompt], device=dev)).logits[0, -1], s).cpu()
         p2 = torch.stack(
-            [warp(target.model(torch.tensor([prompt + [x]])).logits[0, -1], s) for x in range(10)]
-        )
+            [
+                warp(target.model(torch.tensor([prompt + [x]], device=dev)).logits[0, -1], s)
+                for x in range(10)
+            ]
+        ).cpu()
     expected = (p1[:, None] * p2).flatten()
     n = len(pairs)
     counts = torch.zeros(100)
@@ -225,13 +234,14 @@ def small_vocab_target(layers: int = 2):
     """``small_vocab_llama(0, layers)`` as a target."""
     from models.target import Target, TargetConfig
 
-    return Target(small_vocab_llama(0, layers), None, "small-vocab", TargetConfig(name="test"))
+    model = small_vocab_llama(0, layers).to(TEST_DEVICE)
+    return Target(model, None, "small-vocab", TargetConfig(name="test"))
 
 
 @pytest.fixture(scope="module")
 def small_vocab_pair():
     """A target and a draft over a 10-token vocabulary (tiny random Llamas, sharpened)."""
-    return small_vocab_target(), small_vocab_llama(1)
+    return small_vocab_target(), small_vocab_llama(1).to(TEST_DEVICE)
 
 
 def tiny_target_gguf(path, target) -> Path:
@@ -251,3 +261,26 @@ def tiny_target_gguf(path, target) -> Path:
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+# The target runners the decoder's exactness tests run on (decoding/runner.py): transformers'
+# forward, the lean static-cache forward (eager), and the CUDA-graph path's fixed widths and
+# static buffers run eagerly ("graphs" here; real graphs in scripts/gpu_check.sh on CUDA)
+RUNNERS = ["transformers", "static", "graphs"]
+
+
+def make_runner(kind: str, target, layers=(), widths=(1, 8)):
+    from decoding.runner import HFRunner, StaticRunner
+
+    if kind == "transformers":
+        return HFRunner(target, tuple(layers))
+    graphs = {"graphs": "cuda" if target.device.type == "cuda" else "emulate"}.get(kind, "off")
+    return StaticRunner(target, tuple(layers), widths, graphs=graphs, max_len=256)
+
+
+#: the decoder's compile= setting that runs each of RUNNERS (on CUDA, true captures graphs)
+COMPILE = {
+    "transformers": "false",
+    "static": "true",
+    "graphs": "true" if TEST_DEVICE.startswith("cuda") else "emulate",
+}

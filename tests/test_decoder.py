@@ -8,11 +8,12 @@ import time
 
 import pytest
 import torch
-from conftest import assert_first_two_tokens_follow_the_target
+from conftest import COMPILE, RUNNERS, assert_first_two_tokens_follow_the_target, make_runner
 
 from decoding.decoder import NoDraft, SpeculativeDecoder
 from decoding.lookahead import LookaheadProposer
 from decoding.proposers import DraftLMProposer, NGramProposer
+from decoding.runner import Layout
 from models.base import DecodeSettings, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead
 from models.sampling import Sampling
@@ -34,8 +35,11 @@ def proposers(target):
     }
 
 
-def ar_greedy(target, prompt, n):
-    return SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(prompt, n)
+def ar_greedy(target, prompt, n, runner="static"):
+    dec = SpeculativeDecoder(
+        target, NoDraft(), Sampling(), calibrate=False, compile=COMPILE[runner]
+    )
+    return dec.generate(prompt, n)
 
 
 def test_plain_decoding_equals_transformers_generate(tiny_target):
@@ -46,16 +50,22 @@ def test_plain_decoding_equals_transformers_generate(tiny_target):
     assert ours == ref
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("name", ["ngram", "draft_lm", "truncate:1", "eagle", "self", "lookahead"])
-def test_greedy_speculative_equals_greedy_autoregressive(tiny_target, name, adaptive):
+def test_greedy_speculative_equals_greedy_autoregressive(tiny_target, name, adaptive, runner):
     torch.manual_seed(0)
-    ref = ar_greedy(tiny_target, PROMPT, 48)
+    ref = ar_greedy(tiny_target, PROMPT, 48, runner)
     dec = SpeculativeDecoder(
-        tiny_target, proposers(tiny_target)[name], Sampling(), gamma=4, adaptive=adaptive
+        tiny_target,
+        proposers(tiny_target)[name],
+        Sampling(),
+        gamma=4,
+        adaptive=adaptive,
+        compile=COMPILE[runner],
     )
     assert dec.generate(PROMPT, 48) == ref
-    assert dec.generate(PROMPT[:7], 20) == ar_greedy(tiny_target, PROMPT[:7], 20)  # state reset
+    assert dec.generate(PROMPT[:7], 20) == ar_greedy(tiny_target, PROMPT[:7], 20, runner)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -148,10 +158,16 @@ class OracleTree(Proposer):
         pass
 
 
-def test_tree_verification_keeps_the_accepted_path(tiny_target):
-    ref = ar_greedy(tiny_target, PROMPT, 40)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_tree_verification_keeps_the_accepted_path(tiny_target, runner):
+    ref = ar_greedy(tiny_target, PROMPT, 40, runner)
     dec = SpeculativeDecoder(
-        tiny_target, OracleTree(ref, len(PROMPT)), Sampling(), gamma=3, adaptive=False
+        tiny_target,
+        OracleTree(ref, len(PROMPT)),
+        Sampling(),
+        gamma=3,
+        adaptive=False,
+        compile=COMPILE[runner],
     )
     assert dec.generate(PROMPT, 40) == ref
     assert dec.stats.tau == 4.0  # every level's right token is in the tree
@@ -168,6 +184,17 @@ def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s):
     dec = SpeculativeDecoder(target, DraftLMProposer(draft), s, gamma=3, adaptive=False, seed=5)
     assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s)
     assert dec.stats.alpha < 0.95  # the draft really differs: rejections happen
+
+
+@pytest.mark.parametrize("runner", ["transformers", "graphs"])
+def test_sampled_output_follows_the_target_on_every_runner(small_vocab_pair, runner):
+    """The chi-square test above (the default runner) on the other target runners."""
+    target, draft = small_vocab_pair
+    s = Sampling(1.0)
+    dec = SpeculativeDecoder(
+        target, DraftLMProposer(draft), s, gamma=3, adaptive=False, seed=5, compile=COMPILE[runner]
+    )
+    assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s)
 
 
 def test_lookahead_sampling_follows_the_target(small_vocab_pair):
@@ -235,22 +262,21 @@ def test_adaptive_tree_decoding_stays_lossless(tiny_target):
     assert dec.generate(PROMPT, 48) == ar_greedy(tiny_target, PROMPT, 48)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_tree_forward_equals_each_branch_alone(attn):
+def test_tree_forward_equals_each_branch_alone(attn, runner):
     """The target's logits at every node of a verified tree are those of a plain forward over
     the prompt and that node's path: the tree mask hides every other branch, under eager
-    attention too (which adds a boolean mask as a 0/1 bias and so masks nothing)."""
-    from transformers import DynamicCache
-
+    attention too (which adds a boolean mask as a 0/1 bias and so masks nothing), and on every
+    target runner."""
     model, tok = build_tiny_target(seed=0)
     model.set_attn_implementation(attn)
     target = Target(model.eval(), tok, f"tiny-{attn}", TargetConfig(name="tiny_random"))
     prompt = PROMPT[:10]
     prop = Proposal([40, 41, 42, 43, 44, 45], [-1, -1, 0, 0, 1, 2])
-    dec = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False)
-    cache = DynamicCache(config=model.config)
-    dec._forward(prompt[:-1], cache)
-    logits, _ = dec._forward_tree(prompt[-1], prop, cache, len(prompt) - 1)
+    run = make_runner(runner, target)
+    run.prefill(prompt[:-1])
+    logits, _ = run.forward(Layout(prompt[-1], prop))
     for node in range(-1, len(prop)):
         path, a = [], node
         while a >= 0:

@@ -50,6 +50,15 @@ class EagleProposer(Proposer):
         """The batched decoder's drafter: chains only (a subclass drafts otherwise)."""
         return BatchedEagleChain(self.head) if type(self) is EagleProposer else None
 
+    def fixed_shape(self, gamma: int, graphs: str) -> Proposer | None:
+        """Chains on the static path (``static.py``); trees draft eagerly (a tree's frontier
+        is chosen on the host level by level)."""
+        if type(self) is not EagleProposer or gamma < 1:
+            return None
+        from .static import StaticEagleChain
+
+        return StaticEagleChain(self.head, gamma, graphs)
+
     def reset(self) -> None:
         """Forget every fed pair (an empty draft KV cache)."""
         self.cache = DynamicCache()

@@ -1,0 +1,234 @@
+"""EAGLE chain drafting on fixed shapes: the decoder's static path (``compile=true``).
+
+The eager proposer (``proposer.py``) feeds the head through a ``DynamicCache`` that grows and
+is cropped every iteration and reads each drafted token back to the host before drafting the
+next (a device sync per token). Here the head's keys and values live in a preallocated buffer
+(``StaticDraftKV``, behind the one method transformers' attention calls on a cache), a
+drafting iteration is one function of fixed shapes (the catch-up on the newly committed pairs,
+padded to gamma_max + 1 rows, then gamma draft steps, each token chosen on the device) and one
+host read at its end; on CUDA that function is captured as a CUDA graph per gamma, so a whole
+proposal is one replay (SGLang's captured multi-step draft). The head's own ``step`` computes
+every step, so EAGLE-1, EAGLE-3 and HASS heads draft the same tokens on both paths (up to the
+rounding of a padded matmul). T > 0 samples each token by the inverse CDF at a uniform drawn
+from the decoder's generator before the replay, so the proposal's q is the law it was drawn
+from: verification stays exact.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..base import DecodeState, Proposal
+from ..lean import Captured, round_up
+from ..sampling import warp
+from .proposer import EagleProposer
+
+if TYPE_CHECKING:
+    from .model import EagleHead
+
+
+class StaticDraftKV:
+    """The draft layer's keys and values in a preallocated (1, kv_heads, max_len, head_dim)
+    buffer. transformers' attention calls ``update`` with the new keys and values; they are
+    written at ``columns`` (a device tensor set before each step) and the first ``span``
+    columns are returned to attend over (the step's mask says which of them each query sees).
+    Allocated on the first update, when the head's shapes are known."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.columns: torch.Tensor | None = None
+        self.span = max_len
+        # with ``columns`` None, a step appends after ``length`` entries and attends to all of
+        # them (a DynamicCache's behaviour: the eager proposer's token-by-token drafting)
+        self.length = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.k is None:
+            B, h, _, d = key_states.shape
+            shape = (B, h, self.max_len, d)
+            self.k = key_states.new_zeros(shape)
+            self.v = value_states.new_zeros(shape)
+        if self.columns is None:
+            q = key_states.shape[2]
+            end = self.length + q
+            self.k[:, :, self.length : end] = key_states
+            self.v[:, :, self.length : end] = value_states
+            self.length = end
+            return self.k[:, :, :end], self.v[:, :, :end]
+        self.k.index_copy_(2, self.columns, key_states)
+        self.v.index_copy_(2, self.columns, value_states)
+        return self.k[:, :, : self.span], self.v[:, :, : self.span]
+
+
+class StaticEagleChain(EagleProposer):
+    """An EAGLE head's chain on fixed shapes (see the module docstring). ``graphs``: ``cuda``
+    (captured), ``emulate`` (the same buffers and shapes run eagerly: tests) or ``off`` (eager
+    at fixed shapes). Chains only; with a stop rule or signals asked for it drafts as the
+    eager proposer does (those decide token by token on the host)."""
+
+    name = "eagle-static"
+
+    def __init__(self, head: EagleHead, gamma_max: int, graphs: str = "off", max_len: int = 2048):
+        super().__init__(head)
+        if gamma_max < 1:
+            raise ValueError(f"gamma={gamma_max}: a static chain drafts at least one token")
+        self.gamma_max, self.graphs = gamma_max, graphs
+        self.width = gamma_max + 1  # committed pairs fed per iteration (accepted + 1)
+        self.capture_seconds = 0.0
+        self._alloc(max_len)
+
+    # -- buffers and graphs ------------------------------------------------------------
+
+    def _alloc(self, max_len: int) -> None:
+        head = self.head
+        dev = head.target.device
+        self.kv = StaticDraftKV(round_up(max_len + self.width + self.gamma_max))
+        L = len(self.feature_layers)
+        H = head.target.hidden_size
+        dtype = head.target.dtype
+        self.f_buf = torch.zeros(self.width, L, H, dtype=dtype, device=dev)
+        self.x_buf = torch.zeros(1, self.width, dtype=torch.long, device=dev)
+        self.done_t = torch.zeros((), dtype=torch.long, device=dev)
+        self.last_t = torch.zeros((), dtype=torch.long, device=dev)  # real pairs - 1
+        self.u_buf = torch.zeros(self.gamma_max, dtype=torch.float64, device=dev)
+        self.rows = torch.arange(self.width, device=dev)
+        self.cols = torch.arange(self.kv.max_len, device=dev)
+        self._graphs: dict[tuple[int, bool], Captured] = {}
+        self._pool = None
+        self.cache = self.kv  # what EagleProposer's eager catch-up writes through
+
+    def reserve(self, total: int) -> None:
+        if total + self.width + self.gamma_max > self.kv.max_len:
+            self._alloc(max(total, 2 * self.kv.max_len))
+
+    def _graph(self, gamma: int, sampling) -> Captured:
+        key = (gamma, sampling)
+        g = self._graphs.get(key)
+        if g is None:
+            # warm-up and capture write at the last columns, which no sequence reaches
+            self.done_t.fill_(self.kv.max_len - self.width - self.gamma_max)
+            self.last_t.fill_(self.width - 1)
+            t = time.perf_counter()
+            g = Captured(lambda: self._draft(gamma, sampling), self.graphs != "cuda", self._pool)
+            self._pool = g.pool
+            self.capture_seconds += time.perf_counter() - t
+            self._graphs[key] = g
+        return g
+
+    def _mask(self, query_cols: torch.Tensor) -> torch.Tensor:
+        """(1, 1, Q, max_len): each query sees the columns up to its own (stale entries past
+        it, left by padding or by an earlier draft, are never seen)."""
+        return (self.cols[None, :] <= query_cols[:, None])[None, None]
+
+    def _draft(self, gamma: int, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole proposal on the static buffers: catch up on the committed pairs in
+        ``f_buf``/``x_buf`` (rows past ``last_t`` are padding), then ``gamma`` draft tokens.
+        Returns the tokens (gamma,) and, at T > 0, q over the target vocabulary (gamma, V)."""
+        head, kv = self.head, self.kv
+        kv.span = kv.max_len
+        pos = self.done_t + self.rows
+        kv.columns = pos
+        h0 = head.initial_hidden(self.f_buf)[None]
+        h = head.step(h0, head._embed(self.x_buf), pos[None], self._mask(pos), kv)
+        h = h.index_select(1, self.last_t.view(1))  # (1, 1, H): predicts the pending token
+        col = self.done_t + self.last_t + 1  # where the first drafted token is fed
+        toks, qs = [], []
+        for i in range(gamma):
+            if sampling.greedy:
+                x = head.top_tokens(h[0], 1)[1][0, 0]
+            else:
+                logits, offset = head.own_logits(h[0, -1])
+                q_own = warp(logits, sampling)
+                j = _inverse_cdf(q_own, self.u_buf[i])
+                x = j + offset[j] if offset is not None else j
+                qs.append(head.to_target_vocab(q_own))
+            toks.append(x)
+            if i < gamma - 1:
+                c = (col + i).view(1)
+                kv.columns = c
+                h = head.step(h, head._embed(x.view(1, 1)), c.view(1, 1), self._mask(c), kv)
+        return torch.stack(toks), torch.stack(qs) if qs else None
+
+    # -- the proposer contract ---------------------------------------------------------
+
+    def start(self, state: DecodeState) -> None:
+        self.reset()
+        self.cache = self.kv
+        self.reserve(len(state.ids))
+        if len(state.ids) > 2:
+            self._catch_up(state, upto=len(state.ids) - 2)
+
+    def reset(self) -> None:
+        self.done = 0
+        self.last_step_seconds = None
+
+    @torch.no_grad()
+    def _catch_up(self, state: DecodeState, upto: int) -> torch.Tensor:
+        """Eager catch-up at exact shapes (the prompt, or pairs beyond one graph's width)."""
+        kv = self.kv
+        kv.columns = torch.arange(self.done, upto, device=state.device)
+        kv.span = upto
+        self.reserve(upto)
+        mask = (torch.arange(upto, device=state.device)[None, :] <= kv.columns[:, None])[None, None]
+        head = self.head
+        emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=state.device))
+        h0 = head.initial_hidden(state.features[self.done : upto])
+        h = head.step(h0[None], emb, kv.columns[None], mask, kv)
+        self.done = upto
+        kv.columns, kv.length = None, upto  # later eager steps append after the pairs
+        self.draft_calls += 1
+        return h
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        if state.signals or state.stop is not None or gamma > self.gamma_max:
+            return self._eager_propose(state, gamma)
+        n = len(state.ids)
+        if self._no_context(state) or gamma < 1:
+            self.last_step_seconds = None
+            return Proposal([], [])
+        t = time.perf_counter()
+        upto = n - 1
+        if upto - self.done > self.width:  # the head sat idle: feed the older pairs first
+            self._catch_up(state, upto - self.width)
+        graph = self._graph(gamma, state.sampling)  # captured before its inputs are set
+        m = upto - self.done  # 1..width committed pairs to feed
+        self.f_buf[:m] = state.features[self.done : upto]
+        ids = torch.zeros(self.width, dtype=torch.long)
+        ids[:m] = torch.tensor(state.ids[self.done + 1 : upto + 1])
+        self.x_buf.copy_(ids[None].to(self.x_buf.device, non_blocking=True))
+        self.done_t.fill_(self.done)
+        self.last_t.fill_(m - 1)
+        if not state.sampling.greedy:
+            self.u_buf[:gamma] = torch.rand(
+                gamma, generator=state.generator, dtype=torch.float64, device=state.device
+            )
+        toks, q = graph()
+        tokens = toks.tolist()  # the iteration's one read of the device
+        self.done = upto
+        self.draft_calls += gamma
+        self.last_step_seconds = (time.perf_counter() - t) / gamma
+        return Proposal.chain(tokens, q.clone() if q is not None else None)
+
+    def _eager_propose(self, state: DecodeState, gamma: int) -> Proposal:
+        """The eager proposer's chain (token-by-token host decisions) on the static cache."""
+        self.kv.columns, self.kv.length = None, self.done
+        return super().propose(state, gamma)
+
+    def rollback(self, state: DecodeState, n_accepted: int) -> None:
+        """Nothing to cut: drafted entries sit past ``done`` and no later query sees them."""
+
+
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``models.sampling.sample`` on the device: the first index whose cumulative weight
+    exceeds u * total (float64 cumulative sum), never past the last token of positive weight
+    (where u * total rounds up to the total)."""
+    c = p.cumsum(-1, dtype=torch.float64)
+    i = torch.searchsorted(c, (u * c[-1]).reshape(1), right=True)[0]
+    last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).max()
+    return torch.minimum(i, last)

@@ -1,0 +1,265 @@
+"""The compiled decoder's costs on this device (issue 44): what a target forward costs at each
+verification width on transformers' path, the static path eager and (CUDA) its captured graphs;
+plain decoding's tokens/s on both paths beside transformers' own ``generate`` (static cache and
+``torch.compile``, CUDA only); and a Llama-3.1-8B-shaped target with random weights built on
+the device (no weights carried: costs only) against the memory-bandwidth limit, with an
+EAGLE-3 draft step (random weights too) against a target step. Run it alone on the machine.
+
+    python scripts/bench_compiled.py --parts forward,plain [--device cuda] [--out r.json]
+    python scripts/bench_compiled.py --parts shaped --device cuda     # the 8B-shaped costs
+    python scripts/bench_compiled.py --parts hf_compile --device cuda # transformers' compiled
+
+Every figure is a median of ``--reps`` after a warm-up; the JSON holds them with the device,
+versions and the date, for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+WIDTHS = (1, 2, 4, 8, 16, 32)
+PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up."""
+    fn()
+    sync(dev)
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync(dev)
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def forward_costs(target, runner, widths, reps: int, prefix: int = 256) -> dict[int, float]:
+    """ms of a forward over w new tokens after a ``prefix``-token context, per width."""
+    from decoding.runner import Layout
+    from models.base import Proposal
+
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, target.config.vocab_size, (prefix + max(widths),), generator=g).tolist()
+    runner.reserve(prefix + 2 * max(widths))
+    out = {}
+    for w in widths:
+        runner.prefill(ctx[:prefix])
+        lay = Layout(ctx[prefix], Proposal.chain(ctx[prefix + 1 : prefix + w]))
+
+        def one(lay=lay):
+            runner.forward(lay)
+            runner.commit([])  # nothing kept: the next call writes the same columns
+
+        out[w] = 1e3 * timed(one, target.device, reps)
+    return out
+
+
+def part_forward(target, widths, reps) -> dict:
+    from decoding.runner import HFRunner, StaticRunner
+
+    dev = target.device
+    runners = {
+        "transformers": HFRunner(target, ()),
+        "static eager": StaticRunner(target, (), (1,), "off"),
+    }
+    if dev.type == "cuda":
+        runners["static + CUDA graphs"] = StaticRunner(target, (), widths, "cuda")
+    res = {name: forward_costs(target, r, widths, reps) for name, r in runners.items()}
+    for name, r in runners.items():
+        if r.capture_seconds:
+            res[f"{name} capture_s"] = r.capture_seconds
+    return res
+
+
+def part_plain(target, tokens: int, reps: int) -> dict:
+    """Plain greedy decoding of one chat prompt: tokens/s on each path of our decoder."""
+    from data.chat import prompt_ids
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from models.sampling import Sampling
+
+    p = prompt_ids(target.tokenizer, [{"role": "user", "content": PROMPT}])
+    res = {}
+    decs = {
+        m: SpeculativeDecoder(target, NoDraft(), Sampling(), compile=m) for m in ("false", "true")
+    }
+    for d in decs.values():
+        d.generate(p, 16)
+    runs: dict[str, list[float]] = {m: [] for m in decs}
+    for _ in range(reps):  # interleaved: a drifting machine weighs on both alike
+        for m, d in decs.items():
+            d.generate(p, tokens)
+            s = d.last
+            runs[m].append(s.new_tokens / (s.t_total - s.t_prefill))
+    for m, d in decs.items():
+        res[f"ours compile={m} ({d.runner.kind}) tok/s"] = statistics.median(runs[m])
+    return res
+
+
+def part_hf_compile(target, tokens: int, reps: int) -> dict:
+    """transformers' generate with its static cache, the forward under torch.compile
+    (``reduce-overhead``: CUDA graphs), greedy: the reference a compiled decoder is held to."""
+    from data.chat import prompt_ids
+
+    p = prompt_ids(target.tokenizer, [{"role": "user", "content": PROMPT}])
+    ids = torch.tensor([p], device=target.device)
+    m = target.model
+    m.generation_config.cache_implementation = "static"
+    m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    t = time.perf_counter()
+    m.generate(ids, **kw)
+    m.generate(ids, **kw)
+    compile_s = time.perf_counter() - t
+    rates = []
+    for _ in range(reps):
+        sync(target.device)
+        t = time.perf_counter()
+        m.generate(ids, **kw)
+        sync(target.device)
+        rates.append(tokens / (time.perf_counter() - t))
+    return {
+        "transformers generate static+compile tok/s": statistics.median(rates),
+        "compile_s": compile_s,
+    }
+
+
+def copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
+    """Bytes per second a device-to-device copy moves (read + write counted)."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    s = timed(lambda: b.copy_(a), dev, 10)
+    return 2 * nbytes / s
+
+
+def part_shaped(device: str, reps: int, config: str) -> dict:
+    """A Llama-3.1-8B-shaped target with random weights, built on the device (labelled: costs
+    only), on the static path with graphs: forward ms per width against the bandwidth limit,
+    and an EAGLE-3 head's draft step (random weights) against a target step."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from decoding.runner import StaticRunner
+    from models.base import DecodeState
+    from models.eagle import Eagle3Config, Eagle3Head
+    from models.eagle.static import StaticEagleChain
+    from models.sampling import Sampling
+    from models.target import Target, TargetConfig
+
+    dev = torch.device(device)
+    cfg = AutoConfig.from_pretrained(config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    t = time.perf_counter()
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(prev)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    build_s = time.perf_counter() - t
+    target = Target(model.eval(), None, "llama-3.1-8b-shaped-random", TargetConfig(name="hf"))
+    widths = (1, 8, 16, 32)
+    graphs = "cuda" if dev.type == "cuda" else "off"
+    runner = StaticRunner(target, (), widths, graphs, max_len=512)
+    fwd = forward_costs(target, runner, widths, reps)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # a step reads every weight but the embedding table (one row of it)
+    read = weight_bytes - model.get_input_embeddings().weight.numel() * 2
+    bw = copy_bandwidth(dev)
+    limit_ms = 1e3 * read / bw
+    res = {
+        "build_s": build_s,
+        "capture_s": runner.capture_seconds,
+        "forward_ms": fwd,
+        "verify_over_one_step": {w: fwd[w] / fwd[1] for w in widths},
+        "weight_GB_read_per_step": read / 1e9,
+        "copy_bandwidth_GB_s": bw / 1e9,
+        "bandwidth_limit_ms": limit_ms,
+        "fraction_of_bandwidth_limit": limit_ms / fwd[1],
+    }
+    del runner
+    head = Eagle3Head(target, Eagle3Config()).to(dev, torch.bfloat16).eval()
+    L = len(head.feature_layers)
+    n = 256
+    ids = torch.randint(0, cfg.vocab_size, (n,)).tolist()
+    feats = torch.randn(n - 1, L, cfg.hidden_size, dtype=torch.bfloat16, device=dev) * 0.1
+    for gamma in (1, 3):
+        chain = StaticEagleChain(head, gamma, graphs, max_len=512)
+        state = DecodeState(ids, feats, Sampling(), None, dev)
+        chain.start(DecodeState(ids[: n - 4], feats[: n - 5], Sampling(), None, dev))
+
+        def draft(chain=chain, state=state, gamma=gamma):
+            chain.done = n - 1 - gamma  # the same gamma new pairs to catch up on each time
+            chain.propose(state, gamma)
+
+        s = timed(draft, dev, reps)
+        res[f"eagle3 draft gamma={gamma} ms"] = 1e3 * s
+        res[f"eagle3 draft step over target step (gamma={gamma})"] = 1e3 * s / gamma / fwd[1]
+        res[f"eagle3 capture_s gamma={gamma}"] = chain.capture_seconds
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="forward,plain", help="forward,plain,hf_compile,shaped")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    ap.add_argument(
+        "--config", default=str(Path(__file__).parent / "model_configs" / "llama-3.1-8b-instruct")
+    )
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import transformers
+
+    from models.target import TargetConfig, load_target
+
+    parts = a.parts.split(",")
+    report: dict = {
+        "device": torch.cuda.get_device_name(0)
+        if a.device.startswith("cuda")
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    widths = tuple(int(w) for w in a.widths.split(","))
+    target = None
+    if {"forward", "plain", "hf_compile"} & set(parts):
+        target = load_target(TargetConfig(device=a.device))
+        report["target"] = f"{target.identity} ({str(target.dtype).replace('torch.', '')})"
+    if "forward" in parts:
+        report["forward_ms"] = part_forward(target, widths, a.reps)
+    if "plain" in parts:
+        report["plain"] = part_plain(target, a.tokens, max(3, a.reps // 2))
+    if "hf_compile" in parts:
+        report["hf_compile"] = part_hf_compile(target, a.tokens, max(3, a.reps // 2))
+    if "shaped" in parts:
+        del target
+        report["llama_3.1_8b_shaped_random"] = part_shaped(a.device, a.reps, a.config)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

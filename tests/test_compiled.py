@@ -1,0 +1,333 @@
+"""The decoder's fixed-shape path (issue 44): the lean Llama-family forward over a static cache
+gives transformers' logits and features, its cache surgery keeps the accepted path, the graph
+path's padded widths change nothing, and ``compile=`` picks and reports a runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import COMPILE, make_runner
+from transformers import DynamicCache
+
+from decoding.decoder import NoDraft, SpeculativeDecoder
+from decoding.runner import (
+    HFRunner,
+    Layout,
+    RunnerError,
+    StaticRunner,
+    choose_runner,
+)
+from models.base import Proposal
+from models.lean import LeanLlama, StaticKV, lean_support, visible_columns
+from models.sampling import Sampling
+from models.target import Target, TargetConfig
+
+PROMPT = [257, 72, 101, 108, 108, 111, 32, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture(scope="module")
+def smollm2_target():
+    from models.target import load_target
+
+    return load_target(TargetConfig(name="smollm2_135m", device="cpu", dtype="bfloat16"))
+
+
+def _tiny(kind: str, seed: int = 0):
+    """A random 2-layer model of ``kind`` (hidden 64, 4 query / 2 kv heads), float32."""
+    import transformers as tr
+
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    cfgs = {
+        "llama": lambda: tr.LlamaConfig(**common, tie_word_embeddings=True),
+        "qwen2": lambda: tr.Qwen2Config(**common, tie_word_embeddings=False),
+        "qwen3": lambda: tr.Qwen3Config(**common, head_dim=16),
+        "mistral": lambda: tr.MistralConfig(**common, sliding_window=None),
+        "gpt2": lambda: tr.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4),
+    }
+    cfg = cfgs[kind]()
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tr.AutoModelForCausalLM.from_config(cfg)
+        # biases that are not zero, where the architecture has them (Qwen2's q/k/v)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.data.normal_(0, 0.5)
+            if "norm" in name:
+                p.data.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _causal(n: int) -> torch.Tensor:
+    return torch.tril(torch.ones(1, n, n, dtype=torch.bool))
+
+
+def _lean_logits(lean: LeanLlama, ids: list[int], base: int, states=()):
+    n = len(ids)
+    mask = visible_columns(torch.tensor(base), _causal(n), n, base + n)
+    return lean.forward(
+        torch.tensor([ids]),
+        torch.arange(base, base + n)[None],
+        torch.arange(base, base + n),
+        mask,
+        states,
+    )
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+@torch.no_grad()
+def test_lean_forward_gives_transformers_logits_step_by_step(kind):
+    """Prefill, then one and then three tokens at a time: every logit row equals transformers'
+    over its DynamicCache, and the hidden states at the first, a middle and the last index equal
+    ``output_hidden_states``."""
+    model = _tiny(kind)
+    assert lean_support(model) is None
+    lean = LeanLlama(model, max_len=128)
+    ids = PROMPT[:12]
+    cache = DynamicCache(config=model.config)
+    out = model(
+        torch.tensor([ids]), past_key_values=cache, use_cache=True, output_hidden_states=True
+    )
+    got, feats = _lean_logits(lean, ids, 0, states=(1, 2, 3))
+    torch.testing.assert_close(got[0], out.logits[0], atol=1e-5, rtol=1e-5)
+    for i, j in enumerate((1, 2, 3)):
+        torch.testing.assert_close(feats[0, :, i], out.hidden_states[j][0], atol=1e-5, rtol=1e-5)
+    base = len(ids)
+    for step in ([5], [6, 7, 8], [9]):
+        ref = model(torch.tensor([step]), past_key_values=cache, use_cache=True).logits[0]
+        got, _ = _lean_logits(lean, step, base)
+        torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
+        base += len(step)
+
+
+@torch.no_grad()
+def test_lean_forward_on_the_embedded_target_within_bf16_rounding(smollm2_target):
+    """The embedded SmolLM2 in its own dtype: the prompt's logits are transformers' bit for bit
+    (the same ops in the same order), the next tokens' within bf16 rounding of a 30-layer
+    model, with the same argmax."""
+    t = smollm2_target
+    ids = torch.randint(0, t.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=t.config)
+    ref = t.model(ids[:, :40], past_key_values=cache, use_cache=True).logits[0]
+    lean = LeanLlama(t.model, max_len=128)
+    got, _ = _lean_logits(lean, ids[0, :40].tolist(), 0)
+    assert torch.equal(got[0], ref)
+    ref2 = t.model(ids[:, 40:], past_key_values=cache, use_cache=True).logits[0].float()
+    got2 = _lean_logits(lean, ids[0, 40:].tolist(), 40)[0][0].float()
+    assert (got2 - ref2).abs().max() < 1.0  # bf16: logits of ~20 carry ~0.1 of rounding
+    assert torch.equal(got2.argmax(-1), ref2.argmax(-1))
+
+
+@pytest.mark.parametrize("keep", [[0, 2, 5], [0, 1, 2], [3], [0, 4, 1]])
+def test_static_cache_move_keeps_the_context_and_the_path_in_order(keep):
+    start = 4  # committed entries; a tree of 6 after them
+    kv = StaticKV(
+        layers=2, batch=1, kv_heads=2, max_len=16, head_dim=3, dtype=torch.float32, device="cpu"
+    )
+    col = torch.arange(16, dtype=torch.float32)
+    kv.kv[:] = col.view(1, 1, 1, 1, 16, 1)
+    kv.kv[1] += 100  # layer 1 differs
+    kv.kv[:, 1] *= -1  # values differ from keys
+    kv.move(start, torch.tensor(keep))
+    want = list(range(start)) + [start + i for i in keep]
+    m = len(want)
+    assert kv.kv[0, 0, 0, 1, :m, 2].tolist() == want
+    assert kv.kv[1, 0, 0, 0, :m, 0].tolist() == [w + 100 for w in want]
+    assert kv.kv[1, 1, 0, 1, :m, 1].tolist() == [-(w + 100) for w in want]
+
+
+@pytest.mark.parametrize("kind", ["static", "graphs"])
+@torch.no_grad()
+def test_static_runners_give_transformers_logits_for_chains_trees_and_rollbacks(tiny_target, kind):
+    """The same proposals (a chain, then a tree whose middle branch is kept) through
+    transformers' runner and a static one: equal logits and features at every node, equal
+    logits after each rollback. ``graphs`` pads every forward to a fixed width over the whole
+    static cache, as a captured graph does."""
+    layers = (1, -1)
+    ref, run = (
+        make_runner("transformers", tiny_target, layers),
+        make_runner(kind, tiny_target, layers),
+    )
+    for r in (ref, run):
+        r.prefill(PROMPT[:-1])
+    steps = [
+        (Layout(PROMPT[-1], Proposal.chain([5, 6, 7])), [0, 1]),
+        (Layout(6, Proposal([40, 41, 42, 43, 44], [-1, -1, 0, 1, 1])), [0, 2, 5]),
+        (Layout(44, Proposal.chain([])), [0]),
+        (Layout(9, Proposal([1, 2, 3], [-1, -1, -1])), [0, 3]),
+        (Layout(3, Proposal.chain([8])), [0, 1]),
+    ]
+    for lay, keep in steps:
+        a_logits, a_feats = ref.forward(lay)
+        b_logits, b_feats = run.forward(lay)
+        torch.testing.assert_close(b_logits, a_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b_feats, a_feats, atol=1e-5, rtol=1e-5)
+        for r in (ref, run):
+            r.commit(keep)
+        assert ref.length == run.length
+
+
+def test_graph_widths_pad_and_a_wider_forward_runs_eagerly(tiny_target):
+    run = make_runner("graphs", tiny_target, (), widths=(1, 4))
+    ref = make_runner("transformers", tiny_target, ())
+    for r in (run, ref):
+        r.prefill(PROMPT[:-1])
+    for toks in ([5, 6], [7, 8, 9, 10, 11, 12]):  # padded to 4; wider than any graph
+        lay = Layout(PROMPT[-1], Proposal.chain(toks))
+        torch.testing.assert_close(run.forward(lay)[0], ref.forward(lay)[0], atol=1e-5, rtol=1e-5)
+        for r in (run, ref):
+            r.commit([0])
+
+
+def test_static_cache_grows_when_a_sequence_needs_more(tiny_target):
+    graphs = "cuda" if tiny_target.device.type == "cuda" else "emulate"
+    run = StaticRunner(tiny_target, (), (1, 5), graphs=graphs, max_len=32)
+    cap = run.capacity
+    dec = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False, compile="false")
+    ref = dec.generate(PROMPT, 260)
+    dec.runner = run
+    assert dec.generate(PROMPT, 260) == ref
+    assert run.capacity > cap >= 32
+
+
+def test_compile_setting_picks_a_runner_and_says_why_not():
+    model = _tiny("gpt2")
+    why = lean_support(model)
+    assert why is not None and "gpt2" in why
+    tgt = Target(model, None, "tiny-gpt2", TargetConfig(name="tiny_random"))
+    assert isinstance(choose_runner("auto", tgt, NoDraft(), (), (1,)), HFRunner)
+    with pytest.raises(RunnerError, match="compile=true: target: model_type 'gpt2'"):
+        choose_runner("true", tgt, NoDraft(), (), (1,))
+    with pytest.raises(RunnerError, match="compile='maybe'"):
+        choose_runner("maybe", tgt, NoDraft(), (), (1,))
+
+
+def test_the_decoder_reports_which_runner_ran(tiny_target):
+    auto = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False)
+    off = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False, compile="false")
+    assert auto.runner.kind == "static" and off.runner.kind == "transformers"
+    assert auto.generate(PROMPT, 24) == off.generate(PROMPT, 24)
+
+
+def test_a_self_drafter_that_copies_the_prefill_cache_keeps_transformers_path(tiny_target):
+    from decoding.streaming import StreamingDraft
+
+    prop = StreamingDraft(tiny_target, sinks=2, window=8)
+    dec = SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=2, calibrate=False)
+    assert dec.runner.kind == "transformers"
+    with pytest.raises(ValueError, match="copies transformers' prefill cache"):
+        SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=2, compile="true")
+
+
+def _eagle3(target, seed=0):
+    from models.eagle import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(seed)
+    head = Eagle3Head(target, Eagle3Config(draft_vocab_size=min(64, target.config.vocab_size)))
+    with torch.no_grad():  # a random head, made confident enough to draft varied tokens
+        head.lm_head.weight.mul_(8.0)
+    return head.eval()
+
+
+@pytest.mark.parametrize("compile", sorted(set(COMPILE.values()) - {"false"}))
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_static_eagle_chain_drafts_what_the_eager_proposer_drafts(tiny_target, method, compile):
+    """Greedy, on the same target: the fixed-shape chain (one host read per proposal) and the
+    eager proposer draft the same tokens every iteration, and decoding stays lossless."""
+    from models.eagle import Eagle1Config, EagleHead
+    from models.eagle.static import StaticEagleChain
+
+    torch.manual_seed(1)
+    head = EagleHead(tiny_target, Eagle1Config()) if method == "eagle1" else _eagle3(tiny_target)
+    head = head.to(tiny_target.device).eval()
+    runs = {}
+    for mode in ("false", compile):
+        dec = SpeculativeDecoder(
+            tiny_target, head.proposer(), Sampling(), gamma=3, adaptive=False, compile=mode
+        )
+        drafted: list[list[int]] = []
+        inner = dec.proposer.propose
+        dec.proposer.propose = lambda s, g, inner=inner, d=drafted: (
+            d.append(inner(s, g).tokens) or Proposal.chain(d[-1])
+        )
+        runs[mode] = (dec.generate(PROMPT, 40), drafted, type(dec.proposer))
+    assert runs[compile][2] is StaticEagleChain and runs["false"][2] is not StaticEagleChain
+    assert runs[compile][0] == runs["false"][0]
+    assert runs[compile][1] == runs["false"][1]
+
+
+def test_static_eagle_chain_sampling_follows_the_target(small_vocab_pair):
+    """T = 1 with the static chain's on-device inverse-CDF draws: the first two tokens follow
+    the target (chi-square, false-alarm rate 1e-3), and drafts are really rejected."""
+    from conftest import assert_first_two_tokens_follow_the_target
+
+    from models.eagle.static import StaticEagleChain
+
+    target, _ = small_vocab_pair
+    s = Sampling(1.0)
+    dec = SpeculativeDecoder(
+        target,
+        _eagle3(target).to(target.device).proposer(),
+        s,
+        gamma=3,
+        adaptive=False,
+        seed=3,
+        compile=COMPILE["graphs"],
+    )
+    assert isinstance(dec.proposer, StaticEagleChain)
+    assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s, gen=3, n=2000)
+    assert 0.05 < dec.stats.alpha < 0.95
+
+
+def test_static_eagle_chain_catches_up_after_idle_iterations(tiny_target):
+    """More committed pairs than one graph's width (the controller decoded plain for a while):
+    the older pairs are fed eagerly, the rest by the fixed-shape call; still lossless."""
+    from models.eagle import Eagle1Config, EagleHead
+
+    head = EagleHead(tiny_target, Eagle1Config()).to(tiny_target.device).eval()
+    dec = SpeculativeDecoder(
+        tiny_target, head.proposer(), Sampling(), gamma=2, adaptive=False, compile=COMPILE["graphs"]
+    )
+    gammas = iter([2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 2] + [2] * 100)
+    dec.controller.choose = lambda limit, bucket=None: min(next(gammas), limit)
+    ref = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False, compile="false")
+    assert dec.generate(PROMPT, 40) == ref.generate(PROMPT, 40)
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+@torch.no_grad()
+def test_static_eagle_chain_feeds_several_committed_pairs_like_the_eager_one(tiny_target, method):
+    """Iterations that committed 1, 4, 2 and 3 tokens (accepted drafts + the correction): after
+    each, both proposers are handed the same state and draft the same chain."""
+    from models.base import DecodeState
+    from models.eagle import Eagle1Config, EagleHead
+    from models.eagle.static import StaticEagleChain
+
+    torch.manual_seed(2)
+    head = EagleHead(tiny_target, Eagle1Config()) if method == "eagle1" else _eagle3(tiny_target)
+    head = head.to(tiny_target.device).eval()
+    seq = PROMPT + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
+    ids = torch.tensor([seq])
+    feats = tiny_target.features(ids, torch.ones_like(ids), head.feature_layers)[0]
+    eager, static = head.proposer(), StaticEagleChain(head, 3, "emulate")
+
+    def state(n):
+        return DecodeState(seq[:n], feats[: n - 1], Sampling(), None, tiny_target.device)
+
+    n = len(PROMPT)
+    for p in (eager, static):
+        p.start(state(n))
+    for step in (1, 4, 2, 3):
+        n += step
+        a, b = eager.propose(state(n), 3), static.propose(state(n), 3)
+        assert a.tokens == b.tokens, (step, a.tokens, b.tokens)
+        for p in (eager, static):
+            p.rollback(state(n), 0)
