@@ -124,6 +124,8 @@ def load_proposer(
     if spec in SHIPPED and shipped is None:
         raise DraftError(f"draft={spec}: the shipped draft is missing from {SHIPPED[spec]}")
     path = shipped if shipped is not None else Path(spec).expanduser()
+    if not path.exists() and _looks_like_a_path(spec):
+        raise DraftError(f"draft={spec}: no such folder")
     if path.exists():
         draft_dir = resolve_draft_dir(path)
         if draft_dir is not None:
@@ -163,6 +165,12 @@ def load_proposer(
                 "'specdraft' nor 'model_type')"
             )
     return _hf_draft(spec, target)
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    """A folder, not a hub id ("namespace/name"): absolute, relative to . or ~, or deeper than
+    one slash."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1
 
 
 def _head_proposer(head, tree: DecodeSettings, desc: str):

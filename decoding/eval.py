@@ -48,6 +48,7 @@ from .drafts import (
     saved_decode_settings,
 )
 from .llama_cpp import EngineError
+from .runner import RunnerError, compile_mode
 
 CONVENTION = (
     "tau = tokens emitted per target verification forward, counting the corrected/bonus token "
@@ -367,6 +368,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise EvalError(f"top_p={cfg.top_p}: must be in (0, 1] (1: off)")
     if not cfg.sample_top_k >= 0:
         raise EvalError(f"sample_top_k={cfg.sample_top_k}: must be >= 0 (0: off)")
+    try:
+        compile_mode(cfg.compile)
+    except RunnerError as e:
+        raise EvalError(str(e)) from None
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
     questions = bench_questions(cfg)
@@ -552,7 +557,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     report["decoder"] = {
         "runner": spec.runner.kind,
         "plain_runner": ar.runner.kind,
-        "compile": str(cfg.compile).lower(),
+        "compile": compile_mode(cfg.compile),
         "drafter": type(spec.proposer).__name__,
         "capture_seconds": spec.runner.capture_seconds + ar.runner.capture_seconds,
         "plain_ms_per_step": 1e3 * ar_step,

@@ -334,6 +334,15 @@ def static_unsupported(target: Target, proposer) -> str | None:
     return None
 
 
+def compile_mode(mode) -> str:
+    """``compile=`` as one of ``COMPILE_MODES`` (Hydra hands ``true``/``false`` over as
+    booleans); ``RunnerError`` naming the value otherwise."""
+    m = str(mode).lower()
+    if m not in COMPILE_MODES:
+        raise RunnerError(f"compile={mode!r}: use auto, true or false")
+    return m
+
+
 def choose_runner(
     mode: str,
     target: Target,
@@ -346,9 +355,7 @@ def choose_runner(
     (on CUDA with graphs; on a CPU eager, measured 5-15% faster than transformers' forward for
     the embedded target, docs/benchmarks.md), else transformers'. ``true``: the static path or
     a ``RunnerError`` saying why not. ``false``: transformers'."""
-    mode = str(mode).lower()
-    if mode not in COMPILE_MODES:
-        raise RunnerError(f"compile={mode!r}: use auto, true or false")
+    mode = compile_mode(mode)
     if mode == "emulate":
         why = static_unsupported(target, proposer)
         if why is not None:

@@ -461,6 +461,12 @@ class DraftMethod(nn.Module, abc.ABC):
         """Once, before training from scratch (not on resume or ``train.init_from``): settings
         chosen from the training split, e.g. EAGLE-3's draft vocabulary."""
 
+    def serving_problem(self) -> str | None:
+        """Why no serving engine would load this draft once trained (one line), or None.
+        Checked before training starts: a run must not train for hours into a head no engine
+        takes."""
+        return None
+
     def set_progress(self, fraction: float) -> None:  # noqa: B027 (a no-op default)
         """Before each training step: how far training is, in [0, 1] (the larger of steps
         and minutes over their budgets), for a method with a curriculum (Falcon's glancing)."""

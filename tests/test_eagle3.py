@@ -107,6 +107,47 @@ def test_default_fuse_layers_and_vocabulary_size(tiny_target):
         Eagle3Head(tiny_target, Eagle3Config(fuse_layers=[1, 2]))
 
 
+@pytest.mark.parametrize(
+    "layers,want",
+    [(4, [1, 2, 3]), (5, [1, 2, 4]), (6, [1, 3, 5]), (8, [2, 4, 5]), (30, [2, 15, 27])],
+)
+def test_default_fused_layers_are_three_an_engine_takes(layers, want):
+    """Wherever the target has >= 4 layers, the default is three distinct layers in 1..L-1
+    (serving engines' rule), the reference's (2, L // 2, L - 3) where those qualify."""
+    from models.eagle.model import default_fuse_layers
+
+    assert default_fuse_layers(layers) == want
+    assert len(set(want)) == 3 and all(1 <= i < layers for i in want)
+
+
+def test_training_a_head_no_engine_takes_is_refused_at_the_start(data_file, tmp_path):
+    """A 2-layer target cannot give three distinct fused layers: training stops before the
+    first step, in one line naming the setting, and writes no checkpoint."""
+    from trainer.train import ConfigError, run
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"method.fuse_layers=\[1, 1, 2\]: serving engines"):
+        run(compose(tiny_overrides(data_file, out, method="eagle3")))
+    assert not (out / "checkpoints").exists() and not (out / "final").exists()
+    r = run(
+        compose(
+            tiny_overrides(
+                data_file,
+                out.parent / "ok",
+                method="eagle3",
+                **{"target.tiny_layers": 4, "train.max_steps": 1, "method.draft_vocab_size": 64},
+            )
+        )
+    )
+    assert (
+        json.loads((out.parent / "ok" / "final" / "config.json").read_text())["method"][
+            "fuse_layers"
+        ]
+        == [1, 2, 3]
+        and r["step"] == 1
+    )
+
+
 def test_unroll_matches_sequential_decoding(tiny_target):
     head = make_head(tiny_target).eval()
     b = make_batch(tiny_target, head)
@@ -370,7 +411,7 @@ def test_train_eagle3_then_eval_chain_and_tree(data_file, tmp_path):
                 data_file,
                 out,
                 method="eagle3",
-                **{"train.max_steps": 3, "method.draft_vocab_size": 128},
+                **{"train.max_steps": 3, "method.draft_vocab_size": 128, "target.tiny_layers": 4},
             )
         )
     )
@@ -383,6 +424,7 @@ def test_train_eagle3_then_eval_chain_and_tree(data_file, tmp_path):
             "decoding.eval",
             [
                 "target=tiny_random",
+                "target.tiny_layers=4",
                 f"draft={out}",
                 "num_prompts=2",
                 "max_new_tokens=16",

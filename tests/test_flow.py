@@ -38,6 +38,7 @@ def test_app_trains_measures_and_says_how_to_serve(data_file, tmp_path):
             out,
             **{
                 "method": "eagle3",
+                "target.tiny_layers": 4,  # three distinct fused layers, as engines need
                 "train.max_steps": 3,
                 "train.eval_after.enabled": "true",
                 "train.eval_after.num_prompts": 1,

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from conftest import RUNNERS, make_runner
 
 from decoding.decoder import SpeculativeDecoder
 from decoding.drafts import load_proposer
 from decoding.lookahead import LookaheadProposer
+from decoding.runner import Layout
 from models.base import DecodeState, DraftError, Proposal
 from models.sampling import Sampling
 
@@ -29,26 +30,27 @@ def test_each_window_column_is_a_contiguous_trajectory(w, n):
         assert seen == list(range(1, offs[r] + 1)), (r, seen)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
 @torch.no_grad()
-def test_side_branch_logits_equal_a_plain_forward_over_each_trajectory(tiny_target):
+def test_side_branch_logits_equal_a_plain_forward_over_each_trajectory(tiny_target, runner):
     """In one forward with a proposal tree and the window, every window token's logits are what
     the target gives after the context, the root and that token's trajectory, and the tree's
-    are what they would be without the window."""
+    are what they would be without the window (on every target runner)."""
     t = tiny_target
-    dec = SpeculativeDecoder(t, LookaheadProposer(window=3, ngram=4), Sampling(), calibrate=False)
-    la = dec.proposer
+    la = LookaheadProposer(window=3, ngram=4)
     g = torch.Generator().manual_seed(0)
     la.levels = [torch.randint(0, 250, (3,), generator=g).tolist() for _ in range(3)]
     side = la.side_branch(None)
     ctx, root = PROMPT[:-1], PROMPT[-1]
     prop = Proposal([5, 6, 7], [-1, 0, -1])
-    cache = DynamicCache(config=t.config)
-    dec._forward(ctx, cache)
-    logits, _ = dec._forward_tree(root, prop, cache, len(ctx), side)
+    run = make_runner(runner, t, widths=(1, 16))
+    run.prefill(ctx)
+    logits, _ = run.forward(Layout(root, prop, side))
     assert logits.shape[0] == 1 + 3 + 9
 
     def plain(seq):
-        return t.model(input_ids=torch.tensor([ctx + [root] + seq])).logits[0, -1]
+        ids = torch.tensor([ctx + [root] + seq], device=t.device)
+        return t.model(input_ids=ids).logits[0, -1]
 
     for i, path in enumerate([[5], [5, 6], [7]]):
         torch.testing.assert_close(logits[1 + i], plain(path), atol=1e-4, rtol=1e-4)

@@ -130,6 +130,8 @@ def test_every_head_trains_with_the_acceptance_loss(data_file, tmp_path, method,
     out = tmp_path / "run"
     extra = {"method": method, "method.loss": "tvd", "train.max_steps": 8, "train.eval_every": 0}
     extra["optim.lr"] = 3e-3
+    if method == "eagle3":  # three distinct fused layers, as serving engines need
+        extra["target.tiny_layers"] = 4
     assert _run(data_file, out, **extra)["step"] == 8
     vals = [r[key] for r in read_metrics(out) if key in r]
     assert len(vals) == 8 and all(0.0 <= v <= 1.0 for v in vals)
@@ -253,7 +255,11 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(data_file, tmp_path):
     "method,extra,layers",
     [
         ("eagle1", {"method.noise": 0.0}, 1),  # the final hidden state
-        ("eagle3", {"method.draft_vocab_size": 128, "method.ttt_steps": 2}, 4),  # 3 fused + final
+        (
+            "eagle3",  # 3 fused + final; 4 target layers: three distinct layers an engine takes
+            {"method.draft_vocab_size": 128, "method.ttt_steps": 2, "target.tiny_layers": 4},
+            4,
+        ),
     ],
 )
 def test_cached_features_train_exactly_like_online(data_file, tmp_path, method, extra, layers):

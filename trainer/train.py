@@ -340,7 +340,10 @@ def _build_method(cfg: DictConfig, target, data, accelerator, log):
     method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
     if cfg.train.init_from:
         init_from_draft(method, str(cfg.train.init_from), target, method_cfg.name, log)
-    else:  # e.g. EAGLE-3's vocabulary, chosen from the training data
+    problem = method.serving_problem()  # before any training: a head no engine takes
+    if problem is not None:
+        raise ConfigError(problem)
+    if not cfg.train.init_from:  # e.g. EAGLE-3's vocabulary, chosen from the training data
         method.init_from_data(data.train, log)
     n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
     log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")

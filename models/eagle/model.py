@@ -436,8 +436,7 @@ class Eagle3Head(EagleHead):
         nn.Module.__init__(self)
         check_head_loss(cfg.loss)
         H, L, V = target.hidden_size, target.num_layers, target.config.vocab_size
-        fuse = list(cfg.fuse_layers) if cfg.fuse_layers is not None else [2, L // 2, L - 3]
-        fuse = [min(max(i, 1), L) for i in fuse] if cfg.fuse_layers is None else fuse
+        fuse = list(cfg.fuse_layers) if cfg.fuse_layers is not None else default_fuse_layers(L)
         if len(fuse) != 3:
             raise DraftError(f"method.fuse_layers={fuse}: EAGLE-3 fuses exactly three layers")
         # Non-negative and ascending: serving engines collect the fused states in layer order,
@@ -471,6 +470,24 @@ class Eagle3Head(EagleHead):
         with torch.no_grad():  # start the draft head from the target's rows for its tokens
             self.lm_head.weight.copy_(target.lm_head.weight[:dv].float())
         object.__setattr__(self, "target", target)
+
+    def serving_problem(self) -> str | None:
+        """Serving engines (vLLM, SGLang, TensorRT-LLM, llama.cpp) capture three distinct
+        hidden states at the outputs of decoder layers 1..L-1 (a layer's input, in llama.cpp's
+        terms); a head fusing any other set exports nowhere."""
+        fuse = list(self.cfg.fuse_layers)
+        L = self.target.num_layers
+        if len(set(fuse)) == 3 and all(1 <= i < L for i in fuse):
+            return None
+        why = (
+            f"this {L}-layer target has too few layers (at least 4)"
+            if L < 4
+            else "choose three distinct layers in that range"
+        )
+        return (
+            f"method.fuse_layers={fuse}: serving engines take EAGLE-3 heads that fuse three "
+            f"distinct layers in 1..{L - 1}; {why}"
+        )
 
     def init_from_data(self, train, log=print) -> None:
         """Choose the draft vocabulary: the ``draft_vocab_size`` most frequent assistant tokens
@@ -701,6 +718,18 @@ class Eagle3Head(EagleHead):
 
 # ---------------------------------------------------------------------------------------------
 # Pure loss functions and masks
+
+
+def default_fuse_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's fused layers when none are given: the reference's low, middle and high layers
+    (2, L // 2, L - 3), kept three distinct layers in 1..L-1 (what serving engines take) wherever
+    the target has at least 4 layers; a smaller target gets the nearest in range (such a head
+    decodes here, but no engine takes it, and training refuses it: ``serving_problem``)."""
+    L = num_layers
+    if L < 4:  # no three distinct layers in range: the reference's, clamped, as before
+        return sorted(min(max(i, 1), L) for i in (2, L // 2, L - 3))
+    fuse = sorted({min(max(i, 1), L - 1) for i in (2, L // 2, L - 3)})
+    return fuse if len(fuse) == 3 else [1, L // 2, L - 1]
 
 
 def position_mask(
