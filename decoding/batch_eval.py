@@ -21,28 +21,10 @@ from tqdm.auto import tqdm
 from data.chat import prompt_ids
 from models.target import GenRequest
 
-from .batch import (
-    POLICIES,
-    BatchDecoder,
-    BatchError,
-    BatchStats,
-    StepCostModel,
-    check_batch_settings,
-    has_rates,
-    latency_table,
-    speedup_table,
-)
+from .batch import BatchDecoder, BatchError, BatchStats, check_batch_settings
 from .decoder import NoDraft, SpeculativeDecoder
-
-BATCH_CONVENTION = (
-    "batch rows: tokens_per_second = all requests' new tokens / wall time of the whole run "
-    "(prefills included), for plain and speculative decoding at the same batch size; "
-    "request_tokens_per_second = mean over requests of new tokens / (last token - admission); "
-    "tau and alpha pool every row-iteration (a row's verification counts once per forward it "
-    "rode in); mean_gamma = draft tokens per row-iteration; decode_speedup = the ratio of new "
-    "tokens per second of wall time less the prefills (a drafter's reading of a newcomer counts "
-    "as prefill)."
-)
+from .policies import POLICIES, StepCostModel
+from .report import BATCH_CONVENTION, CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
 
 
 def policies_of(cfg) -> list[str]:
@@ -221,7 +203,6 @@ def evaluate_batched(
     cfg, target, proposer, draft_desc: str, questions, sampling, stop: set[int]
 ) -> dict[str, Any]:
     """The batch sweep's report (see the module docstring)."""
-    from .eval import CONVENTION, NEAR_TIE_TOLERANCE
 
     check_batch_settings(cfg, target, proposer)
     sizes, policies = batch_sizes_of(cfg), policies_of(cfg)
@@ -330,7 +311,6 @@ def _sweep_point(
     """One batch size at one arrival rate (None: every request waiting from the start): plain
     decoding and each policy on the same requests, ``batch_repeats`` times; a report row per
     policy (divergences from the batch-1 reference appended to ``sw.detail``)."""
-    from .eval import classify_divergence
 
     cfg, target, proposer, sampling, stop = sw.cfg, sw.target, sw.proposer, sw.sampling, sw.stop
     policies, reference, logits, tolerance = sw.policies, sw.reference, sw.logits, sw.tolerance
@@ -407,147 +387,3 @@ def _sweep_point(
         out_rows.append(row)
     bar.close()
     return out_rows
-
-
-def print_batch_report(r: dict[str, Any], out=print) -> None:
-    s = r["settings"]
-    out(
-        f"\ndraft: {s['draft_description']}   target: {s['target_identity']}   "
-        f"T={s['temperature']}   {r['num_requests']} requests x "
-        + (
-            f"{s['max_new_tokens']} tokens"
-            if not r.get("request_tokens")
-            else "{}-{} tokens (mixed lengths)".format(*r["request_tokens"])
-        )
-        + f"   waiting requests join when {s.get('batch_admit', 1)} slot(s) are free"
-    )
-    out(speedup_table(r["batch"]))
-    if has_rates(r["batch"]):
-        out("\nper-request latency from arrival, plain / speculative:")
-        out(latency_table(r["batch"]))
-    for row in r["batch"]:
-        if row["policy"] == "goodput" and row.get("cost_model"):
-            c = row["cost_model"]
-            out(
-                f"goodput cost model at batch {row['batch_size']}"
-                + (
-                    f", {row['request_rate']:g} requests/s"
-                    if row.get("request_rate") is not None
-                    else ""
-                )
-                + f": step = {c['c0_s'] * 1e3:.1f} ms"
-                f" + {c['per_row_s'] * 1e3:.2f} ms/row"
-                f" + {c['per_wide_row_s'] * 1e3:.2f} ms/row verifying more than one token"
-                f" + {c['per_further_token_s'] * 1e3:.2f} ms/token after a row's first + "
-                f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns "
-                f"(fit's relative error {c.get('relative_error', float('nan')):.1%})"
-                + (
-                    f"; the drafter reads {c['read_ms_per_token']:.3f} ms/token"
-                    if c.get("read_ms_per_token") is not None
-                    else ""
-                )
-                + (
-                    f", a draft step {c['draft_step_ms']:.1f} ms before the run"
-                    if c.get("draft_step_ms") is not None
-                    else ""
-                )
-                + f"; {row.get('probes', 0)} probes"
-                + (
-                    f"; {row['drain_forwards']} of {row['forwards']} forwards with no request"
-                    " waiting"
-                    if row.get("drain_forwards") is not None
-                    else ""
-                )
-            )
-    out(f"lossless: {r['lossless']} ({r['lossless_note']})")
-    out(f"convention: {r['convention']}")
-
-
-def plot_batch_report(r: dict[str, Any], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if has_rates(r["batch"]):
-        _plot_latency(r, plt, path)
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    by_policy: dict[str, list] = {}
-    for row in r["batch"]:
-        by_policy.setdefault(row["policy"], []).append(row)
-    for pol, rs in by_policy.items():
-        xs = [x["batch_size"] for x in rs]
-        a.plot(xs, [x["speedup"] for x in rs], "o-", label=pol)
-        b.plot(xs, [x["tokens_per_second"] for x in rs], "o-", label=f"spec ({pol})")
-    first = next(iter(by_policy.values()))
-    b.plot(
-        [x["batch_size"] for x in first],
-        [x["plain_tokens_per_second"] for x in first],
-        "k--",
-        label="plain",
-    )
-    a.axhline(1.0, color="grey", lw=0.8)
-    _finish(
-        plt,
-        fig,
-        r,
-        path,
-        "batch size",
-        [
-            ("speedup over plain at the same batch", "speculation vs batch size"),
-            ("total tokens/s", "throughput"),
-        ],
-    )
-
-
-def _finish(plt, fig, r: dict[str, Any], path, xlabel: str, labels: list[tuple[str, str]]) -> None:
-    """Both panels on a log2 x axis with their legends, (y label, title) each; saved."""
-    for ax, (ylabel, title) in zip(fig.axes, labels, strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(xlabel)
-        ax.legend(fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-    fig.suptitle(r["settings"]["draft_description"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_latency(r: dict[str, Any], plt, path) -> None:
-    """Mean end-to-end latency and time per output token against the arrival rate, plain and
-    each policy, one line per batch size (SmartSpec's figures)."""
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    rows = r["batch"]  # every row is at a rate (``has_rates``)
-    sizes = sorted({x["batch_size"] for x in rows})
-    for size in sizes:
-        at = [x for x in rows if x["batch_size"] == size]
-        tag = f"B={size} " if len(sizes) > 1 else ""
-        first = [x for x in at if x["policy"] == at[0]["policy"]]
-        xs = [x["request_rate"] for x in first]
-        a.plot(
-            xs, [x["plain_latency"]["latency"]["mean"] for x in first], "k--", label=f"{tag}plain"
-        )
-        b.plot(
-            xs,
-            [1e3 * x["plain_latency"]["tpot"]["mean"] for x in first],
-            "k--",
-            label=f"{tag}plain",
-        )
-        for pol in dict.fromkeys(x["policy"] for x in at):
-            ps = [x for x in at if x["policy"] == pol]
-            xs = [x["request_rate"] for x in ps]
-            a.plot(xs, [x["latency"]["latency"]["mean"] for x in ps], "o-", label=f"{tag}{pol}")
-            b.plot(xs, [1e3 * x["latency"]["tpot"]["mean"] for x in ps], "o-", label=f"{tag}{pol}")
-    _finish(
-        plt,
-        fig,
-        r,
-        path,
-        "arrival rate, requests/s (Poisson)",
-        [
-            ("mean latency per request, s", "end-to-end latency"),
-            ("mean time per output token, ms", "time per output token"),
-        ],
-    )

@@ -24,9 +24,12 @@ from models.base import DecodeState, Proposal, Proposer
 from models.sampling import Sampling, greedy_tokens, warp
 from models.target import Target
 
+from .policies import GammaController, TreeController
 from .runner import Layout, RunnerError, StaticRunner, TargetRunner, choose_runner
 from .runner import keep_cache_positions as keep_cache_positions  # re-exported for callers
+from .timing import interleaved_medians, sync
 from .verify import (
+    Verdict,
     lenient_tvd,
     one_hot,
     verify_greedy,
@@ -115,171 +118,6 @@ class Stats:
         ]
 
 
-class GammaController:
-    """Chooses how many draft tokens to verify each iteration.
-
-    With ``adaptive`` off it always drafts ``gamma``. With it on, it picks the gamma in
-    0..gamma_max that maximises expected tokens per second, E[tokens] / (gamma * t_draft +
-    t_verify(gamma)), with E[tokens] = (1 - a^(g+1)) / (1 - a) (Leviathan et al.), a the running
-    acceptance (exponentially decayed counts with a Beta(1, 1) prior), t_draft the measured time
-    per draft step and t_verify(g) the measured time of a target forward over g + 1 tokens.
-
-    Acceptance is tracked per *bucket*: a proposal may say how confident it is (an n-gram match
-    of length n, say), and each bucket keeps its own rate. A draft with no skill drives gamma to
-    0 (plain decoding); after ``probe_every`` such iterations it drafts one token to notice if
-    acceptance has come back, and each probe that fails doubles the wait (up to ``max_probe``),
-    so a useless draft costs almost nothing.
-    """
-
-    def __init__(
-        self,
-        gamma: int,
-        adaptive: bool,
-        t_verify: list[float],
-        decay: float = 0.9,
-        probe_every: int = 16,
-        max_probe: int = 256,
-        parallel: bool = False,
-    ):
-        self.gamma, self.adaptive, self.parallel = gamma, adaptive, parallel
-        self.t_verify = list(t_verify)  # index k: forward over k + 1 tokens
-        self.decay, self.probe_every, self.max_probe = decay, probe_every, max_probe
-        self.counts: dict[str | None, list[float]] = {}  # bucket -> [accepted, tested]
-        self.t_draft: float | None = None
-        self.zero_streak: dict[str | None, int] = {}
-        self.wait: dict[str | None, int] = {}
-        self.probing = False
-
-    def alpha(self, bucket: str | None = None) -> float:
-        acc, tested = self.counts.get(bucket, (1.0, 2.0))  # prior mean 0.5
-        return acc / tested
-
-    @staticmethod
-    def expected_tokens(alpha: float, g: int) -> float:
-        if alpha >= 1.0 - 1e-9:
-            return g + 1.0
-        return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
-
-    def draft_cost(self, g: int) -> float:
-        """Seconds to draft ``g`` tokens: g steps, or one forward for a parallel drafter."""
-        if g == 0:
-            return 0.0
-        return self.t_draft if self.parallel else g * self.t_draft
-
-    def choose(self, limit: int, bucket: str | None = None) -> int:
-        self.probing = False
-        cap = max(0, min(self.gamma, limit))
-        if not self.adaptive or cap == 0:
-            return cap
-        if self.t_draft is None:
-            return min(cap, 2)  # measure the draft's cost first
-        a = self.alpha(bucket)
-        best = max(
-            range(cap + 1),
-            key=lambda g: self.expected_tokens(a, g) / (self.draft_cost(g) + self.t_verify[g]),
-        )
-        if best > 0:
-            self.zero_streak[bucket] = 0
-            return best
-        streak = self.zero_streak.get(bucket, 0) + 1
-        self.zero_streak[bucket] = streak
-        if streak >= self.wait.get(bucket, self.probe_every):
-            self.zero_streak[bucket] = 0
-            self.probing = True
-            return 1
-        return 0
-
-    def update(
-        self,
-        g: int,
-        tested: int,
-        accepted: int,
-        step_seconds: float | None,
-        t_verify: float,
-        bucket: str | None = None,
-        t_draft: float = 0.0,
-    ) -> None:
-        """After an iteration that verified ``g`` draft tokens. ``step_seconds``: the measured
-        cost of one draft step this iteration (None: nothing measured); ``t_draft``: the
-        iteration's whole drafting time (used by ``TreeController``)."""
-        if g > 0:
-            acc, n = self.counts.get(bucket, (1.0, 2.0))
-            self.counts[bucket] = [acc * self.decay + accepted, n * self.decay + tested]
-            if self.probing:
-                w = self.wait.get(bucket, self.probe_every)
-                self.wait[bucket] = self.probe_every if accepted else min(2 * w, self.max_probe)
-        if step_seconds is not None:
-            self.t_draft = (
-                step_seconds if self.t_draft is None else 0.8 * self.t_draft + 0.2 * step_seconds
-            )
-        if g < len(self.t_verify):  # a tree may verify more nodes than gamma
-            self.t_verify[g] = 0.8 * self.t_verify[g] + 0.2 * t_verify
-
-
-class TreeController:
-    """Whether to draft a tree this iteration (trees are verified whole: their size is the
-    proposer's). With ``adaptive`` on it compares the measured rate of tree iterations
-    (emitted tokens over drafting + verification seconds, decayed averages) with plain
-    decoding's (one token per single-token verification) and drafts only while trees are the
-    faster of the two; when they are not it probes with a tree now and then, waiting twice as
-    long after each probe that does not pay, as ``GammaController`` does for chains. So a tree
-    that costs more than it brings (a weak draft, or a device where verifying many tokens is
-    expensive) leaves decoding near plain speed instead of below it."""
-
-    def __init__(
-        self,
-        depth: int,
-        adaptive: bool,
-        t_plain: float,
-        decay: float = 0.9,
-        probe_every: int = 16,
-        max_probe: int = 256,
-    ):
-        self.gamma, self.adaptive = depth, adaptive
-        self.decay, self.probe_every, self.max_probe = decay, probe_every, max_probe
-        self.t_plain = t_plain  # seconds of a one-token verification
-        self.tree: list[float] | None = None  # decayed [tokens, seconds] of tree iterations
-        self.zero_streak, self.wait, self.probing = 0, probe_every, False
-
-    def rates(self) -> tuple[float, float]:
-        """(tree tokens per second, plain tokens per second)."""
-        plain = 1.0 / self.t_plain if self.t_plain > 0 else float("inf")
-        if self.tree is None:
-            return float("inf"), plain  # nothing measured yet: try a tree first
-        return self.tree[0] / max(self.tree[1], 1e-9), plain
-
-    def choose(self, limit: int, bucket: str | None = None) -> int:
-        self.probing = False
-        cap = max(0, min(self.gamma, limit))
-        if not self.adaptive or cap == 0:
-            return cap
-        tree, plain = self.rates()
-        if tree >= plain:
-            self.zero_streak = 0
-            return cap
-        self.zero_streak += 1
-        if self.zero_streak >= self.wait:
-            self.zero_streak, self.probing = 0, True
-            return cap
-        return 0
-
-    def update(self, g, tested, accepted, step_seconds, t_verify, bucket=None, t_draft=0.0):
-        if g == 0:
-            self.t_plain = 0.8 * self.t_plain + 0.2 * t_verify
-            return
-        sample = [accepted + 1.0, t_draft + t_verify]
-        if self.tree is None:
-            self.tree = sample
-        else:
-            self.tree = [
-                self.decay * a + (1 - self.decay) * b
-                for a, b in zip(self.tree, sample, strict=True)
-            ]
-        if self.probing:
-            tree, plain = self.rates()
-            self.wait = self.probe_every if tree >= plain else min(2 * self.wait, self.max_probe)
-
-
 class NoDraft(Proposer):
     """Plain autoregressive decoding through the same loop (gamma is always 0)."""
 
@@ -287,11 +125,6 @@ class NoDraft(Proposer):
 
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         return Proposal([], [])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class SpeculativeDecoder:
@@ -436,17 +269,14 @@ class SpeculativeDecoder:
         ctx = torch.randint(0, vocab, (prefix,), generator=g).tolist()
         runner = self.runner
         runner.reserve(2 * prefix)
-        runs: list[list[float]] = [[] for _ in sizes]
-        for _ in range(reps + 1):
-            for i, n in enumerate(sizes):
-                runner.prefill(ctx)
-                _sync(self.device)
-                t = time.perf_counter()
-                runner.forward(Layout(ctx[0], Proposal.chain(ctx[1:n])))
-                _sync(self.device)
-                runs[i].append(time.perf_counter() - t)
+
+        def setup(n: int):
+            runner.prefill(ctx)
+            return lambda: runner.forward(Layout(ctx[0], Proposal.chain(ctx[1:n])))
+
+        med = interleaved_medians(sizes, setup, self.device, reps)
         runner.reset()
-        return [sorted(r[1:])[len(r[1:]) // 2] for r in runs]
+        return [med[n] for n in sizes]
 
     # -- generation ---------------------------------------------------------------------
 
@@ -457,11 +287,29 @@ class SpeculativeDecoder:
         max_new_tokens: int,
         stop_ids: set[int] | frozenset[int] = frozenset(),
     ) -> list[int]:
+        """Up to ``max_new_tokens`` new tokens after ``prompt`` (ending at a stop token). The
+        loop is the algorithm: draft, verify, accept; admitting the prompt and retiring the
+        sequence around it; every clock and counter is booked in ``_book``."""
         if not prompt:
             raise ValueError("empty prompt")
+        seq = self._admit(prompt, max_new_tokens, frozenset(stop_ids))
+        while len(seq.new) < max_new_tokens:
+            draft = self._draft(seq.state, max_new_tokens - len(seq.new) - 1)
+            check = self._verify(seq.state, draft)
+            emitted = self._accept(seq, draft, check)
+            self._book(seq.stats, draft, check)
+            if emitted[-1] in seq.stop_ids:
+                break
+        return self._retire(seq, max_new_tokens)
+
+    # -- the phases ---------------------------------------------------------------------
+
+    def _admit(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset) -> _Sequence:
+        """A new sequence: the prompt's prefill (all but its last token) on the target, then
+        the proposer's start (a draft model prefills there too); both timed as prefill."""
         st = Stats()
         runner = self.runner
-        # a static cache sized before the clock starts (a CUDA graph captured again costs
+        # static caches sized before the clock starts (a CUDA graph captured again costs
         # seconds; ``runner.capture_seconds`` reports it)
         runner.reserve(len(prompt) + max_new_tokens + 1)
         self.proposer.reserve(len(prompt) + max_new_tokens + 1)
@@ -471,145 +319,205 @@ class SpeculativeDecoder:
         if len(prompt) > 1:
             t = time.perf_counter()
             feats = runner.prefill(prompt[:-1])
-            _sync(self.device)
+            sync(self.device)
             st.t_prefill += time.perf_counter() - t
             st.prefill_calls += 1
-        features = _Features(feats) if feats is not None else None
-        state = DecodeState(
-            ids=list(prompt),
-            features=feats,
-            sampling=self.sampling,
-            generator=self.generator,
-            device=self.device,
-            signals=self.stop_rule is not None or self.traces is not None,
-            stop=self.stop_rule,
-            prefill_cache=runner.prefill_cache() if len(prompt) > 1 else None,
+        seq = _Sequence(
+            state=DecodeState(
+                ids=list(prompt),
+                features=None,
+                sampling=self.sampling,
+                generator=self.generator,
+                device=self.device,
+                signals=self.stop_rule is not None or self.traces is not None,
+                stop=self.stop_rule,
+                prefill_cache=runner.prefill_cache() if len(prompt) > 1 else None,
+            ),
+            stats=st,
+            stop_ids=stop_ids,
+            t_start=t_start,
+            calls0=self.proposer.draft_calls,
         )
-        calls0 = self.proposer.draft_calls
+        if feats is not None:
+            seq.add_features(feats)
         t = time.perf_counter()
-        if features is not None:
-            state.features = features.view
-        self.proposer.start(state)  # a draft model prefills the prompt here: counted as prefill
-        state.prefill_cache = None
-        _sync(self.device)
+        self.proposer.start(seq.state)
+        seq.state.prefill_cache = None
+        sync(self.device)
         st.t_prefill += time.perf_counter() - t
-        new: list[int] = []
-        step_logits: list[torch.Tensor] = []
+        return seq
+
+    def _draft(self, state: DecodeState, limit: int) -> _Draft:
+        """This iteration's proposal: sized by the controller before drafting, or for a
+        proposer that costs nothing (a lookup) drafted first and then cut to what the
+        controller verifies (it knows the proposal's confidence bucket); plus a proposer's
+        side branch (lookahead's Jacobi window) in iterations that draft."""
         ctl = self.controller
-        free = self.proposer.free
-        while len(new) < max_new_tokens:
-            limit = max_new_tokens - len(new) - 1
-            t = time.perf_counter()
-            if free and self.gamma and limit > 0:
-                # A proposer that costs nothing (a lookup) drafts first; the controller then
-                # decides how much of it to verify, knowing the proposal's confidence bucket.
-                prop = self.proposer.propose(state, min(self.gamma, limit))
-                drafted = len(prop)
-                g = ctl.choose(drafted, prop.bucket) if drafted else 0
-                prop = prop.truncated(g)
-            else:
-                g = ctl.choose(limit)
-                prop = self.proposer.propose(state, g) if g > 0 else Proposal([], [])
-                drafted = len(prop)
-            # a proposer's own extra tokens in the same forward (lookahead's Jacobi window),
-            # only in iterations that draft
-            side = self.proposer.side_branch(state) if (g > 0 or drafted) else None
-            _sync(self.device)
-            t_draft = time.perf_counter() - t
-            t = time.perf_counter()
-            logits, f_new = runner.forward(Layout(state.ids[-1], prop, side))
-            if side is not None:
-                n_main = len(prop) + 1
-                logits, side_logits = logits[:n_main], logits[n_main:]
-                f_new = f_new[:n_main] if f_new is not None else None
-            tvd = None
-            if self.sampling.greedy and self.lenience < 1.0:
-                verdict, off = verify_greedy_lenient(
-                    prop.tokens, prop.parents, logits, self.lenience
-                )
-                st.off_argmax += off
-            elif self.sampling.greedy:
-                verdict = verify_greedy(prop.tokens, prop.parents, greedy_tokens(logits).tolist())
-            elif self.lenience < 1.0:
-                p = warp(logits, self.sampling)
-                verdict = verify_sampled(
-                    prop.tokens, prop.parents, p, prop.q, self.generator, self.lenience
-                )
-                tvd = _lenient_chain_tvd(prop, p, len(verdict.path), self.lenience)
-            elif self.acceptance == "typical":
-                verdict, tvd = verify_typical(
-                    prop.tokens,
-                    prop.parents,
-                    warp(logits, self.sampling),
-                    *self.typical,
-                    self.generator,
-                )
-            else:
-                verdict = verify_sampled(
-                    prop.tokens, prop.parents, warp(logits, self.sampling), prop.q, self.generator
-                )
-            _sync(self.device)
-            t_verify = time.perf_counter() - t
-            path = verdict.path
-            keep = [0] + [i + 1 for i in path]
-            runner.commit(keep)
-            if self.layers:
-                sel = f_new[keep] if len(keep) < len(f_new) else f_new
-                if features is None:
-                    features = _Features(sel)
-                else:
-                    features.append(sel)
-                state.features = features.view
-            emitted = [prop.tokens[i] for i in path] + [verdict.token]
-            if self.record_logits:  # the target rows that decided each emitted token
-                step_logits.extend(logits[[0] + [i + 1 for i in path]].float().cpu())
-            for j, tok in enumerate(emitted):
-                if tok in stop_ids:
-                    emitted = emitted[: j + 1]
-                    break
-            state.ids.extend(emitted)
-            new.extend(emitted)
-            if tvd is not None:
-                st.tvd_sum += sum(tvd[: len(emitted)])
-                st.tvd_tokens += len(emitted)
-            self.proposer.rollback(state, len(path))
-            if side is not None:
-                self.proposer.side_logits(state, side_logits)
-            if self.traces is not None and prop.signals is not None and len(prop):
-                self.traces.append(
-                    {
-                        "signals": [[round(v, 6) for v in r] for r in prop.signals.tolist()],
-                        "accepted": len(path),
-                        "drafted": len(prop),
-                    }
-                )
-            tested = count_iteration(st, prop, path)
-            st.t_target += t_verify
-            st.t_draft += t_draft
-            # Per-step draft cost: the proposer's own measure of its steps when it has one
-            # (it leaves out catching up on tokens committed while it was idle), else the
-            # drafting time over the tokens drafted.
-            if self.proposer.measures_steps:
-                step = self.proposer.last_step_seconds  # None: nothing clean to measure
-            else:
-                step = t_draft / drafted if drafted else None
-            if step is not None and len(prop):
-                st.step_seconds_sum += step
-                st.step_samples += 1
-            # an iteration that carried a side branch cost more than a plain step even when the
-            # proposal was empty: the tree controller must not book it as plain decoding
-            g_used = len(prop) if side is None else max(1, len(prop))
-            ctl.update(g_used, tested, len(path), step, t_verify, prop.bucket, t_draft=t_draft)
-            if emitted[-1] in stop_ids:
+        t = time.perf_counter()
+        if self.proposer.free and self.gamma and limit > 0:
+            prop = self.proposer.propose(state, min(self.gamma, limit))
+            drafted = len(prop)
+            g = ctl.choose(drafted, prop.bucket) if drafted else 0
+            prop = prop.truncated(g)
+        else:
+            g = ctl.choose(limit)
+            prop = self.proposer.propose(state, g) if g > 0 else Proposal([], [])
+            drafted = len(prop)
+        side = self.proposer.side_branch(state) if (g > 0 or drafted) else None
+        sync(self.device)
+        return _Draft(prop, side, drafted, time.perf_counter() - t)
+
+    def _verify(self, state: DecodeState, d: _Draft) -> _Check:
+        """One target forward over the last committed token, the proposal and any side branch,
+        and the acceptance rule on its logits: greedy, exact rejection sampling, typical, or
+        lenient."""
+        prop = d.prop
+        t = time.perf_counter()
+        logits, f_new = self.runner.forward(Layout(state.ids[-1], prop, d.side))
+        side_logits = None
+        if d.side is not None:
+            n_main = len(prop) + 1
+            logits, side_logits = logits[:n_main], logits[n_main:]
+            f_new = f_new[:n_main] if f_new is not None else None
+        tvd, off = None, 0
+        if self.sampling.greedy and self.lenience < 1.0:
+            verdict, off = verify_greedy_lenient(prop.tokens, prop.parents, logits, self.lenience)
+        elif self.sampling.greedy:
+            # the iteration's one read of the device: the target's choice after every node
+            verdict = verify_greedy(prop.tokens, prop.parents, greedy_tokens(logits).tolist())
+        elif self.lenience < 1.0:
+            p = warp(logits, self.sampling)
+            verdict = verify_sampled(
+                prop.tokens, prop.parents, p, prop.q, self.generator, self.lenience
+            )
+            tvd = _lenient_chain_tvd(prop, p, len(verdict.path), self.lenience)
+        elif self.acceptance == "typical":
+            p = warp(logits, self.sampling)
+            verdict, tvd = verify_typical(
+                prop.tokens, prop.parents, p, *self.typical, self.generator
+            )
+        else:
+            p = warp(logits, self.sampling)
+            verdict = verify_sampled(prop.tokens, prop.parents, p, prop.q, self.generator)
+        sync(self.device)
+        return _Check(verdict, logits, f_new, side_logits, tvd, off, time.perf_counter() - t)
+
+    def _accept(self, seq: _Sequence, d: _Draft, c: _Check) -> list[int]:
+        """Commit the accepted path and the token after it (up to a stop token): the target's
+        cache keeps their entries, the proposer its state, the sequence their features."""
+        path = c.verdict.path
+        keep = [0] + [i + 1 for i in path]
+        self.runner.commit(keep)
+        if self.layers:
+            seq.add_features(c.f_new[keep] if len(keep) < len(c.f_new) else c.f_new)
+        emitted = [d.prop.tokens[i] for i in path] + [c.verdict.token]
+        if self.record_logits:  # the target rows that decided each emitted token
+            seq.step_logits.extend(c.logits[keep].float().cpu())
+        for j, tok in enumerate(emitted):
+            if tok in seq.stop_ids:
+                emitted = emitted[: j + 1]
                 break
-        new = new[:max_new_tokens]
+        seq.state.ids.extend(emitted)
+        seq.new.extend(emitted)
+        if c.tvd is not None:
+            seq.stats.tvd_sum += sum(c.tvd[: len(emitted)])
+            seq.stats.tvd_tokens += len(emitted)
+        self.proposer.rollback(seq.state, len(path))
+        if d.side is not None:
+            self.proposer.side_logits(seq.state, c.side_logits)
+        return emitted
+
+    def _book(self, st: Stats, d: _Draft, c: _Check) -> None:
+        """The iteration's counters and clocks, and what the controller learns from it."""
+        prop, path = d.prop, c.verdict.path
+        st.off_argmax += c.off_argmax
+        if self.traces is not None and prop.signals is not None and len(prop):
+            self.traces.append(
+                {
+                    "signals": [[round(v, 6) for v in r] for r in prop.signals.tolist()],
+                    "accepted": len(path),
+                    "drafted": len(prop),
+                }
+            )
+        tested = count_iteration(st, prop, path)
+        st.t_target += c.seconds
+        st.t_draft += d.seconds
+        # Per-step draft cost: the proposer's own measure of its steps when it has one (it
+        # leaves out catching up on tokens committed while it was idle), else the drafting time
+        # over the tokens drafted.
+        if self.proposer.measures_steps:
+            step = self.proposer.last_step_seconds  # None: nothing clean to measure
+        else:
+            step = d.seconds / d.drafted if d.drafted else None
+        if step is not None and len(prop):
+            st.step_seconds_sum += step
+            st.step_samples += 1
+        # an iteration that carried a side branch cost more than a plain step even when the
+        # proposal was empty: the tree controller must not book it as plain decoding
+        g_used = len(prop) if d.side is None else max(1, len(prop))
+        self.controller.update(
+            g_used, tested, len(path), step, c.seconds, prop.bucket, t_draft=d.seconds
+        )
+
+    def _retire(self, seq: _Sequence, max_new_tokens: int) -> list[int]:
+        st = seq.stats
+        new = seq.new[:max_new_tokens]
         st.new_tokens = len(new)
-        st.draft_calls = self.proposer.draft_calls - calls0
-        st.t_total = time.perf_counter() - t_start
+        st.draft_calls = self.proposer.draft_calls - seq.calls0
+        st.t_total = time.perf_counter() - seq.t_start
         self.stats.merge(st)
         self.last = st
-        self.last_logits = step_logits[: len(new)] if self.record_logits else None
+        self.last_logits = seq.step_logits[: len(new)] if self.record_logits else None
         return new
+
+
+@dataclass
+class _Draft:
+    """What ``_draft`` proposed: the proposal, a side branch, tokens drafted (before the
+    controller's cut, for a free proposer) and the seconds drafting took."""
+
+    prop: Proposal
+    side: object | None
+    drafted: int
+    seconds: float
+
+
+@dataclass
+class _Check:
+    """What ``_verify`` found: the verdict, the target's logits and features over the
+    proposal, its logits over a side branch, per-token TVD of a lossy rule, accepted tokens off
+    the argmax (lenience at T = 0) and the seconds the forward and the rule took."""
+
+    verdict: Verdict
+    logits: torch.Tensor
+    f_new: torch.Tensor | None
+    side_logits: torch.Tensor | None
+    tvd: list[float] | None
+    off_argmax: int
+    seconds: float
+
+
+@dataclass
+class _Sequence:
+    """One sequence in flight: what the proposer reads (``state``), its new tokens, the target
+    rows that chose them (``record_logits``), its counters, and the features of every fed
+    position (``_Features``; ``state.features`` views it)."""
+
+    state: DecodeState
+    stats: Stats
+    stop_ids: frozenset
+    t_start: float
+    calls0: int
+    new: list[int] = field(default_factory=list)
+    step_logits: list[torch.Tensor] = field(default_factory=list)
+    features: _Features | None = None
+
+    def add_features(self, rows: torch.Tensor) -> None:
+        if self.features is None:
+            self.features = _Features(rows)
+        else:
+            self.features.append(rows)
+        self.state.features = self.features.view
 
 
 class _Features:

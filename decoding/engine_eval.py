@@ -48,6 +48,8 @@ from .llama_cpp import (
     bench_forward_ms,
     resolve_repack,
 )
+from .report import CONVENTION
+from .settings import EvalError, bench_questions, stop_ids
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 
@@ -257,7 +259,6 @@ def _near_tie(plain_srv: LlamaServer, prompt, plain, spec, pos, tolerance):
 
 
 def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
-    from .eval import CONVENTION, EvalError, bench_questions, stop_ids
 
     if cfg.max_new_tokens < 1:
         raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")

@@ -20,7 +20,6 @@ path's entries (a length for a chain, a gather for a tree) and drops the rest.
 from __future__ import annotations
 
 import abc
-import time
 
 import torch
 from transformers import DynamicCache
@@ -272,13 +271,12 @@ class StaticRunner(TargetRunner):
         self.lean = LeanLlama(self.target.model, round_up(max_len + self.widths[-1]))
         self._graphs: dict[int, _Graph] = {}
         if self.graphs != "off":
-            t = time.perf_counter()
             pool = None
             for w in reversed(self.widths):  # the widest first: the others reuse its pool
                 g = _Graph(self.lean, w, self.states, self.graphs == "emulate", pool)
                 self._graphs[w] = g
                 pool = g.captured.pool
-            self.capture_seconds += time.perf_counter() - t
+                self.capture_seconds += g.captured.seconds
 
     @property
     def capacity(self) -> int:

@@ -337,6 +337,8 @@ class Proposer(abc.ABC):
     #: not None: the most nodes such a tree holds (the goodput cost model is calibrated on
     #: forwards of up to this many tokens + 1 instead of extrapolating from depth + 1)
     tree_nodes: int | None = None
+    #: seconds spent capturing CUDA graphs (a fixed-shape drafter's; reported by the evaluator)
+    capture_seconds: float = 0.0
     #: True: ``last_step_seconds`` is this proposer's own measure of one draft step (None after
     #: a propose call with nothing clean to measure); False: the decoder divides drafting time
     #: by tokens drafted

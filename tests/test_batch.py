@@ -14,15 +14,10 @@ import torch
 from conftest import run_module
 
 import decoding.batch as batch
-from decoding.batch import (
-    BatchDecoder,
-    BatchError,
-    GoodputPolicy,
-    StepCostModel,
-    _Acceptance,
-)
+from decoding.batch import BatchDecoder, BatchError
 from decoding.decoder import NoDraft, SpeculativeDecoder
 from decoding.lookahead import LookaheadProposer
+from decoding.policies import GoodputPolicy, StepCostModel, _Acceptance
 from decoding.proposers import DraftLMProposer, NGramProposer
 from models.base import DecodeSettings, DecodeState, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead

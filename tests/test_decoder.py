@@ -230,7 +230,7 @@ def test_a_stop_rule_keeps_sampling_exact(small_vocab_pair):
 
 
 def test_tree_controller_drafts_only_while_trees_pay():
-    from decoding.decoder import TreeController
+    from decoding.policies import TreeController
 
     # a tree that never gets a token accepted and costs 1.5 plain steps: stop drafting it,
     # apart from rare probes that back off

@@ -264,6 +264,24 @@ def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypat
     assert buggy["divergences"] > buggy["near_tie_divergences"]
 
 
+@pytest.mark.parametrize("compile,runner", [("auto", "static"), ("false", "transformers")])
+def test_the_report_says_which_decoder_ran_and_the_bound_beside_the_speedup(compile, runner):
+    """``compile=`` picks the target's runner and the report names it; the bound is tau over
+    1 + drafting's share of a plain step, from the report's own figures."""
+    from decoding.eval import evaluate, print_report
+
+    r = evaluate(_eval_cfg(draft="ngram", compile=compile, adaptive="false"))
+    d = r["decoder"]
+    assert d["runner"] == d["plain_runner"] == runner and d["compile"] == compile
+    drafting = r["time_s"]["draft"] / r["target_calls"]
+    assert r["speedup_bound"] == pytest.approx(
+        r["tau"] / (1 + drafting / (d["plain_ms_per_step"] / 1e3)), rel=1e-6
+    )
+    lines: list[str] = []
+    print_report(r, out=lines.append)
+    assert any(line.startswith(f"decoder: {runner} (compile={compile}") for line in lines)
+
+
 def test_a_drafts_saved_decode_settings_apply_when_none_is_given(tmp_path):
     """The shipped head carries its measured-best settings per machine kind; specdraft-eval
     takes them when the command line sets no decode key, and never mixes them with one."""

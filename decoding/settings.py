@@ -1,0 +1,213 @@
+"""``specdraft-eval``'s settings: the typed config (Hydra's structured schema, every key checked
+when the command line is read), the error it raises for settings it cannot run, and what a
+config selects (the benchmark's questions, the tokens that end a reply)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from models.quant import check_mode
+from models.target import TargetConfig
+
+from .bench import load_bench
+from .runner import RunnerError, compile_mode
+
+
+@dataclass
+class EvalConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: str = "ngram"  # none | ngram | truncate:N | run dir | draft dir | HF model
+    bench: str = "mt_bench"  # mt_bench | spec_bench | sharegpt_val | path to a .jsonl
+    categories: list[str] | None = None  # keep only these categories
+    num_prompts: int | None = 8  # questions (None: all)
+    turns: int = 1  # turns per question fed (MT-bench has 2; later turns see earlier answers)
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    sample_top_k: int = 0  # top-k sampling filter (0: off), applied to target and draft alike
+    top_p: float = 1.0
+    gamma: int = 4  # draft tokens per iteration (the maximum, with adaptive on)
+    # the target's forward in the built-in decoder (decoding/runner.py): true = the lean
+    # Llama-family forward over a static KV cache at fixed widths, captured as CUDA graphs on a
+    # GPU (eager on a CPU); false = transformers' forward over its dynamic cache; auto = the
+    # first wherever it runs (Llama, Mistral, Qwen2/3 targets; the report says which ran)
+    compile: str = "auto"
+    adaptive: bool = True
+    # Trained drafts: auto (EAGLE: chain, Medusa: static), chain (gamma tokens), dynamic
+    # (EAGLE-2 tree) or static (Medusa's candidate tree). Trees are verified whole (gamma is
+    # unused); adaptive then decides per iteration whether drafting a tree pays.
+    tree: str = "auto"
+    depth: int = 5  # dynamic tree: draft steps
+    top_k: int = 8  # dynamic tree: children per expanded node, and nodes expanded per step
+    total_tokens: int = 32  # dynamic tree: nodes verified per target forward (at most)
+    # dynamic tree: verify and expand only nodes the draft gives at least this cumulative
+    # probability (the tree sizes itself by confidence; the best node is always verified). 0:
+    # EAGLE-2's fixed-size tree. On a CPU ~0.03-0.05 (docs/benchmarks.md); lossless either way.
+    min_prob: float = 0.0
+    tree_nodes: int | None = None  # static tree: rebuild with this many nodes (None: saved)
+    tree_file: str | None = None  # static tree: a JSON list of rank paths, e.g. [[0],[0,0]]
+    # a trained draft's weights while decoding: auto (int8 for a bf16 EAGLE head on a CPU,
+    # where it drafts ~2x faster; else as loaded), int8, or full. The target is never
+    # quantized, so decoding stays lossless either way; acceptance moves slightly.
+    draft_weights: str = "auto"
+    # exact (lossless speculative sampling) | typical (Medusa's typical acceptance at T > 0:
+    # not lossless; the report gives the mean per-token TVD from the target)
+    acceptance: str = "exact"
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    # lenience l in (0, 1] (1: exact). Below 1, NOT lossless: a drafted x is accepted with
+    # probability min(1, p(x) / (l q(x))) at T > 0 (chains; the report gives the mean per-token
+    # TVD from the target) and when p(x) >= l * max p at T = 0 (the report gives how often an
+    # accepted token is not the target's argmax)
+    lenience: float = 1.0
+    # for drafts that change the verifier (Medusa-2's adapter): also score the outputs under the
+    # original target (per-token TVD and greedy agreement, teacher-forced on the outputs)
+    compare_original: bool = True
+    ngram_max: int = 3
+    # draft=lookahead: Jacobi window W, n-gram size N, candidates verified per forward G
+    lookahead_window: int = 5
+    lookahead_ngram: int = 4
+    lookahead_guesses: int = 5
+    # draft=streaming (MagicDec self-speculation): the target drafts over a StreamingLLM cache of
+    # the first stream_sinks positions and the last stream_window ones
+    stream_sinks: int = 4
+    stream_window: int = 256
+    # learned speculation length (DISCO): stop=gamma drafts what the gamma controller says;
+    # stop=disco drafts up to gamma tokens and stops where the classifier at ``disco`` (default:
+    # <draft folder>/disco) predicts a rejection
+    # stop=goodput (SmartSpec): one speculation length per iteration for the whole batch, the
+    # one that maximises expected accepted tokens / predicted step time (decoding/batch.py)
+    stop: str = "gamma"
+    disco: str | None = None
+    # the serving regime (decoding/batch.py): B requests decoded together with continuous
+    # batching, plain and speculative at the same B; batch_sizes sweeps (e.g. [1,4,16]) and
+    # batch_policies compares fixed (gamma), adaptive (today's controller per request) and
+    # goodput at each; the report's "batch" rows hold tokens/s, per-request tokens/s, tau...
+    batch_size: int = 1
+    batch_sizes: list[int] | None = None
+    batch_policies: list[str] | None = None
+    # each batch size's runs (plain, then each policy) repeated this many times, in reversed
+    # order every other time, and pooled: a machine whose speed drifts between runs (+-20%
+    # between two plain runs was seen on a 2-core VM) then weighs on every configuration alike
+    batch_repeats: int = 1
+    # each batch size gets an untimed plain run over its requests before its timed runs: the
+    # first run at new shapes pays alone for what a device does the first time (we infer: on a
+    # CPU oneDNN's kernels for each new prefill shape, on a GPU the allocator too), and plain,
+    # always the first timed run, read 3-4% slow at B = 16 on a CPU and up to 2x on an H200
+    batch_warmup: bool = True
+    # waiting requests join the batch once this many slots are free: 1 = as soon as a row
+    # finishes (each join is one prefill forward and a copy of the running cache; with prefills
+    # grouped by length that costs no more prefill time than joining a quarter of the batch at
+    # once, and keeps the batch fuller: docs/benchmarks.md, issue 30 part 4)
+    batch_admit: int = 1
+    # equal: every request asks for max_new_tokens; mixed: each asks for its own length, drawn
+    # once per prompt (seeded) uniformly from [max_new_tokens / 4, max_new_tokens], as a
+    # server's requests do (the same lengths for plain and speculative decoding)
+    request_lengths: str = "equal"
+    # requests per second arriving as a Poisson process (seeded: the same schedule for plain
+    # and speculative decoding), one sweep point each (e.g. [0.5,2,8]); empty: every request
+    # waiting from the start. The report adds each request's time to first token, time per
+    # output token and end-to-end latency (mean, p50, p90, p99), as vLLM's benchmark_serving
+    request_rates: list[float] | None = None
+    # decode every request to its full length, past the end-of-sequence token (vLLM's
+    # benchmark_serving --ignore-eos): at T > 0 speculative and plain decoding draw different
+    # samples, which end at different steps, so the batch's joins differ by chance; with this
+    # both decode the same number of tokens per request
+    ignore_eos: bool = False
+    # write acceptance traces (per drafted token: the draft's signals, and whether it was
+    # accepted) to this JSONL file, for ``specdraft-disco``; needs adaptive=false
+    traces: str | None = None
+    seed: int = 0
+    warmup_tokens: int = 16
+    compare_hf: bool = False  # also time transformers' assisted generation (draft LMs only)
+    report: str = "eval_report.json"
+    plot: str | None = None  # PNG path; default: the report path with .png
+    data_path: str | None = None  # for bench=sharegpt_val: the data (default: packaged ShareGPT)
+    val_fraction: float = 0.02  # for bench=sharegpt_val: must match training's split
+    split_seed: int = 0  # for bench=sharegpt_val: training's train.seed
+    max_val_records: int = 128  # for bench=sharegpt_val: training's data.max_val_records
+    # the decoder: torch (the built-in one, the exact reference) or llama.cpp (llama-server,
+    # installed by `bash scripts/install.sh engine`; see decoding/engine_eval.py). In llama.cpp
+    # gamma is its n_max (chain length) and p_min its confidence stop.
+    engine: str = "torch"
+    p_min: float = 0.0
+    target_gguf: str | None = None  # llama.cpp: the target's GGUF (default: the embedded one's)
+    engine_threads: int | None = None  # llama.cpp threads (default: all cores)
+    # llama.cpp's repacked CPU weight layouts (AMX, AVX-512 repack): auto = on unless an
+    # 8-token llama-bench run crashes with them here (seen on an AMX Xeon), then off, said
+    engine_repack: str = "auto"
+    engine_ngram: str = (
+        "ngram-simple"  # llama.cpp: its n-gram type for draft=ngram (gamma: its length)
+    )
+    engine_tie_tolerance: float = 0.5  # llama.cpp: log-prob gap that counts as a near-tie
+    predict: bool = True  # llama.cpp: measure the engine's costs and predict the speedup
+    plan: bool = False  # llama.cpp: pick n_max (<= plan_max) from those costs first
+    plan_max: int = 6
+    calibration_tokens: int = 96
+
+
+class EvalError(ValueError):
+    """An evaluation setting out of range; the message names it."""
+
+
+def bench_questions(cfg: DictConfig) -> list[dict[str, Any]]:
+    """The benchmark questions ``cfg`` selects (bench, categories, number; the ShareGPT
+    validation split as training drew it)."""
+    return load_bench(
+        cfg.bench,
+        categories=cfg.categories,
+        num=cfg.num_prompts,
+        data_path=cfg.data_path,
+        val_fraction=cfg.val_fraction,
+        split_seed=cfg.split_seed,
+        max_val_records=cfg.max_val_records,
+    )
+
+
+def stop_ids(cfg: DictConfig, tok) -> set[int]:
+    """The tokens that end a reply: EOS (and the pad token), none with ``ignore_eos``."""
+    if cfg.ignore_eos:
+        return set()
+    return {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every setting of the built-in decoder's run that can be judged without a model, at
+    once, before anything loads: ``EvalError`` naming the key and the value."""
+    if cfg.gamma < 1:
+        raise EvalError(f"gamma={cfg.gamma}: must be >= 1 (use draft=none for plain decoding)")
+    if cfg.max_new_tokens < 1:
+        raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
+    if not cfg.temperature >= 0:
+        raise EvalError(f"temperature={cfg.temperature}: must be >= 0")
+    if not 0 < cfg.top_p <= 1:
+        raise EvalError(f"top_p={cfg.top_p}: must be in (0, 1] (1: off)")
+    if not cfg.sample_top_k >= 0:
+        raise EvalError(f"sample_top_k={cfg.sample_top_k}: must be >= 0 (0: off)")
+    try:
+        compile_mode(cfg.compile)
+    except RunnerError as e:
+        raise EvalError(str(e)) from None
+    if cfg.tree not in ("auto", "chain", "dynamic", "static"):
+        raise EvalError(f"tree={cfg.tree!r}: use auto, chain, dynamic or static")
+    for key in ("depth", "top_k", "total_tokens"):
+        if cfg[key] < 1:
+            raise EvalError(f"{key}={cfg[key]}: must be >= 1")
+    if not 0.0 <= cfg.min_prob < 1.0:
+        raise EvalError(f"min_prob={cfg.min_prob}: must be in [0, 1) (0: a fixed-size tree)")
+    if cfg.tree_nodes is not None and cfg.tree_nodes < 1:
+        raise EvalError(f"tree_nodes={cfg.tree_nodes}: must be >= 1")
+    if cfg.acceptance not in ("exact", "typical"):
+        raise EvalError(f"acceptance={cfg.acceptance!r}: use exact or typical")
+    if not 0 < cfg.lenience <= 1:
+        raise EvalError(f"lenience={cfg.lenience}: must be in (0, 1] (1: exact)")
+    try:
+        check_mode(cfg.draft_weights)  # here too: drafts without weights (ngram...) never read it
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    if cfg.stop not in ("gamma", "disco", "goodput"):
+        raise EvalError(
+            f"stop={cfg.stop!r}: use gamma (the gamma controller), disco or goodput (SmartSpec)"
+        )
