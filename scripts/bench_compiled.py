@@ -5,7 +5,7 @@ plain decoding's tokens/s on both paths beside transformers' own ``generate`` (s
 the device (no weights carried: costs only) against the memory-bandwidth limit, with an
 EAGLE-3 draft step (random weights too) against a target step. Run it alone on the machine.
 
-    python scripts/bench_compiled.py --parts forward,plain [--device cuda] [--out r.json]
+    python scripts/bench_compiled.py --parts forward,plain,draft [--device cuda] [--out r.json]
     python scripts/bench_compiled.py --parts shaped --device cuda     # the 8B-shaped costs
     python scripts/bench_compiled.py --parts hf_compile --device cuda # transformers' compiled
 
@@ -97,6 +97,44 @@ def part_plain(target, tokens: int, reps: int) -> dict:
     for m, d in decs.items():
         res[f"ours compile={m} ({d.runner.kind}) tok/s"] = statistics.median(runs[m])
     return res
+
+
+def part_draft(target, reps: int, gamma: int = 3) -> dict:
+    """The shipped EAGLE-3 head drafting a chain of ``gamma`` after ``gamma`` newly committed
+    tokens: ms per proposal with the eager proposer (a device read per drafted token) and the
+    fixed-shape chain (one read per proposal), eager over the columns in use, and over the
+    whole static cache as a captured graph computes it (CUDA: captured)."""
+    from data.chat import prompt_ids
+    from decoding.drafts import load_proposer
+    from models.base import DecodeSettings, DecodeState
+    from models.eagle.static import StaticEagleChain
+    from models.sampling import Sampling
+
+    prop, _ = load_proposer("smollm2-eagle3", target, tree=DecodeSettings(tree="chain"))
+    p = prompt_ids(target.tokenizer, [{"role": "user", "content": PROMPT}])
+    ids = p + list(range(28, 33)) * 40
+    n = len(ids)
+    mask = torch.ones(1, n, dtype=torch.long)
+    feats = target.features(torch.tensor([ids]), mask, prop.feature_layers)[0]
+    state = DecodeState(ids, feats[: n - 1], Sampling(), None, target.device)
+    graphs = "cuda" if target.device.type == "cuda" else "emulate"
+    props = {
+        "eager proposer": prop,
+        "fixed-shape chain, eager": StaticEagleChain(prop.head, gamma, "off"),
+        f"fixed-shape chain, {'CUDA graph' if graphs == 'cuda' else 'graph shapes'}": (
+            StaticEagleChain(prop.head, gamma, graphs)
+        ),
+    }
+    back = DecodeState(ids[: n - gamma + 1], feats[: n - gamma], Sampling(), None, target.device)
+
+    def setup(name):
+        q = props[name]
+        q.start(back)  # untimed: the sequence gamma tokens back
+        return lambda: q.propose(state, gamma)
+
+    with torch.no_grad():
+        med = interleaved_medians(list(props), setup, target.device, reps)
+    return {f"{name}: ms per proposal of {gamma}": 1e3 * s for name, s in med.items()}
 
 
 def part_hf_compile(target, tokens: int, reps: int) -> dict:
@@ -204,7 +242,9 @@ def part_shaped(device: str, reps: int, config: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="forward,plain", help="forward,plain,hf_compile,shaped")
+    ap.add_argument(
+        "--parts", default="forward,plain", help="forward,plain,draft,hf_compile,shaped"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=128)
@@ -230,13 +270,15 @@ def main() -> None:
     }
     widths = tuple(int(w) for w in a.widths.split(","))
     target = None
-    if {"forward", "plain", "hf_compile"} & set(parts):
+    if {"forward", "plain", "draft", "hf_compile"} & set(parts):
         target = load_target(TargetConfig(device=a.device))
         report["target"] = f"{target.identity} ({str(target.dtype).replace('torch.', '')})"
     if "forward" in parts:
         report["forward_ms"] = part_forward(target, widths, a.reps)
     if "plain" in parts:
         report["plain"] = part_plain(target, a.tokens, max(3, a.reps // 2))
+    if "draft" in parts:
+        report["draft"] = part_draft(target, 2 * a.reps + 1)
     if "hf_compile" in parts:
         report["hf_compile"] = part_hf_compile(target, a.tokens, max(3, a.reps // 2))
     if "shaped" in parts:

@@ -16,8 +16,9 @@
 #   shaped  (110) scripts/bench_compiled.py --parts shaped: a Llama-3.1-8B-shaped target with
 #           random weights built on the GPU: forward ms at 1 / 8 / 16 / 32 tokens against the
 #           memory-bandwidth limit, an EAGLE-3 draft step against a target step
-#   costs   (60)  the embedded target's forward by width (transformers / static eager /
-#           graphs) and plain decoding's tokens/s on both paths
+#   costs   (70)  the embedded target's forward by width (transformers / static eager /
+#           graphs), plain decoding's tokens/s on both paths, the shipped head's proposal of
+#           3 (eager proposer / fixed-shape chain / its CUDA graph)
 #   chain   (110) MT-bench's 80 first turns x 128, T = 0, B = 1, the shipped head as a chain
 #           of 3 on the compiled path: speedup against compiled plain, the bound, lossless
 #   t1      (80)  the same at T = 1
@@ -105,7 +106,7 @@ n=${PROMPTS:-80}
 tokens=${TOKENS:-128}
 chain=(draft=smollm2-eagle3 "target.device=$dev" tree=chain gamma=3 adaptive=false
   "max_new_tokens=$tokens")
-step costs 60 python3 scripts/bench_compiled.py --parts forward,plain --device "$dev" \
+step costs 70 python3 scripts/bench_compiled.py --parts forward,plain,draft --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json"
 step chain 110 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 compile=true \
   report="$out/chain_t0.json" plot=/tmp/chain_t0.png
