@@ -146,7 +146,6 @@ class HFRunner(TargetRunner):
         return out.logits[0], None if feats is None else feats[0]
 
     def forward(self, lay: Layout):
-        self.pending = len(lay)
         if lay.anc is None:
             return self._run(lay.tokens)
         base = self.length
@@ -301,7 +300,6 @@ class StaticRunner(TargetRunner):
                     "(call reserve() before decoding)"
                 )
             self.reserve(n)
-        self.pending = n
         if self._graphs and n <= self.widths[-1]:
             return self._graphs[pad_width(n, self.widths)](base, lay)
         # a prefill, or eager decoding: exact shapes, attention over the used columns only
