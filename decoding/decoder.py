@@ -8,7 +8,9 @@ separate forward, not counted in tau (and timed separately).
 
 After verification the target cache is cut back to the accepted path (a crop for a chain; for a
 tree the accepted nodes' entries are moved into place first) and the proposer rolls back its
-own caches; nothing is recomputed from scratch.
+own caches; nothing is recomputed from scratch. The target's cache and forwards are a runner's
+(``runner.py``: transformers' dynamic cache, or a static one at fixed widths, captured as CUDA
+graphs on a GPU); how much to draft is a policy's (``policies.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from models.target import Target
 
 from .policies import GammaController, TreeController
 from .runner import Layout, RunnerError, StaticRunner, TargetRunner, choose_runner
-from .runner import keep_cache_positions as keep_cache_positions  # re-exported for callers
 from .timing import interleaved_medians, sync
 from .verify import (
     Verdict,

@@ -389,7 +389,7 @@ def test_lenience_with_trees_at_t_above_zero_is_refused(tiny_target):
 def test_keep_cache_positions_keeps_the_context_and_the_path_in_order(keep):
     from transformers import DynamicCache
 
-    from decoding.decoder import keep_cache_positions
+    from decoding.runner import keep_cache_positions
 
     start, n = 4, 6  # 4 committed entries, then a verified tree of 6
     cache = DynamicCache()
