@@ -67,7 +67,7 @@ from models.ragged import (
 from models.sampling import Sampling, greedy_tokens, warp
 from models.target import GenRequest, Target
 
-from .decoder import Stats, _depths, _is_chain, count_iteration
+from .decoder import Stats, _depths, count_iteration
 from .policies import (
     POLICIES,
     GammaController,
@@ -596,7 +596,7 @@ class BatchDecoder:
                 # a tree proposer's every tree counts as one, a chain-shaped one too (a tree
                 # sized by min_prob is a chain where the draft is sure: counting only the
                 # branching ones would count its doubts alone)
-                as_tree = bool(p.tokens) and (self.tree or not _is_chain(p))
+                as_tree = bool(p.tokens) and (self.tree or not p.is_chain)
                 r.acc.update(tested, len(path), as_tree)
                 if self.goodput is not None and as_tree:
                     self.goodput.saw_row_tree(len(path))

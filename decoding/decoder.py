@@ -558,7 +558,7 @@ def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:
     for d in depth:
         st.drafted[d] += 1
     st.draft_steps += max(depth, default=0)
-    st.tree_iterations += 0 if _is_chain(prop) else 1
+    st.tree_iterations += 0 if prop.is_chain else 1
     parents_with_kids = set(prop.parents)
     tested = len(path) + (1 if (path[-1] if path else -1) in parents_with_kids else 0)
     for k in range(1, tested + 1):
@@ -570,10 +570,6 @@ def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:
     st.gamma_used[len(prop)] += 1  # what was drafted (a lookup may find nothing)
     st.target_calls += 1
     return tested
-
-
-def _is_chain(p: Proposal) -> bool:
-    return all(par == i - 1 for i, par in enumerate(p.parents))
 
 
 def _depths(p: Proposal) -> list[int]:

@@ -46,8 +46,7 @@ class Layout:
 
     def __init__(self, root: int, prop: Proposal, side: SideBranch | None = None):
         self.tokens = [root] + list(prop.tokens)
-        chain = all(par == i - 1 for i, par in enumerate(prop.parents))
-        if chain and side is None:
+        if prop.is_chain and side is None:
             self.depth, self.anc = list(range(len(self.tokens))), None
             return
         n = len(prop)

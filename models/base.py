@@ -191,6 +191,11 @@ class Proposal:
     ) -> Proposal:
         return Proposal(list(tokens), list(range(-1, len(tokens) - 1)), q, bucket, signals)
 
+    @property
+    def is_chain(self) -> bool:
+        """Each node the child of the one before it (an empty proposal too)."""
+        return all(par == i - 1 for i, par in enumerate(self.parents))
+
     def truncated(self, k: int) -> Proposal:
         """The first ``k`` nodes (for a chain: the first k tokens)."""
         if k >= len(self.tokens):

@@ -68,7 +68,6 @@ class StaticKV:
     masks, so rolling a chain back is only a smaller length next time."""
 
     def __init__(self, layers, batch, kv_heads, max_len, head_dim, dtype, device):
-        self.max_len = max_len
         self.kv = torch.zeros(
             layers, 2, batch, kv_heads, max_len, head_dim, dtype=dtype, device=device
         )
