@@ -173,7 +173,8 @@ class SpeculativeDecoder:
         ``compile``: the target's forward (``decoding/runner.py``): ``true`` the lean forward
         over a static cache at fixed widths (CUDA graphs on a GPU), ``false`` transformers'
         forward over its dynamic cache, ``auto`` the first wherever it runs (``self.runner.kind``
-        says which ran). ``max_len``: the static cache's columns allocated up front."""
+        says which ran), ``fused`` the first with each layer's elementwise ops compiled by
+        torch.compile. ``max_len``: the static cache's columns allocated up front."""
         if gamma < 0:
             raise ValueError(f"gamma={gamma}: must be >= 0")
         if acceptance not in ("exact", "typical"):

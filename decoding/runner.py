@@ -32,7 +32,9 @@ from models.target import Target
 #: compile= values: the static path (graphs where the device has them), transformers' path, or
 #: whichever is measured faster on the device (``choose_runner``); ``emulate``: the static path
 #: with the CUDA-graph path's fixed widths and static buffers run eagerly (tests on a CPU)
-COMPILE_MODES = ("auto", "true", "false", "emulate")
+#: ``fused``: the static path with each layer's elementwise stretches compiled by torch.compile
+#: (fewer, fused kernels inside each graph; compile time at first use)
+COMPILE_MODES = ("auto", "true", "false", "emulate", "fused")
 
 
 class RunnerError(ValueError):
@@ -201,12 +203,14 @@ class _Graph:
         # warm-up and capture write at the last W columns, which no sequence uses (the
         # runner keeps them free), so capturing never touches a committed entry
         self.base.fill_(lean.max_len - width)
-        self.captured = Captured(self._run, emulate, pool)
+        self.captured = Captured(self._run, emulate, pool, check=not lean.fuse)
 
     def _run(self):
         cols = self.base + self.steps
         mask = visible_columns(self.base, self.anc, self.width, self.lean.max_len)
-        return self.lean.forward(self.ids, self.base + self.depth, cols, mask, self.layers)
+        return self.lean.forward(
+            self.ids, self.base + self.depth, cols, mask, self.layers, fused=self.lean.fuse
+        )
 
     def __call__(self, base: int, lay: Layout):
         n = len(lay)
@@ -238,7 +242,8 @@ class StaticRunner(TargetRunner):
     graph path's fixed shapes and static buffers, run eagerly: for tests on a CPU) or ``off``
     (eager at exact shapes: a CPU). ``widths``: the verification widths to pad to (the decoder
     passes 1 and its widest forward). ``max_len``: cache columns allocated up front (grown, and
-    the graphs captured again, if a sequence needs more)."""
+    the graphs captured again, if a sequence needs more). ``fuse``: the fixed widths run the
+    lean forward's torch.compile'd layer functions (``LeanLlama(fuse=True)``)."""
 
     def __init__(
         self,
@@ -247,6 +252,7 @@ class StaticRunner(TargetRunner):
         widths: tuple[int, ...] = (1,),
         graphs: str = "off",
         max_len: int = 2048,
+        fuse: bool = False,
     ):
         super().__init__(target, layers)
         why = lean_support(target.model)
@@ -260,13 +266,18 @@ class StaticRunner(TargetRunner):
         # hidden-state indices as the lean forward counts them (0..num_layers, no negatives)
         self.states = tuple(target.layer_index(i) for i in self.layers)
         self.widths = tuple(sorted(set(int(w) for w in widths)))
-        self.kind = "static+cuda-graphs" if graphs == "cuda" else "static"
+        self.fuse = fuse
+        self.kind = ("static+cuda-graphs" if graphs == "cuda" else "static") + (
+            "+fused" if fuse else ""
+        )
         self.capture_seconds = 0.0
         self._alloc(max_len)
         self.length = 0
 
     def _alloc(self, max_len: int) -> None:
-        self.lean = LeanLlama(self.target.model, round_up(max_len + self.widths[-1]))
+        self.lean = LeanLlama(
+            self.target.model, round_up(max_len + self.widths[-1]), fuse=self.fuse
+        )
         self._graphs: dict[int, _Graph] = {}
         if self.graphs != "off":
             pool = None
@@ -308,7 +319,7 @@ class StaticRunner(TargetRunner):
         cols = torch.arange(base, base + n, device=dev)
         anc = lay.anc if lay.anc is not None else torch.tril(torch.ones(n, n, dtype=torch.bool))
         mask = visible_columns(torch.tensor(base), anc[None], n, base + n).to(dev)
-        logits, feats = self.lean.forward(ids, pos, cols, mask, self.states)
+        logits, feats = self.lean.forward(ids, pos, cols, mask, self.states, fused=self.fuse)
         return logits[0], None if feats is None else feats[0]
 
     def commit(self, keep: list[int]) -> None:
@@ -334,7 +345,7 @@ def compile_mode(mode) -> str:
     booleans); ``RunnerError`` naming the value otherwise."""
     m = str(mode).lower()
     if m not in COMPILE_MODES:
-        raise RunnerError(f"compile={mode!r}: use auto, true or false")
+        raise RunnerError(f"compile={mode!r}: use auto, true, false or fused")
     return m
 
 
@@ -351,6 +362,13 @@ def choose_runner(
     for the embedded target on the AMX Xeon, docs/benchmarks.md), else transformers'. ``true``: the static path or
     a ``RunnerError`` saying why not. ``false``: transformers'."""
     mode = compile_mode(mode)
+    if mode == "fused":
+        why = static_unsupported(target, proposer)
+        if why is not None:
+            raise RunnerError(f"compile=fused: {why}; use compile=auto or false")
+        # fused kernels: graphs of them on CUDA, eager at exact shapes on a CPU
+        graphs = "cuda" if target.device.type == "cuda" else "off"
+        return StaticRunner(target, layers, widths, graphs, max_len, fuse=True)
     if mode == "emulate":
         why = static_unsupported(target, proposer)
         if why is not None:

@@ -32,7 +32,8 @@ class EvalConfig:
     # the target's forward in the built-in decoder (decoding/runner.py): true = the lean
     # Llama-family forward over a static KV cache at fixed widths, captured as CUDA graphs on a
     # GPU (eager on a CPU); false = transformers' forward over its dynamic cache; auto = the
-    # first wherever it runs (Llama, Mistral, Qwen2/3 targets; the report says which ran)
+    # first wherever it runs (Llama, Mistral, Qwen2/3 targets; the report says which ran);
+    # fused = true with each layer's elementwise ops compiled by torch.compile (fewer kernels)
     compile: str = "auto"
     adaptive: bool = True
     # Trained drafts: auto (EAGLE: chain, Medusa: static), chain (gamma tokens), dynamic

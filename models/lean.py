@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: model_type values whose decoder this module computes (the Llama layout: RMSNorm, RoPE,
 #: grouped-query attention, a SiLU-gated MLP; Qwen3's per-head q/k norms; Qwen2's q/k/v biases)
@@ -84,7 +85,7 @@ class LeanLlama:
     """The forward of an HF Llama-family causal LM (``lean_support(model)`` is None) over a
     ``StaticKV``. Holds references to the model's own parameters."""
 
-    def __init__(self, model: nn.Module, max_len: int, batch: int = 1):
+    def __init__(self, model: nn.Module, max_len: int, batch: int = 1, fuse: bool = False):
         why = lean_support(model, max_len)
         if why is not None:
             raise ValueError(f"lean forward: {why}")
@@ -93,6 +94,17 @@ class LeanLlama:
         self.model, self.cfg = model, cfg
         self.embed = dec.embed_tokens.weight
         self.layers = list(dec.layers)
+        self.weights = [_layer_weights(layer) for layer in self.layers]
+        # fuse: each layer's two stretches around attention compiled by torch.compile (inductor
+        # fuses RMSNorm, RoPE, SiLU-and-multiply and the residual adds into a few kernels; one
+        # compiled function serves every layer, whose tensors it takes as arguments), used by
+        # forward(fused=True). Off: the same ops one by one, transformers' order (bit-exact).
+        self.fuse = fuse
+        if fuse:
+            # dynamic=None: the first width compiles for its shape, a second one for any (so
+            # prefills of any length and every verification width share two compilations)
+            self._qkv = torch.compile(_qkv, fullgraph=True)
+            self._out_mlp = torch.compile(_out_mlp, fullgraph=True)
         self.norm_w, self.norm_eps = dec.norm.weight, _eps(dec.norm)
         self.lm_head = model.get_output_embeddings()
         self.n_heads = cfg.num_attention_heads
@@ -125,6 +137,7 @@ class LeanLlama:
         mask: torch.Tensor,
         features: tuple[int, ...] = (),
         logits: bool = True,
+        fused: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward of W tokens per row.
 
@@ -133,7 +146,8 @@ class LeanLlama:
         attend, over cache columns [0, K) (K <= max_len; the tokens' own columns included).
         features: hidden-state indices (0: the embeddings, j: after layer j, num_layers: after
         the final norm). Returns logits (B, W, V) in the model's dtype (None unless ``logits``)
-        and the features (B, W, len(features), H) (None if none asked)."""
+        and the features (B, W, len(features), H) (None if none asked). ``fused``: through the
+        compiled layer functions (built with ``fuse=True``)."""
         B, W = ids.shape
         K = mask.shape[-1]
         x = F.embedding(ids, self.embed)
@@ -147,16 +161,9 @@ class LeanLlama:
         mask = mask.expand(B, 1, W, K).repeat(1, 1, g, 1) if g > 1 else mask
         kv = self.cache.kv
         n = self.num_layers
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = _rms(x, layer.input_layernorm)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, W, -1, self.head_dim)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, W, -1, self.head_dim)
-            v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, W, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
-                q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        qkv, out_mlp = (self._qkv, self._out_mlp) if fused else (_qkv, _out_mlp)
+        for i, w in enumerate(self.weights):
+            q, k, v = qkv(x, cos, sin, self.head_dim, *w[:11])
             kc, vc = kv[i, 0], kv[i, 1]
             kc.index_copy_(2, columns, k)
             vc.index_copy_(2, columns, v)
@@ -164,13 +171,9 @@ class LeanLlama:
             o = F.scaled_dot_product_attention(
                 qg, kc[:, :, :K], vc[:, :, :K], attn_mask=mask, scale=self.scaling
             )
-            o = o.view(B, self.n_heads, W, self.head_dim).transpose(1, 2).reshape(B, W, -1)
-            x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
-            h = _rms(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            gate = F.silu(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            x = x + F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            # reshape, not view: CUDA's attention kernels may hand back (B, g*W, kv, D) strides
+            o = o.reshape(B, self.n_heads, W, self.head_dim).transpose(1, 2).reshape(B, W, -1)
+            x = out_mlp(x, o, *w[11:])
             if i + 1 in want and i + 1 < n:
                 want[i + 1] = x
         x = _rms_w(x, self.norm_w, self.norm_eps)
@@ -194,8 +197,57 @@ def _rms_w(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(dtype)
 
 
-def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    return _rms_w(x, norm.weight, _eps(norm))
+def _layer_weights(layer: nn.Module) -> tuple:
+    """A decoder layer's tensors in the order ``_qkv`` and ``_out_mlp`` take them (11 + 10)."""
+    a, m = layer.self_attn, layer.mlp
+    qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)  # Qwen3's per-head norms
+    return (
+        layer.input_layernorm.weight,
+        _eps(layer.input_layernorm),
+        a.q_proj.weight,
+        a.q_proj.bias,
+        a.k_proj.weight,
+        a.k_proj.bias,
+        a.v_proj.weight,
+        a.v_proj.bias,
+        None if qn is None else qn.weight,
+        None if kn is None else kn.weight,
+        1e-6 if qn is None else _eps(qn),
+        a.o_proj.weight,
+        a.o_proj.bias,
+        layer.post_attention_layernorm.weight,
+        _eps(layer.post_attention_layernorm),
+        m.up_proj.weight,
+        m.up_proj.bias,
+        m.gate_proj.weight,
+        m.gate_proj.bias,
+        m.down_proj.weight,
+        m.down_proj.bias,
+    )
+
+
+def _qkv(x, cos, sin, head_dim, ln, eps, wq, bq, wk, bk, wv, bv, qn, kn, qk_eps):
+    """A layer up to attention: RMSNorm, the q/k/v projections, (Qwen3) q/k norms, RoPE.
+    Returns q, k, v as (B, heads, W, head_dim)."""
+    B, W = x.shape[:2]
+    h = _rms_w(x, ln, eps)
+    q = F.linear(h, wq, bq).view(B, W, -1, head_dim)
+    k = F.linear(h, wk, bk).view(B, W, -1, head_dim)
+    v = F.linear(h, wv, bv).view(B, W, -1, head_dim)
+    if qn is not None:
+        q, k = _rms_w(q, qn, qk_eps), _rms_w(k, kn, qk_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _out_mlp(x, o, wo, bo, ln, eps, wu, bu, wg, bg, wd, bd):
+    """A layer after attention: the output projection and residual, RMSNorm, the gated MLP
+    and its residual."""
+    x = x + F.linear(o, wo, bo)
+    h = _rms_w(x, ln, eps)
+    up = F.linear(h, wu, bu)
+    gate = F.silu(F.linear(h, wg, bg))
+    return x + F.linear(gate * up, wd, bd)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -232,37 +284,76 @@ def round_up(n: int, to: int = 256) -> int:
     return int(math.ceil(n / to) * to)
 
 
+class CaptureError(RuntimeError):
+    """A function meant for a CUDA graph does what a graph cannot hold."""
+
+
+_aten = torch.ops.aten
+#: ops a CUDA graph cannot capture (they wait for the device, or their output's shape depends
+#: on the data), with what usually calls them
+_UNCAPTURABLE = {
+    _aten._local_scalar_dense.default: "reads a device value on the host (.item(), int(t), "
+    "`if t:`, or indexing with a 0-dim tensor: t[j] where j is a tensor)",
+    _aten.nonzero.default: "has a data-dependent shape (nonzero, boolean-mask indexing)",
+    _aten.masked_select.default: "has a data-dependent shape (masked_select)",
+    _aten.lift_fresh.default: "builds a tensor from host data (torch.tensor(...)): a graph "
+    "would replay the value it saw at capture",
+}
+
+
+class _GraphDiscipline(TorchDispatchMode):
+    """Raises CaptureError at the first op a CUDA graph cannot hold. Run around the emulated
+    graph functions (``Captured(emulate=True)``), so a CPU test catches what would break (or
+    silently freeze) a capture on a GPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        why = _UNCAPTURABLE.get(func)
+        if why is None and func in (_aten.index.Tensor, _aten.index_put.default):
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+                why = _UNCAPTURABLE[_aten.nonzero.default]
+        if why is not None:
+            raise CaptureError(f"{func}: {why}; a CUDA graph cannot hold it")
+        return func(*args, **(kwargs or {}))
+
+
 class Captured:
     """``fn`` (no arguments: it reads static input buffers and returns tensors) captured once
-    as a CUDA graph and replayed, or with ``emulate`` run eagerly on each call (the same
-    discipline, on a CPU: tests). Captures after two warm-up runs on a side stream (cuBLAS
-    workspaces, the allocator), into ``pool`` when given so that several graphs share memory.
-    ``seconds``: what warm-up and capture took (0 when emulating)."""
+    as a CUDA graph and replayed, or with ``emulate`` run eagerly on each call under a check
+    that it does nothing a graph cannot hold (``_GraphDiscipline``: the same discipline, on a
+    CPU, for tests). Captures after two warm-up runs on a side stream (cuBLAS workspaces, the
+    allocator), into ``pool`` when given so that several graphs share memory. ``seconds``:
+    what warm-up and capture took (0 when emulating)."""
 
-    def __init__(self, fn, emulate: bool, pool=None):
+    def __init__(self, fn, emulate: bool, pool=None, check: bool = True):
         import time
 
-        self.fn, self.graph, self.pool = fn, None, pool
+        self.fn, self.graph, self.pool, self.out = fn, None, pool, None
+        self.check = check  # False where fn runs torch.compile'd code (no dispatch mode there)
         t = time.perf_counter()
-        if emulate:
-            self.out = None
-        else:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.out = fn()
-            self.pool = self.graph.pool()
-            torch.cuda.synchronize()
+        if not emulate:
+            self._capture()
         self.seconds = 0.0 if emulate else time.perf_counter() - t
+
+    @torch.no_grad()  # whoever builds it: a graph must not record autograd's bookkeeping
+    def _capture(self) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self.fn()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.out = self.fn()
+        self.pool = self.graph.pool()
+        torch.cuda.synchronize()
 
     def __call__(self):
         """The outputs (overwritten by the next replay: copy what must outlive it)."""
         if self.graph is None:
-            return self.fn()
+            if not self.check:
+                return self.fn()
+            with _GraphDiscipline():
+                return self.fn()
         self.graph.replay()
         return self.out

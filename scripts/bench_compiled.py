@@ -75,27 +75,50 @@ def part_forward(target, widths, reps) -> dict:
     return res
 
 
-def part_plain(target, tokens: int, reps: int) -> dict:
-    """Plain greedy decoding of one chat prompt: tokens/s on each path of our decoder."""
+def plain_rates(target, modes, tokens: int, reps: int) -> dict[str, float]:
+    """Plain greedy decoding of one chat prompt under each ``compile=`` mode: tokens/s after
+    the prefill, medians of ``reps`` interleaved runs (a drifting machine weighs on all alike),
+    keyed ``compile=<mode> (<runner>)``."""
     from data.chat import prompt_ids
     from decoding.decoder import NoDraft, SpeculativeDecoder
     from models.sampling import Sampling
 
     p = prompt_ids(target.tokenizer, [{"role": "user", "content": PROMPT}])
-    res = {}
-    decs = {
-        m: SpeculativeDecoder(target, NoDraft(), Sampling(), compile=m) for m in ("false", "true")
-    }
+    decs = {m: SpeculativeDecoder(target, NoDraft(), Sampling(), compile=m) for m in modes}
     for d in decs.values():
         d.generate(p, 16)
     runs: dict[str, list[float]] = {m: [] for m in decs}
-    for _ in range(reps):  # interleaved: a drifting machine weighs on both alike
+    for _ in range(reps):
         for m, d in decs.items():
             d.generate(p, tokens)
             s = d.last
             runs[m].append(s.new_tokens / (s.t_total - s.t_prefill))
-    for m, d in decs.items():
-        res[f"ours compile={m} ({d.runner.kind}) tok/s"] = statistics.median(runs[m])
+    return {f"compile={m} ({d.runner.kind})": statistics.median(runs[m]) for m, d in decs.items()}
+
+
+def part_plain(target, tokens: int, reps: int) -> dict:
+    """Plain greedy decoding of one chat prompt: tokens/s on each path of our decoder."""
+    rates = plain_rates(target, ("false", "true"), tokens, reps)
+    return {f"ours {k} tok/s": v for k, v in rates.items()}
+
+
+def part_fused(target, tokens: int, reps: int, widths=(1, 4)) -> dict:
+    """``compile=fused`` against ``compile=true``: a forward at each of ``widths`` (interleaved
+    medians), what compiling cost, and plain decoding's tokens/s on both (on a CPU: eager at exact
+    shapes, as the decoder runs there)."""
+    from decoding.runner import StaticRunner
+
+    graphs = "cuda" if target.device.type == "cuda" else "off"
+    t = time.perf_counter()
+    runners = {
+        "graphs": StaticRunner(target, (), widths, graphs),
+        "graphs + fused": StaticRunner(target, (), widths, graphs, fuse=True),
+    }
+    res: dict = {"build_and_capture_s": time.perf_counter() - t}
+    res["forward_ms"] = forward_costs(target, runners, widths, reps)
+    del runners
+    for k, v in plain_rates(target, ("true", "fused"), tokens, reps).items():
+        res[f"plain {k} tok/s"] = v
     return res
 
 
@@ -173,10 +196,12 @@ def copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / s
 
 
-def part_shaped(device: str, reps: int, config: str) -> dict:
+def part_shaped(device: str, reps: int, config: str, fuse: bool = False) -> dict:
     """A Llama-3.1-8B-shaped target with random weights, built on the device (labelled: costs
     only), on the static path with graphs: forward ms per width against the bandwidth limit,
-    and an EAGLE-3 head's draft step (random weights) against a target step."""
+    and an EAGLE-3 head's draft step (random weights) against a target step. ``fuse``: the
+    forward's layers through torch.compile (``compile=fused``), at widths 1 and 8 only (each
+    width compiles), and no draft step."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     from decoding.runner import StaticRunner
@@ -199,9 +224,9 @@ def part_shaped(device: str, reps: int, config: str) -> dict:
             p.normal_(0.0, 0.02)
     build_s = time.perf_counter() - t
     target = Target(model.eval(), None, "llama-3.1-8b-shaped-random", TargetConfig(name="hf"))
-    widths = (1, 8, 16, 32)
+    widths = (1, 8) if fuse else (1, 8, 16, 32)
     graphs = "cuda" if dev.type == "cuda" else "off"
-    runner = StaticRunner(target, (), widths, graphs, max_len=512)
+    runner = StaticRunner(target, (), widths, graphs, max_len=512, fuse=fuse)
     fwd = forward_costs(target, {"static": runner}, widths, reps)["static"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # a step reads every weight but the embedding table (one row of it)
@@ -219,6 +244,8 @@ def part_shaped(device: str, reps: int, config: str) -> dict:
         "fraction_of_bandwidth_limit": limit_ms / fwd[1],
     }
     del runner
+    if fuse:
+        return res
     head = Eagle3Head(target, Eagle3Config()).to(dev, torch.bfloat16).eval()
     L = len(head.feature_layers)
     n = 256
@@ -243,7 +270,9 @@ def part_shaped(device: str, reps: int, config: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--parts", default="forward,plain", help="forward,plain,draft,hf_compile,shaped"
+        "--parts",
+        default="forward,plain",
+        help="forward,plain,draft,fused,hf_compile,shaped,shaped_fused",
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=7)
@@ -259,6 +288,10 @@ def main() -> None:
     from models.target import TargetConfig, load_target
 
     parts = a.parts.split(",")
+    known = ("forward", "plain", "draft", "fused", "hf_compile", "shaped", "shaped_fused")
+    for part in parts:
+        if part not in known:
+            ap.error(f"--parts: no part {part!r} (use {', '.join(known)})")
     report: dict = {
         "device": torch.cuda.get_device_name(0)
         if a.device.startswith("cuda")
@@ -270,24 +303,36 @@ def main() -> None:
     }
     widths = tuple(int(w) for w in a.widths.split(","))
     target = None
-    if {"forward", "plain", "draft", "hf_compile"} & set(parts):
+    if {"forward", "plain", "draft", "fused", "hf_compile"} & set(parts):
         target = load_target(TargetConfig(device=a.device))
         report["target"] = f"{target.identity} ({str(target.dtype).replace('torch.', '')})"
-    if "forward" in parts:
-        report["forward_ms"] = part_forward(target, widths, a.reps)
-    if "plain" in parts:
-        report["plain"] = part_plain(target, a.tokens, max(3, a.reps // 2))
-    if "draft" in parts:
-        report["draft"] = part_draft(target, 2 * a.reps + 1)
-    if "hf_compile" in parts:
-        report["hf_compile"] = part_hf_compile(target, a.tokens, max(3, a.reps // 2))
-    if "shaped" in parts:
-        del target
-        report["llama_3.1_8b_shaped_random"] = part_shaped(a.device, a.reps, a.config)
-    text = json.dumps(report, indent=1)
+    few = max(3, a.reps // 2)
+    runs = {
+        "forward": ("forward_ms", lambda: part_forward(target, widths, a.reps)),
+        "plain": ("plain", lambda: part_plain(target, a.tokens, few)),
+        "draft": ("draft", lambda: part_draft(target, 2 * a.reps + 1)),
+        "fused": ("fused", lambda: part_fused(target, a.tokens, few)),
+        "hf_compile": ("hf_compile", lambda: part_hf_compile(target, a.tokens, few)),
+        "shaped": (
+            "llama_3.1_8b_shaped_random",
+            lambda: part_shaped(a.device, a.reps, a.config),
+        ),
+        "shaped_fused": (
+            "llama_3.1_8b_shaped_random_fused",
+            lambda: part_shaped(a.device, a.reps, a.config, fuse=True),
+        ),
+    }
+    for part in runs:  # in this order; the report is written after each part (a part cut
+        if part not in parts:  # off by a time limit leaves the earlier ones)
+            continue
+        if part.startswith("shaped"):
+            target = None  # the embedded target's memory back before an 8B-shaped one
+        key, run = runs[part]
+        report[key] = run()
+        text = json.dumps(report, indent=1)
+        if a.out:
+            Path(a.out).write_text(text)
     print(text)
-    if a.out:
-        Path(a.out).write_text(text)
 
 
 if __name__ == "__main__":

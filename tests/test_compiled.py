@@ -213,7 +213,9 @@ def test_compile_setting_picks_a_runner_and_says_why_not():
 def test_the_decoder_reports_which_runner_ran(tiny_target):
     auto = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False)
     off = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False, compile="false")
-    assert auto.runner.kind == "static" and off.runner.kind == "transformers"
+    # auto: the static path, with CUDA graphs where the target is on a GPU
+    want = "static+cuda-graphs" if tiny_target.device.type == "cuda" else "static"
+    assert auto.runner.kind == want and off.runner.kind == "transformers"
     assert auto.generate(PROMPT, 24) == off.generate(PROMPT, 24)
 
 
@@ -319,7 +321,7 @@ def test_static_eagle_chain_feeds_several_committed_pairs_like_the_eager_one(tin
     head = EagleHead(tiny_target, Eagle1Config()) if method == "eagle1" else _eagle3(tiny_target)
     head = head.to(tiny_target.device).eval()
     seq = PROMPT + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
-    ids = torch.tensor([seq])
+    ids = torch.tensor([seq], device=tiny_target.device)
     feats = tiny_target.features(ids, torch.ones_like(ids), head.feature_layers)[0]
     eager, static = head.proposer(), StaticEagleChain(head, 3, "emulate")
 
@@ -335,3 +337,62 @@ def test_static_eagle_chain_feeds_several_committed_pairs_like_the_eager_one(tin
         assert a.tokens == b.tokens, (step, a.tokens, b.tokens)
         for p in (eager, static):
             p.rollback(state(n), 0)
+
+
+def test_graph_discipline_names_what_a_cuda_graph_cannot_hold():
+    """The emulated graph path runs its functions under a check (``Captured(emulate=True)``):
+    a host read (``.item()``, or indexing with a 0-dim tensor, which broke the T > 0 EAGLE
+    chain's first capture on an H100), a data-dependent shape or a tensor built from host data
+    is refused on a CPU with the op named; the same function without them runs."""
+    from models.lean import Captured, CaptureError
+
+    t = torch.arange(10.0)
+    j = torch.tensor(3)
+    bad = {
+        "_local_scalar_dense": lambda: t[j],
+        "nonzero": lambda: t[t > 3],
+        "lift_fresh": lambda: t + torch.tensor([1.0]),
+    }
+    for op, fn in bad.items():
+        with pytest.raises(CaptureError, match=op):
+            Captured(fn, emulate=True)()
+    good = Captured(lambda: t.index_select(0, j.view(1)) + t.masked_fill(t > 3, 0).sum(), True)
+    assert good().tolist() == [9.0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@torch.no_grad()
+def test_fused_layers_give_the_plain_layers_logits(kind):
+    """``LeanLlama(fuse=True)``: the layer functions compiled by torch.compile (inductor's C++
+    kernels here, Triton's on a GPU) give the uncompiled ones' logits and features within
+    float32 rounding, at a fixed width after a prefill."""
+    model = _tiny(kind)
+    plain, fused = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, fuse=True)
+    ids = PROMPT[:8]
+    for lean in (plain, fused):  # the same prefill into each cache, exact shapes
+        _lean_logits(lean, ids, 0)
+    step = [5, 6, 7]
+    mask = visible_columns(torch.tensor(8), _causal(3), 3, 64)
+    args = (torch.tensor([step]), torch.arange(8, 11)[None], torch.arange(8, 11), mask, (1, 2))
+    want, want_f = plain.forward(*args)
+    got, got_f = fused.forward(*args, fused=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_f, want_f, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_fused_decodes_exactly(tiny_target):
+    """``compile=fused``: the runner says so, and greedy decoding with a drafter equals plain
+    decoding on transformers' path."""
+    from models.draft_lm import DraftLMProposer
+
+    fused = SpeculativeDecoder(
+        tiny_target,
+        DraftLMProposer(tiny_target.truncated(1)),
+        Sampling(),
+        gamma=3,
+        adaptive=False,
+        compile="fused",
+    )
+    assert fused.runner.kind.endswith("+fused")
+    ref = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False, compile="false")
+    assert fused.generate(PROMPT, 24) == ref.generate(PROMPT, 24)

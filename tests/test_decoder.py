@@ -25,11 +25,12 @@ PROMPT = [257, 72, 101, 108, 108, 111, 32, 72, 101, 108, 108, 111, 32, 119, 111,
 
 def proposers(target):
     other, _ = build_tiny_target(seed=1)  # an unrelated random draft with the same vocabulary
+    other = other.to(target.device)
     return {
         "ngram": NGramProposer(),
         "draft_lm": DraftLMProposer(other),
         "truncate:1": DraftLMProposer(target.truncated(1)),
-        "eagle": EagleHead(target, Eagle1Config()).proposer(),
+        "eagle": EagleHead(target, Eagle1Config()).to(target.device).proposer(),
         "self": DraftLMProposer(target.model),
         "lookahead": LookaheadProposer(window=4, ngram=3, guesses=3),
     }

@@ -104,7 +104,7 @@ def test_eval_of_a_trained_run(tmp_path, data_file):
         (["gamma=0"], "gamma=0: must be >= 1"),
         (["draft=/nonexistent/dir"], "draft=/nonexistent/dir: no such folder"),
         (["draft=runs/no-such-run/final"], "draft=runs/no-such-run/final: no such folder"),
-        (["compile=maybe"], "compile='maybe': use auto, true or false"),
+        (["compile=maybe"], "compile='maybe': use auto, true, false or fused"),
         (["bench=/nonexistent.jsonl"], "no such file"),
         (["categories=[nosuch]"], "categories=['nosuch']"),
         (["draft_weights=int4"], "draft_weights='int4': use one of auto, int8, full"),

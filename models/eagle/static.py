@@ -152,7 +152,8 @@ class StaticEagleChain(EagleProposer):
                 logits, offset = head.own_logits(h[0, -1])
                 q_own = warp(logits, sampling)
                 j = _inverse_cdf(q_own, self.u_buf[i])
-                x = j + offset[j] if offset is not None else j
+                # index_select, not offset[j]: a 0-dim index is read on the host
+                x = j + offset.index_select(0, j.view(1))[0] if offset is not None else j
                 qs.append(head.to_target_vocab(q_own))
             toks.append(x)
             if i < gamma - 1:
