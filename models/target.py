@@ -534,6 +534,7 @@ def generate_many(
     batch_size: int = 32,
     stats: dict | None = None,
     admit: int = 1,
+    should_stop=None,
 ) -> None:
     """Continuous batching for any HF causal LM with a KV cache: up to ``batch_size`` replies
     are generated together; a finished row leaves the batch at once (its cache rows dropped)
@@ -545,6 +546,8 @@ def generate_many(
     to ``max_new_tokens``; it may return new requests, which are served next (e.g. a
     conversation's next turn). ``sampling``: a ``models.sampling.Sampling`` (None or T = 0:
     greedy). Position ids count real tokens only, as ``generate`` does with left padding.
+    ``should_stop()``: once it says True, no waiting request joins (the rows in flight finish;
+    a time budget).
     """
     from collections import deque
 
@@ -603,6 +606,10 @@ def generate_many(
         return c, m, lg
 
     while queue or rows:
+        if queue and should_stop is not None and should_stop():
+            queue.clear()
+            if not rows:
+                break
         free = batch_size - len(rows)
         if queue and (not rows or (joinable and free >= min(admit, len(queue)))):
             reqs = [queue.popleft() for _ in range(min(free, len(queue)))]

@@ -181,3 +181,51 @@ def test_later_turns_become_one_turn_prompts_that_load(tmp_path):
         text=True,
     )
     assert r.returncode != 0 and "exists" in r.stderr
+
+
+def test_max_minutes_stops_starting_conversations_and_the_same_command_continues(
+    tmp_path, data_file, capsys
+):
+    """A time budget: once it is spent no conversation starts, what is done is merged and
+    counted (``not_reached``), and the same command without the budget finishes the file as
+    one uninterrupted run writes it."""
+    from trainer.regenerate import regenerate
+
+    full = tmp_path / "full.jsonl"
+    regenerate(_cfg(data_file, full, max_turns=1))
+    out = tmp_path / "budget.jsonl"
+    meta = regenerate(_cfg(data_file, out, max_turns=1, max_minutes=1e-9))
+    assert (meta["records"], meta["not_reached"], meta["dropped"]) == (0, 10, 0)
+    assert "10 conversations not reached; the same command continues" in capsys.readouterr().out
+    meta = regenerate(_cfg(data_file, out, max_turns=1))
+    assert (meta["records"], meta["not_reached"]) == (10, 0)
+    assert out.read_text() == full.read_text()
+    with pytest.raises(Exception, match="max_minutes=0"):
+        regenerate(_cfg(data_file, tmp_path / "x.jsonl", max_minutes=0))
+
+
+def test_generate_many_should_stop_lets_rows_in_flight_finish(tiny_target):
+    """``should_stop``: checked before each admission; once True the waiting requests never
+    start, and the rows already generating run to their end."""
+    from models.target import GenRequest, generate_many
+
+    reqs = [GenRequest((i,), [257, 72 + i]) for i in range(6)]
+    done: list = []
+
+    def on_done(key, reply, truncated):
+        done.append((key, len(reply)))
+        return ()
+
+    generate_many(
+        tiny_target.model,
+        reqs,
+        8,
+        set(),
+        tiny_target.pad_token_id,
+        on_done,
+        batch_size=2,
+        should_stop=lambda: len(done) >= 1,
+    )
+    # two rows started together; after the first finished nothing else joined
+    assert sorted(k for k, _ in done) == [(0,), (1,)]
+    assert all(n == 8 for _, n in done)

@@ -58,6 +58,9 @@ class PrepareConfig:
     batch_admit: int = 1
     seed: int = 0
     progress: bool = True
+    #: time budget: after this many minutes no new conversation starts, the ones in flight
+    #: finish and what is done is merged (the same command later continues from there)
+    max_minutes: float | None = None
 
 
 COUNTS = ("replies", "truncated", "reply_tokens", "stopped_context", "dropped")
@@ -207,6 +210,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         ("temperature", cfg.temperature >= 0, "must be >= 0"),
         ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
         ("max_turns", cfg.max_turns is None or cfg.max_turns >= 1, "must be >= 1"),
+        ("max_minutes", cfg.max_minutes is None or cfg.max_minutes > 0, "must be > 0"),
     ]:
         if not ok:
             raise PrepareError(f"{key}={cfg[key]!r}: {why}")
@@ -247,6 +251,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     todo = [i for i in mine if convs[i].id not in done]
     work = _Conversations(target, [(i, convs[i]) for i in todo], cfg)
     t0 = time.time()
+    deadline = t0 + 60 * (cfg.max_minutes or 0)
     bar = tqdm(
         total=len(mine),
         initial=len(mine) - len(todo),
@@ -300,6 +305,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
             batch_size=cfg.batch_size,
             admit=cfg.batch_admit,
+            should_stop=None if cfg.max_minutes is None else lambda: time.time() > deadline,
         )
     bar.close()
     counts_file.write_text(json.dumps(counts))
@@ -313,6 +319,12 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             f"prompt longer than data.max_length) to {out}",
             flush=True,
         )
+        if summary["not_reached"]:
+            print(
+                f"stopped at max_minutes={cfg.max_minutes}: {summary['not_reached']} "
+                "conversations not reached; the same command continues from here",
+                flush=True,
+            )
     state.wait_for_everyone()
     return summary
 
@@ -334,8 +346,10 @@ def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str,
                 f.write(json.dumps(recs[c.id], ensure_ascii=False) + "\n")
                 n += 1
     os.replace(tmp, out)
+    reached = sum(1 for c in convs if c.id in recs)
     meta = {"settings": settings, "input_conversations": kept, "records": n, **counts}
-    meta["dropped"] = kept - n
+    meta["dropped"] = reached - n  # prompts longer than data.max_length
+    meta["not_reached"] = kept - reached  # left by max_minutes
     out.with_name(out.name + ".meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 

@@ -250,6 +250,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     }
     if shard_info:
         summary["target_shard"] = shard_info
+    else:  # for model FLOPs per token (scripts/gpu_train_summary.py)
+        summary["target_params"] = sum(p.numel() for p in target.model.parameters())
     if accelerator.is_main_process:
         _print_summary(summary, log)
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,134 @@
+"""One JSON for a GPU training run (``scripts/gpu_train.sh``, issue 45): the slice it
+regenerated, training throughput and model FLOP utilisation, validation acceptance before and
+after, and the MT-bench measurement of the new head.
+
+    python scripts/gpu_train_summary.py --run RUN_DIR --regen REGEN.meta.json \
+        --eval eval_chain.json --device cuda --out summary.json
+
+Model FLOPs per training token (an estimate, written beside the figure): the frozen target's
+forward, 2 x its parameters, plus the head's forward and backward, 6 x its trainable
+parameters, once per training-time-test step (EAGLE-3's ``ttt_steps``; 1 for heads without
+one). Utilisation: achieved FLOP/s over the card's dense bf16 peak (H100 / H200 SXM: 989
+TFLOP/s); none on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _val(rows: list[dict]) -> list[dict]:
+    keep = ("step", "tokens")
+    return [
+        {k: v for k, v in r.items() if k in keep or k.startswith("val/alpha_pos")}
+        for r in rows
+        if any(k.startswith("val/alpha_pos") for k in r)
+    ]
+
+
+def summarise(
+    run: Path,
+    regen: Path | None,
+    ev: Path | None,
+    device: str,
+    slice_file: Path | None = None,
+) -> dict:
+    from safetensors import safe_open
+
+    rows = _rows(run / "metrics.jsonl")
+    run_summary = json.loads((run / "summary.json").read_text())
+    target_params = run_summary.get("target_params")
+    train = [r for r in rows if "tokens_per_s" in r]
+    cfg = json.loads((run / "final" / "config.json").read_text())
+    with safe_open(str(run / "final" / "model.safetensors"), "pt") as f:
+        head_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    ttt = cfg.get("method", {}).get("ttt_steps", 1)
+    out: dict = {"method": cfg.get("specdraft", {}).get("method"), "target": cfg.get("target")}
+    if regen is not None and regen.exists():
+        out["regenerated"] = json.loads(regen.read_text())
+    if slice_file is not None and slice_file.exists():
+        out["slice"] = json.loads(slice_file.read_text())
+    if train:
+        tps = statistics.median(r["tokens_per_s"] for r in train[1:] or train)
+        out["train"] = {
+            "steps": train[-1].get("step"),
+            "tokens": train[-1].get("tokens"),
+            "elapsed_s": train[-1].get("elapsed_s"),
+            "tokens_per_s_median": tps,
+            "head_trainable_params": head_params,
+            "ttt_steps": ttt,
+            "target_params": target_params,
+            "stopped": run_summary.get("reason"),
+        }
+        if target_params:
+            flops = 2 * target_params + 6 * head_params * ttt
+            out["train"]["model_flops_per_token"] = flops
+            out["train"]["model_flops_note"] = (
+                "2 x target params (frozen forward) + 6 x head params x ttt_steps"
+            )
+            name = torch.cuda.get_device_name(0) if device.startswith("cuda") else ""
+            peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+            out["train"]["device"] = name or device
+            if peak:
+                out["train"]["mfu"] = tps * flops / peak
+    out["validation"] = _val(rows)
+    if ev is not None and ev.exists():
+        r = json.loads(ev.read_text())
+        keep = (
+            "tau",
+            "alpha",
+            "alpha_per_position",
+            "speedup",
+            "decode_speedup",
+            "speedup_bound",
+            "lossless",
+            "lossless_note",
+            "decoder",
+            "tokens_per_second",
+            "ar_tokens_per_second",
+        )
+        out["mt_bench_chain3_t0"] = {k: r.get(k) for k in keep}
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--regen", default=None)
+    ap.add_argument("--eval", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--slice", default=None, help="gpu_train_pack.py's slice.json")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    s = summarise(
+        Path(a.run),
+        Path(a.regen) if a.regen else None,
+        Path(a.eval) if a.eval else None,
+        a.device,
+        Path(a.slice) if a.slice else None,
+    )
+    text = json.dumps(s, indent=1)
+    Path(a.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
