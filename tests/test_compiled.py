@@ -396,3 +396,22 @@ def test_compile_fused_decodes_exactly(tiny_target):
     assert fused.runner.kind.endswith("+fused")
     ref = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False, compile="false")
     assert fused.generate(PROMPT, 24) == ref.generate(PROMPT, 24)
+
+
+def test_a_prefill_is_padded_to_a_graph_width_where_graphs_run(tiny_target):
+    """A 40-token prompt is prefilled through the 64-wide prefill graph (features only): its
+    features, and the logits of the next forward over that cache, are transformers'; padding
+    writes nothing a later query sees."""
+    layers = (1, -1)
+    run = make_runner("graphs", tiny_target, layers)
+    ref = make_runner("transformers", tiny_target, layers)
+    assert 64 in run._prefills
+    used = []
+    graph = run._prefills[64]
+    run._prefills[64] = lambda base, lay: used.append(len(lay)) or graph(base, lay)
+    prompt = (PROMPT * 3)[:40]
+    got, want = run.prefill(prompt), ref.prefill(prompt)
+    assert used == [40]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    lay = Layout(7, Proposal.chain([8, 9]))
+    torch.testing.assert_close(run.forward(lay)[0], ref.forward(lay)[0], atol=1e-5, rtol=1e-5)
