@@ -11,6 +11,10 @@
 #   run "bash scripts/gpu_train.sh stash"       carry [".gpu/p2"]
 #   run "bash scripts/gpu_train.sh stash"       carry [".gpu/p3"]
 #   run "bash scripts/gpu_train.sh run \$OUT"   carry [".gpu/t1"]   timeout_s 600
+# Both device scripts stash into the same place, so on one warm machine they share the parts:
+# e.g. "gpu_check.sh exact" carrying .gpu/p1 (the compiled decoder's exactness tests, ~3.5
+# min), then "gpu_train.sh stash" with p2 and p3, then this run with REGEN_MIN=2 TRAIN_MIN=3
+# PROMPTS=40 (~7.5 min): both issues' checks in one session's 15 minutes.
 # Then here: python scripts/gpu_train_unpack.py /work/.device/<n>   # -> runs/gpu/<stamp>/
 # (a draft folder: draft=..., or train.init_from=... for the next run: short runs add up).
 #
