@@ -97,14 +97,13 @@ class LeanLlama:
         self.weights = [_layer_weights(layer) for layer in self.layers]
         # fuse: each layer's two stretches around attention compiled by torch.compile (inductor
         # fuses RMSNorm, RoPE, SiLU-and-multiply and the residual adds into a few kernels; one
-        # compiled function serves every layer, whose tensors it takes as arguments), used by
-        # forward(fused=True). Off: the same ops one by one, transformers' order (bit-exact).
+        # compiled function serves every layer, whose tensors it takes as arguments). Off: the
+        # same ops one by one, transformers' order (bit-exact). dynamic=None: the first width
+        # compiles for its shape, a second one for any (prefills of any length and every
+        # verification width share two compilations)
         self.fuse = fuse
-        if fuse:
-            # dynamic=None: the first width compiles for its shape, a second one for any (so
-            # prefills of any length and every verification width share two compilations)
-            self._qkv = torch.compile(_qkv, fullgraph=True)
-            self._out_mlp = torch.compile(_out_mlp, fullgraph=True)
+        self._qkv = torch.compile(_qkv, fullgraph=True) if fuse else _qkv
+        self._out_mlp = torch.compile(_out_mlp, fullgraph=True) if fuse else _out_mlp
         self.norm_w, self.norm_eps = dec.norm.weight, _eps(dec.norm)
         self.lm_head = model.get_output_embeddings()
         self.n_heads = cfg.num_attention_heads
@@ -137,7 +136,6 @@ class LeanLlama:
         mask: torch.Tensor,
         features: tuple[int, ...] = (),
         logits: bool = True,
-        fused: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward of W tokens per row.
 
@@ -146,8 +144,7 @@ class LeanLlama:
         attend, over cache columns [0, K) (K <= max_len; the tokens' own columns included).
         features: hidden-state indices (0: the embeddings, j: after layer j, num_layers: after
         the final norm). Returns logits (B, W, V) in the model's dtype (None unless ``logits``)
-        and the features (B, W, len(features), H) (None if none asked). ``fused``: through the
-        compiled layer functions (built with ``fuse=True``)."""
+        and the features (B, W, len(features), H) (None if none asked)."""
         B, W = ids.shape
         K = mask.shape[-1]
         x = F.embedding(ids, self.embed)
@@ -161,9 +158,8 @@ class LeanLlama:
         mask = mask.expand(B, 1, W, K).repeat(1, 1, g, 1) if g > 1 else mask
         kv = self.cache.kv
         n = self.num_layers
-        qkv, out_mlp = (self._qkv, self._out_mlp) if fused else (_qkv, _out_mlp)
         for i, w in enumerate(self.weights):
-            q, k, v = qkv(x, cos, sin, self.head_dim, *w[:11])
+            q, k, v = self._qkv(x, cos, sin, self.head_dim, *w[:11])
             kc, vc = kv[i, 0], kv[i, 1]
             kc.index_copy_(2, columns, k)
             vc.index_copy_(2, columns, v)
@@ -173,7 +169,7 @@ class LeanLlama:
             )
             # reshape, not view: CUDA's attention kernels may hand back (B, g*W, kv, D) strides
             o = o.reshape(B, self.n_heads, W, self.head_dim).transpose(1, 2).reshape(B, W, -1)
-            x = out_mlp(x, o, *w[11:])
+            x = self._out_mlp(x, o, *w[11:])
             if i + 1 in want and i + 1 < n:
                 want[i + 1] = x
         x = _rms_w(x, self.norm_w, self.norm_eps)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -52,7 +53,12 @@ def summarise(
     train = [r for r in rows if "tokens_per_s" in r]
     cfg = json.loads((run / "final" / "config.json").read_text())
     with safe_open(str(run / "final" / "model.safetensors"), "pt") as f:
-        head_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+        # the head's weights: floating tensors (EAGLE-3's vocabulary maps are integer buffers)
+        head_params = sum(
+            math.prod(f.get_slice(k).get_shape())
+            for k in f.keys()
+            if f.get_slice(k).get_dtype() in ("F32", "BF16", "F16")
+        )
     ttt = cfg.get("method", {}).get("ttt_steps", 1)
     out: dict = {"method": cfg.get("specdraft", {}).get("method"), "target": cfg.get("target")}
     if regen is not None and regen.exists():
@@ -100,13 +106,6 @@ def summarise(
         )
         out["mt_bench_chain3_t0"] = {k: r.get(k) for k in keep}
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def main() -> None:

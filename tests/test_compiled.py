@@ -375,7 +375,7 @@ def test_fused_layers_give_the_plain_layers_logits(kind):
     mask = visible_columns(torch.tensor(8), _causal(3), 3, 64)
     args = (torch.tensor([step]), torch.arange(8, 11)[None], torch.arange(8, 11), mask, (1, 2))
     want, want_f = plain.forward(*args)
-    got, got_f = fused.forward(*args, fused=True)
+    got, got_f = fused.forward(*args)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_f, want_f, atol=1e-5, rtol=1e-5)
 

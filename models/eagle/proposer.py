@@ -53,9 +53,9 @@ class EagleProposer(Proposer):
     def fixed_shape(self, gamma: int, graphs: str) -> Proposer | None:
         """Chains on the static path where graphs are captured (``static.py``; ``emulate``:
         tests). Eager on a CPU this proposer stays: a device read per token costs nothing
-        there, and the fixed-shape chain measured 5-8% slower a proposal (7.0 against 6.4 ms for
-        3 tokens, the shipped head on the AMX Xeon; ``scripts/bench_compiled.py --parts draft``). Trees draft eagerly (a tree's frontier is
-        chosen on the host level by level)."""
+        there, and the fixed-shape chain measured 5-8% slower a proposal (7.0 against 6.4 ms
+        for 3 tokens, the shipped head on the AMX Xeon; ``scripts/bench_compiled.py --parts
+        draft``). Trees draft eagerly (a tree's frontier is chosen on the host level by level)."""
         if type(self) is not EagleProposer or gamma < 1 or graphs == "off":
             return None
         from .static import StaticEagleChain
