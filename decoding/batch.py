@@ -5,17 +5,18 @@ requests the way a server does: up to ``batch_size`` rows decode together, a fin
 at once and a waiting request takes its place (continuous batching: the newcomers are prefilled
 in groups of similar lengths and joined to the running cache).
 
-**Ragged acceptance without moving the cache ("holes").** The batch shares one KV cache of
-shape (B, heads, L, d) and a boolean ``valid`` (B, L): the columns each row attends to. A
-verification forward appends n = 1 + (largest proposal in the batch) columns to every row (a
-row with a shorter proposal pads with masked tokens); afterwards each row keeps the columns of
-its last committed token and of its accepted nodes and marks the rest invalid (``keep_columns``).
-Keys already carry their rotary position, so a row's kept columns need be neither contiguous nor
-in order: nothing is copied at rollback, a tree's accepted path included. Columns no row keeps
-are cut at either end of the cache, and when holes make up most of it, it is compacted once
-(each row's valid columns gathered to the right, ``compact``). Every forward gets an explicit 4D
-mask and per-row position ids (tokens count real positions only), so padding and holes never
-shift a row's positions.
+**Ragged acceptance without moving the cache ("holes").** The rows share one KV cache with a
+boolean ``valid`` (B, L): the columns each row attends to. A verification forward appends
+n = 1 + (largest proposal in the batch) columns to every row (a row with a shorter proposal pads
+with masked tokens); afterwards each row keeps the columns of its last committed token and of
+its accepted nodes and the rest become holes. Keys already carry their rotary position, so a
+row's kept columns need be neither contiguous nor in order: nothing is copied at rollback, a
+tree's accepted path included; a cache that is mostly holes is compacted once in a while. Every
+forward gets an explicit mask and per-row position ids, so padding and holes never shift a
+row's positions. The cache and the forwards over it are the target runner's
+(``batch_runner.py``): transformers' ``DynamicCache`` (``compile=false``), or the lean forward
+over a static cache of ``batch_size`` rows, captured as CUDA graphs per row bucket and width on
+a GPU (``compile=auto``/``true``); this module is the loop, the same for both.
 
 **Drafting.** A proposer that has a batched form (``Proposer.batched``: EAGLE chains and
 EAGLE-2 trees, P-EAGLE, DFlash, Falcon chains, Medusa, draft LMs, the streaming self-draft)
@@ -45,28 +46,17 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from models.base import DecodeState, Proposal, Proposer, cache_kw
-from models.ragged import (
-    additive_mask,
-    causal_mask,
-    join_rows,
-    keep_columns,
-    keep_rows,
-    left_padded,
-    new_cache,
-    prefill_in_groups,
-    prefill_waste,
-    tidy,
-)
+from models.base import DecodeState, Proposal, Proposer
+from models.ragged import prefill_waste
 from models.sampling import Sampling, greedy_tokens, warp
 from models.target import GenRequest, Target
 
+from .batch_runner import BatchRunner, RaggedRunner, choose_batch_runner
 from .decoder import Stats, _depths, count_iteration
 from .policies import (
     POLICIES,
@@ -76,31 +66,13 @@ from .policies import (
     TreeController,
     _Acceptance,
 )
+from .runner import RunnerError
 from .timing import sync
 from .verify import verify_greedy, verify_sampled
 
 
 class BatchError(ValueError):
     """Settings the batched decoder cannot serve; the message says which and why."""
-
-
-class _RowCache:
-    """One row's columns of the batch's prefill cache (left-padded: the row's prompt fills
-    the last columns), as the ``DecodeState.prefill_cache`` a self-drafter copies from:
-    views, no copy; the prefill's tensors are never written in place afterwards (the batch
-    cache grows into new room or new tensors)."""
-
-    def __init__(self, cache: DynamicCache, row: int, first: int):
-        self.layers = [
-            SimpleNamespace(
-                keys=layer.keys[row : row + 1, :, first:, :],
-                values=layer.values[row : row + 1, :, first:, :],
-            )
-            for layer in cache.layers
-        ]
-
-    def get_seq_length(self) -> int:
-        return self.layers[0].keys.shape[-2] if self.layers else 0
 
 
 @dataclass
@@ -215,6 +187,9 @@ class BatchDecoder:
         calibrate: bool = True,
         cost: StepCostModel | None = None,
         admit: int = 1,
+        compile: str = "auto",
+        max_len: int = 2048,
+        runner: BatchRunner | None = None,
     ):
         if batch_size < 1:
             raise BatchError(f"batch_size={batch_size}: must be >= 1")
@@ -235,27 +210,43 @@ class BatchDecoder:
         self.device = target.device
         self.prefill_waste = prefill_waste(self.device)
         self.layers = tuple(proposer.feature_layers)
+        # the target's cache and forwards: transformers' ragged cache, or the static one
+        # (CUDA graphs per row bucket and width on a GPU); ``compile`` as at batch 1. A
+        # ``runner`` given is reused (one static cache and one set of graphs for a sweep's
+        # decoders of one batch size)
+        widest = 1 + (proposer.tree_nodes or self.gamma) if self.gamma else 1
+        if runner is None:
+            try:
+                runner = choose_batch_runner(
+                    compile,
+                    target,
+                    proposer,
+                    self.layers,
+                    batch_size,
+                    widest,
+                    self.prefill_waste,
+                    max_len,
+                )
+            except RunnerError as e:
+                raise BatchError(str(e)) from None
+        elif runner.layers != self.layers or getattr(runner, "batch_size", batch_size) < batch_size:
+            raise BatchError(
+                f"runner for feature layers {runner.layers}: this draft reads {self.layers} "
+                f"at batch {batch_size}"
+            )
+        self.runner: BatchRunner = runner
         self.t_verify1: list[float] | None = None
         if policy == "adaptive" and self.gamma and calibrate:
-            from .decoder import SpeculativeDecoder
-
-            # today's controller, as at batch 1: the batch-1 cost of each verification size,
-            # on transformers' forward (the batched decoder's own)
-            probe = SpeculativeDecoder(
-                target,
-                proposer,
-                sampling,
-                gamma=self.gamma,
-                adaptive=False,
-                calibrate=False,
-                compile="false",
-            )
-            self.t_verify1 = probe.forward_costs(range(1, self.gamma + 2))
+            # today's controller, as at batch 1: the cost of each verification size for one
+            # row, on this decoder's own forward
+            ks = range(1, self.gamma + 2)
+            med = runner.verify_costs(1, ks, 256, reps=5)
+            self.t_verify1 = [med[k] for k in ks]
         self.cost = cost
         if policy == "goodput" and self.gamma:
             if self.cost is None:
                 self.cost = (
-                    StepCostModel.for_proposer(target, proposer, gamma, batch_size)
+                    StepCostModel.for_proposer(runner, proposer, gamma, batch_size)
                     if calibrate
                     else StepCostModel()
                 )
@@ -300,7 +291,12 @@ class BatchDecoder:
             GenRequest(("calibration", i), torch.randint(0, vocab, (tokens,), generator=g).tolist())
             for i in range(rows)
         ]
-        _, _, feats, views = self._prefill(reqs)
+        # the target's features on transformers' forward (the drafter's cost is what is timed,
+        # and ``rows`` may be more than the batch's static cache holds)
+        ragged = RaggedRunner(
+            self.target, self.layers, self.prefill_waste, self.template.reads_prefill_cache
+        )
+        _, feats, views = ragged.admit([r.prompt[:-1] for r in reqs])
         seconds, step = 0.0, None
         for _ in range(2):  # a warm-up, then the timed reading and draft
             states = [
@@ -361,48 +357,6 @@ class BatchDecoder:
             return TreeController(self.gamma, True, t[0])
         return GammaController(self.gamma, True, t, parallel=self.template.parallel)
 
-    @torch.no_grad()
-    def _prefill(self, reqs: list[GenRequest]):
-        """Prefill the prompts but their last token, left-padded (one masked pad column for a
-        one-token prompt), in groups of similar lengths (``prefill_groups``). Returns the
-        cache and its ``valid`` (rows in the requests' order), each request's features and
-        its rows of the prefill cache (for a drafter that copies them)."""
-        fed_all = [r.prompt[:-1] for r in reqs]
-        feats: list = [None] * len(reqs)
-        views: list = [None] * len(reqs)
-
-        def prefill(g: list[int]):
-            fed = [fed_all[i] for i in g]
-            ids, pos, real = left_padded(fed, [0] * len(fed))
-            n = ids.shape[1]
-            allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
-            cache = new_cache(self.target.config)
-            _, h = self._forward(ids, pos, allowed, cache, logits_to_keep=1)
-            for j, (i, f) in enumerate(zip(g, fed, strict=True)):
-                if h is not None and f:
-                    feats[i] = h[j, n - len(f) :]
-                if f and self.template.reads_prefill_cache:
-                    views[i] = _RowCache(cache, j, n - len(f))
-            return cache, real.to(self.device)
-
-        lengths = [len(f) for f in fed_all]
-        cache, valid = prefill_in_groups(lengths, self.prefill_waste, prefill)
-        return cache, valid, feats, views
-
-    def _forward(self, ids, pos, allowed: torch.Tensor, cache, **kw):
-        """The target over ``ids`` at positions ``pos`` with the boolean attention ``allowed``
-        (R, n, columns), appending to ``cache``: its output and the drafter's features (R, n,
-        layers, H), None where it reads none."""
-        return self.target.forward_features(
-            self.layers,
-            input_ids=ids.to(self.device),
-            attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
-            position_ids=pos.to(self.device),
-            **cache_kw(self.target.model, cache),
-            use_cache=True,
-            **kw,
-        )
-
     # -- the loop ------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -429,8 +383,9 @@ class BatchDecoder:
         # in order of arrival (all at 0: the given order)
         queue = deque(sorted(requests, key=lambda r: r.arrival))
         rows: list[_Row] = []
-        cache: DynamicCache | None = None
-        valid: torch.Tensor | None = None
+        runner = self.runner
+        runner.reset()
+        runner.reserve(max(len(r.prompt) + r.budget(max_new_tokens) for r in requests) + 8)
         done: dict = {}
         greedy = self.sampling.greedy
         B = self.batch_size
@@ -447,8 +402,8 @@ class BatchDecoder:
             if arrived and free and (not rows or free >= min(self.admit, arrived)):
                 reqs = [queue.popleft() for _ in range(min(free, arrived))]
                 t = time.perf_counter()
-                c, v, feats, views = self._prefill(reqs)
-                cache, valid = join_rows(cache, valid, c, v)
+                order, feats, views = runner.admit([r.prompt[:-1] for r in reqs])
+                reqs = [reqs[i] for i in order]  # as the runner holds them
                 sync(self.device)
                 st.rows.t_prefill += time.perf_counter() - t
                 st.prefills += 1
@@ -483,7 +438,7 @@ class BatchDecoder:
                 # (``_join_drafter``): while the policy decodes plain, newcomers cost it nothing
             # -- how much each row drafts
             limits = [r.budget - len(r.new) - 1 for r in rows]
-            length = valid.shape[1]
+            length = runner.columns
             props: list[Proposal] = []
             self._t_start = 0.0
             t = time.perf_counter()
@@ -556,15 +511,12 @@ class BatchDecoder:
                 for i, par in enumerate(p.parents):
                     inner[b, i + 1] = inner[b, par + 1]
                     inner[b, i + 1, i + 1] = True
-            allowed = torch.cat([valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
+            st.cache_columns += R * length
+            st.valid_columns += runner.valid_columns()
             t = time.perf_counter()
-            out, feats = self._forward(ids, pos, allowed, cache)
-            logits = out.logits
+            logits, feats = runner.verify(ids, pos, inner)
             sync(self.device)
             t_verify = time.perf_counter() - t
-            st.cache_columns += R * length
-            st.valid_columns += int(valid.sum())
-            valid = torch.cat([valid, valid.new_zeros(R, n)], dim=1)
             # -- each row accepts its own
             arg = greedy_tokens(logits).tolist() if greedy else None
             keeps: list[list[int]] = []
@@ -615,7 +567,7 @@ class BatchDecoder:
                     )
                 if emitted[-1] in stop_ids or len(r.new) >= r.budget:
                     finished.append(b)
-            keep_columns(valid, length, keeps)
+            runner.keep(keeps)
             if self.goodput is not None:
                 self.cost.observe(R, n, length, t_verify)
                 clean = [s for s in step_times if s is not None]
@@ -661,20 +613,19 @@ class BatchDecoder:
                         progress(1)
                 keep = [b for b in range(R) if b not in set(finished)]
                 rows = [rows[b] for b in keep]
+                runner.retire(keep)
                 if not rows:
-                    cache = valid = None
                     if self.bp is not None:
                         self.bp.select([])
                         joined = 0
                     continue
-                cache, valid = keep_rows(cache, valid, keep)
                 if self.bp is not None:
                     kept = [b for b in keep if b < joined]
                     self.bp.select(kept)
                     joined = len(kept)
             if self.bp is not None:
                 self.bp.rollback([r.state for r in rows[:joined]], [])
-            valid = tidy(cache, valid)
+            runner.tidy()
         st.wall = time.perf_counter() - t0
         st.rows.t_total = st.wall
         if self.bp is not None:

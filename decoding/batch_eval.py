@@ -25,6 +25,7 @@ from .batch import BatchDecoder, BatchError, BatchStats, check_batch_settings
 from .decoder import NoDraft, SpeculativeDecoder
 from .policies import POLICIES, StepCostModel
 from .report import BATCH_CONVENTION, CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
+from .runner import compile_mode
 
 
 def policies_of(cfg) -> list[str]:
@@ -221,15 +222,16 @@ def evaluate_batched(
             raise BatchError(f"batch_admit={admit}: more than batch size {b}")
     # warm-up: first-call costs stay out of the timings
     for pr in (NoDraft(), proposer):
-        BatchDecoder(target, pr, sampling, 2, gamma=cfg.gamma, calibrate=False).run(
-            requests[:2], cfg.warmup_tokens, stop
-        )
+        BatchDecoder(
+            target, pr, sampling, 2, gamma=cfg.gamma, calibrate=False, compile=cfg.compile
+        ).run(requests[:2], cfg.warmup_tokens, stop)
     reference = logits = None
     if sampling.greedy:
-        # the batched decoder runs transformers' forward: its batch-1 reference does too, so a
-        # parted row is told apart by the rounding of one code path, not two
+        # the batch-1 reference on the batched decoder's forward (transformers', or the lean
+        # one over a static cache), so a parted row is told apart by the rounding of one code
+        # path, not two
         ref_dec = SpeculativeDecoder(
-            target, NoDraft(), sampling, gamma=0, record_logits=True, compile="false"
+            target, NoDraft(), sampling, gamma=0, record_logits=True, compile=cfg.compile
         )
         reference, logits = {}, {}
         for r in tqdm(requests, desc="batch-1 reference", dynamic_ncols=True, file=sys.stderr):
@@ -246,13 +248,11 @@ def evaluate_batched(
     for b in sizes:
         cost = None  # one cost model per batch size, shared by the policies that use it
         if "goodput" in policies:
-            cost = StepCostModel.for_proposer(target, proposer, cfg.gamma, b)
+            cost = StepCostModel.for_proposer(sweep.runner(b, proposer), proposer, cfg.gamma, b)
         if cfg.batch_warmup:
             # the device meets this batch's shapes in an untimed plain run first: else the
             # first timed run (plain's) pays for them alone (EvalConfig.batch_warmup)
-            BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit).run(
-                requests, cfg.max_new_tokens, stop
-            )
+            sweep.decoder("plain", b, None).run(requests, cfg.max_new_tokens, stop)
         for rate in rates:
             rows.extend(_sweep_point(sweep, b, rate, cost, arrive(requests, rate, cfg.seed)))
     greedy = sampling.greedy
@@ -286,6 +286,12 @@ def evaluate_batched(
         if budgets and budgets[0] is not None
         else None,
         "draft_description": draft_desc,
+        # which target forward ran (one runner per batch size, plain and drafting apart)
+        "decoder": {
+            "runner": sorted({r.kind for r in sweep.runners.values()}),
+            "compile": compile_mode(cfg.compile),
+            "capture_seconds": sum(r.capture_seconds for r in sweep.runners.values()),
+        },
     }
 
 
@@ -303,6 +309,43 @@ class _Sweep:
     logits: dict | None  # ... and its logits, to classify a divergence
     tolerance: float
     detail: list
+    # one runner (static cache, graphs) per (batch size, plain or drafting), built once
+    runners: dict = dataclasses.field(default_factory=dict)
+
+    def runner(self, b: int, proposer):
+        """The target runner decoders of batch size ``b`` with ``proposer`` share (plain
+        decoding reads no features, so it has its own)."""
+        key = (b, isinstance(proposer, NoDraft))
+        if key not in self.runners:
+            gamma = 0 if key[1] else self.cfg.gamma
+            self.runners[key] = BatchDecoder(
+                self.target,
+                proposer,
+                self.sampling,
+                b,
+                gamma=gamma,
+                calibrate=False,
+                compile=self.cfg.compile,
+            ).runner
+        return self.runners[key]
+
+    def decoder(self, name: str, b: int, cost) -> BatchDecoder:
+        """A decoder for policy ``name`` (``plain``: no draft) at batch size ``b``."""
+        if name == "plain":
+            pr, gamma, name = NoDraft(), 0, "fixed"
+        else:
+            pr, gamma = self.proposer, self.cfg.gamma
+        return BatchDecoder(
+            self.target,
+            pr,
+            self.sampling,
+            b,
+            gamma=gamma,
+            policy=name,
+            cost=cost,
+            admit=self.cfg.batch_admit,
+            runner=self.runner(b, pr),
+        )
 
 
 def _sweep_point(
@@ -312,9 +355,8 @@ def _sweep_point(
     decoding and each policy on the same requests, ``batch_repeats`` times; a report row per
     policy (divergences from the batch-1 reference appended to ``sw.detail``)."""
 
-    cfg, target, proposer, sampling, stop = sw.cfg, sw.target, sw.proposer, sw.sampling, sw.stop
+    cfg, sampling, stop = sw.cfg, sw.sampling, sw.stop
     policies, reference, logits, tolerance = sw.policies, sw.reference, sw.logits, sw.tolerance
-    admit = cfg.batch_admit
     bar = tqdm(
         total=len(requests) * (1 + len(policies)) * cfg.batch_repeats,
         desc=f"batch {b}" + ("" if rate is None else f", {rate:g} requests/s"),
@@ -327,19 +369,7 @@ def _sweep_point(
     outs: dict[str, dict] = {}
     for rep in range(cfg.batch_repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
-            if name == "plain":
-                dec = BatchDecoder(target, NoDraft(), sampling, b, gamma=0, admit=admit)
-            else:
-                dec = BatchDecoder(
-                    target,
-                    proposer,
-                    sampling,
-                    b,
-                    gamma=cfg.gamma,
-                    policy=name,
-                    cost=cost,
-                    admit=admit,
-                )
+            dec = sw.decoder(name, b, cost)
             outs[name] = dec.run(requests, cfg.max_new_tokens, stop, progress=bar.update)
             runs[name].append(dec.stats)
     plain = pooled(runs["plain"])

@@ -21,11 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.base import Proposer, cache_kw
-from models.ragged import additive_mask, new_cache
-from models.target import Target
-
-from .timing import interleaved_medians
+from models.base import Proposer
 
 
 class GammaController:
@@ -302,56 +298,28 @@ class StepCostModel:
             self.cov[idx[:, None], idx[None, :]] = inv
 
     @classmethod
-    def for_proposer(
-        cls, target: Target, proposer: Proposer, gamma: int, batch_size: int
-    ) -> StepCostModel:
-        """A model calibrated for ``proposer`` at ``batch_size``: forwards of 1 and
-        ``batch_size`` rows, of up to the most tokens one verification feeds it (a tree's whole
-        size, not its depth; else gamma + 1), after caches of 128 and 512 columns."""
+    def for_proposer(cls, runner, proposer: Proposer, gamma: int, batch_size: int) -> StepCostModel:
+        """A model calibrated for ``proposer`` at ``batch_size`` on ``runner`` (the batched
+        decoder's ``BatchRunner``: its own forward, transformers' or the static cache's):
+        forwards of 1 and ``batch_size`` rows, of up to the most tokens one verification feeds
+        it (a tree's whole size, not its depth; else gamma + 1), after caches of 128 and 512
+        columns."""
         k_top = (proposer.tree_nodes or proposer.tree_depth or gamma) + 1
         cost = cls()
         cost.calibrate(
-            target,
+            runner,
             rows=sorted({1, batch_size}),
             ks=sorted({1, 2, max(1, k_top // 2), k_top}),
             lengths=[128, 512],
         )
         return cost
 
-    @torch.no_grad()
-    def calibrate(
-        self, target: Target, rows: list[int], ks: list[int], lengths: list[int], reps: int = 3
-    ) -> None:
-        """Time forwards of every (rows, k, length) on random tokens (median of ``reps`` after a
-        warm-up; shapes taken in turn within each repetition) and fit."""
-        from models.base import crop_cache
-
-        g = torch.Generator().manual_seed(0)
-        vocab, dev = target.config.vocab_size, target.device
+    def calibrate(self, runner, rows: list[int], ks: list[int], lengths: list[int], reps: int = 3):
+        """Time the runner's verifications of every (rows, k, length) on random tokens
+        (``BatchRunner.verify_costs``) and fit."""
         for r in rows:
             for n in lengths:
-                cache = new_cache(target.config)
-                ctx = torch.randint(0, vocab, (r, n), generator=g).to(dev)
-                target.model(
-                    input_ids=ctx, **cache_kw(target.model, cache), use_cache=True, logits_to_keep=1
-                )
-
-                def setup(k: int, r=r, n=n, cache=cache):
-                    crop_cache(cache, n)  # the last shape's tokens out: n columns again
-                    ids = torch.randint(0, vocab, (r, k), generator=g).to(dev)
-                    # as the decoder calls it: an explicit mask (a row sees the cache and its
-                    # own tokens causally) and positions (PyTorch's attention takes another
-                    # path without a mask: 1 ms faster for 4 rows of 1 token)
-                    allowed = torch.ones(r, k, n + k, dtype=torch.bool)
-                    allowed[:, :, n:] = torch.ones(k, k, dtype=torch.bool).tril()
-                    mask = additive_mask(allowed, target.dtype)[:, None].to(dev)
-                    pos = torch.arange(n, n + k).expand(r, k).to(dev)
-                    kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
-                    return lambda: target.model(
-                        **kw, **cache_kw(target.model, cache), use_cache=True
-                    )
-
-                med = interleaved_medians(ks, setup, dev, reps)
+                med = runner.verify_costs(r, ks, n, reps)
                 for k in ks:
                     self.samples.append((*self._x(r, k, n), med[k]))
         self.fit()

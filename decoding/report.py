@@ -382,6 +382,13 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
                     else ""
                 )
             )
+    d = r.get("decoder")
+    if d:
+        out(
+            f"decoder: {', '.join(d['runner'])} (compile={d['compile']}"
+            + (f"; graphs captured in {d['capture_seconds']:.1f} s" if d["capture_seconds"] else "")
+            + ")"
+        )
     out(f"lossless: {r['lossless']} ({r['lossless_note']})")
     out(f"convention: {r['convention']}")
 

@@ -136,6 +136,7 @@ class LeanLlama:
         mask: torch.Tensor,
         features: tuple[int, ...] = (),
         logits: bool = True,
+        rows: slice | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward of W tokens per row.
 
@@ -143,8 +144,9 @@ class LeanLlama:
         the tokens are written to (the same for every row); mask: (B, 1, W, K) bool, True =
         attend, over cache columns [0, K) (K <= max_len; the tokens' own columns included).
         features: hidden-state indices (0: the embeddings, j: after layer j, num_layers: after
-        the final norm). Returns logits (B, W, V) in the model's dtype (None unless ``logits``)
-        and the features (B, W, len(features), H) (None if none asked)."""
+        the final norm). ``rows``: the cache rows these B rows are (a slice of the cache's batch;
+        None: all of them). Returns logits (B, W, V) in the model's dtype (None unless
+        ``logits``) and the features (B, W, len(features), H) (None if none asked)."""
         B, W = ids.shape
         K = mask.shape[-1]
         x = F.embedding(ids, self.embed)
@@ -160,7 +162,7 @@ class LeanLlama:
         n = self.num_layers
         for i, w in enumerate(self.weights):
             q, k, v = self._qkv(x, cos, sin, self.head_dim, *w[:11])
-            kc, vc = kv[i, 0], kv[i, 1]
+            kc, vc = (kv[i, 0], kv[i, 1]) if rows is None else (kv[i, 0, rows], kv[i, 1, rows])
             kc.index_copy_(2, columns, k)
             vc.index_copy_(2, columns, v)
             qg = q.reshape(B, self.n_kv, g * W, self.head_dim)
@@ -253,19 +255,28 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def visible_columns(
-    base: torch.Tensor, anc: torch.Tensor, width: int, columns: int
+    base: torch.Tensor,
+    anc: torch.Tensor,
+    width: int,
+    columns: int,
+    committed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The boolean attention mask (B, 1, W, K) of a forward of W tokens written at cache columns
-    base..base+W-1: every query sees the committed columns [0, base) and, among this forward's
-    own columns, those ``anc`` (B, W, W) marks (its ancestors and itself); nothing at or after
-    base + W (stale entries of earlier drafts). ``base``: a 0-dim integer tensor, so a captured
-    graph builds the mask from device memory."""
+    base..base+W-1: every query sees the committed columns [0, base) (``committed`` (B, >= K)
+    bool: only those it marks, a batch's ragged rows) and, among this forward's own columns,
+    those ``anc`` (B, W, W) marks (its ancestors and itself); nothing at or after base + W
+    (stale entries of earlier drafts). ``base``: a 0-dim integer tensor, so a captured graph
+    builds the mask from device memory."""
     B = anc.shape[0]
     rel = torch.arange(columns, device=anc.device) - base  # (K,)
     own = (rel >= 0) & (rel < width)
     idx = rel.clamp(0, width - 1).expand(B, width, columns)
     tree = torch.gather(anc, 2, idx) & own
-    return ((rel < 0) | tree)[:, None]
+    before = rel < 0
+    if committed is not None:
+        before = before & committed[:, :columns]
+        return (before[:, None] | tree)[:, None]
+    return (before | tree)[:, None]
 
 
 def pad_width(n: int, widths: tuple[int, ...]) -> int:

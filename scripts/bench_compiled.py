@@ -160,6 +160,68 @@ def part_draft(target, reps: int, gamma: int = 3) -> dict:
     return {f"{name}: ms per proposal of {gamma}": 1e3 * s for name, s in med.items()}
 
 
+def part_batch(target, tokens: int, reps: int, sizes=(1, 4, 16)) -> dict:
+    """The batched decoder's target runners (``decoding/batch_runner.py``): transformers'
+    ragged cache and the static one (CUDA graphs per row bucket and width on CUDA, eager on a
+    CPU): ms of a verification of 1 and 4 tokens per row after 256 columns at each batch size,
+    and plain batched decoding's tokens/s (``2 * max(sizes)`` requests of ``tokens`` tokens,
+    continuous batching at the largest size; medians of ``reps`` interleaved runs)."""
+    from data.chat import prompt_ids
+    from decoding.batch import BatchDecoder
+    from decoding.batch_runner import RaggedRunner, StaticBatchRunner, batch_widths
+    from decoding.decoder import NoDraft
+    from models.ragged import prefill_waste
+    from models.sampling import Sampling
+    from models.target import GenRequest
+
+    dev = target.device
+    big = max(sizes)
+    graphs = "cuda" if dev.type == "cuda" else "off"
+    t = time.perf_counter()
+    runners = {
+        "transformers": RaggedRunner(target, (), prefill_waste(dev), False),
+        "static" + (" + CUDA graphs" if graphs == "cuda" else ""): StaticBatchRunner(
+            target, (), big, batch_widths(4), graphs, max_len=1024, waste=prefill_waste(dev)
+        ),
+    }
+    res: dict = {"build_and_capture_s": time.perf_counter() - t, "verify_ms": {}}
+    for b in sizes:
+        for name, r in runners.items():
+            med = r.verify_costs(b, (1, 4), 256, reps)
+            res["verify_ms"][f"{name}, {b} rows"] = {k: 1e3 * v for k, v in med.items()}
+    topics = ["a robot who learns to paint", "the history of tea", "how rainbows form"]
+    reqs = [
+        GenRequest(
+            i,
+            prompt_ids(
+                target.tokenizer,
+                [{"role": "user", "content": f"Write about {topics[i % 3]} (part {i})."}],
+            ),
+        )
+        for i in range(2 * big)
+    ]
+    decs = {
+        name: BatchDecoder(target, NoDraft(), Sampling(), big, gamma=0, runner=r)
+        for name, r in runners.items()
+    }
+    for d in decs.values():
+        d.run(reqs[:big], 8)
+    rates: dict[str, list[float]] = {n: [] for n in decs}
+    outs = {}
+    for _ in range(reps):
+        for name, d in decs.items():
+            outs[name] = d.run(reqs, tokens)
+            rates[name].append(d.stats.tokens_per_second)
+    res[f"plain tok/s at batch {big}, {len(reqs)} requests x {tokens}"] = {
+        n: statistics.median(v) for n, v in rates.items()
+    }
+    first = next(iter(outs.values()))
+    res["outputs identical across runners"] = sum(
+        o[k] == first[k] for o in outs.values() for k in first
+    ) / (len(outs) * len(first))
+    return res
+
+
 def part_hf_compile(target, tokens: int, reps: int) -> dict:
     """transformers' generate with its static cache, the forward under torch.compile
     (``reduce-overhead``: CUDA graphs), greedy: the reference a compiled decoder is held to."""
@@ -272,7 +334,7 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         default="forward,plain",
-        help="forward,plain,draft,fused,hf_compile,shaped,shaped_fused",
+        help="forward,plain,draft,fused,batch,hf_compile,shaped,shaped_fused",
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=7)
@@ -282,13 +344,18 @@ def main() -> None:
         "--config", default=str(Path(__file__).parent / "model_configs" / "llama-3.1-8b-instruct")
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="add this run's parts to the --out file's (one report from several runs)",
+    )
     a = ap.parse_args()
     import transformers
 
     from models.target import TargetConfig, load_target
 
     parts = a.parts.split(",")
-    known = ("forward", "plain", "draft", "fused", "hf_compile", "shaped", "shaped_fused")
+    known = ("forward", "plain", "draft", "fused", "batch", "hf_compile", "shaped", "shaped_fused")
     for part in parts:
         if part not in known:
             ap.error(f"--parts: no part {part!r} (use {', '.join(known)})")
@@ -301,9 +368,11 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if a.merge and a.out and Path(a.out).is_file():
+        report = {**json.loads(Path(a.out).read_text()), **report}
     widths = tuple(int(w) for w in a.widths.split(","))
     target = None
-    if {"forward", "plain", "draft", "fused", "hf_compile"} & set(parts):
+    if {"forward", "plain", "draft", "fused", "batch", "hf_compile"} & set(parts):
         target = load_target(TargetConfig(device=a.device))
         report["target"] = f"{target.identity} ({str(target.dtype).replace('torch.', '')})"
     few = max(3, a.reps // 2)
@@ -312,6 +381,7 @@ def main() -> None:
         "plain": ("plain", lambda: part_plain(target, a.tokens, few)),
         "draft": ("draft", lambda: part_draft(target, 2 * a.reps + 1)),
         "fused": ("fused", lambda: part_fused(target, a.tokens, few)),
+        "batch": ("batch", lambda: part_batch(target, a.tokens, few)),
         "hf_compile": ("hf_compile", lambda: part_hf_compile(target, a.tokens, few)),
         "shaped": (
             "llama_3.1_8b_shaped_random",

@@ -14,6 +14,8 @@
 #           forward and its static cache against transformers, every runner-parametrized
 #           test of tests/test_decoder.py with real CUDA graphs, the static EAGLE chain (greedy
 #           equality with the eager proposer, the T = 1 chi-square of its on-device draws)
+#   batch_exact (60) the batched decoder's exactness on CUDA: every row its batch-1 greedy
+#           output on the static batch cache's real graphs (tests/test_batch.py)
 #   shaped  (110) scripts/bench_compiled.py --parts shaped: a Llama-3.1-8B-shaped target with
 #           random weights built on the GPU: forward ms at 1 / 8 / 16 / 32 tokens against the
 #           memory-bandwidth limit, an EAGLE-3 draft step against a target step
@@ -24,13 +26,21 @@
 #           3 (eager proposer / fixed-shape chain / its CUDA graph)
 #   chain   (110) MT-bench's 80 first turns x 128, T = 0, B = 1, the shipped head as a chain
 #           of 3 on the compiled path: speedup against compiled plain, the bound, lossless
-#   fused   (120) compile=fused against compile=true: a forward at 1 and 4 tokens, plain tok/s
+#   tree    (110) the same with an EAGLE-2 tree (depth 5, top_k 8, 32 nodes, drafted every
+#           iteration) drafted on fixed shapes as one CUDA graph (models/eagle/static.py)
 #   t1      (80)  the chain at T = 1
+#   goodput (150) the same prompts at B = 16 with the goodput policy on the static batch cache
+#           (CUDA graphs per row bucket and width), against plain at B = 16, lossless
+#   fused   (120) compile=fused against compile=true: a forward at 1 and 4 tokens, plain tok/s
+#   batch   (100) the batched decoder's runners: transformers' ragged cache against the static
+#           one's graphs, verification ms at 1 / 4 / 16 rows, plain tok/s at B = 16
 #   chain_fused (110) the chain at T = 0 with compile=fused
 #   hf      (200) transformers' generate with a static cache and torch.compile, side by side
 #           (its compile ran past 100 s on an H100)
-# The order is by priority: a step the call's time limit cuts off is the least needed. A call
-# returns at most 8 files: call 3 writes exactly 8 (transformers' path is in costs.json).
+# The order is by priority: a step the call's time limit cuts off is the least needed (the
+# session's 15 minutes leave call 3 about 500 s: through `t1`, and `goodput` if the rest is
+# quick). A call returns at most 8 files: call 3 writes 8 (the bench_compiled parts merge into
+# costs.json).
 # DEVICE (cuda), PROMPTS (80), TOKENS (128), LIMIT_SCALE (1), SKIP (step names) and
 # SHAPED_CONFIG (a config folder in place of Llama-3.1-8B's) change it; a CPU smoke run of the
 # whole path (transformers' compile takes minutes on a CPU, so it is skipped):
@@ -54,6 +64,8 @@ if [ "$mode" = exact ]; then
   SPECDRAFT_TEST_DEVICE=$dev step exact 150 python3 -m pytest -q -o addopts="" \
     -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py \
     -k "(runner or static or graph or lean or compile or fused or discipline or greedy_speculative or tree_verification) and not embedded_target"
+  SPECDRAFT_TEST_DEVICE=$dev step batch_exact 60 python3 -m pytest -q -o addopts="" \
+    -p no:cacheprovider tests/test_batch.py -k "every_row_equals or static_batch or compacting"
   step shaped 110 python3 scripts/bench_compiled.py --parts shaped --device "$dev" \
     --reps 10 --out "$out/shaped.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
   step shaped_fused 100 python3 scripts/bench_compiled.py --parts shaped_fused --device "$dev" \
@@ -73,12 +85,20 @@ step costs 70 python3 scripts/bench_compiled.py --parts forward,plain,draft --de
   --tokens "$tokens" --out "$out/costs.json"
 step chain 110 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 compile=true \
   report="$out/chain_t0.json" plot=/tmp/chain_t0.png
-step fused 120 python3 scripts/bench_compiled.py --parts fused --device "$dev" \
-  --tokens "$tokens" --out "$out/fused.json"
+step tree 110 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" tree=dynamic \
+  depth=5 top_k=8 total_tokens=32 adaptive=false "max_new_tokens=$tokens" num_prompts="$n" \
+  temperature=0 compile=true report="$out/tree_t0.json" plot=/tmp/tree_t0.png
 step t1 80 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=1 compile=true \
   report="$out/chain_t1.json" plot=/tmp/chain_t1.png
+step goodput 150 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" \
+  num_prompts="$n" max_new_tokens="$tokens" temperature=0 compile=true "batch_sizes=[16]" \
+  "batch_policies=[goodput]" report="$out/goodput_b16.json" plot=/tmp/goodput_b16.png
+step fused 120 python3 scripts/bench_compiled.py --parts fused --device "$dev" \
+  --tokens "$tokens" --out "$out/costs.json" --merge
+step batch 100 python3 scripts/bench_compiled.py --parts batch --device "$dev" \
+  --tokens 64 --reps 4 --out "$out/costs.json" --merge
 step chain_fused 110 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 \
   compile=fused report="$out/chain_fused.json" plot=/tmp/chain_fused.png
 step hf 200 python3 scripts/bench_compiled.py --parts hf_compile --device "$dev" \
-  --tokens "$tokens" --out "$out/hf_compile.json"
+  --tokens "$tokens" --out "$out/costs.json" --merge
 grep -E '^(==|   rc|all |decoder:|predicted)|tok/s|passed|failed' "$log"

@@ -6,7 +6,7 @@
 # Then, on the device, three calls in a row (each within the 30 s a machine stays warm):
 #   run "bash scripts/gpu_check.sh exact \$OUT"      carry [".gpu/p1"]   timeout_s 290
 #   run "bash scripts/gpu_check.sh stash"            carry [".gpu/p2"]
-#   run "bash scripts/gpu_check.sh run \$OUT"        carry [".gpu/p3"]   timeout_s 440
+#   run "bash scripts/gpu_check.sh run \$OUT"        carry [".gpu/p3"]   timeout_s 500
 # (scripts/gpu_check.sh says what the last one runs.)
 set -euo pipefail
 cd "$(dirname "$0")/.."

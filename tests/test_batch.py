@@ -11,10 +11,12 @@ import statistics
 
 import pytest
 import torch
-from conftest import run_module
+from conftest import COMPILE, run_module
 
 import decoding.batch as batch
+import decoding.batch_runner as batch_runner
 from decoding.batch import BatchDecoder, BatchError
+from decoding.batch_runner import StaticBatchRunner
 from decoding.decoder import NoDraft, SpeculativeDecoder
 from decoding.lookahead import LookaheadProposer
 from decoding.policies import GoodputPolicy, StepCostModel, _Acceptance
@@ -89,10 +91,15 @@ def _run(target, proposer, policy="fixed", b=3, sampling=None, gamma=4, **kw):
     "name", ["none", "ngram", "draft_lm", "self", "eagle", "eagle_tree", "medusa"]
 )
 @pytest.mark.parametrize("policy", ["fixed", "adaptive", "goodput"])
-def test_every_row_equals_its_batch1_greedy_output(tiny_target, reference, name, policy):
+@pytest.mark.parametrize("compile", ["false", COMPILE["graphs"]])
+def test_every_row_equals_its_batch1_greedy_output(tiny_target, reference, name, policy, compile):
     """8 prompts (1 to 30 tokens) through 3 rows: rows leave and join (continuous batching),
-    each accepts its own number of tokens; every output is the batch-1 greedy one."""
-    out, st = _run(tiny_target, _proposers(tiny_target)[name], policy)
+    each accepts its own number of tokens; every output is the batch-1 greedy one. On
+    transformers' ragged cache (``false``) and on the static cache at the CUDA graphs' fixed
+    row buckets and widths (real graphs on CUDA; on a CPU run eagerly under the graph
+    discipline, ``emulate``); the default
+    (``auto``: the static cache, eager at exact shapes on a CPU) runs in the tests below."""
+    out, st = _run(tiny_target, _proposers(tiny_target)[name], policy, compile=compile)
     assert out == reference
     assert st.rows.new_tokens == sum(len(v) for v in reference.values())
     assert st.prefills >= 3  # requests joined a running batch
@@ -100,17 +107,134 @@ def test_every_row_equals_its_batch1_greedy_output(tiny_target, reference, name,
         assert st.rows.alpha == 1.0 and st.rows.tau > 4.0  # ragged only in the tails
 
 
-def test_compacting_every_iteration_changes_nothing(tiny_target, reference, monkeypatch):
-    orig = batch.tidy
+@pytest.mark.parametrize("compile", ["false", "true", COMPILE["graphs"]])
+def test_compacting_every_iteration_changes_nothing(tiny_target, reference, monkeypatch, compile):
     calls = {"n": 0}
+    if compile == "false":
+        orig = batch_runner.tidy
 
-    def always(cache, valid, holes=0.5, slack=64):
-        calls["n"] += 1
-        return orig(cache, valid, holes=0.0, slack=0)
+        def always(cache, valid, holes=0.5, slack=64):
+            calls["n"] += 1
+            return orig(cache, valid, holes=0.0, slack=0)
 
-    monkeypatch.setattr(batch, "tidy", always)
-    out, _ = _run(tiny_target, _proposers(tiny_target)["eagle_tree"])
+        monkeypatch.setattr(batch_runner, "tidy", always)
+    else:
+        orig = StaticBatchRunner._compact
+
+        def counted(self):
+            calls["n"] += self.columns > max(self._counts, default=0)
+            orig(self)
+
+        monkeypatch.setattr(StaticBatchRunner, "_compact", counted)
+        monkeypatch.setattr(StaticBatchRunner, "tidy", lambda self: self._compact())
+    # Medusa's trees on the tiny target: partial acceptance, holes in every row (the static
+    # runner counts the compactions that move columns)
+    out, _ = _run(tiny_target, _proposers(tiny_target)["medusa"], compile=compile)
     assert out == reference and calls["n"] > 10
+
+
+@pytest.mark.parametrize("compile", ["true", COMPILE["graphs"]])
+def test_a_static_batch_cache_too_short_compacts_and_stays_exact(
+    tiny_target, reference, compile, monkeypatch
+):
+    """A static cache with room for a row of 64 tokens and Medusa's 65-token tree (the longest
+    prompt plus 32 new tokens fit; the holes of rejected drafts do not): the runner compacts
+    whenever the frontier reaches the end, and every row is still its batch-1 greedy output."""
+    dec = BatchDecoder(
+        tiny_target, _proposers(tiny_target)["medusa"], Sampling(), 3, compile=compile
+    )
+    monkeypatch.setattr(batch_runner, "round_up", lambda n: n)  # no rounding to 256 columns
+    widest = dec.runner.widths[-1]
+    short = StaticBatchRunner(
+        tiny_target, dec.layers, 3, dec.runner.widths, dec.runner.graphs, max_len=64 + widest
+    )
+    assert short.capacity == 64 + widest
+    short.reserve = lambda total: None  # keep the short cache
+    dec.runner = short
+    calls = {"n": 0}
+    orig = short._compact
+
+    def counted():
+        calls["n"] += 1
+        orig()
+
+    short._compact = counted
+    short.tidy = lambda: None  # only the full cache compacts
+    out = dec.run([GenRequest(i, p) for i, p in enumerate(_prompts())], N_NEW)
+    assert out == reference and calls["n"] >= 3
+
+
+def test_the_static_batch_cache_computes_what_the_ragged_one_does(tiny_target):
+    """The two runners under one script of rows joining, drafting trees of different shapes,
+    keeping different paths and leaving: the same logits and features at every step (float32,
+    to rounding), through graph-shaped padding (``emulate``: 3 rows in a bucket of 4)."""
+    layers = (0, -1)
+    ragged = batch_runner.RaggedRunner(tiny_target, layers, 0.25, False)
+    static = StaticBatchRunner(tiny_target, layers, 4, (1, 2, 4, 8), "emulate", max_len=128)
+    rng = random.Random(3)
+
+    def admit(prompts):
+        """Both runners prefill; the ragged one holds the rows in the prompts' order, the
+        static one in its prefill groups' (returned): the features compared row by row."""
+        o1, f1, _ = ragged.admit(prompts)
+        o2, f2, _ = static.admit(prompts)
+        for j, i in enumerate(o2):
+            if f1[o1.index(i)] is None:
+                assert f2[j] is None
+            else:
+                torch.testing.assert_close(f1[o1.index(i)], f2[j], rtol=1e-4, atol=1e-4)
+        return [prompts[i] for i in o2], o1, o2
+
+    first, o1, o2 = admit([[5, 6, 7, 8, 9], [11], [12, 13, 14, 15, 16, 17, 18, 19, 20]])
+    assert o1 == [0, 1, 2]
+    if o2 != o1:  # line the ragged runner's rows up with the static runner's
+        ragged.retire(o2)
+    rows = [list(p) + [rng.randrange(3, 250)] for p in first]  # prompt incl. the last token
+    for it in range(6):
+        R = len(rows)
+        n = 4
+        ids = torch.zeros(R, n, dtype=torch.long)
+        pos = torch.zeros(R, n, dtype=torch.long)
+        inner = torch.eye(n, dtype=torch.bool).repeat(R, 1, 1)
+        shapes = []
+        for b, seq in enumerate(rows):
+            m = rng.randint(1, n)  # root + m - 1 nodes; parents: a random tree
+            parents = [-1] + [rng.randrange(0, i + 1) - 1 for i in range(m - 1)]
+            depth = [0]
+            for i in range(1, m):
+                par = parents[i] + 1
+                inner[b, i] = inner[b, par]
+                inner[b, i, i] = True
+                depth.append(depth[par] + 1)
+            ids[b, :m] = torch.tensor([seq[-1]] + [rng.randrange(3, 250) for _ in range(m - 1)])
+            pos[b, :m] = torch.tensor(depth) + len(seq) - 1
+            pos[b, m:] = len(seq) - 1
+            shapes.append((m, parents, depth))
+        l1, h1 = ragged.verify(ids, pos, inner)
+        l2, h2 = static.verify(ids, pos, inner)
+        for b, (m, _, _) in enumerate(shapes):
+            torch.testing.assert_close(l1[b, :m], l2[b, :m], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(h1[b, :m], h2[b, :m], rtol=1e-4, atol=1e-4)
+        keeps = []
+        for b, (m, parents, _) in enumerate(shapes):
+            node = m - 1  # the path from the root to the last node
+            path = []
+            while node > 0:
+                path.append(node)
+                node = parents[node] + 1
+            keeps.append([0] + path[::-1])
+            rows[b] += [int(ids[b, k]) for k in keeps[-1][1:]] + [rng.randrange(3, 250)]
+        for r in (ragged, static):
+            r.keep(keeps)
+        if it == 2:  # the second row leaves, a newcomer joins
+            for r in (ragged, static):
+                r.retire([0, 2])
+            rows = [rows[0], rows[2]]
+            new, o1, o2 = admit([[30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44]])
+            rows.append(new[0] + [7])
+        for r in (ragged, static):
+            r.tidy()
+    assert static.rows == ragged.rows == 3
 
 
 @pytest.mark.parametrize("name", ["none", "eagle"])
@@ -227,7 +351,8 @@ class _Wrong(Proposer):
         return Proposal.chain([r.randrange(10) for _ in range(gamma)])
 
 
-def test_breaking_the_ragged_rollback_is_caught(small_vocab_pair, monkeypatch):
+@pytest.mark.parametrize("compile", ["false", "true"])
+def test_breaking_the_ragged_rollback_is_caught(small_vocab_pair, monkeypatch, compile):
     """A rollback that keeps every row's rejected columns must change outputs (the tiny
     random target repeats one token whatever its context, so this uses the sharper 10-token
     one): the equality tests above can fail."""
@@ -239,7 +364,7 @@ def test_breaking_the_ragged_rollback_is_caught(small_vocab_pair, monkeypatch):
     reqs = [GenRequest(i, p) for i, p in enumerate(prompts)]
 
     def run():
-        dec = BatchDecoder(target, _Wrong(), Sampling(), batch_size=3, gamma=4)
+        dec = BatchDecoder(target, _Wrong(), Sampling(), batch_size=3, gamma=4, compile=compile)
         return dec.run(reqs, N_NEW), dec.stats
 
     out, st = run()
@@ -248,7 +373,12 @@ def test_breaking_the_ragged_rollback_is_caught(small_vocab_pair, monkeypatch):
     def keep_everything(valid, start, keeps):
         valid[:, start:] = True
 
-    monkeypatch.setattr(batch, "keep_columns", keep_everything)
+    def keep_all_columns(self, keeps):
+        orig(self, [list(range(self._n)) for _ in keeps])
+
+    orig = StaticBatchRunner.keep
+    monkeypatch.setattr(batch_runner, "keep_columns", keep_everything)
+    monkeypatch.setattr(StaticBatchRunner, "keep", keep_all_columns)
     out, _ = run()
     assert sum(out[i] != ref[i] for i in ref) >= 4
 

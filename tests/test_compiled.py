@@ -339,6 +339,75 @@ def test_static_eagle_chain_feeds_several_committed_pairs_like_the_eager_one(tin
             p.rollback(state(n), 0)
 
 
+# the random EAGLE-1 head is nearly flat over the tiny target's 300 tokens: its cut is lower
+@pytest.mark.parametrize(
+    "method,min_prob", [("eagle1", 0.0), ("eagle1", 0.003), ("eagle3", 0.0), ("eagle3", 0.05)]
+)
+@torch.no_grad()
+def test_static_eagle_tree_grows_what_the_eager_tree_grows(tiny_target, method, min_prob):
+    """EAGLE-2's tree on fixed shapes (every level computed, the frontier chosen on the device,
+    one host read): after iterations that committed 1, 4, 2 and 3 tokens, the same tree as the
+    eager proposer's (tokens and parents), its early stop by ``min_prob`` included."""
+    from models.base import DecodeState
+    from models.eagle import Eagle1Config, EagleHead, EagleTreeProposer
+    from models.eagle.static import StaticEagleTree
+
+    torch.manual_seed(3)
+    head = EagleHead(tiny_target, Eagle1Config()) if method == "eagle1" else _eagle3(tiny_target)
+    head = head.to(tiny_target.device).eval()
+    seq = PROMPT + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
+    ids = torch.tensor([seq], device=tiny_target.device)
+    feats = tiny_target.features(ids, torch.ones_like(ids), head.feature_layers)[0]
+    eager = EagleTreeProposer(head, depth=4, top_k=3, total_tokens=10, min_prob=min_prob)
+    static = eager.fixed_shape(4, "emulate")
+    assert isinstance(static, StaticEagleTree)
+
+    def state(n):
+        return DecodeState(seq[:n], feats[: n - 1], Sampling(), None, tiny_target.device)
+
+    n = len(PROMPT)
+    for p in (eager, static):
+        p.start(state(n))
+    sizes = set()
+    for step in (1, 4, 2, 3):
+        n += step
+        a, b = eager.propose(state(n), 4), static.propose(state(n), 4)
+        assert (a.tokens, a.parents) == (b.tokens, b.parents), step
+        assert eager.last_scores == pytest.approx(static.last_scores, abs=1e-4)
+        sizes.add(len(a))
+        for p in (eager, static):
+            p.rollback(state(n), 0)
+    # trees of several nodes, and where min_prob cuts, smaller than the budget
+    assert max(sizes) > 1 and (min_prob == 0 or min(sizes) < 10), sizes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_eagle_tree_decodes_losslessly(tiny_target, temperature):
+    """The decoder with an EAGLE-2 tree on the graph path drafts with the fixed-shape tree and
+    gives plain decoding's output at T = 0; at T = 1, the same tokens as the eager tree on the
+    same seed (the tree is the draft's top-k either way, verified by the same rule)."""
+    from models.base import DecodeSettings
+    from models.eagle import Eagle1Config, EagleHead
+    from models.eagle.static import StaticEagleTree
+
+    torch.manual_seed(4)
+    head = EagleHead(tiny_target, Eagle1Config()).to(tiny_target.device).eval()
+    tree = DecodeSettings(tree="dynamic", depth=3, top_k=3, total_tokens=8)
+    s = Sampling(temperature)
+    outs = {}
+    for mode in ("true", COMPILE["graphs"]):
+        dec = SpeculativeDecoder(
+            tiny_target, head.proposer(tree), s, gamma=3, adaptive=False, seed=5, compile=mode
+        )
+        if mode != "true":
+            assert isinstance(dec.proposer, StaticEagleTree)
+        outs[mode] = dec.generate(PROMPT, 40)
+    assert outs["true"] == outs[COMPILE["graphs"]]
+    if temperature == 0:
+        ref = SpeculativeDecoder(tiny_target, NoDraft(), s, calibrate=False, compile="false")
+        assert outs["true"] == ref.generate(PROMPT, 40)
+
+
 def test_graph_discipline_names_what_a_cuda_graph_cannot_hold():
     """The emulated graph path runs its functions under a check (``Captured(emulate=True)``):
     a host read (``.item()``, or indexing with a 0-dim tensor, which broke the T > 0 EAGLE

@@ -55,7 +55,7 @@ class EagleProposer(Proposer):
         tests). Eager on a CPU this proposer stays: a device read per token costs nothing
         there, and the fixed-shape chain measured 5-8% slower a proposal (7.0 against 6.4 ms
         for 3 tokens, the shipped head on the AMX Xeon; ``scripts/bench_compiled.py --parts
-        draft``). Trees draft eagerly (a tree's frontier is chosen on the host level by level)."""
+        draft``). Trees: ``EagleTreeProposer.fixed_shape``."""
         if type(self) is not EagleProposer or gamma < 1 or graphs == "off":
             return None
         from .static import StaticEagleChain
@@ -209,6 +209,19 @@ class EagleTreeProposer(EagleProposer):
         self.log_min = math.log(min_prob) if min_prob > 0 else float("-inf")
         self.tree_depth = depth  # the decoder verifies the whole tree: no adaptive gamma
         self.tree_nodes = total_tokens
+
+    def fixed_shape(self, gamma: int, graphs: str) -> Proposer | None:
+        """The whole tree as one function of fixed shapes where graphs are captured
+        (``static.StaticEagleTree``: every level computed, the frontier chosen on the device,
+        one host read a proposal); eager on a CPU, as the chain."""
+        if type(self) is not EagleTreeProposer or graphs == "off" or gamma != self.depth:
+            return None
+        from .static import StaticEagleTree
+
+        min_prob = math.exp(self.log_min) if self.log_min > float("-inf") else 0.0
+        return StaticEagleTree(
+            self.head, self.depth, self.top_k, self.total_tokens, min_prob, graphs
+        )
 
     def batched(self) -> BatchedEagleTree | None:
         """Trees for every row of the batched decoder, one head forward per level."""

@@ -17,6 +17,7 @@ from: verification stays exact.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ import torch
 from ..base import DecodeState, Proposal
 from ..lean import Captured, round_up
 from ..sampling import warp
-from .proposer import EagleProposer
+from .proposer import EagleProposer, EagleTreeProposer, _Tree
 
 if TYPE_CHECKING:
     from .model import EagleHead
@@ -85,10 +86,14 @@ class StaticEagleChain(EagleProposer):
 
     # -- buffers and graphs ------------------------------------------------------------
 
+    def _extra(self, gamma: int) -> int:
+        """Draft-cache columns a proposal of ``gamma`` writes past the committed pairs."""
+        return gamma
+
     def _alloc(self, max_len: int) -> None:
         head = self.head
         dev = head.target.device
-        self.kv = StaticDraftKV(round_up(max_len + self.width + self.gamma_max))
+        self.kv = StaticDraftKV(round_up(max_len + self.width + self._extra(self.gamma_max)))
         L = len(self.feature_layers)
         H = head.target.hidden_size
         dtype = head.target.dtype
@@ -105,7 +110,7 @@ class StaticEagleChain(EagleProposer):
         self.cache = self.kv  # what EagleProposer's eager catch-up writes through
 
     def reserve(self, total: int) -> None:
-        if total + self.width + self.gamma_max > self.kv.max_len:
+        if total + self.width + self._extra(self.gamma_max) > self.kv.max_len:
             self._alloc(max(total, 2 * self.kv.max_len))
 
     def _graph(self, gamma: int, sampling) -> Captured:
@@ -114,7 +119,7 @@ class StaticEagleChain(EagleProposer):
         controller then never pays a capture inside a timed run)."""
         if (gamma, sampling) not in self._graphs:
             # warm-up and capture write at the last columns, which no sequence reaches
-            self.done_t.fill_(self.kv.max_len - self.width - self.gamma_max)
+            self.done_t.fill_(self.kv.max_len - self.width - self._extra(self.gamma_max))
             self.last_t.fill_(self.width - 1)
             for g in range(self.gamma_max, 0, -1):  # the longest first: the rest share its pool
                 fn = functools.partial(self._draft, g, sampling)
@@ -192,9 +197,13 @@ class StaticEagleChain(EagleProposer):
         self.draft_calls += 1
         return h
 
+    def _fixed(self, state: DecodeState, gamma: int) -> bool:
+        """Whether this proposal runs on the fixed shapes (else the eager proposer's way)."""
+        return not (state.signals or state.stop is not None or gamma > self.gamma_max)
+
     @torch.no_grad()
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
-        if state.signals or state.stop is not None or gamma > self.gamma_max:
+        if not self._fixed(state, gamma):
             return self._eager_propose(state, gamma)
         n = len(state.ids)
         if self._no_context(state) or gamma < 1:
@@ -212,17 +221,24 @@ class StaticEagleChain(EagleProposer):
         self.x_buf.copy_(ids[None].to(self.x_buf.device, non_blocking=True))
         self.done_t.fill_(self.done)
         self.last_t.fill_(m - 1)
-        self._span = self.done + self.width + gamma
-        if not state.sampling.greedy:
+        self._span = self.done + self.width + self._extra(gamma)
+        if not state.sampling.greedy and not self.deterministic:
             self.u_buf[:gamma] = torch.rand(
                 gamma, generator=state.generator, dtype=torch.float64, device=state.device
             )
-        toks, q = graph()
-        tokens = toks.tolist()  # the iteration's one read of the device
+        out = graph()
         self.done = upto
         self.draft_calls += gamma
+        prop = self._proposal(out)  # the iteration's one read of the device
         self.last_step_seconds = (time.perf_counter() - t) / gamma
-        return Proposal.chain(tokens, q.clone() if q is not None else None)
+        return prop
+
+    #: a proposal's tokens are the draft's top choices, never sampled (an EAGLE-2 tree)
+    deterministic = False
+
+    def _proposal(self, out) -> Proposal:
+        toks, q = out
+        return Proposal.chain(toks.tolist(), q.clone() if q is not None else None)
 
     def _eager_propose(self, state: DecodeState, gamma: int) -> Proposal:
         """The eager proposer's chain (token-by-token host decisions) on the static cache."""
@@ -241,3 +257,125 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     i = torch.searchsorted(c, (u * c[-1]).reshape(1), right=True)[0]
     last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).max()
     return torch.minimum(i, last)
+
+
+class StaticEagleTree(StaticEagleChain):
+    """EAGLE-2's dynamic tree (``EagleTreeProposer``'s rules) on fixed shapes: the catch-up,
+    then ``depth - 1`` levels of ``top_k`` frontier nodes fed in one head step each, the
+    frontier chosen on the device (the ``top_k`` best-scoring nodes of the level), and one host
+    read at the end of every node's token, parent and score, from which the host keeps the
+    ``total_tokens`` best as the eager tree does (``_Tree.proposal``). Every level is computed
+    in full: ``min_prob``'s early stop only spares compute, and a node below it is never kept
+    (a child never scores above its parent), so the kept tree is the eager one (up to the
+    order of exact ties and the rounding of float32 sums of log-probabilities). On CUDA the
+    whole tree is one graph replay (SGLang's captured draft loop)."""
+
+    name = "eagle-tree-static"
+    gives_signals = False
+    deterministic = True
+
+    def __init__(
+        self,
+        head: EagleHead,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        min_prob: float = 0.0,
+        graphs: str = "off",
+        max_len: int = 2048,
+    ):
+        self.top_k = top_k
+        super().__init__(head, depth, graphs, max_len)
+        self.depth, self.total_tokens = depth, total_tokens
+        self.log_min = math.log(min_prob) if min_prob > 0 else float("-inf")
+        self.tree_depth, self.tree_nodes = depth, total_tokens
+        self.last_scores: list[float] = []
+
+    def _extra(self, gamma: int) -> int:
+        return (gamma - 1) * self.top_k  # the fed frontier nodes of levels 1..depth-1
+
+    def _fixed(self, state: DecodeState, gamma: int) -> bool:
+        return gamma == self.depth  # a shallower tree is drafted the eager way
+
+    def _graph(self, gamma: int, sampling) -> Captured:
+        """One graph for the full depth, whatever the sampling (a tree is the draft's top-k)."""
+        if gamma not in self._graphs:
+            self.done_t.fill_(self.kv.max_len - self.width - self._extra(self.gamma_max))
+            self.last_t.fill_(self.width - 1)
+            cap = Captured(functools.partial(self._draft, gamma, None), self.graphs != "cuda")
+            self._pool = cap.pool
+            self._graphs[gamma] = cap
+            self.capture_seconds += cap.seconds
+        return self._graphs[gamma]
+
+    def _draft(self, depth: int, sampling) -> torch.Tensor:
+        """The tree on the static buffers; returns (3, nodes) float64: each node's token,
+        parent (-1 for the first level; nodes numbered level by level) and cumulative
+        log-probability."""
+        head, kv, K = self.head, self.kv, self.top_k
+        kv.span = self._span if self.graphs == "off" else kv.max_len
+        pos = self.done_t + self.rows
+        kv.columns = pos
+        h0 = head.initial_hidden(self.f_buf)[None]
+        h = head.step(h0, head._embed(self.x_buf), pos[None], self._mask(pos), kv)
+        root = h.index_select(1, self.last_t.view(1))[0]  # (1, H): predicts the first level
+        base = self.done_t + self.last_t + 1  # the first fed tree node's column and position
+        cols = self.cols[: kv.span]
+        logp, ids = head.top_tokens(root, K)
+        scores, tokens = [logp[0].float()], [ids[0]]
+        parents = [torch.full_like(ids[0], -1)]
+        level_s, level_t, offset = scores[0], tokens[0], 0  # the newest level's candidates
+        slots = torch.arange(K, device=root.device)
+        amask = out = None
+        for d in range(1, depth):
+            f_s, f_i = level_s.topk(K)  # the frontier: the level's K best
+            f_tok = level_t.index_select(0, f_i)
+            if d == 1:
+                inp = root.expand(K, root.shape[-1])
+                prev = None
+            else:
+                prev = f_i // K  # the frontier node's parent: a fed node of the last level
+                inp = out.index_select(0, prev)
+            own = base + (d - 1) * K + slots  # the frontier's draft-cache columns
+            seen = cols[None, :] == own[:, None]
+            seen = (
+                seen | (cols < base)[None, :]
+                if prev is None
+                else seen | amask.index_select(0, prev)
+            )
+            kv.columns = own
+            p = (base + d - 1).expand(1, K)
+            out = head.step(inp[None], head._embed(f_tok[None]), p, seen[None, None], kv)[0]
+            amask = seen
+            lp, ci = head.top_tokens(out, K)  # (K, K): each frontier node's children
+            level_s = (f_s[:, None] + lp.float()).reshape(-1)
+            level_t = ci.reshape(-1)
+            f_gid = offset + f_i  # global numbers of the frontier nodes
+            offset += K if d == 1 else K * K
+            scores.append(level_s)
+            tokens.append(level_t)
+            parents.append(f_gid[:, None].expand(K, K).reshape(-1))
+        return torch.stack(
+            [torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores).double()]
+        )
+
+    def _proposal(self, out: torch.Tensor) -> Proposal:
+        tok, par, sc = out.tolist()
+        K = self.top_k
+        tree = _Tree(None)
+        keep = {}  # device node -> host node (nodes of -inf score and their subtrees dropped)
+        for v, (t, p, s) in enumerate(zip(tok, par, sc, strict=True)):
+            p = int(p)
+            if s == float("-inf") or (p >= 0 and p not in keep):
+                continue
+            keep[v] = len(tree.tokens)
+            tree.tokens.append(int(t))
+            tree.parents.append(keep[p] if p >= 0 else -1)
+            tree.scores.append(s)
+            tree.depths.append(1 if v < K else 2 + (v - K) // (K * K))
+        prop, self.last_scores = tree.proposal(self.total_tokens, self.log_min)
+        return prop
+
+    def _eager_propose(self, state: DecodeState, gamma: int) -> Proposal:
+        self.kv.columns, self.kv.length = None, self.done
+        return EagleTreeProposer.propose(self, state, gamma)

@@ -1,0 +1,594 @@
+"""The target side of the batched decoder: B rows' KV cache and the forwards over it.
+
+``decoding/batch.py`` runs the continuous-batching loop (admit, draft, verify, accept, retire)
+for every proposer; the cache the rows share, and how a forward reads it, is this module's. Two
+runners behind one contract (``BatchRunner``), as ``runner.py`` has for batch 1:
+
+- ``RaggedRunner``: transformers' forward over a ``DynamicCache`` of shape (B, heads, L, d) and a
+  boolean ``valid`` (B, L) (``models/ragged.py``): any architecture with full-attention layers,
+  the reference path (``compile=false``). The cache grows and shrinks with the batch.
+- ``StaticBatchRunner``: the lean Llama-family forward (``models/lean.py``) over one static
+  cache of ``batch_size`` rows, allocated once. The active rows are the first R; a forward runs
+  over a row bucket (1, 2, 4, ... up to the batch size; padding rows see only themselves) and a
+  padded width, and on CUDA each (bucket, width) is captured once as a CUDA graph whose mask
+  is built on the device from the ``valid`` buffer, so a verification is one graph replay.
+  On a CPU it runs eager at exact shapes.
+
+Ragged acceptance is the same in both ("holes", ``models/ragged.py``): a forward writes n
+columns after the shared frontier for every row, each row keeps its accepted ones (``keep``)
+and the rest become masked columns; keys carry their rotary position, so nothing moves at
+rollback. Finished rows leave (``retire``: the static cache moves the rows after them up, so
+the active rows stay the first R); a cache that is mostly holes is compacted (``tidy``).
+"""
+
+from __future__ import annotations
+
+import abc
+from types import SimpleNamespace
+
+import torch
+from transformers import DynamicCache
+
+from models.base import cache_kw
+from models.lean import Captured, LeanLlama, lean_support, round_up, visible_columns
+from models.ragged import (
+    additive_mask,
+    causal_mask,
+    join_rows,
+    keep_columns,
+    keep_rows,
+    left_padded,
+    new_cache,
+    prefill_groups,
+    prefill_in_groups,
+    tidy,
+)
+from models.target import Target
+
+from .runner import RunnerError, compile_mode, static_unsupported
+from .timing import interleaved_medians
+
+
+class BatchRunner(abc.ABC):
+    """B rows' cache and forwards. Rows are in the order the decoder holds them: ``admit``
+    appends rows, ``retire`` keeps some in order.
+
+    ``columns``: the cache columns a verification attends to (the rows' shared frontier, holes
+    included); ``verify`` writes its n columns after them, ``keep`` then marks which of them
+    each row keeps."""
+
+    #: what ran, for the report: transformers | static | static+cuda-graphs (+fused)
+    kind: str = "?"
+    #: seconds spent capturing graphs (0 where none are captured)
+    capture_seconds: float = 0.0
+
+    def __init__(self, target: Target, layers: tuple[int, ...]):
+        self.target, self.layers = target, tuple(layers)
+        self.device = target.device
+
+    @property
+    @abc.abstractmethod
+    def rows(self) -> int:
+        """Rows in the cache."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """No rows (a new run)."""
+
+    @property
+    @abc.abstractmethod
+    def columns(self) -> int: ...
+
+    @abc.abstractmethod
+    def valid_columns(self) -> int:
+        """Columns the rows attend to, summed over rows (columns - holes, times rows)."""
+
+    @abc.abstractmethod
+    def admit(self, prompts: list[list[int]]) -> tuple[list[int], list, list]:
+        """Prefill ``prompts`` (each a request's prompt but its last token) as new rows after
+        the running ones. Returns (order, features, views) in the order the rows now hold them:
+        ``order[j]`` the index into ``prompts`` of new row j; features (T, L, H) or None; a
+        prefill-cache view for a drafter that copies it (``Proposer.reads_prefill_cache``) or
+        None."""
+
+    @abc.abstractmethod
+    def verify(
+        self, ids: torch.Tensor, pos: torch.Tensor, inner: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of n tokens per row after the cache: ids and positions (R, n) and
+        ``inner`` (R, n, n) bool, which of this forward's tokens each token sees (a padding
+        token only itself). Returns logits (R, n, V) and features (R, n, L, H) or None."""
+
+    @abc.abstractmethod
+    def keep(self, keeps: list[list[int]]) -> None:
+        """After ``verify``: row b keeps that forward's tokens ``keeps[b]`` (indices, 0 the root
+        first), the others become holes."""
+
+    @abc.abstractmethod
+    def retire(self, keep: list[int]) -> None:
+        """Only the rows at ``keep`` stay, in that order."""
+
+    def tidy(self) -> None:  # noqa: B027 (a no-op default)
+        """Cut and compact holes where they make up most of the cache."""
+
+    @torch.no_grad()
+    def verify_costs(self, rows: int, ks, length: int, reps: int = 3) -> dict[int, float]:
+        """Seconds of a verification of k tokens in each of ``rows`` rows after ``length``
+        cache columns, for each k in ``ks``, on random tokens: the median of ``reps`` after a
+        warm-up, the shapes taken in turn within each repetition (``interleaved_medians``).
+        What the batched decoder's cost model is fitted to: this runner's own forward (graphs
+        included where they run). Leaves the runner empty."""
+        g = torch.Generator().manual_seed(0)
+        vocab = self.target.config.vocab_size
+        self.reset()
+        self.admit([torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(rows)])
+        pending = [False]
+
+        def setup(k: int):
+            if pending[0]:  # the last shape's columns out, untimed: ``length`` columns again
+                self.keep([[] for _ in range(rows)])
+                self.tidy()
+            pending[0] = True
+            ids = torch.randint(0, vocab, (rows, k), generator=g)
+            pos = torch.arange(length, length + k).expand(rows, k)
+            inner = torch.ones(k, k, dtype=torch.bool).tril().expand(rows, k, k)
+            return lambda: self.verify(ids, pos, inner)
+
+        med = interleaved_medians(list(ks), setup, self.device, reps)
+        self.reset()
+        return med
+
+    def reserve(self, total: int) -> None:  # noqa: B027 (a no-op default)
+        """Room for rows of ``total`` tokens each (a static cache allocates it now)."""
+
+
+class _RowCache:
+    """One row's columns of the batch's prefill cache (left-padded: the row's prompt fills
+    the last columns), as the ``DecodeState.prefill_cache`` a self-drafter copies from:
+    views, no copy; the prefill's tensors are never written in place afterwards (the batch
+    cache grows into new room or new tensors)."""
+
+    def __init__(self, cache: DynamicCache, row: int, first: int):
+        self.layers = [
+            SimpleNamespace(
+                keys=layer.keys[row : row + 1, :, first:, :],
+                values=layer.values[row : row + 1, :, first:, :],
+            )
+            for layer in cache.layers
+        ]
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].keys.shape[-2] if self.layers else 0
+
+
+class RaggedRunner(BatchRunner):
+    """transformers' forward over a ``DynamicCache`` and its ``valid`` columns."""
+
+    kind = "transformers"
+
+    def __init__(
+        self, target: Target, layers: tuple[int, ...], waste: float, reads_prefill_cache: bool
+    ):
+        super().__init__(target, layers)
+        self.waste, self.views = waste, reads_prefill_cache
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.valid = None
+        self._start = 0
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[0]
+
+    @property
+    def columns(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def valid_columns(self) -> int:
+        return 0 if self.valid is None else int(self.valid.sum())
+
+    def _forward(self, ids, pos, allowed: torch.Tensor, cache, **kw):
+        return self.target.forward_features(
+            self.layers,
+            input_ids=ids.to(self.device),
+            attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
+            position_ids=pos.to(self.device),
+            **cache_kw(self.target.model, cache),
+            use_cache=True,
+            **kw,
+        )
+
+    @torch.no_grad()
+    def admit(self, prompts):
+        """Left-padded prefills in groups of similar lengths (``prefill_groups``; one masked
+        pad column for an empty prompt), joined under the running rows."""
+        feats: list = [None] * len(prompts)
+        views: list = [None] * len(prompts)
+
+        def prefill(g: list[int]):
+            fed = [prompts[i] for i in g]
+            ids, pos, real = left_padded(fed, [0] * len(fed))
+            n = ids.shape[1]
+            allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
+            cache = new_cache(self.target.config)
+            _, h = self._forward(ids, pos, allowed, cache, logits_to_keep=1)
+            for j, (i, f) in enumerate(zip(g, fed, strict=True)):
+                if h is not None and f:
+                    feats[i] = h[j, n - len(f) :]
+                if f and self.views:
+                    views[i] = _RowCache(cache, j, n - len(f))
+            return cache, real.to(self.device)
+
+        c, v = prefill_in_groups([len(p) for p in prompts], self.waste, prefill)
+        self.cache, self.valid = join_rows(self.cache, self.valid, c, v)
+        return list(range(len(prompts))), feats, views
+
+    @torch.no_grad()
+    def verify(self, ids, pos, inner):
+        R, n = ids.shape
+        length = self.columns
+        allowed = torch.cat([self.valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
+        out, feats = self._forward(ids, pos, allowed, self.cache)
+        self._start = length
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(R, n)], dim=1)
+        return out.logits, feats
+
+    def keep(self, keeps):
+        keep_columns(self.valid, self._start, keeps)
+
+    def retire(self, keep):
+        self.cache, self.valid = keep_rows(self.cache, self.valid, keep)
+
+    def tidy(self):
+        if self.cache is not None:
+            self.valid = tidy(self.cache, self.valid)
+
+
+#: row buckets a static batch pads to (and the batch size itself)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class _BatchGraph:
+    """One (row bucket, width): static buffers for the token ids, positions, the within-forward
+    mask and the frontier, and the forward over the first ``bucket`` rows of the static cache,
+    their committed columns read from the runner's ``valid`` buffer. Captured as a CUDA graph
+    on CUDA, run eagerly under the graph discipline with ``emulate`` (``models.lean.Captured``)."""
+
+    def __init__(self, lean: LeanLlama, valid, bucket, width, layers, emulate, pool=None):
+        dev = lean.device
+        self.lean, self.valid, self.bucket, self.width, self.layers = (
+            lean,
+            valid,
+            bucket,
+            width,
+            layers,
+        )
+        self.ids = torch.zeros(bucket, width, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(bucket, width, dtype=torch.long, device=dev)
+        self.anc = torch.eye(width, dtype=torch.bool, device=dev).repeat(bucket, 1, 1)
+        self.base = torch.zeros((), dtype=torch.long, device=dev)
+        self.steps = torch.arange(width, device=dev)
+        # warm-up and capture write at the last W columns, which no row uses (the runner keeps
+        # them free)
+        self.base.fill_(lean.max_len - width)
+        self.captured = Captured(self._run, emulate, pool, check=not lean.fuse)
+
+    def _run(self):
+        mask = visible_columns(
+            self.base, self.anc, self.width, self.lean.max_len, self.valid[: self.bucket]
+        )
+        return self.lean.forward(
+            self.ids,
+            self.pos,
+            self.base + self.steps,
+            mask,
+            self.layers,
+            rows=slice(0, self.bucket),
+        )
+
+    def __call__(self, base: int, ids, pos, inner):
+        R, n = ids.shape
+        host = torch.zeros(2, self.bucket, self.width, dtype=torch.long)
+        host[0, :R, :n] = ids
+        host[1, :R, :n] = pos  # padding: position 0, seeing only itself
+        anc = torch.eye(self.width, dtype=torch.bool).repeat(self.bucket, 1, 1)
+        anc[:R, :n, :n] = inner
+        dev = self.ids.device
+        both = host.to(dev, non_blocking=True)
+        self.ids.copy_(both[0])
+        self.pos.copy_(both[1])
+        self.anc.copy_(anc.to(dev, non_blocking=True))
+        self.base.fill_(base)
+        logits, feats = self.captured()
+        # overwritten by the next replay: copies of the real rows and tokens
+        return logits[:R, :n].clone(), None if feats is None else feats[:R, :n].clone()
+
+
+class StaticBatchRunner(BatchRunner):
+    """The lean forward over a static cache of ``batch_size`` rows (module docstring).
+
+    ``graphs``: ``cuda`` (CUDA graphs per row bucket and width), ``emulate`` (the same fixed
+    shapes and buffers run eagerly, for tests on a CPU) or ``off`` (eager at exact shapes).
+    ``widths``: the verification widths to pad to (the decoder passes 1, the powers of two
+    and its widest). ``max_len``: columns per row allocated up front (``reserve`` grows it
+    before a run). Host-side bookkeeping only (each row's kept-column count, the frontier), so
+    a forward needs no read from the device."""
+
+    def __init__(
+        self,
+        target: Target,
+        layers: tuple[int, ...],
+        batch_size: int,
+        widths: tuple[int, ...] = (1,),
+        graphs: str = "off",
+        max_len: int = 2048,
+        fuse: bool = False,
+        waste: float = 0.25,
+        holes: float = 0.5,
+        slack: int = 64,
+    ):
+        super().__init__(target, layers)
+        why = lean_support(target.model)
+        if why is not None:
+            raise RunnerError(f"compile=true: target {target.identity}: {why}")
+        if graphs not in ("off", "cuda", "emulate"):
+            raise RunnerError(f"graphs={graphs!r}: use off, cuda or emulate")
+        if graphs == "cuda" and self.device.type != "cuda":
+            raise RunnerError(f"CUDA graphs need a CUDA target; this one is on {self.device}")
+        self.graphs, self.fuse, self.waste = graphs, fuse, waste
+        self.holes, self.slack = holes, slack
+        self.batch_size = batch_size
+        self.buckets = tuple(b for b in ROW_BUCKETS if b < batch_size) + (batch_size,)
+        self.widths = tuple(sorted(set(int(w) for w in widths)))
+        self.states = tuple(target.layer_index(i) for i in self.layers)
+        self.kind = ("static+cuda-graphs" if graphs == "cuda" else "static") + (
+            "+fused" if fuse else ""
+        )
+        self._alloc(max_len)
+
+    def _alloc(self, max_len: int) -> None:
+        self.lean = LeanLlama(
+            self.target.model,
+            round_up(max_len + self.widths[-1]),
+            batch=self.batch_size,
+            fuse=self.fuse,
+        )
+        self.valid = torch.zeros(
+            self.batch_size, self.lean.max_len, dtype=torch.bool, device=self.lean.device
+        )
+        self.reset()
+        self._graphs: dict[tuple[int, int], _BatchGraph] = {}
+        if self.graphs == "off":
+            return
+        emulate, pool = self.graphs == "emulate", None
+        for b in reversed(self.buckets):  # the largest first: the rest share its memory pool
+            for w in reversed(self.widths):
+                g = _BatchGraph(self.lean, self.valid, b, w, self.states, emulate, pool)
+                pool = g.captured.pool
+                self.capture_seconds += g.captured.seconds
+                self._graphs[b, w] = g
+
+    def reset(self) -> None:
+        self._frontier, self._counts, self._start, self._n = 0, [], 0, 0
+        self.valid.zero_()
+
+    @property
+    def capacity(self) -> int:
+        """Columns the rows may fill (the widest forward's last columns stay free for capture)."""
+        return self.lean.max_len - self.widths[-1]
+
+    @property
+    def rows(self) -> int:
+        return len(self._counts)
+
+    @property
+    def columns(self) -> int:
+        return self._frontier
+
+    def valid_columns(self) -> int:
+        return sum(self._counts)
+
+    def reserve(self, total: int) -> None:
+        if total + self.widths[-1] > self.capacity:
+            if self.rows:
+                raise RunnerError("reserve() with rows in the cache: call it before a run")
+            self.capture_seconds = 0.0
+            self._alloc(max(total + self.widths[-1], 2 * self.capacity))
+
+    def _room(self, n: int) -> None:
+        """Room for n more columns after the frontier: compact the holes away if needed."""
+        if self._frontier + n <= self.capacity:
+            return
+        self._compact()
+        if self._frontier + n > self.capacity:
+            raise RunnerError(
+                f"batch cache: rows of {self._frontier} tokens plus {n} new ones are past its "
+                f"{self.capacity} columns (call reserve() with the longest prompt plus "
+                "max_new_tokens before decoding)"
+            )
+
+    @torch.no_grad()
+    def admit(self, prompts):
+        """Prefills in groups of similar lengths (``prefill_groups``), each over its new rows
+        only (the running rows' columns are not touched), left-padded and right-aligned to the
+        frontier (which moves right for a prompt longer than the rows so far: holes for the
+        others)."""
+        k, first = len(prompts), self.rows
+        if first + k > self.batch_size:
+            raise RunnerError(f"{first} rows + {k} new: past the batch of {self.batch_size}")
+        groups = prefill_groups([len(p) for p in prompts], self.waste)
+        order = [i for g in groups for i in g]
+        feats: list = [None] * k
+        dev = self.lean.device
+        slot = first
+        for g in groups:
+            fed = [prompts[i] for i in g]
+            ids, pos, real = left_padded(fed, [0] * len(fed))
+            n = ids.shape[1]
+            self._room(max(0, n - self._frontier))
+            c0 = max(0, self._frontier - n)
+            rows = slice(slot, slot + len(g))
+            self.valid[rows] = False
+            inner = (
+                torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]
+            ) | torch.eye(n, dtype=torch.bool)[None]
+            mask = visible_columns(
+                torch.tensor(c0, device=dev), inner.to(dev), n, c0 + n, self.valid[rows]
+            )
+            _, h = self.lean.forward(
+                ids.to(dev),
+                pos.to(dev),
+                torch.arange(c0, c0 + n, device=dev),
+                mask,
+                self.states,
+                logits=False,
+                rows=rows,
+            )
+            self.valid[rows, c0 : c0 + n] = real.to(dev)
+            self._frontier = max(self._frontier, c0 + n)
+            for j, f in enumerate(fed):
+                self._counts.append(len(f))
+                if h is not None and f:
+                    feats[slot - first + j] = h[j, n - len(f) :]
+            slot += len(g)
+        return order, feats, [None] * k
+
+    @torch.no_grad()
+    def verify(self, ids, pos, inner):
+        R, n = ids.shape
+        if R != self.rows:
+            raise RunnerError(f"verify of {R} rows: the cache holds {self.rows}")
+        widest = self.widths[-1]
+        graph = None
+        if self._graphs and n <= widest:
+            w = next(w for w in self.widths if w >= n)
+            b = next(b for b in self.buckets if b >= R)
+            graph = self._graphs[b, w]
+        self._room(graph.width if graph is not None else n)
+        base = self._frontier
+        self._start, self._n = base, n
+        if graph is not None:
+            return graph(base, ids, pos, inner)
+        dev = self.lean.device
+        mask = visible_columns(
+            torch.tensor(base, device=dev), inner.to(dev), n, base + n, self.valid[:R]
+        )
+        logits, feats = self.lean.forward(
+            ids.to(dev),
+            pos.to(dev),
+            torch.arange(base, base + n, device=dev),
+            mask,
+            self.states,
+            rows=slice(0, R),
+        )
+        return logits, feats
+
+    def keep(self, keeps):
+        R, n, start = self.rows, self._n, self._start
+        host = torch.zeros(R, n, dtype=torch.bool)
+        last = 0
+        for b, ks in enumerate(keeps):
+            if ks:
+                host[b, ks] = True
+                last = max(last, max(ks) + 1)
+            self._counts[b] += len(ks)
+        self.valid[:R, start : start + n] = host.to(self.valid.device, non_blocking=True)
+        # the columns after the last kept one are holes in every row: the frontier drops back
+        self._frontier = start + last
+
+    def retire(self, keep):
+        R, k = self.rows, len(keep)
+        j = 0  # rows before j stay where they are
+        while j < k and keep[j] == j:
+            j += 1
+        L = self._frontier
+        if j < k:
+            idx = torch.tensor(keep[j:], device=self.lean.device)
+            kv = self.lean.cache.kv
+            kv[:, :, j:k, :, :L] = kv[:, :, :, :, :L].index_select(2, idx)
+            self.valid[j:k, :L] = self.valid[:, :L].index_select(0, idx)
+        self.valid[k:R] = False
+        self._counts = [self._counts[b] for b in keep]
+        if not keep:
+            self._frontier = 0
+
+    def tidy(self):
+        if not self.rows:
+            return
+        need = max(self._counts)
+        gap = self._frontier - need
+        if gap > self.slack and gap > self.holes * self._frontier:
+            self._compact()
+
+    @torch.no_grad()
+    def _compact(self) -> None:
+        """Gather each row's valid columns to the left end, in order, right-aligned to the row
+        with the most (the others left-padded with masked columns), as ``models.ragged.compact``
+        does for transformers' cache; the frontier becomes that row's count."""
+        R, L = self.rows, self._frontier
+        m = max(self._counts, default=0)
+        if not R or m == L:
+            return
+        v = self.valid[:R, :L]
+        order = torch.arange(L, device=v.device).expand(R, L)
+        key = torch.where(v, order, order - L)  # invalid columns sort first
+        idx = key.sort(dim=1).values[:, L - m :]
+        new_valid = idx >= 0
+        idx = idx.clamp_min(0)
+        kv = self.lean.cache.kv
+        for layer in kv:  # (2, B, kv_heads, max_len, D): one layer at a time, little extra memory
+            src = layer[:, :R, :, :L]
+            g = idx[None, :, None, :, None].expand(2, R, src.shape[2], m, src.shape[4])
+            layer[:, :R, :, :m] = src.gather(3, g)
+        self.valid[:R, :m] = new_valid
+        self.valid[:R, m:L] = False
+        self._frontier = m
+
+
+def batch_widths(widest: int) -> tuple[int, ...]:
+    """Verification widths a static batch pads to: 1, the powers of two below ``widest``, and
+    ``widest`` (a batch's width is 1 + its longest proposal, which the policies vary)."""
+    ws = {1, widest}
+    w = 2
+    while w < widest:
+        ws.add(w)
+        w *= 2
+    return tuple(sorted(ws))
+
+
+def choose_batch_runner(
+    mode: str,
+    target: Target,
+    proposer,
+    layers: tuple[int, ...],
+    batch_size: int,
+    widest: int,
+    waste: float,
+    max_len: int = 2048,
+) -> BatchRunner:
+    """The batch runner ``compile=mode`` asks for: as ``runner.choose_runner`` does for batch 1
+    (``auto``: the static path where it can run, graphs on CUDA; ``false``: transformers')."""
+    mode = compile_mode(mode)
+    ragged = RaggedRunner(target, layers, waste, proposer.reads_prefill_cache)
+    if mode == "false":
+        return ragged
+    why = static_unsupported(target, proposer)
+    if why is not None:
+        if mode != "auto":
+            raise RunnerError(f"compile={mode}: {why}; use compile=auto or false")
+        return ragged
+    if mode == "emulate":
+        graphs = "emulate"
+    else:
+        graphs = "cuda" if target.device.type == "cuda" else "off"
+    return StaticBatchRunner(
+        target,
+        layers,
+        batch_size,
+        batch_widths(widest),
+        graphs,
+        max_len,
+        fuse=mode == "fused",
+        waste=waste,
+    )
