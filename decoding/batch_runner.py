@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from models.base import cache_kw
-from models.lean import Captured, LeanLlama, lean_support, round_up, visible_columns
+from models.lean import Captured, LeanLlama, round_up, visible_columns
 from models.ragged import (
     additive_mask,
     causal_mask,
@@ -45,7 +45,7 @@ from models.ragged import (
 )
 from models.target import Target
 
-from .runner import RunnerError, compile_mode, static_unsupported
+from .runner import RunnerError, check_static, compile_mode, static_unsupported
 from .timing import interleaved_medians
 
 
@@ -329,13 +329,7 @@ class StaticBatchRunner(BatchRunner):
         slack: int = 64,
     ):
         super().__init__(target, layers)
-        why = lean_support(target.model)
-        if why is not None:
-            raise RunnerError(f"compile=true: target {target.identity}: {why}")
-        if graphs not in ("off", "cuda", "emulate"):
-            raise RunnerError(f"graphs={graphs!r}: use off, cuda or emulate")
-        if graphs == "cuda" and self.device.type != "cuda":
-            raise RunnerError(f"CUDA graphs need a CUDA target; this one is on {self.device}")
+        check_static(target, graphs)
         self.graphs, self.fuse, self.waste = graphs, fuse, waste
         self.holes, self.slack = holes, slack
         self.batch_size = batch_size
@@ -433,18 +427,7 @@ class StaticBatchRunner(BatchRunner):
             inner = (
                 torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]
             ) | torch.eye(n, dtype=torch.bool)[None]
-            mask = visible_columns(
-                torch.tensor(c0, device=dev), inner.to(dev), n, c0 + n, self.valid[rows]
-            )
-            _, h = self.lean.forward(
-                ids.to(dev),
-                pos.to(dev),
-                torch.arange(c0, c0 + n, device=dev),
-                mask,
-                self.states,
-                logits=False,
-                rows=rows,
-            )
+            _, h = self._eager(ids, pos, inner, c0, rows, logits=False)
             self.valid[rows, c0 : c0 + n] = real.to(dev)
             self._frontier = max(self._frontier, c0 + n)
             for j, f in enumerate(fed):
@@ -470,19 +453,19 @@ class StaticBatchRunner(BatchRunner):
         self._start, self._n = base, n
         if graph is not None:
             return graph(base, ids, pos, inner)
-        dev = self.lean.device
+        return self._eager(ids, pos, inner, base, slice(0, R))
+
+    def _eager(self, ids, pos, inner, base: int, rows: slice, logits: bool = True):
+        """The lean forward at exact shapes: the cache ``rows``' n tokens written at columns
+        base..base+n-1, each seeing its row's valid columns before them and ``inner``."""
+        n, dev = ids.shape[1], self.lean.device
         mask = visible_columns(
-            torch.tensor(base, device=dev), inner.to(dev), n, base + n, self.valid[:R]
+            torch.tensor(base, device=dev), inner.to(dev), n, base + n, self.valid[rows]
         )
-        logits, feats = self.lean.forward(
-            ids.to(dev),
-            pos.to(dev),
-            torch.arange(base, base + n, device=dev),
-            mask,
-            self.states,
-            rows=slice(0, R),
+        cols = torch.arange(base, base + n, device=dev)
+        return self.lean.forward(
+            ids.to(dev), pos.to(dev), cols, mask, self.states, logits=logits, rows=rows
         )
-        return logits, feats
 
     def keep(self, keeps):
         R, n, start = self.rows, self._n, self._start

@@ -273,13 +273,7 @@ class StaticRunner(TargetRunner):
         fuse: bool = False,
     ):
         super().__init__(target, layers)
-        why = lean_support(target.model)
-        if why is not None:
-            raise RunnerError(f"compile=true: target {target.identity}: {why}")
-        if graphs not in ("off", "cuda", "emulate"):
-            raise RunnerError(f"graphs={graphs!r}: use off, cuda or emulate")
-        if graphs == "cuda" and self.device.type != "cuda":
-            raise RunnerError(f"CUDA graphs need a CUDA target; this one is on {self.device}")
+        check_static(target, graphs)
         self.graphs = graphs
         # hidden-state indices as the lean forward counts them (0..num_layers, no negatives)
         self.states = tuple(target.layer_index(i) for i in self.layers)
@@ -365,6 +359,18 @@ class StaticRunner(TargetRunner):
         if keep != list(range(len(keep))):
             self.lean.cache.move(self.length, torch.tensor(keep, device=self.lean.device))
         self.length += len(keep)
+
+
+def check_static(target: Target, graphs: str) -> None:
+    """``RunnerError`` where a static runner cannot run ``target`` with ``graphs`` (off, cuda
+    or emulate)."""
+    why = lean_support(target.model)
+    if why is not None:
+        raise RunnerError(f"compile=true: target {target.identity}: {why}")
+    if graphs not in ("off", "cuda", "emulate"):
+        raise RunnerError(f"graphs={graphs!r}: use off, cuda or emulate")
+    if graphs == "cuda" and target.device.type != "cuda":
+        raise RunnerError(f"CUDA graphs need a CUDA target; this one is on {target.device}")
 
 
 def static_unsupported(target: Target, proposer) -> str | None:
