@@ -30,7 +30,15 @@ import torch
 from transformers import DynamicCache
 
 from models.base import cache_kw
-from models.lean import Captured, LeanLlama, round_up, visible_columns
+from models.lean import (
+    CacheFull,
+    Captured,
+    LeanLlama,
+    RaggedColumns,
+    round_up,
+    row_buckets,
+    visible_columns,
+)
 from models.ragged import (
     additive_mask,
     causal_mask,
@@ -245,10 +253,6 @@ class RaggedRunner(BatchRunner):
             self.valid = tidy(self.cache, self.valid)
 
 
-#: row buckets a static batch pads to (and the batch size itself)
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
 class _BatchGraph:
     """One (row bucket, width): static buffers for the token ids, positions, the within-forward
     mask and the frontier, and the forward over the first ``bucket`` rows of the static cache,
@@ -333,7 +337,7 @@ class StaticBatchRunner(BatchRunner):
         self.graphs, self.fuse, self.waste = graphs, fuse, waste
         self.holes, self.slack = holes, slack
         self.batch_size = batch_size
-        self.buckets = tuple(b for b in ROW_BUCKETS if b < batch_size) + (batch_size,)
+        self.buckets = row_buckets(batch_size)
         self.widths = tuple(sorted(set(int(w) for w in widths)))
         self.states = tuple(target.layer_index(i) for i in self.layers)
         self.kind = ("static+cuda-graphs" if graphs == "cuda" else "static") + (
@@ -348,8 +352,8 @@ class StaticBatchRunner(BatchRunner):
             batch=self.batch_size,
             fuse=self.fuse,
         )
-        self.valid = torch.zeros(
-            self.batch_size, self.lean.max_len, dtype=torch.bool, device=self.lean.device
+        self.cols = RaggedColumns(
+            self.lean.cache.kv, self.lean.max_len - self.widths[-1], self.holes, self.slack
         )
         self.reset()
         self._graphs: dict[tuple[int, int], _BatchGraph] = {}
@@ -358,30 +362,30 @@ class StaticBatchRunner(BatchRunner):
         emulate, pool = self.graphs == "emulate", None
         for b in reversed(self.buckets):  # the largest first: the rest share its memory pool
             for w in reversed(self.widths):
-                g = _BatchGraph(self.lean, self.valid, b, w, self.states, emulate, pool)
+                g = _BatchGraph(self.lean, self.cols.valid, b, w, self.states, emulate, pool)
                 pool = g.captured.pool
                 self.capture_seconds += g.captured.seconds
                 self._graphs[b, w] = g
 
     def reset(self) -> None:
-        self._frontier, self._counts, self._start, self._n = 0, [], 0, 0
-        self.valid.zero_()
+        self.cols.reset()
+        self._start, self._n = 0, 0
 
     @property
     def capacity(self) -> int:
         """Columns the rows may fill (the widest forward's last columns stay free for capture)."""
-        return self.lean.max_len - self.widths[-1]
+        return self.cols.capacity
 
     @property
     def rows(self) -> int:
-        return len(self._counts)
+        return self.cols.rows
 
     @property
     def columns(self) -> int:
-        return self._frontier
+        return self.cols.frontier
 
     def valid_columns(self) -> int:
-        return sum(self._counts)
+        return sum(self.cols.counts)
 
     def reserve(self, total: int) -> None:
         if total + self.widths[-1] > self.capacity:
@@ -390,66 +394,48 @@ class StaticBatchRunner(BatchRunner):
             self.capture_seconds = 0.0
             self._alloc(max(total + self.widths[-1], 2 * self.capacity))
 
-    def _room(self, n: int) -> None:
-        """Room for n more columns after the frontier: compact the holes away if needed."""
-        if self._frontier + n <= self.capacity:
-            return
-        self._compact()
-        if self._frontier + n > self.capacity:
-            raise RunnerError(
-                f"batch cache: rows of {self._frontier} tokens plus {n} new ones are past its "
-                f"{self.capacity} columns (call reserve() with the longest prompt plus "
-                "max_new_tokens before decoding)"
-            )
-
     @torch.no_grad()
     def admit(self, prompts):
         """Prefills in groups of similar lengths (``prefill_groups``), each over its new rows
         only (the running rows' columns are not touched), left-padded and right-aligned to the
-        frontier (which moves right for a prompt longer than the rows so far: holes for the
-        others)."""
-        k, first = len(prompts), self.rows
-        if first + k > self.batch_size:
-            raise RunnerError(f"{first} rows + {k} new: past the batch of {self.batch_size}")
+        frontier (``RaggedColumns.place``)."""
         groups = prefill_groups([len(p) for p in prompts], self.waste)
-        order = [i for g in groups for i in g]
-        feats: list = [None] * k
-        dev = self.lean.device
-        slot = first
+        feats: list = [None] * len(prompts)
+        j = 0
         for g in groups:
             fed = [prompts[i] for i in g]
             ids, pos, real = left_padded(fed, [0] * len(fed))
             n = ids.shape[1]
-            self._room(max(0, n - self._frontier))
-            c0 = max(0, self._frontier - n)
-            rows = slice(slot, slot + len(g))
-            self.valid[rows] = False
+            try:
+                rows, c0 = self.cols.place(len(g), n)
+            except CacheFull as e:
+                raise RunnerError(str(e)) from None
             inner = (
                 torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]
             ) | torch.eye(n, dtype=torch.bool)[None]
             _, h = self._eager(ids, pos, inner, c0, rows, logits=False)
-            self.valid[rows, c0 : c0 + n] = real.to(dev)
-            self._frontier = max(self._frontier, c0 + n)
-            for j, f in enumerate(fed):
-                self._counts.append(len(f))
+            self.cols.fill(rows, c0, real)
+            for r, f in enumerate(fed):
                 if h is not None and f:
-                    feats[slot - first + j] = h[j, n - len(f) :]
-            slot += len(g)
-        return order, feats, [None] * k
+                    feats[j + r] = h[r, n - len(f) :]
+            j += len(g)
+        return [i for g in groups for i in g], feats, [None] * len(prompts)
 
     @torch.no_grad()
     def verify(self, ids, pos, inner):
         R, n = ids.shape
         if R != self.rows:
             raise RunnerError(f"verify of {R} rows: the cache holds {self.rows}")
-        widest = self.widths[-1]
         graph = None
-        if self._graphs and n <= widest:
+        if self._graphs and n <= self.widths[-1]:
             w = next(w for w in self.widths if w >= n)
             b = next(b for b in self.buckets if b >= R)
             graph = self._graphs[b, w]
-        self._room(graph.width if graph is not None else n)
-        base = self._frontier
+        try:
+            self.cols.room(graph.width if graph is not None else n)
+        except CacheFull as e:
+            raise RunnerError(str(e)) from None
+        base = self.cols.frontier
         self._start, self._n = base, n
         if graph is not None:
             return graph(base, ids, pos, inner)
@@ -460,7 +446,7 @@ class StaticBatchRunner(BatchRunner):
         base..base+n-1, each seeing its row's valid columns before them and ``inner``."""
         n, dev = ids.shape[1], self.lean.device
         mask = visible_columns(
-            torch.tensor(base, device=dev), inner.to(dev), n, base + n, self.valid[rows]
+            torch.tensor(base, device=dev), inner.to(dev), n, base + n, self.cols.valid[rows]
         )
         cols = torch.arange(base, base + n, device=dev)
         return self.lean.forward(
@@ -468,65 +454,13 @@ class StaticBatchRunner(BatchRunner):
         )
 
     def keep(self, keeps):
-        R, n, start = self.rows, self._n, self._start
-        host = torch.zeros(R, n, dtype=torch.bool)
-        last = 0
-        for b, ks in enumerate(keeps):
-            if ks:
-                host[b, ks] = True
-                last = max(last, max(ks) + 1)
-            self._counts[b] += len(ks)
-        self.valid[:R, start : start + n] = host.to(self.valid.device, non_blocking=True)
-        # the columns after the last kept one are holes in every row: the frontier drops back
-        self._frontier = start + last
+        self.cols.keep(self._start, self._n, keeps)
 
     def retire(self, keep):
-        R, k = self.rows, len(keep)
-        j = 0  # rows before j stay where they are
-        while j < k and keep[j] == j:
-            j += 1
-        L = self._frontier
-        if j < k:
-            idx = torch.tensor(keep[j:], device=self.lean.device)
-            kv = self.lean.cache.kv
-            kv[:, :, j:k, :, :L] = kv[:, :, :, :, :L].index_select(2, idx)
-            self.valid[j:k, :L] = self.valid[:, :L].index_select(0, idx)
-        self.valid[k:R] = False
-        self._counts = [self._counts[b] for b in keep]
-        if not keep:
-            self._frontier = 0
+        self.cols.retire(keep)
 
     def tidy(self):
-        if not self.rows:
-            return
-        need = max(self._counts)
-        gap = self._frontier - need
-        if gap > self.slack and gap > self.holes * self._frontier:
-            self._compact()
-
-    @torch.no_grad()
-    def _compact(self) -> None:
-        """Gather each row's valid columns to the left end, in order, right-aligned to the row
-        with the most (the others left-padded with masked columns), as ``models.ragged.compact``
-        does for transformers' cache; the frontier becomes that row's count."""
-        R, L = self.rows, self._frontier
-        m = max(self._counts, default=0)
-        if not R or m == L:
-            return
-        v = self.valid[:R, :L]
-        order = torch.arange(L, device=v.device).expand(R, L)
-        key = torch.where(v, order, order - L)  # invalid columns sort first
-        idx = key.sort(dim=1).values[:, L - m :]
-        new_valid = idx >= 0
-        idx = idx.clamp_min(0)
-        kv = self.lean.cache.kv
-        for layer in kv:  # (2, B, kv_heads, max_len, D): one layer at a time, little extra memory
-            src = layer[:, :R, :, :L]
-            g = idx[None, :, None, :, None].expand(2, R, src.shape[2], m, src.shape[4])
-            layer[:, :R, :, :m] = src.gather(3, g)
-        self.valid[:R, :m] = new_valid
-        self.valid[:R, m:L] = False
-        self._frontier = m
+        self.cols.tidy()
 
 
 def batch_widths(widest: int) -> tuple[int, ...]:

@@ -81,6 +81,139 @@ class StaticKV:
         self.kv[:, :, 0, :, base : base + n] = src
 
 
+class CacheFull(ValueError):
+    """A static cache has no room for what a forward writes; the message says how much."""
+
+
+#: row buckets a static batch pads to (and the batch size itself)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def row_buckets(batch_size: int) -> tuple[int, ...]:
+    return tuple(b for b in ROW_BUCKETS if b < batch_size) + (batch_size,)
+
+
+class RaggedColumns:
+    """B rows sharing the columns of a static KV buffer ``kv`` (layers, 2, B, heads, max_len,
+    head_dim), each attending to its own (``valid`` (B, max_len) on the device): the batched
+    decoder's "holes" on a static cache. The active rows are the first ``rows``; the frontier
+    is where the next forward writes for every row; host-side counts of each row's valid
+    columns, so nothing here reads the device. Used by the target's static batch runner and
+    the batched EAGLE chain on fixed shapes."""
+
+    def __init__(self, kv: torch.Tensor, capacity: int, holes: float = 0.5, slack: int = 64):
+        self.kv, self.capacity, self.holes, self.slack = kv, capacity, holes, slack
+        self.valid = torch.zeros(kv.shape[2], kv.shape[4], dtype=torch.bool, device=kv.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.frontier, self.counts = 0, []
+        self.valid.zero_()
+
+    @property
+    def rows(self) -> int:
+        return len(self.counts)
+
+    def room(self, n: int) -> None:
+        """Room for n more columns after the frontier: the holes compacted away if needed."""
+        if self.frontier + n <= self.capacity:
+            return
+        self.compact()
+        if self.frontier + n > self.capacity:
+            raise CacheFull(
+                f"static cache: rows of {self.frontier} tokens plus {n} new ones are past its "
+                f"{self.capacity} columns (reserve room for the longest prompt plus "
+                "max_new_tokens before decoding)"
+            )
+
+    def place(self, k: int, n: int) -> tuple[slice, int]:
+        """Room for k new rows of n columns each (left-padded prompts), right-aligned to the
+        frontier (which moves right for n past it: holes for the others). Returns their rows
+        and first column; ``fill`` then marks what they hold."""
+        if self.rows + k > self.kv.shape[2]:
+            raise CacheFull(f"{self.rows} rows + {k} new: past the batch of {self.kv.shape[2]}")
+        self.room(max(0, n - self.frontier))
+        c0 = max(0, self.frontier - n)
+        rows = slice(self.rows, self.rows + k)
+        self.valid[rows] = False
+        return rows, c0
+
+    def fill(self, rows: slice, c0: int, real: torch.Tensor) -> None:
+        """Rows ``rows`` now also hold columns c0.. where ``real`` (k, n) says (new rows from
+        ``place``, or a block written after the frontier for running ones)."""
+        n = real.shape[1]
+        self.valid[rows, c0 : c0 + n] |= real.to(self.valid.device, non_blocking=True)
+        for j, c in enumerate(real.sum(1).tolist()):
+            if rows.start + j < len(self.counts):
+                self.counts[rows.start + j] += c
+            else:
+                self.counts.append(c)
+        self.frontier = max(self.frontier, c0 + n)
+
+    def keep(self, start: int, n: int, keeps: list[list[int]]) -> None:
+        """After a forward that wrote n columns at ``start`` for every row: row b keeps the
+        columns start + k for k in ``keeps[b]``, the rest are holes (the frontier drops back
+        to after the last one kept)."""
+        R = self.rows
+        host = torch.zeros(R, n, dtype=torch.bool)
+        last = 0
+        for b, ks in enumerate(keeps):
+            if ks:
+                host[b, ks] = True
+                last = max(last, max(ks) + 1)
+            self.counts[b] += len(ks)
+        self.valid[:R, start : start + n] = host.to(self.valid.device, non_blocking=True)
+        self.frontier = start + last
+
+    def retire(self, keep: list[int]) -> None:
+        """Only the rows at ``keep`` stay, in that order (the rows after the first that moves
+        are copied up: the active rows stay the first ones)."""
+        R, k = self.rows, len(keep)
+        j = 0  # rows before j stay where they are
+        while j < k and keep[j] == j:
+            j += 1
+        L, kv = self.frontier, self.kv
+        if j < k:
+            idx = torch.tensor(keep[j:], device=kv.device)
+            kv[:, :, j:k, :, :L] = kv[:, :, :, :, :L].index_select(2, idx)
+            self.valid[j:k, :L] = self.valid[:, :L].index_select(0, idx)
+        self.valid[k:R] = False
+        self.counts = [self.counts[b] for b in keep]
+        if not keep:
+            self.frontier = 0
+
+    def tidy(self) -> None:
+        """Compact when more than ``holes`` of the columns (and over ``slack``) are holes."""
+        if not self.rows:
+            return
+        gap = self.frontier - max(self.counts)
+        if gap > self.slack and gap > self.holes * self.frontier:
+            self.compact()
+
+    @torch.no_grad()
+    def compact(self) -> None:
+        """Gather each row's valid columns to the left end, in order, right-aligned to the row
+        with the most (the others left-padded with masked columns), as ``models.ragged.compact``
+        does for transformers' cache; the frontier becomes that row's count."""
+        R, L = self.rows, self.frontier
+        m = max(self.counts, default=0)
+        if not R or m == L:
+            return
+        v = self.valid[:R, :L]
+        order = torch.arange(L, device=v.device).expand(R, L)
+        key = torch.where(v, order, order - L)  # invalid columns sort first
+        idx = key.sort(dim=1).values[:, L - m :]
+        new_valid = idx >= 0
+        idx = idx.clamp_min(0)
+        for layer in self.kv:  # (2, B, heads, max_len, D): a layer at a time, little extra memory
+            src = layer[:, :R, :, :L]
+            g = idx[None, :, None, :, None].expand(2, R, src.shape[2], m, src.shape[4])
+            layer[:, :R, :, :m] = src.gather(3, g)
+        self.valid[:R, :m] = new_valid
+        self.valid[:R, m:L] = False
+        self.frontier = m
+
+
 class LeanLlama:
     """The forward of an HF Llama-family causal LM (``lean_support(model)`` is None) over a
     ``StaticKV``. Holds references to the model's own parameters."""

@@ -23,6 +23,7 @@ from decoding.policies import GoodputPolicy, StepCostModel, _Acceptance
 from decoding.proposers import DraftLMProposer, NGramProposer
 from models.base import DecodeSettings, DecodeState, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead
+from models.lean import RaggedColumns
 from models.medusa import Medusa1Config, MedusaHeads
 from models.ragged import compact, prefill_groups
 from models.sampling import Sampling
@@ -119,14 +120,14 @@ def test_compacting_every_iteration_changes_nothing(tiny_target, reference, monk
 
         monkeypatch.setattr(batch_runner, "tidy", always)
     else:
-        orig = StaticBatchRunner._compact
+        orig = RaggedColumns.compact
 
         def counted(self):
-            calls["n"] += self.columns > max(self._counts, default=0)
+            calls["n"] += self.frontier > max(self.counts, default=0)
             orig(self)
 
-        monkeypatch.setattr(StaticBatchRunner, "_compact", counted)
-        monkeypatch.setattr(StaticBatchRunner, "tidy", lambda self: self._compact())
+        monkeypatch.setattr(RaggedColumns, "compact", counted)
+        monkeypatch.setattr(RaggedColumns, "tidy", lambda self: self.compact())
     # Medusa's trees on the tiny target: partial acceptance, holes in every row (the static
     # runner counts the compactions that move columns)
     out, _ = _run(tiny_target, _proposers(tiny_target)["medusa"], compile=compile)
@@ -152,14 +153,14 @@ def test_a_static_batch_cache_too_short_compacts_and_stays_exact(
     short.reserve = lambda total: None  # keep the short cache
     dec.runner = short
     calls = {"n": 0}
-    orig = short._compact
+    orig = short.cols.compact
 
     def counted():
         calls["n"] += 1
         orig()
 
-    short._compact = counted
-    short.tidy = lambda: None  # only the full cache compacts
+    short.cols.compact = counted
+    short.cols.tidy = lambda: None  # only the full cache compacts
     out = dec.run([GenRequest(i, p) for i, p in enumerate(_prompts())], N_NEW)
     assert out == reference and calls["n"] >= 3
 
