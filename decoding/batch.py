@@ -51,7 +51,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from models.base import DecodeState, Proposal, Proposer
+from models.base import BatchedProposer, DecodeState, Proposal, Proposer
 from models.ragged import prefill_waste
 from models.sampling import Sampling, greedy_tokens, warp
 from models.target import GenRequest, Target
@@ -190,6 +190,7 @@ class BatchDecoder:
         compile: str = "auto",
         max_len: int = 2048,
         runner: BatchRunner | None = None,
+        drafter: BatchedProposer | None = None,
     ):
         if batch_size < 1:
             raise BatchError(f"batch_size={batch_size}: must be >= 1")
@@ -235,6 +236,14 @@ class BatchDecoder:
                 f"at batch {batch_size}"
             )
         self.runner: BatchRunner = runner
+        # the batched drafter on fixed shapes where the runner's graphs run (given: shared by a
+        # sweep's decoders of one batch size), its graphs captured now, before any timing
+        self._fixed_bp = drafter
+        graphs = getattr(runner, "graphs", "off")
+        if drafter is None and graphs != "off" and self.gamma:
+            self._fixed_bp = proposer.batched_fixed_shape(batch_size, self.gamma, graphs)
+        if self._fixed_bp is not None:
+            self._fixed_bp.prepare(sampling)
         self.t_verify1: list[float] | None = None
         if policy == "adaptive" and self.gamma and calibrate:
             # today's controller, as at batch 1: the cost of each verification size for one
@@ -287,6 +296,7 @@ class BatchDecoder:
         choice a draft, whatever drafting costs here)."""
         g = torch.Generator().manual_seed(1)
         vocab = self.target.config.vocab_size
+        rows = min(rows, self.batch_size)  # what a batched drafter on fixed shapes holds
         reqs = [
             GenRequest(("calibration", i), torch.randint(0, vocab, (tokens,), generator=g).tolist())
             for i in range(rows)
@@ -312,7 +322,7 @@ class BatchDecoder:
             ]
             sync(self.device)
             t = time.perf_counter()
-            bp = self.template.batched()
+            bp = self._drafter()
             props = []
             if bp is not None:
                 bp.join(states)
@@ -324,6 +334,15 @@ class BatchDecoder:
             seconds = time.perf_counter() - t
             step = self._time_draft(bp, props, states)
         return seconds / (rows * (tokens - 1)), step
+
+    def _drafter(self):
+        """The batched drafter for a run, with no rows: on the static runner's graphs the
+        proposer's fixed-shape one where it has one (built once, its graphs kept from run to
+        run), else a fresh ``batched()`` (None: the proposer drafts row by row)."""
+        if self._fixed_bp is not None:
+            self._fixed_bp.reset()
+            return self._fixed_bp
+        return self.template.batched()
 
     def _time_draft(self, bp, props: list[Proposer], states: list[DecodeState]) -> float | None:
         """Seconds of one draft step of a ``gamma``-deep draft for ``states`` (one step for
@@ -374,7 +393,10 @@ class BatchDecoder:
                 raise BatchError(f"request {r.key!r}: empty prompt")
         st = BatchStats()
         self.stats = st
-        self.bp = self.template.batched()  # fresh for this run (None: row-by-row drafting)
+        self.bp = self._drafter()  # for this run (None: row-by-row drafting)
+        longest = max(len(r.prompt) + r.budget(max_new_tokens) for r in requests) + 8
+        if self.bp is not None:
+            self.bp.reserve(longest)
         joined = 0  # rows[:joined] are the batched drafter's rows
         for r in requests:
             if not (r.arrival >= 0 and math.isfinite(r.arrival)):
@@ -385,7 +407,7 @@ class BatchDecoder:
         rows: list[_Row] = []
         runner = self.runner
         runner.reset()
-        runner.reserve(max(len(r.prompt) + r.budget(max_new_tokens) for r in requests) + 8)
+        runner.reserve(longest)
         done: dict = {}
         greedy = self.sampling.greedy
         B = self.batch_size

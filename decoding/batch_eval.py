@@ -290,7 +290,8 @@ def evaluate_batched(
         "decoder": {
             "runner": sorted({r.kind for r in sweep.runners.values()}),
             "compile": compile_mode(cfg.compile),
-            "capture_seconds": sum(r.capture_seconds for r in sweep.runners.values()),
+            "capture_seconds": sum(r.capture_seconds for r in sweep.runners.values())
+            + sum(d.capture_seconds for d in sweep.drafters.values() if d is not None),
         },
     }
 
@@ -309,8 +310,10 @@ class _Sweep:
     logits: dict | None  # ... and its logits, to classify a divergence
     tolerance: float
     detail: list
-    # one runner (static cache, graphs) per (batch size, plain or drafting), built once
+    # one runner (static cache, graphs) per (batch size, plain or drafting), built once, and
+    # the drafter on fixed shapes where graphs run, per batch size
     runners: dict = dataclasses.field(default_factory=dict)
+    drafters: dict = dataclasses.field(default_factory=dict)
 
     def runner(self, b: int, proposer):
         """The target runner decoders of batch size ``b`` with ``proposer`` share (plain
@@ -318,7 +321,7 @@ class _Sweep:
         key = (b, isinstance(proposer, NoDraft))
         if key not in self.runners:
             gamma = 0 if key[1] else self.cfg.gamma
-            self.runners[key] = BatchDecoder(
+            dec = BatchDecoder(
                 self.target,
                 proposer,
                 self.sampling,
@@ -326,7 +329,8 @@ class _Sweep:
                 gamma=gamma,
                 calibrate=False,
                 compile=self.cfg.compile,
-            ).runner
+            )
+            self.runners[key], self.drafters[key] = dec.runner, dec._fixed_bp
         return self.runners[key]
 
     def decoder(self, name: str, b: int, cost) -> BatchDecoder:
@@ -345,6 +349,7 @@ class _Sweep:
             cost=cost,
             admit=self.cfg.batch_admit,
             runner=self.runner(b, pr),
+            drafter=self.drafters[(b, isinstance(pr, NoDraft))],
         )
 
 

@@ -364,6 +364,14 @@ class Proposer(abc.ABC):
         its own ``fresh`` copy, drafting row by row."""
         return None
 
+    def batched_fixed_shape(
+        self, batch_size: int, gamma: int, graphs: str
+    ) -> BatchedProposer | None:
+        """``batched`` on fixed shapes, for the batched decoder's static path where graphs
+        run (``cuda``; ``emulate``: the same shapes eagerly, for tests): one host read per
+        proposal for the whole batch. None (the default): ``batched()`` as it is."""
+        return None
+
     def fixed_shape(self, gamma: int, graphs: str) -> Proposer | None:
         """This drafter for the decoder's static path (``compile=true``): fixed shapes, one
         host read per proposal, captured as CUDA graphs where ``graphs`` is ``cuda``
@@ -440,6 +448,15 @@ class BatchedProposer(abc.ABC):
     @abc.abstractmethod
     def rollback(self, states: list[DecodeState], accepted: list[int]) -> None:
         """After verification: ``states[b].ids`` holds row b's committed tokens."""
+
+    def reserve(self, total: int) -> None:  # noqa: B027 (a no-op default)
+        """Room for rows of up to ``total`` tokens (a drafter with preallocated caches)."""
+
+    def reset(self) -> None:  # noqa: B027 (a no-op default)
+        """No rows: a new run (a drafter kept from run to run)."""
+
+    def prepare(self, sampling) -> None:  # noqa: B027 (a no-op default)
+        """Whatever is built at first use for ``sampling`` (graphs), built now."""
 
 
 class DraftMethod(nn.Module, abc.ABC):

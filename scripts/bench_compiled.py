@@ -219,7 +219,47 @@ def part_batch(target, tokens: int, reps: int, sizes=(1, 4, 16)) -> dict:
     res["outputs identical across runners"] = sum(
         o[k] == first[k] for o in outs.values() for k in first
     ) / (len(outs) * len(first))
+    del decs, runners
+    res[f"draft_ms, shipped head, chain of 3, {big} rows"] = batched_draft_costs(target, big, reps)
     return res
+
+
+def batched_draft_costs(target, rows: int, reps: int, gamma: int = 3) -> dict:
+    """ms of one proposal of ``gamma`` for ``rows`` rows by the shipped EAGLE-3 head, after
+    each row committed 2 new tokens: the eager batched drafter (a device read per step) and
+    the fixed-shape one (one read; CUDA: one graph replay; a CPU: its eager shapes)."""
+    from decoding.drafts import load_proposer
+    from models.base import DecodeSettings, DecodeState
+    from models.sampling import Sampling
+
+    prop, _ = load_proposer("smollm2-eagle3", target, tree=DecodeSettings(tree="chain"))
+    g = torch.Generator().manual_seed(2)
+    n = 160
+    states = []
+    for _ in range(rows):
+        ids = torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist()
+        x = torch.tensor([ids], device=target.device)
+        f = target.features(x, torch.ones_like(x), prop.feature_layers)[0]
+        states.append(DecodeState(ids, f[: n - 1], Sampling(), None, target.device))
+    graphs = "cuda" if target.device.type == "cuda" else "emulate"
+    drafters = {
+        "eager batched": prop.batched(),
+        "fixed shapes" + (" (CUDA graph)" if graphs == "cuda" else ""): prop.batched_fixed_shape(
+            rows, gamma, graphs
+        ),
+    }
+    for bp in drafters.values():
+        bp.join(states)
+
+    def setup(name):
+        bp = drafters[name]
+        bp.rollback(states, [])
+        bp.done = [n - 3] * rows  # the same 2 new pairs to catch up on each time
+        return lambda: bp.propose(states, [gamma] * rows)
+
+    with torch.no_grad():
+        med = interleaved_medians(list(drafters), setup, target.device, reps)
+    return {k: 1e3 * v for k, v in med.items()}
 
 
 def part_hf_compile(target, tokens: int, reps: int) -> dict:

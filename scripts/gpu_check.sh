@@ -15,7 +15,8 @@
 #           test of tests/test_decoder.py with real CUDA graphs, the static EAGLE chain (greedy
 #           equality with the eager proposer, the T = 1 chi-square of its on-device draws)
 #   batch_exact (60) the batched decoder's exactness on CUDA: every row its batch-1 greedy
-#           output on the static batch cache's real graphs (tests/test_batch.py)
+#           output on the static batch cache's real graphs, the batched EAGLE chain on fixed
+#           shapes proposing what each row's batch-1 chain does (tests/test_batch.py)
 #   shaped  (110) scripts/bench_compiled.py --parts shaped: a Llama-3.1-8B-shaped target with
 #           random weights built on the GPU: forward ms at 1 / 8 / 16 / 32 tokens against the
 #           memory-bandwidth limit, an EAGLE-3 draft step against a target step
@@ -33,7 +34,8 @@
 #           (CUDA graphs per row bucket and width), against plain at B = 16, lossless
 #   fused   (120) compile=fused against compile=true: a forward at 1 and 4 tokens, plain tok/s
 #   batch   (100) the batched decoder's runners: transformers' ragged cache against the static
-#           one's graphs, verification ms at 1 / 4 / 16 rows, plain tok/s at B = 16
+#           one's graphs, verification ms at 1 / 4 / 16 rows, plain tok/s at B = 16, and the
+#           shipped head's chain of 3 for 16 rows: eager batched drafter against its graph
 #   chain_fused (110) the chain at T = 0 with compile=fused
 #   hf      (200) transformers' generate with a static cache and torch.compile, side by side
 #           (its compile ran past 100 s on an H100)
@@ -65,7 +67,7 @@ if [ "$mode" = exact ]; then
     -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py \
     -k "(runner or static or graph or lean or compile or fused or discipline or greedy_speculative or tree_verification) and not embedded_target"
   SPECDRAFT_TEST_DEVICE=$dev step batch_exact 60 python3 -m pytest -q -o addopts="" \
-    -p no:cacheprovider tests/test_batch.py -k "every_row_equals or static_batch or compacting"
+    -p no:cacheprovider tests/test_batch.py -k "every_row_equals or static_batch or compacting or fixed_shapes"
   step shaped 110 python3 scripts/bench_compiled.py --parts shaped --device "$dev" \
     --reps 10 --out "$out/shaped.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
   step shaped_fused 100 python3 scripts/bench_compiled.py --parts shaped_fused --device "$dev" \

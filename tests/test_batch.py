@@ -1160,7 +1160,7 @@ def _path(p: Proposal, k: int) -> list[int]:
 
 
 def _drafting_side_by_side(
-    single, rows, alone, commit, late, rounds, temperature, rng, props=None, gammas=None
+    single, rows, alone, commit, late, rounds, temperature, rng, props=None, gammas=None, bp=None
 ):
     """Drive ``single.batched()`` over ``rows`` and a batch-1 copy of ``single`` per row over
     ``alone`` (the same states twice) and check they propose alike: the same tokens and (T > 0,
@@ -1168,8 +1168,9 @@ def _drafting_side_by_side(
     drafts, then join (the batched decoder's lazy join; their batch-1 proposers start then).
     Each round, each row accepts its own number of drafted tokens (down a tree's first path),
     then a corrected one (``commit(b, tokens)`` adds them to both states of row b); a row's
-    length in round ``it`` is ``gammas(it)[b]``. Returns the batched drafter."""
-    bp = single.batched()
+    length in round ``it`` is ``gammas(it)[b]``. Returns the batched drafter (``bp``: this
+    one instead of ``single.batched()``)."""
+    bp = bp or single.batched()
     assert bp is not None
     props = props or [single.fresh() for _ in alone]
     first = 1 if late else len(rows)
@@ -1280,6 +1281,56 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(
     rows, alone, commit = _eagle_rows(tiny_target, single, seqs, temperature)
     bp = _drafting_side_by_side(single, rows, alone, commit, late, 4, temperature, rng)
     assert bp.valid.shape[0] == 3
+
+
+@pytest.mark.parametrize(
+    "kind,temperature,late",
+    [("eagle1", 0.0, False), ("eagle3", 0.0, True), ("eagle3", 1.0, False), ("eagle1", 1.0, True)],
+)
+def test_static_batched_eagle_chain_proposes_what_each_row_would_alone(
+    tiny_target, kind, temperature, late
+):
+    """The batched EAGLE chain on fixed shapes (a static head cache shared by the rows, one
+    block of committed pairs and gamma draft steps as one function per row bucket: the graph
+    path, run eagerly here) against the batch-1 chain on fixed shapes, row by row, through
+    late joins, ragged acceptance, 3 rows in a bucket of 4: the same tokens and (T > 0, each
+    row's own random stream) the same q."""
+    from models.eagle import Eagle3Config, Eagle3Head
+    from models.eagle.static import StaticBatchedEagleChain, StaticEagleChain
+
+    torch.manual_seed(0)
+    head = (
+        EagleHead(tiny_target, Eagle1Config())
+        if kind == "eagle1"
+        else Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
+    ).to(tiny_target.device)
+    single = head.proposer()
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
+    rows, alone, commit = _eagle_rows(tiny_target, single, seqs, temperature)
+    bp = single.batched_fixed_shape(4, 3, "emulate")
+    assert isinstance(bp, StaticBatchedEagleChain)
+    props = [StaticEagleChain(head, 3, "emulate") for _ in alone]
+    _drafting_side_by_side(single, rows, alone, commit, late, 5, temperature, rng, props, bp=bp)
+    assert bp.cols.rows == 3
+
+
+def test_the_batched_decoder_drafts_eagle_chains_on_fixed_shapes_where_graphs_run(
+    tiny_target, reference
+):
+    """compile=emulate (graphs' shapes on a CPU; real graphs on CUDA): the batched decoder's
+    EAGLE chain is the fixed-shape one, and every row is its batch-1 greedy output."""
+    from models.eagle.static import StaticBatchedEagleChain
+
+    dec = BatchDecoder(
+        tiny_target, _proposers(tiny_target)["eagle"], Sampling(), 3, compile=COMPILE["graphs"]
+    )
+    out = dec.run([GenRequest(i, p) for i, p in enumerate(_prompts())], N_NEW)
+    assert isinstance(dec.bp, StaticBatchedEagleChain) and out == reference
+    auto = BatchDecoder(tiny_target, _proposers(tiny_target)["eagle"], Sampling(), 3)
+    auto.run([GenRequest(0, _prompts()[0])], 4)
+    # the default on a CPU: the static cache eager, and the eager batched drafter
+    assert isinstance(auto.bp, StaticBatchedEagleChain) == (tiny_target.device.type == "cuda")
 
 
 @pytest.mark.parametrize("min_prob,late", [(0.0, False), (0.0, True), (0.1, False)])

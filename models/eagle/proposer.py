@@ -62,6 +62,15 @@ class EagleProposer(Proposer):
 
         return StaticEagleChain(self.head, gamma, graphs)
 
+    def batched_fixed_shape(self, batch_size: int, gamma: int, graphs: str):
+        """Chains for the batched decoder's static path where graphs run
+        (``static.StaticBatchedEagleChain``); None elsewhere."""
+        if type(self) is not EagleProposer or gamma < 1 or graphs == "off":
+            return None
+        from .static import StaticBatchedEagleChain
+
+        return StaticBatchedEagleChain(self.head, batch_size, gamma, graphs)
+
     def reset(self) -> None:
         """Forget every fed pair (an empty draft KV cache)."""
         self.cache = DynamicCache()

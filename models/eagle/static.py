@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..base import DecodeState, Proposal
+from ..base import BatchedProposer, DecodeState, Proposal
 from ..lean import Captured, round_up
 from ..sampling import warp
 from .proposer import EagleProposer, EagleTreeProposer, _Tree
@@ -379,3 +379,279 @@ class StaticEagleTree(StaticEagleChain):
     def _eager_propose(self, state: DecodeState, gamma: int) -> Proposal:
         self.kv.columns, self.kv.length = None, self.done
         return EagleTreeProposer.propose(self, state, gamma)
+
+
+class _BatchDraftKV:
+    """The head's keys and values for B rows in one static buffer (1, 2, B, kv_heads, max_len,
+    head_dim), the layout ``RaggedColumns`` keeps: transformers' attention calls ``update``;
+    the new keys go to rows ``rows`` at ``columns`` (device tensors, the same for every row)
+    and the first ``span`` columns of those rows are attended over (the step's mask says which
+    each query sees)."""
+
+    def __init__(self, kv: torch.Tensor):
+        self.kv, self.rows, self.columns, self.span = kv, slice(None), None, kv.shape[4]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.kv[0, 0, self.rows], self.kv[0, 1, self.rows]
+        k.index_copy_(2, self.columns, key_states)
+        v.index_copy_(2, self.columns, value_states)
+        return k[:, :, : self.span], v[:, :, : self.span]
+
+
+class StaticBatchedEagleChain(BatchedProposer):
+    """EAGLE chains for every row of the batched decoder on fixed shapes: the batched form of
+    ``StaticEagleChain`` (``BatchedEagleChain``'s proposals, drafted as one function per row
+    bucket and chain length, captured as a CUDA graph on CUDA).
+
+    The head's cache is a static buffer of ``batch_size`` rows sharing columns, each row
+    attending to its own (``RaggedColumns``, as the target's static batch cache). A proposal
+    feeds every row's newly committed pairs (1 to gamma + 1 of them, left-padded to gamma + 1)
+    as one block of columns after the frontier, then drafts gamma tokens for all rows, one
+    head step each, in the columns after the block; the block's real pairs stay, the drafted
+    columns are written over by the next block. One host read a proposal (the tokens). At
+    T > 0 each row's tokens are drawn by the inverse CDF at uniforms from its own generator,
+    drawn before the replay, so each proposal's q is the law it was drawn from."""
+
+    def __init__(
+        self, head: EagleHead, batch_size: int, gamma_max: int, graphs: str, max_len: int = 2048
+    ):
+        from ..lean import row_buckets
+
+        if gamma_max < 1:
+            raise ValueError(f"gamma={gamma_max}: a static chain drafts at least one token")
+        self.head, self.batch_size, self.gamma_max, self.graphs = (
+            head,
+            batch_size,
+            gamma_max,
+            graphs,
+        )
+        self.width = gamma_max + 1
+        self.buckets = row_buckets(batch_size)
+        self.draft_calls = 0
+        self.last_step_seconds = None
+        self.capture_seconds = 0.0
+        self._alloc(max_len)
+
+    def _alloc(self, max_len: int) -> None:
+        from ..lean import RaggedColumns
+
+        head = self.head
+        attn = (getattr(head, "midlayer", None) or head.layer).self_attn
+        cfg = attn.config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dev, dtype, B = head.target.device, head._compute_dtype(), self.batch_size
+        L = round_up(max_len + self.width + self.gamma_max)
+        kv = torch.zeros(1, 2, B, kv_heads, L, attn.head_dim, dtype=dtype, device=dev)
+        self.kv = _BatchDraftKV(kv)
+        self.cols = RaggedColumns(kv, L - self.width - self.gamma_max)
+        self.done: list[int] = []
+        W, nL, H = self.width, len(head.feature_layers), head.target.hidden_size
+        self.f_buf = torch.zeros(B, W, nL, H, dtype=head.target.dtype, device=dev)
+        self.x_buf = torch.zeros(B, W, dtype=torch.long, device=dev)
+        self.p_buf = torch.zeros(B, W, dtype=torch.long, device=dev)
+        self.real = torch.zeros(B, W, dtype=torch.bool, device=dev)
+        self.base = torch.zeros((), dtype=torch.long, device=dev)
+        self.u_buf = torch.zeros(B, self.gamma_max, dtype=torch.float64, device=dev)
+        self.all_cols = torch.arange(L, device=dev)
+        self.slots = torch.arange(W, device=dev)
+        self._graphs: dict = {}
+        self._pool = None
+
+    def reset(self) -> None:
+        self.cols.reset()
+        self.done = []
+        self.last_step_seconds = None
+
+    def reserve(self, total: int) -> None:
+        if total + self.width + self.gamma_max > self.cols.capacity:
+            if self.cols.rows:
+                raise ValueError("reserve() with rows in the draft cache: call it before a run")
+            self.capture_seconds = 0.0
+            self._alloc(max(total, 2 * self.cols.capacity))
+
+    # -- the fixed-shape function --------------------------------------------------------
+
+    def prepare(self, sampling) -> None:
+        """Capture the function of every row bucket and chain length for ``sampling`` now
+        (before anything is timed: a capture inside a timed run would count in it)."""
+        for b in self.buckets:
+            for g in range(1, self.gamma_max + 1):
+                self._graph(b, g, sampling)
+
+    def _graph(self, bucket: int, gamma: int, sampling) -> Captured:
+        key = (bucket, gamma, sampling)
+        if key not in self._graphs:
+            # warm-up and capture write at the last columns, which no row reaches
+            self.base.fill_(self.kv.kv.shape[4] - self.width - self.gamma_max)
+            cap = Captured(
+                functools.partial(self._draft, bucket, gamma, sampling),
+                self.graphs != "cuda",
+                self._pool,
+            )
+            self._pool = cap.pool
+            self._graphs[key] = cap
+            self.capture_seconds += cap.seconds
+        return self._graphs[key]
+
+    def _draft(self, bucket: int, gamma: int, sampling):
+        """Feed the block of committed pairs (``f_buf``, ``x_buf``, ``p_buf``; ``real`` marks
+        them, left-padded) at columns base.., then ``gamma`` draft steps for the first
+        ``bucket`` rows. Returns the tokens (bucket, gamma) and, at T > 0, q (bucket, gamma,
+        V)."""
+        head, kv, W = self.head, self.kv, self.width
+        span = kv.kv.shape[4]
+        kv.rows, kv.span = slice(0, bucket), span
+        rel = self.all_cols - self.base  # (span,)
+        in_block = (rel >= 0) & (rel < W)
+        real = self.real[:bucket]
+        key_real = real.gather(1, rel.clamp(0, W - 1).expand(bucket, span)) & in_block
+        before = self.cols.valid[:bucket] & (rel < 0)
+        causal = rel[None, :] <= self.slots[:, None]  # (W, span): a query sees keys up to its own
+        own = rel[None, :] == self.slots[:, None]  # padding queries see themselves
+        mask = before[:, None, :] | (key_real[:, None, :] & causal[None]) | own[None]
+        kv.columns = self.base + self.slots
+        h0 = head.initial_hidden(self.f_buf[:bucket])
+        emb = head._embed(self.x_buf[:bucket])
+        h = head.step(h0, emb, self.p_buf[:bucket], mask[:, None], kv)[:, -1]  # (bucket, H)
+        seen = before | key_real  # the committed context of every draft step
+        pos = self.p_buf[:bucket, -1] + 1  # the pending token's position
+        toks, qs = [], []
+        for i in range(gamma):
+            if sampling.greedy:
+                x = head.top_tokens(h, 1)[1][:, 0]
+            else:
+                logits, offset = head.own_logits(h)
+                q_own = warp(logits, sampling)
+                j = _inverse_cdf_rows(q_own, self.u_buf[:bucket, i])
+                x = j + offset.index_select(0, j) if offset is not None else j
+                qs.append(head.to_target_vocab(q_own))
+            toks.append(x)
+            if i < gamma - 1:
+                c = self.base + W + i
+                kv.columns = c.view(1)
+                m = seen | ((rel >= W) & (rel <= W + i))[None]
+                step = head.step(
+                    h[:, None], head._embed(x[:, None]), (pos + i)[:, None], m[:, None, None], kv
+                )
+                h = step[:, -1]
+        return torch.stack(toks, 1), torch.stack(qs, 1) if qs else None
+
+    # -- the batched proposer contract -----------------------------------------------------
+
+    @torch.no_grad()
+    def _feed_eager(self, states, rows: slice, ups: list[int], c0: int | None = None) -> None:
+        """Feed each row's committed pairs done..upto-1 at exact shapes (left-padded), at
+        columns c0.. (None: after the frontier): a newcomer's prompt, or pairs older than one
+        block."""
+        head, dev = self.head, self.head.target.device
+        firsts = [
+            self.done[rows.start + j] if rows.start + j < len(self.done) else 0
+            for j in range(len(ups))
+        ]
+        n = max(1, max(u - d for u, d in zip(ups, firsts, strict=True)))
+        k = len(ups)
+        h0 = torch.zeros(k, n, head.target.hidden_size, dtype=head._compute_dtype(), device=dev)
+        toks = torch.zeros(k, n, dtype=torch.long)
+        pos = torch.zeros(k, n, dtype=torch.long)
+        real = torch.zeros(k, n, dtype=torch.bool)
+        for j, (st, u, d) in enumerate(zip(states, ups, firsts, strict=True)):
+            if u > d:
+                h0[j, n - (u - d) :] = head.initial_hidden(st.features[d:u])
+                toks[j, n - (u - d) :] = torch.tensor(st.ids[d + 1 : u + 1])
+                pos[j, n - (u - d) :] = torch.arange(d, u)
+                real[j, n - (u - d) :] = True
+        if c0 is None:
+            self.cols.room(n)
+            c0 = self.cols.frontier
+        inner = (torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]) | torch.eye(
+            n, dtype=torch.bool
+        )[None]
+        from ..lean import visible_columns
+
+        mask = visible_columns(
+            torch.tensor(c0, device=dev), inner.to(dev), n, c0 + n, self.cols.valid[rows]
+        )
+        kv = self.kv
+        kv.rows, kv.span, kv.columns = rows, c0 + n, torch.arange(c0, c0 + n, device=dev)
+        head.step(h0, head._embed(toks.to(dev)), pos.to(dev), mask, kv)
+        self.cols.fill(rows, c0, real)
+        for j, u in enumerate(ups):
+            if rows.start + j < len(self.done):
+                self.done[rows.start + j] = max(self.done[rows.start + j], u)
+        self.draft_calls += 1
+
+    def join(self, states: list[DecodeState]) -> None:
+        """The newcomers' prompt pairs but the last (as the batch-1 proposer's ``start``), in
+        new rows right-aligned to the frontier."""
+        ups = [max(0, len(s.ids) - 2) if s.features is not None else 0 for s in states]
+        rows, c0 = self.cols.place(len(states), max(1, max(ups)))
+        self.done.extend([0] * len(states))
+        self._feed_eager(states, rows, ups, c0)
+
+    def select(self, keep: list[int]) -> None:
+        self.cols.retire(keep)
+        self.done = [self.done[i] for i in keep]
+
+    def rollback(self, states: list[DecodeState], accepted: list[int]) -> None:
+        """Nothing to cut: the drafted columns were never marked valid."""
+        self.cols.tidy()
+
+    @torch.no_grad()
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        top = max(gammas, default=0)
+        if top == 0 or any(s.features is None or len(s.ids) < 2 for s in states):
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
+        if top > self.gamma_max:
+            raise ValueError(f"gamma={top}: past the static chain's {self.gamma_max}")
+        t = time.perf_counter()
+        R, W, dev = len(states), self.width, self.head.target.device
+        ups = [len(s.ids) - 1 for s in states]
+        if any(u - d > W for u, d in zip(ups, self.done, strict=True)):
+            # rows that sat idle: their older pairs first, eagerly, up to a block before the end
+            older = [max(d, u - W) for u, d in zip(ups, self.done, strict=True)]
+            self._feed_eager(states, slice(0, R), older)
+        bucket = next(b for b in self.buckets if b >= R)
+        sampling = states[0].sampling
+        graph = self._graph(bucket, top, sampling)  # captured before its inputs are set
+        self.cols.room(W + top)
+        real = torch.zeros(bucket, W, dtype=torch.bool)
+        ids = torch.zeros(2, bucket, W, dtype=torch.long)
+        self.f_buf[:bucket].zero_()
+        for b, (st, u) in enumerate(zip(states, ups, strict=True)):
+            d = self.done[b]
+            m = u - d
+            self.f_buf[b, W - m :] = st.features[d:u]
+            ids[0, b, W - m :] = torch.tensor(st.ids[d + 1 : u + 1])
+            ids[1, b, W - m :] = torch.arange(d, u)
+            ids[1, b, : W - m] = d  # padding: any position; it sees only itself
+            real[b, W - m :] = True
+        both = ids.to(dev, non_blocking=True)
+        self.x_buf[:bucket].copy_(both[0])
+        self.p_buf[:bucket].copy_(both[1])
+        self.real[:bucket].copy_(real.to(dev, non_blocking=True))
+        base = self.cols.frontier
+        self.base.fill_(base)
+        if not sampling.greedy:
+            for b, st in enumerate(states):
+                self.u_buf[b, : gammas[b]] = torch.rand(
+                    gammas[b], generator=st.generator, dtype=torch.float64, device=dev
+                )
+        toks, q = graph()
+        tokens = toks[:R].tolist()  # the proposal's one read of the device
+        self.cols.fill(slice(0, R), base, real[:R])  # the block's real pairs stay
+        self.done = list(ups)
+        self.draft_calls += top
+        self.last_step_seconds = (time.perf_counter() - t) / top
+        return [
+            Proposal.chain(tokens[b][: gammas[b]], None if q is None else q[b, : gammas[b]].clone())
+            for b in range(R)
+        ]
+
+
+def _inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``_inverse_cdf`` for each row of p (R, V) at its u (R,)."""
+    c = p.cumsum(-1, dtype=torch.float64)
+    i = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]
+    last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).max(-1).values
+    return torch.minimum(i, last)
