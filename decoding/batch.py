@@ -115,6 +115,21 @@ class _Row:
 
 
 @dataclass
+class _Run:
+    """One ``BatchDecoder.run``'s moving parts: the requests waiting, the rows in flight (the
+    first ``joined`` of them read by the batched drafter), the finished outputs."""
+
+    queue: deque
+    max_new_tokens: int
+    stop_ids: set[int] | frozenset[int]
+    rows: list[_Row] = field(default_factory=list)
+    joined: int = 0
+    done: dict = field(default_factory=dict)
+    t0: float = field(default_factory=time.perf_counter)
+    t_start: float = 0.0  # this iteration's drafter reading (prefill), in seconds
+
+
+@dataclass
 class BatchStats:
     """A batched run: the per-row counters pooled in ``rows`` (tau, alpha... as at batch 1:
     ``rows.target_calls`` counts row-iterations), the batch's own in ``forwards`` and the
@@ -376,7 +391,7 @@ class BatchDecoder:
             return TreeController(self.gamma, True, t[0])
         return GammaController(self.gamma, True, t, parallel=self.template.parallel)
 
-    # -- the loop ------------------------------------------------------------------------
+    # -- the loop: its phases ------------------------------------------------------------
 
     @torch.no_grad()
     def run(
@@ -387,289 +402,324 @@ class BatchDecoder:
         progress=None,
     ) -> dict:
         """Decode every request; ``progress(n)`` is called with each finished request's token
-        count (a progress bar's update)."""
+        count (a progress bar's update). Each iteration: admit waiting requests, draft for
+        the rows, verify every row in one forward, let each row accept its own, book the
+        iteration (the policies' measures, the statistics), retire the finished rows."""
         for r in requests:
             if not r.prompt:
                 raise BatchError(f"request {r.key!r}: empty prompt")
-        st = BatchStats()
-        self.stats = st
-        self.bp = self._drafter()  # for this run (None: row-by-row drafting)
-        longest = max(len(r.prompt) + r.budget(max_new_tokens) for r in requests) + 8
-        if self.bp is not None:
-            self.bp.reserve(longest)
-        joined = 0  # rows[:joined] are the batched drafter's rows
-        for r in requests:
             if not (r.arrival >= 0 and math.isfinite(r.arrival)):
                 raise BatchError(f"request {r.key!r}: arrival={r.arrival} (seconds >= 0)")
-        t0 = time.perf_counter()
+        self.stats = BatchStats()
+        self.bp = self._drafter()  # for this run (None: row-by-row drafting)
+        longest = max((len(r.prompt) + r.budget(max_new_tokens) for r in requests), default=0) + 8
+        if self.bp is not None:
+            self.bp.reserve(longest)
+        self.runner.reset()
+        self.runner.reserve(longest)
         # in order of arrival (all at 0: the given order)
-        queue = deque(sorted(requests, key=lambda r: r.arrival))
-        rows: list[_Row] = []
-        runner = self.runner
-        runner.reset()
-        runner.reserve(longest)
-        done: dict = {}
-        greedy = self.sampling.greedy
-        B = self.batch_size
-        while queue or rows:
-            free = B - len(rows)
-            now = time.perf_counter() - t0
-            if not rows and queue[0].arrival > now:  # nothing to decode until the next arrives
-                time.sleep(queue[0].arrival - now)
-                st.idle += time.perf_counter() - t0 - now
-                now = time.perf_counter() - t0
-            arrived = 0  # the requests waiting now (the queue is in order of arrival)
-            while arrived < len(queue) and queue[arrived].arrival <= now:
-                arrived += 1
-            if arrived and free and (not rows or free >= min(self.admit, arrived)):
-                reqs = [queue.popleft() for _ in range(min(free, arrived))]
-                t = time.perf_counter()
-                order, feats, views = runner.admit([r.prompt[:-1] for r in reqs])
-                reqs = [reqs[i] for i in order]  # as the runner holds them
-                sync(self.device)
-                st.rows.t_prefill += time.perf_counter() - t
-                st.prefills += 1
-                for r, f, view in zip(reqs, feats, views, strict=True):
-                    gen = None
-                    if not greedy:
-                        gen = torch.Generator(device=self.device).manual_seed(int(r.seed))
-                    state = DecodeState(
-                        ids=list(r.prompt),
-                        features=f,
-                        sampling=self.sampling,
-                        generator=gen,
-                        device=self.device,
-                        prefill_cache=view,
-                    )
-                    prop = self.template.fresh()
-                    acc = self.goodput.new_request() if self.goodput else _Acceptance()
-                    row = _Row(
-                        r.key,
-                        list(r.prompt),
-                        state,
-                        prop,
-                        self._controller(),
-                        acc,
-                        t_admit=time.perf_counter(),
-                        t_arrive=t0 + r.arrival,
-                        budget=r.budget(max_new_tokens),
-                        calls0=prop.draft_calls,
-                    )
-                    rows.append(row)  # its proposer starts when the row first drafts
-                    # a batched drafter reads the newcomers' prompts when the batch next drafts
-                # (``_join_drafter``): while the policy decodes plain, newcomers cost it nothing
-            # -- how much each row drafts
-            limits = [r.budget - len(r.new) - 1 for r in rows]
-            length = runner.columns
-            props: list[Proposal] = []
-            self._t_start = 0.0
-            t = time.perf_counter()
-            step_times: list[float] = []
-            gs: list[int] | None = None  # per-row lengths for a drafter sized before drafting
-            if self.goodput is not None:
-                caps = [max(0, min(self.gamma, lim)) for lim in limits]
-                if self.template.free:  # a lookup drafts first; the policy sizes it
-                    found = [
-                        self._propose(r, c) if c else Proposal([], [])
-                        for r, c in zip(rows, caps, strict=True)
-                    ]
-                    caps = [min(c, len(p)) for c, p in zip(caps, found, strict=True)]
-                unread = (
-                    0
-                    if self.template.free
-                    else sum(max(0, len(r.state.ids) - 1 - r.read) for r in rows)
-                )
-                # no request waiting: the batch drains, its time set by its last rows
-                remaining = [r.budget - len(r.new) for r in rows] if not queue else None
-                g = self.goodput.choose([r.acc for r in rows], caps, length, unread, remaining)
-                st.probes += self.goodput.probing
-                if self.template.free:
-                    props = [f.truncated(min(g, c)) for f, c in zip(found, caps, strict=True)]
-                else:
-                    gs = [min(g, c) if not self.tree else (c if g else 0) for c in caps]
-            elif self.template.free:
-                for r, lim in zip(rows, limits, strict=True):
-                    cap = max(0, min(self.gamma, lim))
-                    ctl = r.controller
-                    p = self._propose(r, cap) if cap else Proposal([], [])
-                    gg = ctl.choose(len(p), p.bucket) if (ctl and len(p)) else len(p)
-                    props.append(p.truncated(gg))
-            else:
-                gs = []
-                for r, lim in zip(rows, limits, strict=True):
-                    cap = max(0, min(self.gamma, lim))
-                    gs.append(r.controller.choose(cap) if r.controller else cap)
-            if gs is not None and self.bp is not None:
-                if max(gs, default=0):
-                    joined = self._join_drafter(rows, joined)
-                    props = self.bp.propose([r.state for r in rows], gs)
-                    for r in rows:  # it caught every row up
-                        r.read = len(r.state.ids) - 1
-                    if self.bp.last_step_seconds is not None:
-                        step_times.append(self.bp.last_step_seconds)
-                else:
-                    props = [Proposal([], []) for _ in rows]
-            elif gs is not None:
-                for r, gg in zip(rows, gs, strict=True):
-                    props.append(self._propose(r, gg) if gg else Proposal([], []))
-                    if gg:
-                        r.read = len(r.state.ids) - 1
-                    self._step_time(r, props[-1], step_times)
-            sync(self.device)
-            t_draft = time.perf_counter() - t - self._t_start
-            st.rows.t_prefill += self._t_start
-            # -- one verification forward for the batch
-            n = 1 + max(len(p) for p in props)
-            R = len(rows)
-            ids = torch.zeros(R, n, dtype=torch.long)
-            pos = torch.zeros(R, n, dtype=torch.long)
-            inner = torch.eye(n, dtype=torch.bool).repeat(R, 1, 1)
-            for b, (r, p) in enumerate(zip(rows, props, strict=True)):
-                base = len(r.state.ids) - 1
-                ids[b, : len(p) + 1] = torch.tensor([r.state.ids[-1]] + p.tokens)
-                depth = [0] + _depths(p)
-                pos[b, : len(p) + 1] = torch.tensor(depth) + base
-                pos[b, len(p) + 1 :] = base
-                for i, par in enumerate(p.parents):
-                    inner[b, i + 1] = inner[b, par + 1]
-                    inner[b, i + 1, i + 1] = True
-            st.cache_columns += R * length
-            st.valid_columns += runner.valid_columns()
-            t = time.perf_counter()
-            logits, feats = runner.verify(ids, pos, inner)
-            sync(self.device)
-            t_verify = time.perf_counter() - t
-            # -- each row accepts its own
-            arg = greedy_tokens(logits).tolist() if greedy else None
-            keeps: list[list[int]] = []
-            finished: list[int] = []
-            it_tested = it_accepted = 0
-            for b, (r, p) in enumerate(zip(rows, props, strict=True)):
-                m = len(p) + 1
-                if greedy:
-                    verdict = verify_greedy(p.tokens, p.parents, arg[b][:m])
-                else:
-                    probs = warp(logits[b, :m], self.sampling)
-                    verdict = verify_sampled(p.tokens, p.parents, probs, p.q, r.state.generator)
-                path = verdict.path
-                keeps.append([0] + [i + 1 for i in path])
-                if feats is not None:
-                    r.append_features(feats[b, keeps[-1]])
-                emitted = [p.tokens[i] for i in path] + [verdict.token]
-                for j, tok in enumerate(emitted):
-                    if tok in stop_ids:
-                        emitted = emitted[: j + 1]
-                        break
-                r.state.ids.extend(emitted)
-                r.new.extend(emitted)
-                if r.started and self.bp is None:
-                    r.proposer.rollback(r.state, len(path))
-                tested = count_iteration(st.rows, p, path)
-                it_tested += tested
-                it_accepted += len(path)
-                # a tree proposer's every tree counts as one, a chain-shaped one too (a tree
-                # sized by min_prob is a chain where the draft is sure: counting only the
-                # branching ones would count its doubts alone)
-                as_tree = bool(p.tokens) and (self.tree or not p.is_chain)
-                r.acc.update(tested, len(path), as_tree)
-                if self.goodput is not None and as_tree:
-                    self.goodput.saw_row_tree(len(path))
-                if r.controller is not None:
-                    step = (
-                        self.bp.last_step_seconds
-                        if self.bp is not None
-                        else (
-                            r.proposer.last_step_seconds
-                            if r.proposer.measures_steps
-                            else (t_draft / max(1, sum(len(q) for q in props)) if len(p) else None)
-                        )
-                    )
-                    r.controller.update(
-                        len(p), tested, len(path), step, t_verify, p.bucket, t_draft=t_draft / R
-                    )
-                if emitted[-1] in stop_ids or len(r.new) >= r.budget:
-                    finished.append(b)
-            runner.keep(keeps)
-            if self.goodput is not None:
-                self.cost.observe(R, n, length, t_verify)
-                clean = [s for s in step_times if s is not None]
-                steps = sum(
-                    (1 if self.template.parallel else max(_depths(p), default=0)) for p in props
-                )
-                if self.bp is not None:  # one step drafts for every row
-                    steps = max((len(p) for p in props), default=0)
-                if not clean and steps:  # a proposer without its own measure: time / steps
-                    clean = [t_draft / steps]
-                self.goodput.update(
-                    sum(clean) / len(clean) if clean else None,
-                    it_tested,
-                    it_accepted,
-                    # a probe also pays for the drafter reading the rows that joined since
-                    # it last drafted (``_t_start``, counted as prefill in the report)
-                    iteration_seconds=t_draft + t_verify + self._t_start,
-                )
-                if self.tree and n > 1:
-                    self.goodput.saw_tree(n - 1)
-            st.rows.t_target += t_verify
-            st.rows.t_draft += t_draft
-            st.forwards += 1
-            st.drain_forwards += not queue
-            st.row_slots += R
-            st.verified_tokens += R * n
-            st.batch_gamma[n - 1] += 1
-            now = time.perf_counter()
-            for r in rows:
-                if r.t_first is None and r.new:
-                    r.t_first = now
-            if finished:
-                for b in finished:
-                    r = rows[b]
-                    out_tokens = r.new[: r.budget]
-                    done[r.key] = out_tokens
-                    st.rows.new_tokens += len(out_tokens)
-                    if self.bp is None:
-                        st.rows.draft_calls += r.proposer.draft_calls - r.calls0
-                    st.requests.append((len(out_tokens), now - r.t_admit))
-                    st.latencies.append((r.t_first - r.t_arrive, now - r.t_arrive, len(out_tokens)))
-                    if progress is not None:
-                        progress(1)
-                keep = [b for b in range(R) if b not in set(finished)]
-                rows = [rows[b] for b in keep]
-                runner.retire(keep)
-                if not rows:
-                    if self.bp is not None:
-                        self.bp.select([])
-                        joined = 0
-                    continue
-                if self.bp is not None:
-                    kept = [b for b in keep if b < joined]
-                    self.bp.select(kept)
-                    joined = len(kept)
-            if self.bp is not None:
-                self.bp.rollback([r.state for r in rows[:joined]], [])
-            runner.tidy()
-        st.wall = time.perf_counter() - t0
+        run = _Run(deque(sorted(requests, key=lambda r: r.arrival)), max_new_tokens, stop_ids)
+        while run.queue or run.rows:
+            self._admit(run)
+            length = self.runner.columns
+            props, t_draft, step_times = self._draft(run, length)
+            logits, feats, t_verify = self._verify(run, props, length)
+            finished, tested, accepted = self._accept(run, props, logits, feats, t_draft, t_verify)
+            self._book(run, props, length, t_draft, t_verify, step_times, tested, accepted)
+            self._retire(run, finished, progress)
+        st = self.stats
+        st.wall = time.perf_counter() - run.t0
         st.rows.t_total = st.wall
         if self.bp is not None:
             st.rows.draft_calls += self.bp.draft_calls
-        return done
+        return run.done
 
-    def _join_drafter(self, rows: list[_Row], joined: int) -> int:
-        """Let the batched drafter read the rows it has not seen (rows[joined:]) before the
-        batch drafts: its prefill of their prompts and of what they decoded since, counted as
-        prefill, as a row-by-row proposer's start (``_propose``). Returns the new count."""
+    def _admit(self, run: _Run) -> None:
+        """Waiting requests that have arrived take the free slots (once ``admit`` of them are
+        free, or at once when no row runs): the runner prefills them, each becomes a row. With
+        nothing to decode, wait for the next arrival."""
+        st, queue = self.stats, run.queue
+        free = self.batch_size - len(run.rows)
+        now = time.perf_counter() - run.t0
+        if not run.rows and queue[0].arrival > now:  # nothing to decode until the next arrives
+            time.sleep(queue[0].arrival - now)
+            st.idle += time.perf_counter() - run.t0 - now
+            now = time.perf_counter() - run.t0
+        arrived = 0  # the requests waiting now (the queue is in order of arrival)
+        while arrived < len(queue) and queue[arrived].arrival <= now:
+            arrived += 1
+        if not (arrived and free and (not run.rows or free >= min(self.admit, arrived))):
+            return
+        reqs = [queue.popleft() for _ in range(min(free, arrived))]
+        t = time.perf_counter()
+        order, feats, views = self.runner.admit([r.prompt[:-1] for r in reqs])
+        reqs = [reqs[i] for i in order]  # as the runner holds them
+        sync(self.device)
+        st.rows.t_prefill += time.perf_counter() - t
+        st.prefills += 1
+        for r, f, view in zip(reqs, feats, views, strict=True):
+            gen = None
+            if not self.sampling.greedy:
+                gen = torch.Generator(device=self.device).manual_seed(int(r.seed))
+            state = DecodeState(
+                ids=list(r.prompt),
+                features=f,
+                sampling=self.sampling,
+                generator=gen,
+                device=self.device,
+                prefill_cache=view,
+            )
+            prop = self.template.fresh()
+            acc = self.goodput.new_request() if self.goodput else _Acceptance()
+            # its proposer starts when the row first drafts; a batched drafter reads the
+            # newcomers' prompts when the batch next drafts (``_join_drafter``): while the
+            # policy decodes plain, newcomers cost it nothing
+            run.rows.append(
+                _Row(
+                    r.key,
+                    list(r.prompt),
+                    state,
+                    prop,
+                    self._controller(),
+                    acc,
+                    t_admit=time.perf_counter(),
+                    t_arrive=run.t0 + r.arrival,
+                    budget=r.budget(run.max_new_tokens),
+                    calls0=prop.draft_calls,
+                )
+            )
+
+    def _draft(self, run: _Run, length: int) -> tuple[list[Proposal], float, list]:
+        """How much each row drafts (the policy) and its proposal. Returns the proposals, the
+        drafting seconds (a drafter's reading of newcomers counted as prefill instead) and
+        the draft steps' own timings."""
+        rows, st = run.rows, self.stats
+        limits = [r.budget - len(r.new) - 1 for r in rows]
+        props: list[Proposal] = []
+        run.t_start = 0.0
+        t = time.perf_counter()
+        step_times: list[float] = []
+        gs: list[int] | None = None  # per-row lengths for a drafter sized before drafting
+        if self.goodput is not None:
+            caps = [max(0, min(self.gamma, lim)) for lim in limits]
+            if self.template.free:  # a lookup drafts first; the policy sizes it
+                found = [
+                    self._propose(run, r, c) if c else Proposal([], [])
+                    for r, c in zip(rows, caps, strict=True)
+                ]
+                caps = [min(c, len(p)) for c, p in zip(caps, found, strict=True)]
+            unread = (
+                0
+                if self.template.free
+                else sum(max(0, len(r.state.ids) - 1 - r.read) for r in rows)
+            )
+            # no request waiting: the batch drains, its time set by its last rows
+            remaining = [r.budget - len(r.new) for r in rows] if not run.queue else None
+            g = self.goodput.choose([r.acc for r in rows], caps, length, unread, remaining)
+            st.probes += self.goodput.probing
+            if self.template.free:
+                props = [f.truncated(min(g, c)) for f, c in zip(found, caps, strict=True)]
+            else:
+                gs = [min(g, c) if not self.tree else (c if g else 0) for c in caps]
+        elif self.template.free:
+            for r, lim in zip(rows, limits, strict=True):
+                cap = max(0, min(self.gamma, lim))
+                ctl = r.controller
+                p = self._propose(run, r, cap) if cap else Proposal([], [])
+                gg = ctl.choose(len(p), p.bucket) if (ctl and len(p)) else len(p)
+                props.append(p.truncated(gg))
+        else:
+            gs = []
+            for r, lim in zip(rows, limits, strict=True):
+                cap = max(0, min(self.gamma, lim))
+                gs.append(r.controller.choose(cap) if r.controller else cap)
+        if gs is not None and self.bp is not None:
+            if max(gs, default=0):
+                self._join_drafter(run)
+                props = self.bp.propose([r.state for r in rows], gs)
+                for r in rows:  # it caught every row up
+                    r.read = len(r.state.ids) - 1
+                if self.bp.last_step_seconds is not None:
+                    step_times.append(self.bp.last_step_seconds)
+            else:
+                props = [Proposal([], []) for _ in rows]
+        elif gs is not None:
+            for r, gg in zip(rows, gs, strict=True):
+                props.append(self._propose(run, r, gg) if gg else Proposal([], []))
+                if gg:
+                    r.read = len(r.state.ids) - 1
+                self._step_time(r, props[-1], step_times)
+        sync(self.device)
+        st.rows.t_prefill += run.t_start
+        return props, time.perf_counter() - t - run.t_start, step_times
+
+    def _verify(self, run: _Run, props: list[Proposal], length: int):
+        """One forward for the batch: each row's last committed token and its proposal (a
+        chain, or a tree with its ancestor mask), padded to the longest. Returns the logits,
+        the features and its seconds."""
+        n = 1 + max(len(p) for p in props)
+        R = len(run.rows)
+        ids = torch.zeros(R, n, dtype=torch.long)
+        pos = torch.zeros(R, n, dtype=torch.long)
+        inner = torch.eye(n, dtype=torch.bool).repeat(R, 1, 1)
+        for b, (r, p) in enumerate(zip(run.rows, props, strict=True)):
+            base = len(r.state.ids) - 1
+            ids[b, : len(p) + 1] = torch.tensor([r.state.ids[-1]] + p.tokens)
+            depth = [0] + _depths(p)
+            pos[b, : len(p) + 1] = torch.tensor(depth) + base
+            pos[b, len(p) + 1 :] = base
+            for i, par in enumerate(p.parents):
+                inner[b, i + 1] = inner[b, par + 1]
+                inner[b, i + 1, i + 1] = True
+        self.stats.cache_columns += R * length
+        self.stats.valid_columns += self.runner.valid_columns()
+        t = time.perf_counter()
+        logits, feats = self.runner.verify(ids, pos, inner)
+        sync(self.device)
+        return logits, feats, time.perf_counter() - t
+
+    def _accept(self, run: _Run, props, logits, feats, t_draft: float, t_verify: float):
+        """Each row accepts its own (greedy or exact rejection sampling), emits its tokens up
+        to a stop token, and its controller and acceptance tracker learn; the runner keeps
+        the accepted entries. Returns the finished rows and the tokens tested and accepted."""
+        rows, st = run.rows, self.stats
+        greedy = self.sampling.greedy
+        arg = greedy_tokens(logits).tolist() if greedy else None
+        keeps: list[list[int]] = []
+        finished: list[int] = []
+        it_tested = it_accepted = 0
+        for b, (r, p) in enumerate(zip(rows, props, strict=True)):
+            m = len(p) + 1
+            if greedy:
+                verdict = verify_greedy(p.tokens, p.parents, arg[b][:m])
+            else:
+                probs = warp(logits[b, :m], self.sampling)
+                verdict = verify_sampled(p.tokens, p.parents, probs, p.q, r.state.generator)
+            path = verdict.path
+            keeps.append([0] + [i + 1 for i in path])
+            if feats is not None:
+                r.append_features(feats[b, keeps[-1]])
+            emitted = [p.tokens[i] for i in path] + [verdict.token]
+            for j, tok in enumerate(emitted):
+                if tok in run.stop_ids:
+                    emitted = emitted[: j + 1]
+                    break
+            r.state.ids.extend(emitted)
+            r.new.extend(emitted)
+            if r.started and self.bp is None:
+                r.proposer.rollback(r.state, len(path))
+            tested = count_iteration(st.rows, p, path)
+            it_tested += tested
+            it_accepted += len(path)
+            # a tree proposer's every tree counts as one, a chain-shaped one too (a tree
+            # sized by min_prob is a chain where the draft is sure: counting only the
+            # branching ones would count its doubts alone)
+            as_tree = bool(p.tokens) and (self.tree or not p.is_chain)
+            r.acc.update(tested, len(path), as_tree)
+            if self.goodput is not None and as_tree:
+                self.goodput.saw_row_tree(len(path))
+            if r.controller is not None:
+                step = (
+                    self.bp.last_step_seconds
+                    if self.bp is not None
+                    else (
+                        r.proposer.last_step_seconds
+                        if r.proposer.measures_steps
+                        else (t_draft / max(1, sum(len(q) for q in props)) if len(p) else None)
+                    )
+                )
+                r.controller.update(
+                    len(p), tested, len(path), step, t_verify, p.bucket, t_draft=t_draft / len(rows)
+                )
+            if emitted[-1] in run.stop_ids or len(r.new) >= r.budget:
+                finished.append(b)
+        self.runner.keep(keeps)
+        return finished, it_tested, it_accepted
+
+    def _book(self, run: _Run, props, length, t_draft, t_verify, step_times, tested, accepted):
+        """The iteration's measures for the goodput policy and its cost model, and the run's
+        statistics."""
+        st, R = self.stats, len(run.rows)
+        n = 1 + max(len(p) for p in props)
+        if self.goodput is not None:
+            self.cost.observe(R, n, length, t_verify)
+            clean = [s for s in step_times if s is not None]
+            steps = sum(
+                (1 if self.template.parallel else max(_depths(p), default=0)) for p in props
+            )
+            if self.bp is not None:  # one step drafts for every row
+                steps = max((len(p) for p in props), default=0)
+            if not clean and steps:  # a proposer without its own measure: time / steps
+                clean = [t_draft / steps]
+            self.goodput.update(
+                sum(clean) / len(clean) if clean else None,
+                tested,
+                accepted,
+                # a probe also pays for the drafter reading the rows that joined since it
+                # last drafted (``run.t_start``, counted as prefill in the report)
+                iteration_seconds=t_draft + t_verify + run.t_start,
+            )
+            if self.tree and n > 1:
+                self.goodput.saw_tree(n - 1)
+        st.rows.t_target += t_verify
+        st.rows.t_draft += t_draft
+        st.forwards += 1
+        st.drain_forwards += not run.queue
+        st.row_slots += R
+        st.verified_tokens += R * n
+        st.batch_gamma[n - 1] += 1
+
+    def _retire(self, run: _Run, finished: list[int], progress) -> None:
+        """Finished rows leave (their tokens and latencies recorded); the runner and the
+        batched drafter keep the rest, and tidy their caches."""
+        st, rows = self.stats, run.rows
+        now = time.perf_counter()
+        for r in rows:
+            if r.t_first is None and r.new:
+                r.t_first = now
+        if finished:
+            for b in finished:
+                r = rows[b]
+                out_tokens = r.new[: r.budget]
+                run.done[r.key] = out_tokens
+                st.rows.new_tokens += len(out_tokens)
+                if self.bp is None:
+                    st.rows.draft_calls += r.proposer.draft_calls - r.calls0
+                st.requests.append((len(out_tokens), now - r.t_admit))
+                st.latencies.append((r.t_first - r.t_arrive, now - r.t_arrive, len(out_tokens)))
+                if progress is not None:
+                    progress(1)
+            gone = set(finished)
+            keep = [b for b in range(len(rows)) if b not in gone]
+            run.rows = [rows[b] for b in keep]
+            self.runner.retire(keep)
+            if self.bp is not None:
+                kept = [b for b in keep if b < run.joined]
+                self.bp.select(kept)
+                run.joined = len(kept)
+            if not run.rows:
+                return
+        if self.bp is not None:
+            self.bp.rollback([r.state for r in run.rows[: run.joined]], [])
+        self.runner.tidy()
+
+    def _join_drafter(self, run: _Run) -> None:
+        """Let the batched drafter read the rows it has not seen (``rows[joined:]``) before
+        the batch drafts: its prefill of their prompts and of what they decoded since, counted
+        as prefill, as a row-by-row proposer's start (``_propose``)."""
+        rows, joined = run.rows, run.joined
         if joined < len(rows):
             t = time.perf_counter()
             self.bp.join([r.state for r in rows[joined:]])
             for r in rows[joined:]:
                 r.state.prefill_cache = None  # read once: the batch's prefill can go
             dt = time.perf_counter() - t
-            self._t_start += dt
+            run.t_start += dt
             if self.goodput is not None:  # what reading costs, for pricing the next probe
                 self.goodput.saw_reading(sum(len(r.state.ids) - 1 for r in rows[joined:]), dt)
-        return len(rows)
+        run.joined = len(rows)
 
-    def _propose(self, r: _Row, g: int) -> Proposal:
+    def _propose(self, run: _Run, r: _Row, g: int) -> Proposal:
         """Row ``r``'s proposal of ``g`` tokens. A row's proposer starts (reads the sequence
         so far: a draft model's or head's prefill) when the row first drafts, so rows that
         never draft (a policy that chose 0 all along) never pay for it; that time counts as
@@ -680,7 +730,7 @@ class BatchDecoder:
             r.state.prefill_cache = None
             r.started = True
             dt = time.perf_counter() - t
-            self._t_start += dt
+            run.t_start += dt
             if self.goodput is not None:
                 self.goodput.saw_reading(len(r.state.ids) - 1, dt)
         return r.proposer.propose(r.state, g)
