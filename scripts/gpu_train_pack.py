@@ -49,6 +49,12 @@ def tree_bytes() -> int:
     )
 
 
+def _in_repo(p: Path) -> str:
+    """``p`` relative to the repository where it is inside it (valid in any clone)."""
+    p = p.resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None, help="file or folder (default: packaged ShareGPT)")
@@ -102,6 +108,15 @@ def main() -> None:
         meta["init_from"] = str(folder)
     elif init.exists():
         meta["init"] = str(init.resolve().relative_to(ROOT))
+    # the learning curves behind the init (the shipped head's CPU phases, earlier GPU runs):
+    # the returned run's curve continues them (scripts/gpu_train_unpack.py, plot_curves.py)
+    from plot_curves import lineage
+
+    shipped = ROOT / "models" / "shipped" / a.init
+    meta["lineage"] = [
+        [_in_repo(Path(f)), off]
+        for f, off in lineage(folder or (init if init.exists() else shipped))
+    ]
     (out / "slice.json").write_text(json.dumps(meta, indent=1))
     packed = sum(
         f.stat().st_size

@@ -49,6 +49,21 @@ def main() -> None:
     print(f"  measure: specdraft-eval draft={final} tree=chain gamma=3 adaptive=false")
     s = json.loads((src / "summary.json").read_text()) if (src / "summary.json").exists() else {}
     sl = s.get("slice") or {}
+    if (dest / "metrics.jsonl").exists():
+        from plot_curves import curve_end
+
+        # this run's curve after those of the weights it started from (lineage.json: what the
+        # next run from these weights continues)
+        curves = [list(c) for c in sl.get("lineage") or []]
+        before = curves[-1][1] + curve_end(Path(curves[-1][0])) if curves else 0.0
+        mine = (dest / "metrics.jsonl").resolve()
+        curves.append([str(mine.relative_to(ROOT) if mine.is_relative_to(ROOT) else mine), before])
+        (dest / "lineage.json").write_text(json.dumps({"curves": curves}, indent=1))
+        print(
+            f"  learning curve, CPU phases through this run ({len(curves)} runs): python "
+            f"scripts/plot_curves.py --lineage {dest / 'lineage.json'} --metric alpha "
+            f"--out {dest / 'curves.png'}"
+        )
     if "skip" in sl and "count" in sl:
         nxt = sl["skip"] + sl["count"]
         print(

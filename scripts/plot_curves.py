@@ -14,6 +14,10 @@ n-alpha) for k = 1..positions, one colour per position, one line style per run.
 weights (``train.init_from``) counts its tokens from zero, and its offset places it after the
 run it continues (a dotted vertical line marks where it starts). ``--same-style`` draws every
 run in one line style, for phases of one model.
+
+``--lineage FILE``: the runs and offsets a draft's ``lineage.json`` lists (written by
+``scripts/gpu_train_unpack.py``: the shipped head's CPU phases, then every GPU run after
+them), in one style: the whole learning curve from the first CPU phase through the last run.
 """
 
 from __future__ import annotations
@@ -43,9 +47,32 @@ def curves(run: Path, metric: str, positions: int) -> dict[int, list[tuple[float
     return out
 
 
+def curve_end(path: Path) -> float:
+    """Training tokens at a metrics file's last row that counts them: where a run continuing
+    from these weights starts."""
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return max((float(r["tokens"]) for r in rows if "tokens" in r), default=0.0)
+
+
+def lineage(draft: Path) -> list[list]:
+    """The learning curves behind the draft folder ``draft``, each as [metrics file, training
+    tokens before it]: a GPU run's (the ``lineage.json`` beside its ``final`` folder), or a
+    shipped draft's phases (its ``curve_phase*.jsonl``, one after another); [] where none is
+    known."""
+    lin = draft.parent / "lineage.json"
+    if draft.name == "final" and lin.is_file():
+        return json.loads(lin.read_text())["curves"]
+    out, off = [], 0.0
+    for f in sorted(draft.glob("curve_phase*.jsonl")):
+        out.append([str(f), off])
+        off += curve_end(f)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("runs", nargs="*", type=Path)
+    ap.add_argument("--lineage", type=Path, help="a lineage.json: its curves and offsets")
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--out", type=Path, default=Path("curves.png"))
     ap.add_argument("--metric", choices=["top1", "alpha"], default="top1")
@@ -54,6 +81,13 @@ def main() -> None:
     ap.add_argument("--offsets", nargs="*", type=float, help="training tokens before each run")
     ap.add_argument("--same-style", action="store_true", help="one line style for every run")
     args = ap.parse_args()
+    if args.lineage is not None:
+        curves_ = json.loads(args.lineage.read_text())["curves"]
+        args.runs = [Path(p) for p, _ in curves_]
+        args.offsets = [float(o) for _, o in curves_]
+        args.same_style = True
+    if not args.runs:
+        raise SystemExit("name runs (or metrics files), or --lineage FILE")
     offsets = args.offsets or [0.0] * len(args.runs)
     if len(offsets) != len(args.runs):
         raise SystemExit(f"--offsets: {len(offsets)} values for {len(args.runs)} runs")

@@ -67,6 +67,30 @@ def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     from models.base import read_draft_config
 
     assert read_draft_config(final)["specdraft"]["method"] == "eagle3"
+    # the learning curve: the shipped head's five CPU phases, then this run, each after the
+    # tokens of those before it; plot_curves draws it from the lineage file
+    lin = json.loads((final.parent / "lineage.json").read_text())["curves"]
+    assert [Path(p).name for p, _ in lin] == [
+        *(f"curve_phase{i}.jsonl" for i in range(1, 6)),
+        "metrics.jsonl",
+    ]
+    offsets = [o for _, o in lin]
+    assert offsets[0] == 0 and all(a < b for a, b in zip(offsets, offsets[1:], strict=False))
+    assert 13e6 < offsets[-1] < 14e6  # the shipped head's ~13.3M CPU training tokens
+    png = tmp_path / "curves.png"
+    _run(
+        [
+            sys.executable,
+            "scripts/plot_curves.py",
+            "--lineage",
+            str(final.parent / "lineage.json"),
+            "--metric",
+            "alpha",
+            "--out",
+            str(png),
+        ]
+    )
+    assert png.stat().st_size > 10_000
 
 
 def test_the_recipe_says_what_a_call_did_not_carry(tmp_path):
