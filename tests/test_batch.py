@@ -1327,6 +1327,12 @@ def test_the_batched_decoder_drafts_eagle_chains_on_fixed_shapes_where_graphs_ru
     )
     out = dec.run([GenRequest(i, p) for i, p in enumerate(_prompts())], N_NEW)
     assert isinstance(dec.bp, StaticBatchedEagleChain) and out == reference
+    # every (row bucket, length) captured before the run; a larger cache captures them again
+    bp = dec.bp
+    assert len(bp._graphs) == len(bp.buckets) * bp.gamma_max
+    bp.reserve(4 * bp.cols.capacity)
+    assert len(bp._graphs) == len(bp.buckets) * bp.gamma_max
+    assert dec.run([GenRequest(i, p) for i, p in enumerate(_prompts())], N_NEW) == reference
     auto = BatchDecoder(tiny_target, _proposers(tiny_target)["eagle"], Sampling(), 3)
     auto.run([GenRequest(0, _prompts()[0])], 4)
     # the default on a CPU: the static cache eager, and the eager batched drafter

@@ -430,6 +430,7 @@ class StaticBatchedEagleChain(BatchedProposer):
         self.draft_calls = 0
         self.last_step_seconds = None
         self.capture_seconds = 0.0
+        self._prepared: set = set()  # the samplings whose graphs ``prepare`` captured
         self._alloc(max_len)
 
     def _alloc(self, max_len: int) -> None:
@@ -468,12 +469,15 @@ class StaticBatchedEagleChain(BatchedProposer):
                 raise ValueError("reserve() with rows in the draft cache: call it before a run")
             self.capture_seconds = 0.0
             self._alloc(max(total, 2 * self.cols.capacity))
+            for sampling in self._prepared:  # captured again now, not inside a timed run
+                self.prepare(sampling)
 
     # -- the fixed-shape function --------------------------------------------------------
 
     def prepare(self, sampling) -> None:
         """Capture the function of every row bucket and chain length for ``sampling`` now
         (before anything is timed: a capture inside a timed run would count in it)."""
+        self._prepared.add(sampling)
         for b in self.buckets:
             for g in range(1, self.gamma_max + 1):
                 self._graph(b, g, sampling)
