@@ -99,11 +99,20 @@ class RaggedColumns:
     decoder's "holes" on a static cache. The active rows are the first ``rows``; the frontier
     is where the next forward writes for every row; host-side counts of each row's valid
     columns, so nothing here reads the device. Used by the target's static batch runner and
-    the batched EAGLE chain on fixed shapes."""
+    the batched EAGLE chain on fixed shapes. ``batch``: the rows it may hold (the buffer's
+    by default; rows past it are another's, e.g. the runner's prefill scratch rows)."""
 
-    def __init__(self, kv: torch.Tensor, capacity: int, holes: float = 0.5, slack: int = 64):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        capacity: int,
+        holes: float = 0.5,
+        slack: int = 64,
+        batch: int | None = None,
+    ):
         self.kv, self.capacity, self.holes, self.slack = kv, capacity, holes, slack
-        self.valid = torch.zeros(kv.shape[2], kv.shape[4], dtype=torch.bool, device=kv.device)
+        self.batch = batch or kv.shape[2]
+        self.valid = torch.zeros(self.batch, kv.shape[4], dtype=torch.bool, device=kv.device)
         self.reset()
 
     def reset(self) -> None:
@@ -130,8 +139,8 @@ class RaggedColumns:
         """Room for k new rows of n columns each (left-padded prompts), right-aligned to the
         frontier (which moves right for n past it: holes for the others). Returns their rows
         and first column; ``fill`` then marks what they hold."""
-        if self.rows + k > self.kv.shape[2]:
-            raise CacheFull(f"{self.rows} rows + {k} new: past the batch of {self.kv.shape[2]}")
+        if self.rows + k > self.batch:
+            raise CacheFull(f"{self.rows} rows + {k} new: past the batch of {self.batch}")
         self.room(max(0, n - self.frontier))
         c0 = max(0, self.frontier - n)
         rows = slice(self.rows, self.rows + k)
