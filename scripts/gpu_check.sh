@@ -21,6 +21,8 @@
 #           random weights built on the GPU: forward ms at 1 / 8 / 16 / 32 tokens against the
 #           memory-bandwidth limit, an EAGLE-3 draft step against a target step
 #   shaped_fused (100) the same forward at 1 / 8 tokens with compile=fused's layers
+#   (call 1 at 290 s reaches into `shaped`; its figures are in docs/benchmarks.md from the
+#   first H100 run, so SKIP=shaped gives `shaped_fused` the time)
 #   embedded (40) call 3: the lean forward on the embedded target against transformers'
 #   costs   (70)  the embedded target's forward by width (transformers / static eager /
 #           graphs), plain decoding's tokens/s on both paths, the shipped head's proposal of
