@@ -68,7 +68,7 @@ from .policies import (
 )
 from .runner import RunnerError
 from .timing import sync
-from .verify import verify_greedy, verify_sampled
+from .verify import until_stop, verify_greedy, verify_sampled
 
 
 class BatchError(ValueError):
@@ -599,11 +599,7 @@ class BatchDecoder:
             keeps.append([0] + [i + 1 for i in path])
             if feats is not None:
                 r.append_features(feats[b, keeps[-1]])
-            emitted = [p.tokens[i] for i in path] + [verdict.token]
-            for j, tok in enumerate(emitted):
-                if tok in run.stop_ids:
-                    emitted = emitted[: j + 1]
-                    break
+            emitted = until_stop([p.tokens[i] for i in path] + [verdict.token], run.stop_ids)
             r.state.ids.extend(emitted)
             r.new.extend(emitted)
             if r.started and self.bp is None:

@@ -253,26 +253,45 @@ class RaggedRunner(BatchRunner):
             self.valid = tidy(self.cache, self.valid)
 
 
-class _BatchGraph:
-    """One (row bucket, width): static buffers for the token ids, positions, the within-forward
-    mask and the frontier, and the forward over the first ``bucket`` rows of the static cache,
-    their committed columns read from the runner's ``valid`` buffer. Captured as a CUDA graph
-    on CUDA, run eagerly under the graph discipline with ``emulate`` (``models.lean.Captured``)."""
+class _GraphInputs:
+    """The static inputs of a (row bucket, width) function: token ids, positions and the
+    within-forward mask (a padding token sees only itself), loaded from the host in one copy
+    each."""
 
-    def __init__(self, lean: LeanLlama, valid, bucket, width, layers, emulate, pool=None):
+    def __init__(self, lean: LeanLlama, bucket: int, width: int, layers):
         dev = lean.device
-        self.lean, self.valid, self.bucket, self.width, self.layers = (
-            lean,
-            valid,
-            bucket,
-            width,
-            layers,
-        )
+        self.lean, self.bucket, self.width, self.layers = lean, bucket, width, layers
         self.ids = torch.zeros(bucket, width, dtype=torch.long, device=dev)
         self.pos = torch.zeros(bucket, width, dtype=torch.long, device=dev)
         self.anc = torch.eye(width, dtype=torch.bool, device=dev).repeat(bucket, 1, 1)
-        self.base = torch.zeros((), dtype=torch.long, device=dev)
-        self.steps = torch.arange(width, device=dev)
+
+    def load(self, ids, pos, inner, at: int) -> None:
+        """k rows' n tokens (ids, pos (k, n), inner (k, n, n)) at columns at..at+n-1 of the
+        first k rows; everything else padding (position 0, seeing only itself)."""
+        k, n = ids.shape
+        host = torch.zeros(2, self.bucket, self.width, dtype=torch.long)
+        host[0, :k, at : at + n] = ids
+        host[1, :k, at : at + n] = pos
+        anc = torch.eye(self.width, dtype=torch.bool).repeat(self.bucket, 1, 1)
+        anc[:k, at : at + n, at : at + n] = inner
+        dev = self.ids.device
+        both = host.to(dev, non_blocking=True)
+        self.ids.copy_(both[0])
+        self.pos.copy_(both[1])
+        self.anc.copy_(anc.to(dev, non_blocking=True))
+
+
+class _BatchGraph(_GraphInputs):
+    """One (row bucket, width) verification: the static inputs and the frontier, and the
+    forward over the first ``bucket`` rows of the static cache, their committed columns read
+    from the runner's ``valid`` buffer. Captured as a CUDA graph on CUDA, run eagerly under
+    the graph discipline with ``emulate`` (``models.lean.Captured``)."""
+
+    def __init__(self, lean: LeanLlama, valid, bucket, width, layers, emulate, pool=None):
+        super().__init__(lean, bucket, width, layers)
+        self.valid = valid
+        self.base = torch.zeros((), dtype=torch.long, device=lean.device)
+        self.steps = torch.arange(width, device=lean.device)
         # warm-up and capture write at the last W columns, which no row uses (the runner keeps
         # them free)
         self.base.fill_(lean.max_len - width)
@@ -293,41 +312,23 @@ class _BatchGraph:
 
     def __call__(self, base: int, ids, pos, inner):
         R, n = ids.shape
-        host = torch.zeros(2, self.bucket, self.width, dtype=torch.long)
-        host[0, :R, :n] = ids
-        host[1, :R, :n] = pos  # padding: position 0, seeing only itself
-        anc = torch.eye(self.width, dtype=torch.bool).repeat(self.bucket, 1, 1)
-        anc[:R, :n, :n] = inner
-        dev = self.ids.device
-        both = host.to(dev, non_blocking=True)
-        self.ids.copy_(both[0])
-        self.pos.copy_(both[1])
-        self.anc.copy_(anc.to(dev, non_blocking=True))
+        self.load(ids, pos, inner, 0)
         self.base.fill_(base)
         logits, feats = self.captured()
         # overwritten by the next replay: copies of the real rows and tokens
         return logits[:R, :n].clone(), None if feats is None else feats[:R, :n].clone()
 
 
-class _PrefillGraph:
+class _PrefillGraph(_GraphInputs):
     """A prefill of up to ``bucket`` new rows of ``width`` tokens (left-padded) as one fixed
     shape: written to the runner's scratch rows (past its batch) at columns [0, width), each
     row seeing only its own prompt, features returned; the runner then copies the rows' K/V to
     their places. Captured as a CUDA graph on CUDA (``emulate``: run eagerly)."""
 
     def __init__(self, lean: LeanLlama, first: int, bucket, width, layers, emulate, pool=None):
-        dev = lean.device
-        self.lean, self.first, self.bucket, self.width, self.layers = (
-            lean,
-            first,
-            bucket,
-            width,
-            layers,
-        )
-        self.ids = torch.zeros(bucket, width, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(bucket, width, dtype=torch.long, device=dev)
-        self.anc = torch.eye(width, dtype=torch.bool, device=dev).repeat(bucket, 1, 1)
-        self.cols = torch.arange(width, device=dev)
+        super().__init__(lean, bucket, width, layers)
+        self.first = first
+        self.cols = torch.arange(width, device=lean.device)
         self.captured = Captured(self._run, emulate, pool, check=not lean.fuse)
 
     def _run(self):
@@ -341,16 +342,7 @@ class _PrefillGraph:
         """ids, pos (k, n), inner (k, n, n), n <= width: placed at the right end (padding
         before them sees only itself). Returns the features of the k rows' n tokens."""
         k, n = ids.shape
-        host = torch.zeros(2, self.bucket, self.width, dtype=torch.long)
-        host[0, :k, self.width - n :] = ids
-        host[1, :k, self.width - n :] = pos
-        anc = torch.eye(self.width, dtype=torch.bool).repeat(self.bucket, 1, 1)
-        anc[:k, self.width - n :, self.width - n :] = inner
-        dev = self.ids.device
-        both = host.to(dev, non_blocking=True)
-        self.ids.copy_(both[0])
-        self.pos.copy_(both[1])
-        self.anc.copy_(anc.to(dev, non_blocking=True))
+        self.load(ids, pos, inner, self.width - n)
         feats = self.captured()
         return None if feats is None else feats[:k, self.width - n :].clone()
 

@@ -33,6 +33,7 @@ from .verify import (
     Verdict,
     lenient_tvd,
     one_hot,
+    until_stop,
     verify_greedy,
     verify_greedy_lenient,
     verify_sampled,
@@ -415,10 +416,7 @@ class SpeculativeDecoder:
         emitted = [d.prop.tokens[i] for i in path] + [c.verdict.token]
         if self.record_logits:  # the target rows that decided each emitted token
             seq.step_logits.extend(c.logits[keep].float().cpu())
-        for j, tok in enumerate(emitted):
-            if tok in seq.stop_ids:
-                emitted = emitted[: j + 1]
-                break
+        emitted = until_stop(emitted, seq.stop_ids)
         seq.state.ids.extend(emitted)
         seq.new.extend(emitted)
         if c.tvd is not None:

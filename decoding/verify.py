@@ -186,3 +186,11 @@ def verify_typical(
     end = path[-1] + 1 if path else 0
     token = sample(p[end], generator)
     return Verdict(path, token), tvd + [0.0]
+
+
+def until_stop(tokens: list[int], stop_ids) -> list[int]:
+    """``tokens`` up to and including the first stop token (all of them if none)."""
+    for j, tok in enumerate(tokens):
+        if tok in stop_ids:
+            return tokens[: j + 1]
+    return tokens

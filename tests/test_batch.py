@@ -1248,6 +1248,23 @@ def _eagle_rows(target, single, seqs, temperature=0.0):
     return rows, alone, commit
 
 
+def _three_eagle_rows(target, kind: str, temperature: float):
+    """A random EAGLE-1 or EAGLE-3 head, its proposer, a seeded ``random.Random`` and three
+    rows of 3, 17 and 9 tokens (``_eagle_rows``)."""
+    from models.eagle import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(0)
+    head = (
+        EagleHead(target, Eagle1Config())
+        if kind == "eagle1"
+        else Eagle3Head(target, Eagle3Config(draft_vocab_size=64))
+    ).to(target.device)
+    single = head.proposer()
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
+    return head, single, rng, _eagle_rows(target, single, seqs, temperature)
+
+
 @pytest.mark.parametrize(
     "kind,temperature,late",
     [
@@ -1267,18 +1284,7 @@ def test_batched_eagle_drafting_proposes_what_each_row_would_alone(
     acceptance per row: the same tokens and (T > 0, same random streams) the same q. ``late``:
     rows 1 and 2 decode plain for two iterations and join the drafter then (the batched
     decoder's lazy join), as their batch-1 proposers start then."""
-    from models.eagle import Eagle3Config, Eagle3Head
-
-    torch.manual_seed(0)
-    head = (
-        EagleHead(tiny_target, Eagle1Config())
-        if kind == "eagle1"
-        else Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
-    ).to(tiny_target.device)
-    single = head.proposer()
-    rng = random.Random(1)
-    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
-    rows, alone, commit = _eagle_rows(tiny_target, single, seqs, temperature)
+    head, single, rng, (rows, alone, commit) = _three_eagle_rows(tiny_target, kind, temperature)
     bp = _drafting_side_by_side(single, rows, alone, commit, late, 4, temperature, rng)
     assert bp.valid.shape[0] == 3
 
@@ -1295,19 +1301,9 @@ def test_static_batched_eagle_chain_proposes_what_each_row_would_alone(
     path, run eagerly here) against the batch-1 chain on fixed shapes, row by row, through
     late joins, ragged acceptance, 3 rows in a bucket of 4: the same tokens and (T > 0, each
     row's own random stream) the same q."""
-    from models.eagle import Eagle3Config, Eagle3Head
     from models.eagle.static import StaticBatchedEagleChain, StaticEagleChain
 
-    torch.manual_seed(0)
-    head = (
-        EagleHead(tiny_target, Eagle1Config())
-        if kind == "eagle1"
-        else Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64))
-    ).to(tiny_target.device)
-    single = head.proposer()
-    rng = random.Random(1)
-    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
-    rows, alone, commit = _eagle_rows(tiny_target, single, seqs, temperature)
+    head, single, rng, (rows, alone, commit) = _three_eagle_rows(tiny_target, kind, temperature)
     bp = single.batched_fixed_shape(4, 3, "emulate")
     assert isinstance(bp, StaticBatchedEagleChain)
     props = [StaticEagleChain(head, 3, "emulate") for _ in alone]
