@@ -253,12 +253,12 @@ class BatchDecoder:
         self.runner: BatchRunner = runner
         # the batched drafter on fixed shapes where the runner's graphs run (given: shared by a
         # sweep's decoders of one batch size), its graphs captured now, before any timing
-        self._fixed_bp = drafter
+        self.fixed_drafter = drafter
         graphs = getattr(runner, "graphs", "off")
         if drafter is None and graphs != "off" and self.gamma:
-            self._fixed_bp = proposer.batched_fixed_shape(batch_size, self.gamma, graphs)
-        if self._fixed_bp is not None:
-            self._fixed_bp.prepare(sampling)
+            self.fixed_drafter = proposer.batched_fixed_shape(batch_size, self.gamma, graphs)
+        if self.fixed_drafter is not None:
+            self.fixed_drafter.prepare(sampling)
         self.t_verify1: list[float] | None = None
         if policy == "adaptive" and self.gamma and calibrate:
             # today's controller, as at batch 1: the cost of each verification size for one
@@ -354,9 +354,9 @@ class BatchDecoder:
         """The batched drafter for a run, with no rows: on the static runner's graphs the
         proposer's fixed-shape one where it has one (built once, its graphs kept from run to
         run), else a fresh ``batched()`` (None: the proposer drafts row by row)."""
-        if self._fixed_bp is not None:
-            self._fixed_bp.reset()
-            return self._fixed_bp
+        if self.fixed_drafter is not None:
+            self.fixed_drafter.reset()
+            return self.fixed_drafter
         return self.template.batched()
 
     def _time_draft(self, bp, props: list[Proposer], states: list[DecodeState]) -> float | None:

@@ -330,7 +330,7 @@ class _Sweep:
                 calibrate=False,
                 compile=self.cfg.compile,
             )
-            self.runners[key], self.drafters[key] = dec.runner, dec._fixed_bp
+            self.runners[key], self.drafters[key] = dec.runner, dec.fixed_drafter
         return self.runners[key]
 
     def decoder(self, name: str, b: int, cost) -> BatchDecoder:

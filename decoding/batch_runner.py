@@ -53,7 +53,7 @@ from models.ragged import (
 )
 from models.target import Target
 
-from .runner import PREFILL_WIDTHS, RunnerError, check_static, compile_mode, static_unsupported
+from .runner import PREFILL_WIDTHS, RunnerError, check_static, static_path
 from .timing import interleaved_medians
 
 
@@ -460,9 +460,7 @@ class StaticBatchRunner(BatchRunner):
                 rows, c0 = self.cols.place(len(g), n)
             except CacheFull as e:
                 raise RunnerError(str(e)) from None
-            inner = (
-                torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]
-            ) | torch.eye(n, dtype=torch.bool)[None]
+            inner = causal_mask(torch.zeros(len(g), 0, dtype=torch.bool), real)
             fit = [(b, w) for (b, w) in self._prefills if b >= len(g) and w >= n]
             if fit:  # a graph in the scratch rows, then the K/V to the new rows' place
                 pg = self._prefills[min(fit)]
@@ -544,27 +542,12 @@ def choose_batch_runner(
     max_len: int = 2048,
 ) -> BatchRunner:
     """The batch runner ``compile=mode`` asks for: as ``runner.choose_runner`` does for batch 1
-    (``auto``: the static path where it can run, graphs on CUDA; ``false``: transformers')."""
-    mode = compile_mode(mode)
-    ragged = RaggedRunner(target, layers, waste, proposer.reads_prefill_cache)
-    if mode == "false":
-        return ragged
-    why = static_unsupported(target, proposer)
-    if why is not None:
-        if mode != "auto":
-            raise RunnerError(f"compile={mode}: {why}; use compile=auto or false")
-        return ragged
-    if mode == "emulate":
-        graphs = "emulate"
-    else:
-        graphs = "cuda" if target.device.type == "cuda" else "off"
+    (``runner.static_path``: ``auto`` the static path where it can run, graphs on CUDA;
+    ``false`` transformers')."""
+    path = static_path(mode, target, proposer)
+    if path is None:
+        return RaggedRunner(target, layers, waste, proposer.reads_prefill_cache)
+    graphs, fuse = path
     return StaticBatchRunner(
-        target,
-        layers,
-        batch_size,
-        batch_widths(widest),
-        graphs,
-        max_len,
-        fuse=mode == "fused",
-        waste=waste,
+        target, layers, batch_size, batch_widths(widest), graphs, max_len, fuse=fuse, waste=waste
     )

@@ -394,6 +394,24 @@ def compile_mode(mode) -> str:
     return m
 
 
+def static_path(mode: str, target: Target, proposer) -> tuple[str, bool] | None:
+    """What ``compile=mode`` runs, at batch 1 and batch B alike: the static path's graphs
+    (``cuda`` on CUDA, ``off`` (eager at exact shapes) on a CPU, ``emulate``) and whether its
+    layers are fused, or None for transformers' path. ``auto``: the static path wherever it can
+    run; ``true`` / ``fused`` / ``emulate``: that, or a ``RunnerError`` saying why not."""
+    mode = compile_mode(mode)
+    if mode == "false":
+        return None
+    why = static_unsupported(target, proposer)
+    if why is not None:
+        if mode != "auto":
+            raise RunnerError(f"compile={mode}: {why}; use compile=auto or false")
+        return None
+    if mode == "emulate":
+        return "emulate", False
+    return ("cuda" if target.device.type == "cuda" else "off"), mode == "fused"
+
+
 def choose_runner(
     mode: str,
     target: Target,
@@ -406,17 +424,9 @@ def choose_runner(
     (on CUDA with graphs; on a CPU eager, measured 8-18% cheaper a forward than transformers'
     for the embedded target on the AMX Xeon, docs/benchmarks.md), else transformers'.
     ``true`` / ``fused`` / ``emulate``: that static path, or a ``RunnerError`` saying why not.
-    ``false``: transformers'."""
-    mode = compile_mode(mode)
-    if mode == "false":
+    ``false``: transformers' (``static_path``)."""
+    path = static_path(mode, target, proposer)
+    if path is None:
         return HFRunner(target, layers)
-    why = static_unsupported(target, proposer)
-    if why is not None:
-        if mode != "auto":
-            raise RunnerError(f"compile={mode}: {why}; use compile=auto or false")
-        return HFRunner(target, layers)
-    if mode == "emulate":
-        graphs = "emulate"
-    else:  # graphs on CUDA; on a CPU eager at exact shapes (fused kernels too, for fused)
-        graphs = "cuda" if target.device.type == "cuda" else "off"
-    return StaticRunner(target, layers, widths, graphs, max_len, fuse=mode == "fused")
+    graphs, fuse = path
+    return StaticRunner(target, layers, widths, graphs, max_len, fuse=fuse)

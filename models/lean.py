@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .ragged import compaction
+
 #: model_type values whose decoder this module computes (the Llama layout: RMSNorm, RoPE,
 #: grouped-query attention, a SiLU-gated MLP; Qwen3's per-head q/k norms; Qwen2's q/k/v biases)
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -208,12 +210,7 @@ class RaggedColumns:
         m = max(self.counts, default=0)
         if not R or m == L:
             return
-        v = self.valid[:R, :L]
-        order = torch.arange(L, device=v.device).expand(R, L)
-        key = torch.where(v, order, order - L)  # invalid columns sort first
-        idx = key.sort(dim=1).values[:, L - m :]
-        new_valid = idx >= 0
-        idx = idx.clamp_min(0)
+        idx, new_valid = compaction(self.valid[:R, :L], m)
         for layer in self.kv:  # (2, B, heads, max_len, D): a layer at a time, little extra memory
             src = layer[:, :R, :, :L]
             g = idx[None, :, None, :, None].expand(2, R, src.shape[2], m, src.shape[4])

@@ -131,18 +131,22 @@ def keep_columns(valid: torch.Tensor, start: int, keeps: list[list[int]]) -> Non
             valid[b, torch.tensor(ks, device=valid.device) + start] = True
 
 
-def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
-    """Gather each row's valid columns to the right end of a cache as long as the row with the
-    most, left-padding the others with masked columns; returns the new ``valid``."""
-    counts = valid.sum(1)
-    m = int(counts.max()) if valid.numel() else 0
+def compaction(valid: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's valid columns (``valid`` (R, L)) go when gathered, in order, to the
+    right end of m columns (m: the most any row has): the source column of each of the m
+    (R, m; a padding one points at column 0) and the new ``valid`` (R, m)."""
     b, length = valid.shape
-    # row r's valid column indices, in order, right-aligned; padding points at column 0
     order = torch.arange(length, device=valid.device).expand(b, length)
     key = torch.where(valid, order, order - length)  # invalid columns sort first
     idx = key.sort(dim=1).values[:, length - m :]
-    new_valid = idx >= 0
-    idx = idx.clamp_min(0)
+    return idx.clamp_min(0), idx >= 0
+
+
+def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
+    """Gather each row's valid columns to the right end of a cache as long as the row with the
+    most, left-padding the others with masked columns; returns the new ``valid``."""
+    m = int(valid.sum(1).max()) if valid.numel() else 0
+    idx, new_valid = compaction(valid, m)
     for layer in cache.layers:
         for name in ("keys", "values"):
             t = getattr(layer, name)

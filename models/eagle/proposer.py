@@ -354,6 +354,26 @@ class _Tree:
         )
 
 
+def pair_block(states: list[DecodeState], firsts: list[int], ups: list[int], n: int):
+    """Each row's committed pairs (f_t, x_{t+1}) for t = firsts[b]..ups[b]-1, right-aligned in
+    n slots (left-padded): the tokens, positions and ``real`` marks (host, (k, n); padding at
+    position 0) and each row's feature rows (None where it has no pair to feed)."""
+    k = len(ups)
+    toks = torch.zeros(k, n, dtype=torch.long)
+    pos = torch.zeros(k, n, dtype=torch.long)
+    real = torch.zeros(k, n, dtype=torch.bool)
+    feats: list[torch.Tensor | None] = []
+    for j, (st, u, d) in enumerate(zip(states, ups, firsts, strict=True)):
+        if u <= d:
+            feats.append(None)
+            continue
+        toks[j, n - (u - d) :] = torch.tensor(st.ids[d + 1 : u + 1])
+        pos[j, n - (u - d) :] = torch.arange(d, u)
+        real[j, n - (u - d) :] = True
+        feats.append(st.features[d:u])
+    return toks, pos, real, feats
+
+
 class BatchedEagleChain(BatchedProposer):
     """EAGLE chain drafting for every row of the batched decoder in one head forward per step.
 
@@ -382,25 +402,18 @@ class BatchedEagleChain(BatchedProposer):
         head, dev = self.head, states[0].device
         n = max(1, max(u - self.done[r] for r, u in zip(rows, upto, strict=True))) + tail
         R = len(rows)
-        toks = torch.zeros(R, n, dtype=torch.long)
-        pos = torch.zeros(R, n, dtype=torch.long)
-        real = torch.zeros(R, n, dtype=torch.bool)
         h0 = torch.zeros(R, n, head.target.hidden_size, dtype=head._compute_dtype(), device=dev)
         end = n - tail  # pairs end here, tail slots follow
-        for i, (r, u) in enumerate(zip(rows, upto, strict=True)):
-            st, d = states[i], self.done[r]
-            if u <= d:
-                continue
-            h0[i, end - (u - d) : end] = head.initial_hidden(st.features[d:u])
-            toks[i, end - (u - d) : end] = torch.tensor(st.ids[d + 1 : u + 1])
-            pos[i, end - (u - d) : end] = torch.arange(d, u)
-            real[i, end - (u - d) : end] = True
+        toks, pos, real, fs = pair_block(states, [self.done[r] for r in rows], upto, end)
+        for i, f in enumerate(fs):
+            if f is not None:
+                h0[i, end - len(f) : end] = head.initial_hidden(f)
         if tail:
             hm, _ = head.mask_inputs(tail)
             h0[:, end:] = hm.to(h0.dtype)
-            toks[:, end:] = head.cfg.mask_token_id
-            pos[:, end:] = torch.tensor(upto)[:, None] + torch.arange(tail)
-            real[:, end:] = True
+            toks = torch.cat([toks, torch.full((R, tail), head.cfg.mask_token_id)], dim=1)
+            pos = torch.cat([pos, torch.tensor(upto)[:, None] + torch.arange(tail)], dim=1)
+            real = torch.cat([real, torch.ones(R, tail, dtype=torch.bool)], dim=1)
         allowed = causal_mask(valid, real)
         emb = head._embed(toks.to(dev))
         h = head.step(h0, emb, pos.to(dev), allowed[:, None].to(dev), cache)

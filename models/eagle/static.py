@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..base import BatchedProposer, DecodeState, Proposal
-from ..lean import Captured, round_up
+from ..lean import Captured, RaggedColumns, round_up, row_buckets, visible_columns
+from ..ragged import causal_mask
 from ..sampling import warp
-from .proposer import EagleProposer, EagleTreeProposer, _Tree
+from .proposer import EagleProposer, EagleTreeProposer, _Tree, pair_block
 
 if TYPE_CHECKING:
     from .model import EagleHead
@@ -113,15 +114,21 @@ class StaticEagleChain(EagleProposer):
         if total + self.width + self._extra(self.gamma_max) > self.kv.max_len:
             self._alloc(max(total, 2 * self.kv.max_len))
 
+    def _lengths(self) -> range | tuple[int, ...]:
+        """The proposal lengths captured together at first use, the longest first."""
+        return range(self.gamma_max, 0, -1)
+
     def _graph(self, gamma: int, sampling) -> Captured:
         """The proposal function for ``gamma`` tokens under ``sampling``. On first use for a
-        sampling setting, every gamma up to ``gamma_max`` is captured at once (an adaptive
+        sampling setting, every length of ``_lengths`` is captured at once (an adaptive
         controller then never pays a capture inside a timed run)."""
+        if self.deterministic:
+            sampling = None  # the draft's top choices: the same function at every temperature
         if (gamma, sampling) not in self._graphs:
             # warm-up and capture write at the last columns, which no sequence reaches
             self.done_t.fill_(self.kv.max_len - self.width - self._extra(self.gamma_max))
             self.last_t.fill_(self.width - 1)
-            for g in range(self.gamma_max, 0, -1):  # the longest first: the rest share its pool
+            for g in self._lengths():  # the longest first: the rest share its pool
                 fn = functools.partial(self._draft, g, sampling)
                 cap = Captured(fn, self.graphs != "cuda", self._pool)
                 self._pool = cap.pool
@@ -151,15 +158,10 @@ class StaticEagleChain(EagleProposer):
         col = self.done_t + self.last_t + 1  # where the first drafted token is fed
         toks, qs = [], []
         for i in range(gamma):
-            if sampling.greedy:
-                x = head.top_tokens(h[0], 1)[1][0, 0]
-            else:
-                logits, offset = head.own_logits(h[0, -1])
-                q_own = warp(logits, sampling)
-                j = _inverse_cdf(q_own, self.u_buf[i])
-                # index_select, not offset[j]: a 0-dim index is read on the host
-                x = j + offset.index_select(0, j.view(1))[0] if offset is not None else j
-                qs.append(head.to_target_vocab(q_own))
+            x, q = _draft_tokens(head, h[0], sampling, self.u_buf[i : i + 1])
+            x = x[0]
+            if q is not None:
+                qs.append(q[0])
             toks.append(x)
             if i < gamma - 1:
                 c = (col + i).view(1)
@@ -240,22 +242,39 @@ class StaticEagleChain(EagleProposer):
         toks, q = out
         return Proposal.chain(toks.tolist(), q.clone() if q is not None else None)
 
+    #: the eager proposer whose ``propose`` drafts what the fixed shapes do not
+    _eager = EagleProposer
+
     def _eager_propose(self, state: DecodeState, gamma: int) -> Proposal:
-        """The eager proposer's chain (token-by-token host decisions) on the static cache."""
+        """The eager proposer's draft (token-by-token host decisions) on the static cache."""
         self.kv.columns, self.kv.length = None, self.done
-        return super().propose(state, gamma)
+        return self._eager.propose(self, state, gamma)
 
     def rollback(self, state: DecodeState, n_accepted: int) -> None:
         """Nothing to cut: drafted entries sit past ``done`` and no later query sees them."""
 
 
+def _draft_tokens(head: EagleHead, h: torch.Tensor, sampling, u: torch.Tensor):
+    """The next draft token after each row of h (R, H), on the device: the draft's argmax, or
+    at T > 0 a draw by the inverse CDF at u (R,) from the warped draft distribution, with that
+    distribution q over the target vocabulary (R, V) (None when greedy)."""
+    if sampling.greedy:
+        return head.top_tokens(h, 1)[1][:, 0], None
+    logits, offset = head.own_logits(h)
+    q_own = warp(logits, sampling)
+    j = _inverse_cdf(q_own, u)
+    # index_select, not offset[j]: an index tensor read on the host breaks a graph's capture
+    x = j + offset.index_select(0, j) if offset is not None else j
+    return x, head.to_target_vocab(q_own)
+
+
 def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``models.sampling.sample`` on the device: the first index whose cumulative weight
-    exceeds u * total (float64 cumulative sum), never past the last token of positive weight
-    (where u * total rounds up to the total)."""
+    """``models.sampling.sample`` on the device, for each row of p (R, V) at its u (R,): the
+    first index whose cumulative weight exceeds u * total (float64 cumulative sum), never past
+    the last token of positive weight (where u * total rounds up to the total)."""
     c = p.cumsum(-1, dtype=torch.float64)
-    i = torch.searchsorted(c, (u * c[-1]).reshape(1), right=True)[0]
-    last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).max()
+    i = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]
+    last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).max(-1).values
     return torch.minimum(i, last)
 
 
@@ -297,16 +316,8 @@ class StaticEagleTree(StaticEagleChain):
     def _fixed(self, state: DecodeState, gamma: int) -> bool:
         return gamma == self.depth  # a shallower tree is drafted the eager way
 
-    def _graph(self, gamma: int, sampling) -> Captured:
-        """One graph for the full depth, whatever the sampling (a tree is the draft's top-k)."""
-        if gamma not in self._graphs:
-            self.done_t.fill_(self.kv.max_len - self.width - self._extra(self.gamma_max))
-            self.last_t.fill_(self.width - 1)
-            cap = Captured(functools.partial(self._draft, gamma, None), self.graphs != "cuda")
-            self._pool = cap.pool
-            self._graphs[gamma] = cap
-            self.capture_seconds += cap.seconds
-        return self._graphs[gamma]
+    def _lengths(self) -> tuple[int, ...]:
+        return (self.depth,)  # one graph, for the full depth
 
     def _draft(self, depth: int, sampling) -> torch.Tensor:
         """The tree on the static buffers; returns (3, nodes) float64: each node's token,
@@ -376,9 +387,7 @@ class StaticEagleTree(StaticEagleChain):
         prop, self.last_scores = tree.proposal(self.total_tokens, self.log_min)
         return prop
 
-    def _eager_propose(self, state: DecodeState, gamma: int) -> Proposal:
-        self.kv.columns, self.kv.length = None, self.done
-        return EagleTreeProposer.propose(self, state, gamma)
+    _eager = EagleTreeProposer
 
 
 class _BatchDraftKV:
@@ -415,8 +424,6 @@ class StaticBatchedEagleChain(BatchedProposer):
     def __init__(
         self, head: EagleHead, batch_size: int, gamma_max: int, graphs: str, max_len: int = 2048
     ):
-        from ..lean import row_buckets
-
         if gamma_max < 1:
             raise ValueError(f"gamma={gamma_max}: a static chain drafts at least one token")
         self.head, self.batch_size, self.gamma_max, self.graphs = (
@@ -434,8 +441,6 @@ class StaticBatchedEagleChain(BatchedProposer):
         self._alloc(max_len)
 
     def _alloc(self, max_len: int) -> None:
-        from ..lean import RaggedColumns
-
         head = self.head
         attn = (getattr(head, "midlayer", None) or head.layer).self_attn
         cfg = attn.config
@@ -521,14 +526,9 @@ class StaticBatchedEagleChain(BatchedProposer):
         pos = self.p_buf[:bucket, -1] + 1  # the pending token's position
         toks, qs = [], []
         for i in range(gamma):
-            if sampling.greedy:
-                x = head.top_tokens(h, 1)[1][:, 0]
-            else:
-                logits, offset = head.own_logits(h)
-                q_own = warp(logits, sampling)
-                j = _inverse_cdf_rows(q_own, self.u_buf[:bucket, i])
-                x = j + offset.index_select(0, j) if offset is not None else j
-                qs.append(head.to_target_vocab(q_own))
+            x, q = _draft_tokens(head, h, sampling, self.u_buf[:bucket, i])
+            if q is not None:
+                qs.append(q)
             toks.append(x)
             if i < gamma - 1:
                 c = self.base + W + i
@@ -554,24 +554,15 @@ class StaticBatchedEagleChain(BatchedProposer):
         ]
         n = max(1, max(u - d for u, d in zip(ups, firsts, strict=True)))
         k = len(ups)
+        toks, pos, real, fs = pair_block(states, firsts, ups, n)
         h0 = torch.zeros(k, n, head.target.hidden_size, dtype=head._compute_dtype(), device=dev)
-        toks = torch.zeros(k, n, dtype=torch.long)
-        pos = torch.zeros(k, n, dtype=torch.long)
-        real = torch.zeros(k, n, dtype=torch.bool)
-        for j, (st, u, d) in enumerate(zip(states, ups, firsts, strict=True)):
-            if u > d:
-                h0[j, n - (u - d) :] = head.initial_hidden(st.features[d:u])
-                toks[j, n - (u - d) :] = torch.tensor(st.ids[d + 1 : u + 1])
-                pos[j, n - (u - d) :] = torch.arange(d, u)
-                real[j, n - (u - d) :] = True
+        for j, f in enumerate(fs):
+            if f is not None:
+                h0[j, n - len(f) :] = head.initial_hidden(f)
         if c0 is None:
             self.cols.room(n)
             c0 = self.cols.frontier
-        inner = (torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]) | torch.eye(
-            n, dtype=torch.bool
-        )[None]
-        from ..lean import visible_columns
-
+        inner = causal_mask(torch.zeros(k, 0, dtype=torch.bool), real)
         mask = visible_columns(
             torch.tensor(c0, device=dev), inner.to(dev), n, c0 + n, self.cols.valid[rows]
         )
@@ -619,17 +610,15 @@ class StaticBatchedEagleChain(BatchedProposer):
         sampling = states[0].sampling
         graph = self._graph(bucket, top, sampling)  # captured before its inputs are set
         self.cols.room(W + top)
-        real = torch.zeros(bucket, W, dtype=torch.bool)
-        ids = torch.zeros(2, bucket, W, dtype=torch.long)
+        toks, pos, real, fs = pair_block(states, self.done, ups, W)
         self.f_buf[:bucket].zero_()
-        for b, (st, u) in enumerate(zip(states, ups, strict=True)):
-            d = self.done[b]
-            m = u - d
-            self.f_buf[b, W - m :] = st.features[d:u]
-            ids[0, b, W - m :] = torch.tensor(st.ids[d + 1 : u + 1])
-            ids[1, b, W - m :] = torch.arange(d, u)
-            ids[1, b, : W - m] = d  # padding: any position; it sees only itself
-            real[b, W - m :] = True
+        for b, f in enumerate(fs):
+            if f is not None:
+                self.f_buf[b, W - len(f) :] = f
+        # rows past R in the bucket: padding (no pair; each query sees only itself)
+        real = torch.cat([real, real.new_zeros(bucket - R, W)])
+        ids = torch.zeros(2, bucket, W, dtype=torch.long)
+        ids[0, :R], ids[1, :R] = toks, pos
         both = ids.to(dev, non_blocking=True)
         self.x_buf[:bucket].copy_(both[0])
         self.p_buf[:bucket].copy_(both[1])
@@ -651,11 +640,3 @@ class StaticBatchedEagleChain(BatchedProposer):
             Proposal.chain(tokens[b][: gammas[b]], None if q is None else q[b, : gammas[b]].clone())
             for b in range(R)
         ]
-
-
-def _inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``_inverse_cdf`` for each row of p (R, V) at its u (R,)."""
-    c = p.cumsum(-1, dtype=torch.float64)
-    i = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]
-    last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).max(-1).values
-    return torch.minimum(i, last)
