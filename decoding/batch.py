@@ -284,7 +284,11 @@ class BatchDecoder:
             and not proposer.free
             and self.cost.read_s_per_token is None
         ):
-            self.cost.read_s_per_token, self.cost.draft_step_s = self._drafting_cost()
+            (
+                self.cost.read_s_fixed,
+                self.cost.read_s_per_token,
+                self.cost.draft_step_s,
+            ) = self._drafting_cost()
         self.goodput = (
             GoodputPolicy(
                 self.gamma,
@@ -302,13 +306,20 @@ class BatchDecoder:
     # -- helpers -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _drafting_cost(self, rows: int = 2, tokens: int = 96) -> tuple[float, float | None]:
-        """Seconds per token of the drafter's reading of sequences it has not seen (a batched
-        drafter's join, a row-by-row proposer's start) and seconds of one draft step (None:
-        not measured), timed on ``rows`` random prompts of ``tokens`` tokens after an untimed
-        reading and draft: the goodput policy prices its first drafts and probes with them
-        before the run has measured its own (a draft step priced at nothing made the first
-        choice a draft, whatever drafting costs here)."""
+    def _drafting_cost(
+        self, rows: int = 2, tokens: int = 96, short: int = 16
+    ) -> tuple[float, float, float | None]:
+        """The drafter's reading of sequences it has not seen (a batched drafter's join, a
+        row-by-row proposer's start) priced as seconds per reading plus seconds per token, and
+        one draft step's seconds (None: not measured), timed on random prompts after an
+        untimed reading and draft: one row of ``short`` tokens and ``rows`` rows of ``tokens``
+        (two points of the line). The goodput policy prices its first drafts and probes with
+        them before the run has measured its own (a draft step priced at nothing made the
+        first choice a draft, whatever drafting costs here). Both parts matter: on a CPU a
+        reading costs by its tokens (the head's matrix work), on a GPU by the call (an eager
+        head forward's launches: 190 tokens took 8.2 ms on an H100, 1,200 cost about as much;
+        priced by the token alone, 16 unread prompts looked like 52 ms and goodput at B = 16
+        never probed, docs/benchmarks.md)."""
         g = torch.Generator().manual_seed(1)
         vocab = self.target.config.vocab_size
         rows = min(rows, self.batch_size)  # what a batched drafter on fixed shapes holds
@@ -322,33 +333,45 @@ class BatchDecoder:
             self.target, self.layers, self.prefill_waste, self.template.reads_prefill_cache
         )
         _, feats, views = ragged.admit([r.prompt[:-1] for r in reqs])
-        seconds, step = 0.0, None
-        for _ in range(2):  # a warm-up, then the timed reading and draft
-            states = [
+
+        def states(n_rows: int, n: int) -> list[DecodeState]:
+            return [
                 DecodeState(
-                    ids=list(r.prompt),
-                    features=f,
+                    ids=list(r.prompt[:n]),
+                    features=None if f is None else f[: n - 1],
                     sampling=self.sampling,
                     generator=torch.Generator(device=self.device).manual_seed(0),
                     device=self.device,
-                    prefill_cache=v,
+                    prefill_cache=v if n == tokens else None,
                 )
-                for r, f, v in zip(reqs, feats, views, strict=True)
+                for r, f, v in list(zip(reqs, feats, views, strict=True))[:n_rows]
             ]
+
+        def reading(sts: list[DecodeState]):
             sync(self.device)
             t = time.perf_counter()
             bp = self._drafter()
             props = []
             if bp is not None:
-                bp.join(states)
+                bp.join(sts)
             else:
-                props = [self.template.fresh() for _ in states]
-                for p, st in zip(props, states, strict=True):
+                props = [self.template.fresh() for _ in sts]
+                for p, st in zip(props, sts, strict=True):
                     p.start(st)
             sync(self.device)
-            seconds = time.perf_counter() - t
-            step = self._time_draft(bp, props, states)
-        return seconds / (rows * (tokens - 1)), step
+            return time.perf_counter() - t, bp, props
+
+        step = None
+        for _ in range(2):  # a warm-up, then the timed readings and draft
+            t_short, _, _ = reading(states(1, short))
+            full = states(rows, tokens)
+            t_long, bp, props = reading(full)
+            step = self._time_draft(bp, props, full)
+        n_short, n_long = short - 1, rows * (tokens - 1)
+        per = (t_long - t_short) / (n_long - n_short)
+        if per <= 0:  # the longer reading timed no dearer (noise): priced by its tokens alone
+            return 0.0, t_long / n_long, step
+        return max(0.0, t_short - per * n_short), per, step
 
     def _drafter(self):
         """The batched drafter for a run, with no rows: on the static runner's graphs the
@@ -557,20 +580,8 @@ class BatchDecoder:
         """One forward for the batch: each row's last committed token and its proposal (a
         chain, or a tree with its ancestor mask), padded to the longest. Returns the logits,
         the features and its seconds."""
-        n = 1 + max(len(p) for p in props)
         R = len(run.rows)
-        ids = torch.zeros(R, n, dtype=torch.long)
-        pos = torch.zeros(R, n, dtype=torch.long)
-        inner = torch.eye(n, dtype=torch.bool).repeat(R, 1, 1)
-        for b, (r, p) in enumerate(zip(run.rows, props, strict=True)):
-            base = len(r.state.ids) - 1
-            ids[b, : len(p) + 1] = torch.tensor([r.state.ids[-1]] + p.tokens)
-            depth = [0] + _depths(p)
-            pos[b, : len(p) + 1] = torch.tensor(depth) + base
-            pos[b, len(p) + 1 :] = base
-            for i, par in enumerate(p.parents):
-                inner[b, i + 1] = inner[b, par + 1]
-                inner[b, i + 1, i + 1] = True
+        ids, pos, inner = verify_inputs([r.state.ids for r in run.rows], props)
         self.stats.cache_columns += R * length
         self.stats.valid_columns += self.runner.valid_columns()
         t = time.perf_counter()
@@ -597,8 +608,6 @@ class BatchDecoder:
                 verdict = verify_sampled(p.tokens, p.parents, probs, p.q, r.state.generator)
             path = verdict.path
             keeps.append([0] + [i + 1 for i in path])
-            if feats is not None:
-                r.append_features(feats[b, keeps[-1]])
             emitted = until_stop([p.tokens[i] for i in path] + [verdict.token], run.stop_ids)
             r.state.ids.extend(emitted)
             r.new.extend(emitted)
@@ -629,6 +638,9 @@ class BatchDecoder:
                 )
             if emitted[-1] in run.stop_ids or len(r.new) >= r.budget:
                 finished.append(b)
+        if feats is not None:  # every row's kept features in one gather
+            for r, f in zip(rows, kept_rows(feats, keeps), strict=True):
+                r.append_features(f)
         self.runner.keep(keeps)
         return finished, it_tested, it_accepted
 
@@ -735,6 +747,50 @@ class BatchDecoder:
     def _step_time(row: _Row, p: Proposal, out: list) -> None:
         if len(p) and row.proposer.measures_steps:
             out.append(row.proposer.last_step_seconds)
+
+
+def verify_inputs(
+    seqs: list[list[int]], props: list[Proposal]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One verification's host inputs for a batch: each row's last committed token and its
+    proposal, padded to the longest (ids and positions (R, n); padding repeats the row's
+    last position), and the rows' inner masks (R, n, n): a chain's is causal, a tree's each
+    node's ancestors, padding sees itself. Built from lists in three tensors: a row-by-row
+    build launched ~100 small tensor operations at B = 16 (part of the 1.45 ms of host work
+    per iteration beside a 4.5 ms graph step on an H100, docs/benchmarks.md part 4)."""
+    n = 1 + max(len(p) for p in props)
+    ids, pos, lens = [], [], []
+    trees: list[tuple[int, Proposal]] = []
+    for b, (seq, p) in enumerate(zip(seqs, props, strict=True)):
+        base, m = len(seq) - 1, len(p) + 1
+        pad = n - m
+        ids.append([seq[-1], *p.tokens] + [0] * pad)
+        if p.is_chain:
+            pos.append(list(range(base, base + m)) + [base] * pad)
+        else:
+            pos.append([base] + [base + d for d in _depths(p)] + [base] * pad)
+            trees.append((b, p))
+        lens.append(m)
+    ar = torch.arange(n)
+    real = ar[None, :] < torch.tensor(lens)[:, None]  # (R, n)
+    causal = (ar[None, :] <= ar[:, None])[None] & real[:, None, :] & real[:, :, None]
+    inner = causal | torch.eye(n, dtype=torch.bool)[None]
+    for b, p in trees:  # a tree's rows: each node sees its ancestors
+        inner[b] = torch.eye(n, dtype=torch.bool)
+        for i, par in enumerate(p.parents):
+            inner[b, i + 1] = inner[b, par + 1]
+            inner[b, i + 1, i + 1] = True
+    return torch.tensor(ids), torch.tensor(pos), inner
+
+
+def kept_rows(feats: torch.Tensor, keeps: list[list[int]]) -> list[torch.Tensor]:
+    """Each row's kept positions of ``feats`` (R, n, ...) by ``keeps`` (row b keeps
+    ``keeps[b]``): one gather for the batch, split into views."""
+    R, n = feats.shape[:2]
+    flat = [b * n + k for b, ks in enumerate(keeps) for k in ks]
+    idx = torch.tensor(flat).to(feats.device, non_blocking=True)
+    got = feats.reshape(R * n, *feats.shape[2:]).index_select(0, idx)
+    return list(got.split([len(ks) for ks in keeps]))
 
 
 def check_batchable(target: Target, proposer: Proposer) -> None:

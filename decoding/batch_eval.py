@@ -416,6 +416,7 @@ def _sweep_point(
                 "read_ms_per_token": None
                 if cost.read_s_per_token is None
                 else cost.read_s_per_token * 1e3,
+                "read_ms_fixed": cost.read_s_fixed * 1e3,  # ... and per reading
                 # one draft step, timed likewise (the policy's price before its first draft)
                 "draft_step_ms": None if cost.draft_step_s is None else cost.draft_step_s * 1e3,
             }

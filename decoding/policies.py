@@ -220,9 +220,11 @@ class StepCostModel:
         #: the coefficients' covariance (least squares: residual variance x (A^T A)^-1 over the
         #: coefficients the fit kept), for the standard error of a predicted difference
         self.cov = torch.zeros(5, 5, dtype=torch.float64)
-        #: seconds per token of the drafter's reading of a sequence (its prefill of a prompt,
-        #: its catch-up), where measured (``BatchDecoder``'s calibration); not a forward's
+        #: the drafter's reading of sequences (its prefill of prompts, its catch-up): seconds
+        #: per token and seconds per reading whatever its length, where measured
+        #: (``BatchDecoder``'s calibration); not a forward's
         self.read_s_per_token: float | None = None
+        self.read_s_fixed: float = 0.0
         #: seconds of one draft step, likewise measured before the run (None: not measured)
         self.draft_step_s: float | None = None
 
@@ -256,8 +258,12 @@ class StepCostModel:
         of one (same rows and cache): what the fit knows of verification's price, apart from
         the slow and fast spells that move every forward alike."""
         x1, x = self._x(rows, 1, length), self._x(rows, k, length)
-        d = torch.tensor([0.0, *(b - a for a, b in zip(x1, x, strict=True))], dtype=torch.float64)
-        return float((d @ self.cov @ d).clamp_min(0.0).sqrt())
+        d = [0.0, *(b - a for a, b in zip(x1, x, strict=True))]
+        # on the host in Python: a choice asks this for every length, each iteration, and a
+        # 5 x 5 product in torch is a handful of dispatched ops each time
+        c = self.cov.tolist()
+        v = sum(d[i] * c[i][j] * d[j] for i in range(5) if d[i] for j in range(5) if d[j])
+        return math.sqrt(max(v, 0.0))
 
     def observe(self, rows: int, k: int, length: int, seconds: float) -> None:
         self.live.append((*self._x(rows, k, length), seconds))
@@ -460,6 +466,8 @@ class GoodputPolicy:
         self.probe_fixed: float | None = None
         #: seconds per token of the drafter's reading (a join's, a catch-up's); None: unknown
         self.t_read: float | None = getattr(cost, "read_s_per_token", None)
+        #: ... and seconds per reading whatever its length (an eager forward's launches)
+        self.t_read_fixed: float = getattr(cost, "read_s_fixed", 0.0)
         self._unread = 0  # tokens the drafter had not read at the last choice
         self._plain_seconds: float | None = None  # predicted plain step of the last choice
         self.last_goodput: dict[int, float] = {}
@@ -469,6 +477,12 @@ class GoodputPolicy:
         self.tree_nodes = float(tree_nodes or gamma)
         self.after_probe = False
         self.pool = _Acceptance(decay=0.98)  # every request's outcomes, pooled (slower decay)
+
+    @property
+    def seen(self) -> bool:
+        """Whether the pool holds any outcome beyond its prior (a chain's tested tokens, a
+        tree)."""
+        return self.pool.tested > 2.0 or self.pool.tree_tokens is not None
 
     def saw_tree(self, nodes: int) -> None:
         self.tree_nodes = 0.8 * self.tree_nodes + 0.2 * nodes
@@ -481,10 +495,17 @@ class GoodputPolicy:
         return (1 if self.batched else rows) * steps * t_step
 
     def saw_reading(self, tokens: int, seconds: float) -> None:
-        """The drafter read ``tokens`` tokens (a join, a row's start) in ``seconds``."""
+        """The drafter read ``tokens`` tokens (a join, a row's start) in ``seconds``: the
+        per-token price learns from what the reading cost beyond its fixed part."""
         if tokens > 0:
-            per = seconds / tokens
+            per = max(0.0, seconds - self.t_read_fixed) / tokens
             self.t_read = per if self.t_read is None else 0.8 * self.t_read + 0.2 * per
+
+    def reading_seconds(self, tokens: int) -> float:
+        """The drafter's predicted seconds to read ``tokens`` unread tokens (0: none)."""
+        if tokens <= 0:
+            return 0.0
+        return self.t_read_fixed + tokens * (self.t_read or 0.0)
 
     def plain_time(
         self, remaining: list[float], length: int, steps: list[float] | None = None
@@ -595,7 +616,7 @@ class GoodputPolicy:
                 low_tokens = tokens - z * math.sqrt(var)
             k = self._verified(g)
             sec = self.draft_seconds(rows, g) + self.cost.predict(rows, k, length)
-            reading = unread * (self.t_read or 0.0)
+            reading = self.reading_seconds(unread)
             if g == probe_g:
                 probe_gp = tokens / max(sec + reading, 1e-9)
             if g:  # the drafter reads what it has not yet, once: spread over the next choices
@@ -608,6 +629,13 @@ class GoodputPolicy:
         # included: it is expected to bring more tokens than the time it takes, and what keeps
         # the bound below plain is only how few outcomes were seen, which probes add to
         hopeful = probe_gp > self.last_goodput[0]
+        # before the pool has seen any outcome the draft's skill on this workload is only a
+        # prior: where the mean says drafting pays with its reading spread as a draft's is
+        # (above), the first probe is due as any hopeful one. Its reading is paid once for
+        # every later draft; waiting for the share of it kept an H100 at B = 16 plain for a
+        # whole run, docs/benchmarks.md (part 4)
+        if not self.seen and max(self.last_goodput[g] for g in options if g) > self.last_goodput[0]:
+            hopeful = True
         if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer
             self.after_probe = False
             self.wait = (
@@ -652,7 +680,7 @@ class GoodputPolicy:
             g = self._probe_length(cap)
             extra = self.cost.predict(rows, self._verified(g), length) + self.draft_seconds(rows, g)
             fixed = max(0.0, extra - self._plain_seconds)
-        extra = fixed + unread * (self.t_read or 0.0)
+        extra = fixed + self.reading_seconds(unread)
         need = math.ceil(extra / (self.probe_share * self._plain_seconds))
         return min(need, self.max_wait)
 
@@ -693,7 +721,7 @@ class GoodputPolicy:
                 # what it cost beyond a plain step, less its reading (priced afresh each time:
                 # it grows with the wait)
                 extra = max(0.0, iteration_seconds - plain)
-                self.probe_fixed = max(0.0, extra - self._unread * (self.t_read or 0.0))
+                self.probe_fixed = max(0.0, extra - self.reading_seconds(self._unread))
 
 
 # -- the decoder --------------------------------------------------------------------------------

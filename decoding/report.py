@@ -365,7 +365,8 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
                 f"{c['per_token_per_1k_columns_s'] * 1e3:.3f} ms/token/1k cache columns "
                 f"(fit's relative error {c.get('relative_error', float('nan')):.1%})"
                 + (
-                    f"; the drafter reads {c['read_ms_per_token']:.3f} ms/token"
+                    f"; the drafter reads in {c.get('read_ms_fixed', 0.0):.2f} ms a reading"
+                    f" + {c['read_ms_per_token']:.4f} ms/token"
                     if c.get("read_ms_per_token") is not None
                     else ""
                 )

@@ -166,14 +166,15 @@ class RaggedColumns:
         columns start + k for k in ``keeps[b]``, the rest are holes (the frontier drops back
         to after the last one kept)."""
         R = self.rows
-        host = torch.zeros(R, n, dtype=torch.bool)
+        flat = [b * n + k for b, ks in enumerate(keeps) for k in ks]  # one write, not R
+        host = torch.zeros(R * n, dtype=torch.bool)
+        host[flat] = True
         last = 0
         for b, ks in enumerate(keeps):
             if ks:
-                host[b, ks] = True
                 last = max(last, max(ks) + 1)
             self.counts[b] += len(ks)
-        self.valid[:R, start : start + n] = host.to(self.valid.device, non_blocking=True)
+        self.valid[:R, start : start + n] = host.view(R, n).to(self.valid.device, non_blocking=True)
         self.frontier = start + last
 
     def retire(self, keep: list[int]) -> None:

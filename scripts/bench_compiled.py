@@ -157,7 +157,52 @@ def part_draft(target, reps: int, gamma: int = 3) -> dict:
 
     with torch.no_grad():
         med = interleaved_medians(list(props), setup, target.device, reps)
-    return {f"{name}: ms per proposal of {gamma}": 1e3 * s for name, s in med.items()}
+    res = {f"{name}: ms per proposal of {gamma}": 1e3 * s for name, s in med.items()}
+    res["tree"] = part_tree(prop.head, ids, feats, target.device, reps)
+    return res
+
+
+def part_tree(head, ids, feats, device, reps: int, depth=5, top_k=8, nodes=32) -> dict:
+    """The EAGLE-2 tree of ``scripts/gpu_check.sh``'s ``tree`` step (depth 5, top_k 8, 32
+    nodes), one proposal after ``depth`` newly committed tokens, in parts: the eager tree
+    proposer (a device read per level), the fixed-shape tree's whole proposal (its graph on
+    CUDA), its graph alone (the replay and one sync) and its host part alone (the read of
+    every node and the choice of the best ``nodes``). An H100 measured 4.85 ms a proposal
+    inside the decoder where the chain of 3 took 0.81 (docs/benchmarks.md, part 4)."""
+    from models.base import DecodeSettings, DecodeState
+    from models.eagle.static import StaticEagleTree
+    from models.sampling import Sampling
+
+    n = len(ids)
+    eager = head.proposer(
+        DecodeSettings(tree="dynamic", depth=depth, top_k=top_k, total_tokens=nodes)
+    )
+    graphs = "cuda" if device.type == "cuda" else "emulate"
+    fixed = StaticEagleTree(head, depth, top_k, nodes, 0.0, graphs)
+    state = DecodeState(ids, feats[: n - 1], Sampling(), None, device)
+    back = DecodeState(ids[: n - depth + 1], feats[: n - depth], Sampling(), None, device)
+    props = {"eager tree proposer": eager, "fixed-shape tree, whole proposal": fixed}
+
+    def setup(name):
+        q = props[name]
+        q.start(back)
+        return lambda: q.propose(state, depth)
+
+    with torch.no_grad():
+        med = interleaved_medians(list(props), setup, device, reps)
+        fixed.start(back)
+        fixed.propose(state, depth)  # captured, its inputs set
+        cap = fixed._graph(depth, state.sampling)
+        replay = median_seconds(cap, device, reps)
+        out = cap()
+        host = median_seconds(lambda: fixed._proposal(out), device, reps)
+    res = {f"{k}, ms": 1e3 * v for k, v in med.items()}
+    res[f"fixed-shape tree, {'graph replay' if graphs == 'cuda' else 'its shapes run eagerly'}, ms"] = (
+        1e3 * replay
+    )
+    res["fixed-shape tree, host part (read and choice), ms"] = 1e3 * host
+    res["capture_s"] = fixed.capture_seconds
+    return res
 
 
 def part_batch(target, tokens: int, reps: int, sizes=(1, 4, 16)) -> dict:

@@ -13,37 +13,46 @@
 #   exact   (150) the decoder's exactness tests on CUDA (SPECDRAFT_TEST_DEVICE=cuda): the lean
 #           forward and its static cache against transformers, every runner-parametrized
 #           test of tests/test_decoder.py with real CUDA graphs, the static EAGLE chain (greedy
-#           equality with the eager proposer, the T = 1 chi-square of its on-device draws)
+#           equality with the eager proposer, the T = 1 chi-square of its on-device draws);
+#           compile=fused's tests wait for `exact_fused` (with them this ran past 150 s)
 #   batch_exact (60) the batched decoder's exactness on CUDA: every row its batch-1 greedy
 #           output on the static batch cache's real graphs, the batched EAGLE chain on fixed
-#           shapes proposing what each row's batch-1 chain does (tests/test_batch.py)
+#           shapes proposing what each row's batch-1 chain does (tests/test_batch.py; 46 s on
+#           an H100)
 #   shaped  (110) scripts/bench_compiled.py --parts shaped: a Llama-3.1-8B-shaped target with
 #           random weights built on the GPU: forward ms at 1 / 8 / 16 / 32 tokens against the
 #           memory-bandwidth limit, an EAGLE-3 draft step against a target step
-#   shaped_fused (100) the same forward at 1 / 8 tokens with compile=fused's layers
-#   (call 1 at 290 s reaches into `shaped`; its figures are in docs/benchmarks.md from the
-#   first H100 run, so SKIP=shaped gives `shaped_fused` the time)
+#   shaped_fused (100) the same forward at 1 / 8 tokens with compile=fused's layers (36 s)
+#   exact_fused (120) the exactness tests of compile=fused (inductor compiles every width)
+#   (`shaped` and `shaped_fused` have H100 figures, docs/benchmarks.md parts 2 and 4:
+#   SKIP="shaped shaped_fused" gives the tests the call's time)
 #   embedded (40) call 3: the lean forward on the embedded target against transformers'
+#   draft   (60)  the shipped head's proposals in parts: a chain of 3 (eager proposer /
+#           fixed-shape chain / its CUDA graph) and the EAGLE-2 tree of `tree` (eager tree /
+#           the fixed-shape tree's whole proposal / its graph replay alone / its host part
+#           alone: an H100 measured 4.85 ms a tree proposal in part 4, the chain 0.81)
+#   goodput (150) MT-bench's 80 first turns x 128, T = 0, B = 16, the shipped head's chain of
+#           up to 3 with the goodput policy on the static batch cache (CUDA graphs per row
+#           bucket and width, the batched chain as one graph), against plain at B = 16,
+#           lossless (part 4: 0.74x, the policy never drafted; its reading now priced per call)
+#   tree    (140) the same prompts at B = 1 with an EAGLE-2 tree (depth 5, top_k 8, 32 nodes,
+#           drafted every iteration) drafted on fixed shapes as one CUDA graph
+#   t1      (140) the chain of 3 at T = 1, B = 1 (never measured on a card)
+#   chain_fused (170) the chain at T = 0 with compile=fused (its compiles inside the run)
+#   chain   (140) the chain at T = 0, compile=true (part 2: 1.32x)
 #   costs   (70)  the embedded target's forward by width (transformers / static eager /
-#           graphs), plain decoding's tokens/s on both paths, the shipped head's proposal of
-#           3 (eager proposer / fixed-shape chain / its CUDA graph)
-#   chain   (110) MT-bench's 80 first turns x 128, T = 0, B = 1, the shipped head as a chain
-#           of 3 on the compiled path: speedup against compiled plain, the bound, lossless
-#   tree    (110) the same with an EAGLE-2 tree (depth 5, top_k 8, 32 nodes, drafted every
-#           iteration) drafted on fixed shapes as one CUDA graph (models/eagle/static.py)
-#   t1      (80)  the chain at T = 1
-#   goodput (150) the same prompts at B = 16 with the goodput policy on the static batch cache
-#           (CUDA graphs per row bucket and width), against plain at B = 16, lossless
+#           graphs), plain decoding's tokens/s on both paths
 #   fused   (120) compile=fused against compile=true: a forward at 1 and 4 tokens, plain tok/s
 #   batch   (100) the batched decoder's runners: transformers' ragged cache against the static
 #           one's graphs, verification ms at 1 / 4 / 16 rows, plain tok/s at B = 16, and the
 #           shipped head's chain of 3 for 16 rows: eager batched drafter against its graph
-#   chain_fused (110) the chain at T = 0 with compile=fused
 #   hf      (200) transformers' generate with a static cache and torch.compile, side by side
 #           (its compile ran past 100 s on an H100)
-# The order is by priority: a step the call's time limit cuts off is the least needed (the
-# session's 15 minutes leave call 3 about 500 s: through `t1`, and `goodput` if the rest is
-# quick). A call returns at most 8 files: call 3 writes 8 (the bench_compiled parts merge into
+# Each MT-bench run decodes its 80 prompts plain and speculative (~90 s on an H100) after
+# ~20 s of loading and capture: at 110 s (part 4) they were cut. The order is by priority: a
+# step the call's time limit cuts off is the least needed (the session's 15 minutes leave
+# call 3 about 550 s: through `t1` and into `chain_fused`; SKIP="embedded" saves 40 s). A
+# call returns at most 8 files: call 3 writes 8 (the bench_compiled parts merge into
 # costs.json).
 # DEVICE (cuda), PROMPTS (80), TOKENS (128), LIMIT_SCALE (1), SKIP (step names) and
 # SHAPED_CONFIG (a config folder in place of Llama-3.1-8B's) change it; a CPU smoke run of the
@@ -67,13 +76,16 @@ if [ "$mode" = exact ]; then
   # own test waits for call 3, which assembles it)
   SPECDRAFT_TEST_DEVICE=$dev step exact 150 python3 -m pytest -q -o addopts="" \
     -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py \
-    -k "(runner or static or graph or lean or compile or fused or discipline or greedy_speculative or tree_verification) and not embedded_target"
+    -k "(runner or static or graph or lean or compile or discipline or greedy_speculative or tree_verification) and not embedded_target and not fused"
   SPECDRAFT_TEST_DEVICE=$dev step batch_exact 60 python3 -m pytest -q -o addopts="" \
     -p no:cacheprovider tests/test_batch.py -k "every_row_equals or static_batch or compacting or fixed_shapes"
   step shaped 110 python3 scripts/bench_compiled.py --parts shaped --device "$dev" \
     --reps 10 --out "$out/shaped.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
   step shaped_fused 100 python3 scripts/bench_compiled.py --parts shaped_fused --device "$dev" \
     --reps 10 --out "$out/shaped_fused.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
+  # the fused path's exactness last: inductor compiles every width (past 150 s with the rest)
+  SPECDRAFT_TEST_DEVICE=$dev step exact_fused 120 python3 -m pytest -q -o addopts="" \
+    -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py -k "fused and not embedded_target"
   grep -E '^(==|   rc)|passed|failed|fraction_of|over_one_step|over target' "$log"
   exit 0
 fi
@@ -85,24 +97,27 @@ chain=(draft=smollm2-eagle3 "target.device=$dev" tree=chain gamma=3 adaptive=fal
   "max_new_tokens=$tokens")
 SPECDRAFT_TEST_DEVICE=$dev step embedded 40 python3 -m pytest -q -o addopts="" \
   -p no:cacheprovider tests/test_compiled.py -k embedded_target
-step costs 70 python3 scripts/bench_compiled.py --parts forward,plain,draft --device "$dev" \
+step draft 60 python3 scripts/bench_compiled.py --parts draft --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json"
-step chain 110 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 compile=true \
-  report="$out/chain_t0.json" plot=/tmp/chain_t0.png
-step tree 110 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" tree=dynamic \
+step goodput 150 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" tree=chain \
+  gamma=3 num_prompts="$n" max_new_tokens="$tokens" temperature=0 compile=true \
+  "batch_sizes=[16]" "batch_policies=[goodput]" report="$out/goodput_b16.json" \
+  plot=/tmp/goodput_b16.png
+step tree 140 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" tree=dynamic \
   depth=5 top_k=8 total_tokens=32 adaptive=false "max_new_tokens=$tokens" num_prompts="$n" \
   temperature=0 compile=true report="$out/tree_t0.json" plot=/tmp/tree_t0.png
-step t1 80 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=1 compile=true \
+step t1 140 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=1 compile=true \
   report="$out/chain_t1.json" plot=/tmp/chain_t1.png
-step goodput 150 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" \
-  num_prompts="$n" max_new_tokens="$tokens" temperature=0 compile=true "batch_sizes=[16]" \
-  "batch_policies=[goodput]" report="$out/goodput_b16.json" plot=/tmp/goodput_b16.png
+step chain_fused 170 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 \
+  compile=fused report="$out/chain_fused.json" plot=/tmp/chain_fused.png
+step chain 140 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 compile=true \
+  report="$out/chain_t0.json" plot=/tmp/chain_t0.png
+step costs 70 python3 scripts/bench_compiled.py --parts forward,plain --device "$dev" \
+  --tokens "$tokens" --out "$out/costs.json" --merge
 step fused 120 python3 scripts/bench_compiled.py --parts fused --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json" --merge
 step batch 100 python3 scripts/bench_compiled.py --parts batch --device "$dev" \
   --tokens 64 --reps 4 --out "$out/costs.json" --merge
-step chain_fused 110 python3 -m decoding.eval "${chain[@]}" num_prompts="$n" temperature=0 \
-  compile=fused report="$out/chain_fused.json" plot=/tmp/chain_fused.png
 step hf 200 python3 scripts/bench_compiled.py --parts hf_compile --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json" --merge
 grep -E '^(==|   rc|all |decoder:|predicted)|tok/s|passed|failed' "$log"

@@ -707,6 +707,65 @@ def test_a_probe_waits_until_its_reading_fits_the_share_too():
     assert pol.t_read == pytest.approx(2e-4)
 
 
+def _probe_run(fixed: float, per: float, iters: int = 640, alpha: float = 0.42):
+    """The H100 of docs/benchmarks.md part 4 at B = 16: a graph step 4.5 ms (+0.02 ms a row
+    and token), a draft step 0.42 ms, 16 rows whose 100-token prompts the drafter has not
+    read (and 16 more tokens each plain step), a draft that accepts ``alpha`` a token.
+    Returns the first drafting iteration (None: never) and the share of iterations that
+    drafted."""
+    import random
+
+    rnd = random.Random(0)
+    cost = StepCostModel.linear(0.0045, 0.00002)
+    pol = GoodputPolicy(3, cost, parallel=False, batched=True)
+    pol.t_step_prior, pol.t_read_fixed, pol.t_read = 0.00042, fixed, per
+    rows = [pol.new_request() for _ in range(16)]
+    unread, picks = 1600, []
+    for _ in range(iters):
+        g = pol.choose(rows, [3] * 16, 200, unread)
+        picks.append(g)
+        tested = accepted = 0
+        if g:
+            unread = 0
+            for r in rows:
+                t = a = 0
+                while t < g:
+                    t += 1
+                    if rnd.random() >= alpha:
+                        break
+                    a += 1
+                r.update(t, a, False)
+                tested, accepted = tested + t, accepted + a
+        else:
+            unread += 16
+        sec = cost.predict(16, g + 1, 200) + g * 0.00042
+        pol.update(0.00042 if g else None, tested, accepted, iteration_seconds=sec)
+    first = next((i for i, g in enumerate(picks) if g), None)
+    return first, sum(1 for g in picks if g) / iters
+
+
+def test_a_reading_is_priced_by_the_call_and_by_the_token():
+    """On a GPU the drafter's reading costs by the call (an eager head forward's launches), not
+    by its tokens: priced at what 190 calibration tokens took per token (0.043 ms), the 1,600
+    unread prompt tokens of 16 rows looked like 69 ms, and goodput at B = 16 on an H100 never
+    drafted nor probed in 640 iterations (0.74x). Priced as 8 ms a reading and 1 us a token,
+    its first probe comes while the draft's skill is still unseen (its reading is paid once
+    for every later draft), and with alpha 0.42 it drafts nearly every iteration after."""
+    assert _probe_run(0.0, 4.3e-5) == (None, 0.0)  # the old price: never
+    first, share = _probe_run(0.008, 1e-6)
+    assert first is not None and first <= 16
+    assert share > 0.9
+    # the price itself: nothing to read costs nothing; a reading, its call and its tokens
+    pol = GoodputPolicy(3, StepCostModel.linear(0.0045, 0.0), parallel=False)
+    pol.t_read_fixed, pol.t_read = 0.008, 1e-6
+    assert pol.reading_seconds(0) == 0.0
+    assert pol.reading_seconds(1000) == pytest.approx(0.009)
+    pol.saw_reading(1000, 0.010)  # what it cost beyond the call: 2 us a token
+    assert pol.t_read == pytest.approx(0.8e-6 + 0.2 * 2e-6)
+    # a draft that does not pay even with its reading spread is not probed for early
+    assert _probe_run(0.008, 1e-6, alpha=0.05)[1] < 0.1
+
+
 def test_an_unseen_tree_is_priced_at_its_size_and_its_reading():
     """Before any tree was seen the policy prices one at the proposer's largest tree, not at
     its depth (priced at depth 4 a 12-node tree for 16 rows looked nearly free to verify and
@@ -736,6 +795,8 @@ def test_the_decoder_prices_its_drafters_reading(tiny_target):
     dec = BatchDecoder(tiny_target, tree, Sampling(), 2, policy="goodput", cost=cost)
     assert cost.read_s_per_token is not None and cost.read_s_per_token > 0
     assert dec.goodput.t_read == cost.read_s_per_token
+    # and per reading (two readings of different lengths: a line's two points)
+    assert cost.read_s_fixed >= 0.0 and dec.goodput.t_read_fixed == cost.read_s_fixed
     # a draft step too: what the policy pays for its first draft until the run measures one
     assert cost.draft_step_s is not None and cost.draft_step_s > 0
     assert dec.goodput.t_step is None and dec.goodput.t_step_prior == cost.draft_step_s

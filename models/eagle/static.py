@@ -320,9 +320,9 @@ class StaticEagleTree(StaticEagleChain):
         return (self.depth,)  # one graph, for the full depth
 
     def _draft(self, depth: int, sampling) -> torch.Tensor:
-        """The tree on the static buffers; returns (3, nodes) float64: each node's token,
-        parent (-1 for the first level; nodes numbered level by level) and cumulative
-        log-probability."""
+        """The tree on the static buffers; returns (4, total_tokens) float64 for its best
+        nodes: each one's number (level by level), token, parent's number (-1 for the first
+        level) and cumulative log-probability."""
         head, kv, K = self.head, self.kv, self.top_k
         kv.span = self._span if self.graphs == "off" else kv.max_len
         pos = self.done_t + self.rows
@@ -366,17 +366,30 @@ class StaticEagleTree(StaticEagleChain):
             scores.append(level_s)
             tokens.append(level_t)
             parents.append(f_gid[:, None].expand(K, K).reshape(-1))
+        # the best ``total_tokens`` nodes by score, ties by number (so by depth, then order:
+        # the eager tree's key), chosen here: the host reads those, not every node. A kept
+        # node's parent is kept too (a child never scores above its parent, and a tie sorts
+        # the parent, numbered first, before it)
+        sc = torch.cat(scores)
+        best = torch.sort(sc, descending=True, stable=True).indices[: self.total_tokens]
         return torch.stack(
-            [torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores).double()]
+            [
+                best.double(),
+                torch.cat(tokens).index_select(0, best).double(),
+                torch.cat(parents).index_select(0, best).double(),
+                sc.index_select(0, best).double(),
+            ]
         )
 
     def _proposal(self, out: torch.Tensor) -> Proposal:
-        tok, par, sc = out.tolist()
+        """The tree from the graph's one read: the best nodes' numbers, tokens, parents and
+        scores, kept by the eager tree's rules (``_Tree.proposal``: ``min_prob``, a parent
+        before its children)."""
         K = self.top_k
         tree = _Tree(None)
         keep = {}  # device node -> host node (nodes of -inf score and their subtrees dropped)
-        for v, (t, p, s) in enumerate(zip(tok, par, sc, strict=True)):
-            p = int(p)
+        for v, t, p, s in sorted(zip(*out.tolist(), strict=True)):  # by number: parents first
+            v, p = int(v), int(p)
             if s == float("-inf") or (p >= 0 and p not in keep):
                 continue
             keep[v] = len(tree.tokens)
