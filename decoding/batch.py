@@ -53,7 +53,7 @@ from transformers.cache_utils import DynamicLayer
 
 from models.base import BatchedProposer, DecodeState, Proposal, Proposer
 from models.ragged import prefill_waste
-from models.sampling import Sampling, greedy_tokens, warp
+from models.sampling import Sampling, greedy_tokens
 from models.target import GenRequest, Target
 
 from .batch_runner import BatchRunner, RaggedRunner, choose_batch_runner
@@ -68,7 +68,7 @@ from .policies import (
 )
 from .runner import RunnerError
 from .timing import sync
-from .verify import until_stop, verify_greedy, verify_sampled
+from .verify import AcceptRule, accept, until_stop
 
 
 class BatchError(ValueError):
@@ -217,6 +217,7 @@ class BatchDecoder:
             raise BatchError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")
         check_batchable(target, proposer)
         self.target, self.template, self.sampling = target, proposer, sampling
+        self.rule = AcceptRule(sampling)  # exact: lenience and typical run at batch 1 only
         self.batch_size, self.policy = batch_size, policy
         # waiting requests join once this many slots are free (each join is a prefill forward,
         # grouped by length, and a copy of the running cache)
@@ -601,11 +602,11 @@ class BatchDecoder:
         it_tested = it_accepted = 0
         for b, (r, p) in enumerate(zip(rows, props, strict=True)):
             m = len(p) + 1
-            if greedy:
-                verdict = verify_greedy(p.tokens, p.parents, arg[b][:m])
-            else:
-                probs = warp(logits[b, :m], self.sampling)
-                verdict = verify_sampled(p.tokens, p.parents, probs, p.q, r.state.generator)
+            # the batch-1 decoder's acceptance, row by row (the batch's argmax read at once)
+            got = accept(
+                self.rule, p, logits[b, :m], r.state.generator, arg[b][:m] if greedy else None
+            )
+            verdict = got.verdict
             path = verdict.path
             keeps.append([0] + [i + 1 for i in path])
             emitted = until_stop([p.tokens[i] for i in path] + [verdict.token], run.stop_ids)
@@ -776,10 +777,9 @@ def verify_inputs(
     causal = (ar[None, :] <= ar[:, None])[None] & real[:, None, :] & real[:, :, None]
     inner = causal | torch.eye(n, dtype=torch.bool)[None]
     for b, p in trees:  # a tree's rows: each node sees its ancestors
+        m = len(p) + 1
         inner[b] = torch.eye(n, dtype=torch.bool)
-        for i, par in enumerate(p.parents):
-            inner[b, i + 1] = inner[b, par + 1]
-            inner[b, i + 1, i + 1] = True
+        inner[b, :m, :m] = torch.tensor(p.ancestors())
     return torch.tensor(ids), torch.tensor(pos), inner
 
 

@@ -23,22 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from models.base import DecodeState, Proposal, Proposer
-from models.sampling import Sampling, greedy_tokens, warp
+from models.sampling import Sampling
 from models.target import Target
 
 from .policies import GammaController, TreeController
 from .runner import Layout, RunnerError, StaticRunner, TargetRunner, choose_runner
 from .timing import interleaved_medians, sync
-from .verify import (
-    Verdict,
-    lenient_tvd,
-    one_hot,
-    until_stop,
-    verify_greedy,
-    verify_greedy_lenient,
-    verify_sampled,
-    verify_typical,
-)
+from .verify import AcceptRule, Verdict, accept, until_stop
 
 
 @dataclass
@@ -59,6 +50,7 @@ class Stats:
     new_tokens: int = 0
     t_target: float = 0.0  # seconds in verification forwards
     t_prefill: float = 0.0
+    t_draft_start: float = 0.0  # the part of t_prefill that is the drafter's start
     t_draft: float = 0.0
     t_total: float = 0.0  # wall time of generate(), prefill included
     # typical acceptance and lenience < 1 at T > 0: summed TVD between each emitted token's
@@ -93,6 +85,7 @@ class Stats:
             "new_tokens",
             "t_target",
             "t_prefill",
+            "t_draft_start",
             "t_draft",
             "t_total",
             "tvd_sum",
@@ -213,6 +206,7 @@ class SpeculativeDecoder:
         self.last_logits: list[torch.Tensor] | None = None
         self.typical = (typical_epsilon, typical_delta)
         self.target, self.proposer, self.sampling = target, proposer, sampling
+        self.rule = AcceptRule(sampling, lenience, acceptance, self.typical)
         self.device = target.device
         self.gamma = 0 if isinstance(proposer, NoDraft) else gamma
         # a proposer whose proposals gain from every drafting iteration (lookahead's pool) is
@@ -347,6 +341,7 @@ class SpeculativeDecoder:
         self.proposer.start(seq.state)
         seq.state.prefill_cache = None
         sync(self.device)
+        st.t_draft_start += time.perf_counter() - t
         st.t_prefill += time.perf_counter() - t
         return seq
 
@@ -382,28 +377,11 @@ class SpeculativeDecoder:
             n_main = len(prop) + 1
             logits, side_logits = logits[:n_main], logits[n_main:]
             f_new = f_new[:n_main] if f_new is not None else None
-        tvd, off = None, 0
-        if self.sampling.greedy and self.lenience < 1.0:
-            verdict, off = verify_greedy_lenient(prop.tokens, prop.parents, logits, self.lenience)
-        elif self.sampling.greedy:
-            # the iteration's one read of the device: the target's choice after every node
-            verdict = verify_greedy(prop.tokens, prop.parents, greedy_tokens(logits).tolist())
-        elif self.lenience < 1.0:
-            p = warp(logits, self.sampling)
-            verdict = verify_sampled(
-                prop.tokens, prop.parents, p, prop.q, self.generator, self.lenience
-            )
-            tvd = _lenient_chain_tvd(prop, p, len(verdict.path), self.lenience)
-        elif self.acceptance == "typical":
-            p = warp(logits, self.sampling)
-            verdict, tvd = verify_typical(
-                prop.tokens, prop.parents, p, *self.typical, self.generator
-            )
-        else:
-            p = warp(logits, self.sampling)
-            verdict = verify_sampled(prop.tokens, prop.parents, p, prop.q, self.generator)
+        a = accept(self.rule, prop, logits, self.generator)  # the acceptance both decoders use
         sync(self.device)
-        return _Check(verdict, logits, f_new, side_logits, tvd, off, time.perf_counter() - t)
+        return _Check(
+            a.verdict, logits, f_new, side_logits, a.tvd, a.off_argmax, time.perf_counter() - t
+        )
 
     def _accept(self, seq: _Sequence, d: _Draft, c: _Check) -> list[int]:
         """Commit the accepted path and the token after it (up to a stop token): the target's
@@ -576,17 +554,6 @@ def _depths(p: Proposal) -> list[int]:
     for par in p.parents:
         d.append(1 if par < 0 else d[par] + 1)
     return d
-
-
-def _lenient_chain_tvd(prop: Proposal, p: torch.Tensor, accepted: int, lenience: float):
-    """Per emitted token of a lenient chain step: the TVD from p of the distribution that
-    emitted it (``lenient_tvd`` at each tested position; 0 for the bonus token after a fully
-    accepted chain, which is drawn from p)."""
-    out = []
-    for k in range(min(accepted + 1, len(prop))):  # tested: the accepted ones + the rejected
-        q = prop.q[k] if prop.q is not None else one_hot(prop.tokens[k], p[k])
-        out.append(lenient_tvd(p[k], q, lenience))
-    return out + [0.0] * (accepted + 1 - len(out))
 
 
 def predicted_speedup(

@@ -119,6 +119,9 @@ def stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict[
             "total": spec.t_total,
             "target_forward": spec.t_target,
             "prefill": spec.t_prefill,
+            # of which the drafter's start (its reading of the prompt), and plain's prefill
+            "prefill_draft_start": spec.t_draft_start,
+            "plain_prefill": ar.t_prefill,
             "draft": spec.t_draft,
             "other": other,
             "other_fraction": other / spec.t_total if spec.t_total else float("nan"),

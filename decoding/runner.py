@@ -54,11 +54,9 @@ class Layout:
         n = len(prop)
         m = len(side.tokens) if side is not None else 0
         anc = torch.zeros(n + 1 + m, n + 1 + m, dtype=torch.bool)
-        anc[0, 0] = True
+        anc[: n + 1, : n + 1] = torch.tensor(prop.ancestors())
         depth = [0] * (n + 1)
         for i, par in enumerate(prop.parents):
-            anc[i + 1] = anc[par + 1].clone()
-            anc[i + 1, i + 1] = True
             depth[i + 1] = depth[par + 1] + 1
         if m:
             if side.allowed.shape != (m, m) or min(side.offsets) < 1:

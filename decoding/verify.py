@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.sampling import sample
+from models.base import Proposal
+from models.sampling import Sampling, greedy_tokens, sample, warp
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -186,6 +187,69 @@ def verify_typical(
     end = path[-1] + 1 if path else 0
     token = sample(p[end], generator)
     return Verdict(path, token), tvd + [0.0]
+
+
+@dataclass(frozen=True)
+class AcceptRule:
+    """How a verification's drafted tokens are accepted, for both decoders (batch 1 and B):
+    ``sampling`` (T = 0: greedy; else exact rejection sampling), ``lenience`` < 1 (NOT exact:
+    ``verify_greedy_lenient`` / ``verify_sampled``'s l) and ``acceptance="typical"`` (at
+    T > 0, Medusa's, NOT exact) with its (epsilon, delta)."""
+
+    sampling: Sampling
+    lenience: float = 1.0
+    acceptance: str = "exact"
+    typical: tuple[float, float] = (0.09, 0.3)
+
+
+@dataclass
+class Accepted:
+    """A verification's outcome for one sequence: the ``verdict``, for each emitted token its
+    TVD from the target's own distribution where the rule is not exact (else None), and at
+    T = 0 with lenience the accepted tokens that are not the target's argmax."""
+
+    verdict: Verdict
+    tvd: list[float] | None = None
+    off_argmax: int = 0
+
+
+def accept(
+    rule: AcceptRule,
+    prop: Proposal,
+    logits: torch.Tensor,
+    generator: torch.Generator | None,
+    argmax: list[int] | None = None,
+) -> Accepted:
+    """The acceptance step of one sequence: ``prop`` against the target's ``logits`` after the
+    last committed token and after each node ((N + 1, V)); ``argmax``: at T = 0, the target's
+    choices there when the caller read them already (the batched decoder reads a whole
+    batch's at once), else they are read here: the iteration's one read of the device."""
+    s = rule.sampling
+    if s.greedy and rule.lenience < 1.0:
+        verdict, off = verify_greedy_lenient(prop.tokens, prop.parents, logits, rule.lenience)
+        return Accepted(verdict, None, off)
+    if s.greedy:
+        arg = argmax if argmax is not None else greedy_tokens(logits).tolist()
+        return Accepted(verify_greedy(prop.tokens, prop.parents, arg))
+    p = warp(logits, s)
+    if rule.lenience < 1.0:
+        verdict = verify_sampled(prop.tokens, prop.parents, p, prop.q, generator, rule.lenience)
+        return Accepted(verdict, lenient_chain_tvd(prop, p, len(verdict.path), rule.lenience))
+    if rule.acceptance == "typical":
+        verdict, tvd = verify_typical(prop.tokens, prop.parents, p, *rule.typical, generator)
+        return Accepted(verdict, tvd)
+    return Accepted(verify_sampled(prop.tokens, prop.parents, p, prop.q, generator))
+
+
+def lenient_chain_tvd(prop: Proposal, p: torch.Tensor, accepted: int, lenience: float):
+    """Per emitted token of a lenient chain step: the TVD from p of the distribution that
+    emitted it (``lenient_tvd`` at each tested position; 0 for the bonus token after a fully
+    accepted chain, which is drawn from p)."""
+    out = []
+    for k in range(min(accepted + 1, len(prop))):  # tested: the accepted ones + the rejected
+        q = prop.q[k] if prop.q is not None else one_hot(prop.tokens[k], p[k])
+        out.append(lenient_tvd(p[k], q, lenience))
+    return out + [0.0] * (accepted + 1 - len(out))
 
 
 def until_stop(tokens: list[int], stop_ids) -> list[int]:

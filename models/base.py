@@ -196,6 +196,17 @@ class Proposal:
         """Each node the child of the one before it (an empty proposal too)."""
         return all(par == i - 1 for i, par in enumerate(self.parents))
 
+    def ancestors(self) -> list[list[bool]]:
+        """(N + 1) x (N + 1): row i + 1 marks node i's ancestors and itself, row 0 the root
+        (which sees itself); built as lists (one tensor a caller makes of it, not a clone a
+        node: ~100 tensor operations for a 32-node tree)."""
+        rows = [[True] + [False] * len(self.tokens)]
+        for i, par in enumerate(self.parents):
+            row = list(rows[par + 1])
+            row[i + 1] = True
+            rows.append(row)
+        return rows
+
     def truncated(self, k: int) -> Proposal:
         """The first ``k`` nodes (for a chain: the first k tokens)."""
         if k >= len(self.tokens):

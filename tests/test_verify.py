@@ -239,3 +239,53 @@ def test_lenient_greedy_accepts_within_the_factor_of_the_top_token():
     assert v.path == [] and v.token == 0 and off == 0  # 0.2 < 0.25: rejected, argmax emitted
     v, off = verify.verify_greedy_lenient([1, 2], [-1, 0], logits, 0.7)
     assert v.path == [] and v.token == 0  # 0.3 < 0.35
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ancestor_rows_are_each_nodes_path_to_the_root(seed):
+    """``Proposal.ancestors`` (the attention mask inside a tree verification, built from lists):
+    row i + 1 marks exactly node i, its parent, its parent's parent ... and the root; a chain's
+    is lower-triangular."""
+    from models.base import Proposal
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(0, 40, (), generator=g))
+    parents = [int(torch.randint(-1, i, (), generator=g)) for i in range(n)]  # parent < node
+    rows = Proposal(list(range(n)), parents).ancestors()
+    assert len(rows) == n + 1 and all(len(r) == n + 1 for r in rows)
+    assert rows[0] == [True] + [False] * n
+    for i in range(n):
+        want, v = {0}, i
+        while v >= 0:
+            want.add(v + 1)
+            v = parents[v]
+        assert {j for j, x in enumerate(rows[i + 1]) if x} == want
+    chain = torch.tensor(Proposal.chain(list(range(n))).ancestors())
+    assert torch.equal(chain, torch.tril(torch.ones(n + 1, n + 1, dtype=torch.bool)))
+
+
+def test_accept_is_each_rule_the_decoders_apply():
+    """``accept``, the one acceptance step of both decoders: greedy follows the argmax (read
+    here or handed in), lenience at T = 0 takes a token within its factor of the top one and
+    counts it off the argmax, exact sampling is ``verify_sampled``'s, typical reports a TVD."""
+    from models.base import Proposal
+
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0], [6.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 9.0]])
+    chain = Proposal.chain([2, 0])
+    greedy = verify.AcceptRule(Sampling())
+    got = verify.accept(greedy, chain, logits, None)
+    assert (got.verdict.path, got.verdict.token, got.tvd) == ([], 1, None)
+    handed = verify.accept(greedy, chain, logits, None, argmax=[2, 0, 3])  # the caller's read
+    assert (handed.verdict.path, handed.verdict.token) == ([0, 1], 3)
+    lenient = verify.accept(verify.AcceptRule(Sampling(), lenience=0.5), chain, logits, None)
+    assert (lenient.verdict.path, lenient.verdict.token, lenient.off_argmax) == ([0, 1], 3, 1)
+    s = Sampling(temperature=1.0)
+    a = verify.accept(verify.AcceptRule(s), chain, logits, torch.Generator().manual_seed(3))
+    b = verify.verify_sampled(
+        chain.tokens, chain.parents, warp(logits, s), None, torch.Generator().manual_seed(3)
+    )
+    assert (a.verdict.path, a.verdict.token, a.tvd) == (b.path, b.token, None)
+    typ = verify.accept(
+        verify.AcceptRule(s, acceptance="typical"), chain, logits, torch.Generator().manual_seed(3)
+    )
+    assert typ.tvd is not None and len(typ.tvd) == len(typ.verdict.path) + 1

@@ -358,20 +358,20 @@ def pair_block(states: list[DecodeState], firsts: list[int], ups: list[int], n: 
     """Each row's committed pairs (f_t, x_{t+1}) for t = firsts[b]..ups[b]-1, right-aligned in
     n slots (left-padded): the tokens, positions and ``real`` marks (host, (k, n); padding at
     position 0) and each row's feature rows (None where it has no pair to feed)."""
-    k = len(ups)
-    toks = torch.zeros(k, n, dtype=torch.long)
-    pos = torch.zeros(k, n, dtype=torch.long)
-    real = torch.zeros(k, n, dtype=torch.bool)
+    toks, pos, real = [], [], []  # built as lists, three tensors at the end (not 4 a row)
     feats: list[torch.Tensor | None] = []
-    for j, (st, u, d) in enumerate(zip(states, ups, firsts, strict=True)):
-        if u <= d:
-            feats.append(None)
-            continue
-        toks[j, n - (u - d) :] = torch.tensor(st.ids[d + 1 : u + 1])
-        pos[j, n - (u - d) :] = torch.arange(d, u)
-        real[j, n - (u - d) :] = True
-        feats.append(st.features[d:u])
-    return toks, pos, real, feats
+    for st, u, d in zip(states, ups, firsts, strict=True):
+        m = max(0, u - d)
+        toks.append([0] * (n - m) + st.ids[d + 1 : u + 1])
+        pos.append([0] * (n - m) + list(range(d, u)))
+        real.append([False] * (n - m) + [True] * m)
+        feats.append(st.features[d:u] if m else None)
+    return (
+        torch.tensor(toks, dtype=torch.long).view(len(ups), n),
+        torch.tensor(pos, dtype=torch.long).view(len(ups), n),
+        torch.tensor(real, dtype=torch.bool).view(len(ups), n),
+        feats,
+    )
 
 
 class BatchedEagleChain(BatchedProposer):
