@@ -240,7 +240,7 @@ def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypat
     """``lossless`` neither cries wolf nor hides a bug: an honest decoder is lossless in fp32
     (identical outputs) and in bf16 (any parting is a near-tie); a decoder that accepts the
     draft's first token without checking it is caught as a real divergence in both."""
-    import decoding.decoder as dec
+    import decoding.verify as ver
     from decoding.eval import evaluate
     from decoding.verify import Verdict
 
@@ -250,7 +250,7 @@ def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypat
     if dtype == "float32":
         assert honest["divergences"] == 0
 
-    real = dec.verify_greedy
+    real = ver.verify_greedy  # what ``verify.accept``, both decoders' acceptance, calls
 
     def accepts_first_draft_token(tokens, parents, target_argmax):
         v = real(tokens, parents, target_argmax)
@@ -258,7 +258,7 @@ def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypat
             return Verdict([0], target_argmax[1])
         return v
 
-    monkeypatch.setattr(dec, "verify_greedy", accepts_first_draft_token)
+    monkeypatch.setattr(ver, "verify_greedy", accepts_first_draft_token)
     buggy = evaluate(_eval_cfg(draft="ngram", **{"target.dtype": dtype}, adaptive="false"))
     assert buggy["lossless"] is False
     assert buggy["divergences"] > buggy["near_tie_divergences"]
