@@ -127,6 +127,8 @@ class _Run:
     done: dict = field(default_factory=dict)
     t0: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0  # this iteration's drafter reading (prefill), in seconds
+    on_done: object = None  # a data generator's hook (``run``): finished replies go there
+    longest: int = 0  # tokens (and 8 spare) the caches hold for one request
 
 
 @dataclass
@@ -206,6 +208,7 @@ class BatchDecoder:
         max_len: int = 2048,
         runner: BatchRunner | None = None,
         drafter: BatchedProposer | None = None,
+        race: bool = False,
     ):
         if batch_size < 1:
             raise BatchError(f"batch_size={batch_size}: must be >= 1")
@@ -217,7 +220,9 @@ class BatchDecoder:
             raise BatchError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")
         check_batchable(target, proposer)
         self.target, self.template, self.sampling = target, proposer, sampling
-        self.rule = AcceptRule(sampling)  # exact: lenience and typical run at batch 1 only
+        # exact: lenience and typical run at batch 1 only; ``race``: plain steps at T > 0 draw
+        # by torch.multinomial (``AcceptRule.race``: what a resumable regeneration needs)
+        self.rule = AcceptRule(sampling, race=race)
         self.batch_size, self.policy = batch_size, policy
         # waiting requests join once this many slots are free (each join is a prefill forward,
         # grouped by length, and a copy of the running cache)
@@ -424,26 +429,43 @@ class BatchDecoder:
         max_new_tokens: int,
         stop_ids: set[int] | frozenset[int] = frozenset(),
         progress=None,
+        on_done=None,
+        should_stop=None,
+        longest: int | None = None,
     ) -> dict:
         """Decode every request; ``progress(n)`` is called with each finished request's token
         count (a progress bar's update). Each iteration: admit waiting requests, draft for
         the rows, verify every row in one forward, let each row accept its own, book the
-        iteration (the policies' measures, the statistics), retire the finished rows."""
+        iteration (the policies' measures, the statistics), retire the finished rows.
+
+        A data generator's hooks (``trainer/regenerate.py``): ``on_done(key, reply,
+        truncated)`` gets each finished reply (its stop token left out) and whether it ran to
+        its budget, and may return new requests, served next (a conversation's next turn);
+        once ``should_stop()`` says True no waiting request starts and the rows in flight
+        finish (a time budget). ``longest``: the most tokens (prompt and reply) a request
+        may reach, where later requests come from ``on_done`` (the caches are sized for it
+        before the first forward)."""
         for r in requests:
-            if not r.prompt:
-                raise BatchError(f"request {r.key!r}: empty prompt")
-            if not (r.arrival >= 0 and math.isfinite(r.arrival)):
-                raise BatchError(f"request {r.key!r}: arrival={r.arrival} (seconds >= 0)")
+            self._check_request(r)
         self.stats = BatchStats()
         self.bp = self._drafter()  # for this run (None: row-by-row drafting)
-        longest = max((len(r.prompt) + r.budget(max_new_tokens) for r in requests), default=0) + 8
+        longest = max(
+            max((len(r.prompt) + r.budget(max_new_tokens) for r in requests), default=0),
+            longest or 0,
+        )
+        longest += 8
         if self.bp is not None:
             self.bp.reserve(longest)
         self.runner.reset()
         self.runner.reserve(longest)
         # in order of arrival (all at 0: the given order)
         run = _Run(deque(sorted(requests, key=lambda r: r.arrival)), max_new_tokens, stop_ids)
+        run.on_done, run.longest = on_done, longest
         while run.queue or run.rows:
+            if run.queue and should_stop is not None and should_stop():
+                run.queue.clear()  # no one else starts; the rows in flight finish
+                if not run.rows:
+                    break
             self._admit(run)
             length = self.runner.columns
             props, t_draft, step_times = self._draft(run, length)
@@ -457,6 +479,13 @@ class BatchDecoder:
         if self.bp is not None:
             st.rows.draft_calls += self.bp.draft_calls
         return run.done
+
+    @staticmethod
+    def _check_request(r: GenRequest) -> None:
+        if not r.prompt:
+            raise BatchError(f"request {r.key!r}: empty prompt")
+        if not (r.arrival >= 0 and math.isfinite(r.arrival)):
+            raise BatchError(f"request {r.key!r}: arrival={r.arrival} (seconds >= 0)")
 
     def _admit(self, run: _Run) -> None:
         """Waiting requests that have arrived take the free slots (once ``admit`` of them are
@@ -698,6 +727,8 @@ class BatchDecoder:
                 st.latencies.append((r.t_first - r.t_arrive, now - r.t_arrive, len(out_tokens)))
                 if progress is not None:
                     progress(1)
+                if run.on_done is not None:
+                    self._hand_over(run, r.key, out_tokens)
             gone = set(finished)
             keep = [b for b in range(len(rows)) if b not in gone]
             run.rows = [rows[b] for b in keep]
@@ -711,6 +742,20 @@ class BatchDecoder:
         if self.bp is not None:
             self.bp.rollback([r.state for r in run.rows[: run.joined]], [])
         self.runner.tidy()
+
+    def _hand_over(self, run: _Run, key, tokens: list[int]) -> None:
+        """A finished reply to ``on_done`` (its stop token left out; truncated: it ran to its
+        budget), and the requests it returns queued first."""
+        stopped = bool(tokens) and tokens[-1] in run.stop_ids
+        follow = list(run.on_done(key, tokens[:-1] if stopped else tokens, not stopped) or ())
+        for nxt in reversed(follow):
+            self._check_request(nxt)
+            if len(nxt.prompt) + nxt.budget(run.max_new_tokens) + 8 > run.longest:
+                raise BatchError(
+                    f"request {nxt.key!r}: {len(nxt.prompt)} prompt tokens and a budget of "
+                    f"{nxt.budget(run.max_new_tokens)}: past the run's longest={run.longest - 8}"
+                )
+            run.queue.appendleft(nxt)
 
     def _join_drafter(self, run: _Run) -> None:
         """Let the batched drafter read the rows it has not seen (``rows[joined:]``) before

@@ -200,6 +200,11 @@ class AcceptRule:
     lenience: float = 1.0
     acceptance: str = "exact"
     typical: tuple[float, float] = (0.09, 0.3)
+    #: at T > 0, a step with nothing drafted draws its token by ``torch.multinomial`` (an
+    #: exponential race) instead of the inverse CDF: both exact, but rounding that moves with
+    #: a batch's composition moves an inverse-CDF draw to a neighbouring token far more often,
+    #: and a resumed regeneration must write the same file (``trainer/regenerate.py``)
+    race: bool = False
 
 
 @dataclass
@@ -232,6 +237,8 @@ def accept(
         arg = argmax if argmax is not None else greedy_tokens(logits).tolist()
         return Accepted(verify_greedy(prop.tokens, prop.parents, arg))
     p = warp(logits, s)
+    if rule.race and not prop.tokens:
+        return Accepted(Verdict([], int(torch.multinomial(p[0], 1, generator=generator))))
     if rule.lenience < 1.0:
         verdict = verify_sampled(prop.tokens, prop.parents, p, prop.q, generator, rule.lenience)
         return Accepted(verdict, lenient_chain_tvd(prop, p, len(verdict.path), rule.lenience))

@@ -1649,3 +1649,48 @@ def test_every_drafter_has_its_draft_step_timed_before_the_run(tiny_target, name
     assert pol.draft_seconds(3, 3) == pytest.approx(per_rows * steps * step)
     pol.update(2 * step)  # the run's own measure replaces the prior at once
     assert pol.draft_seconds(3, 3) == pytest.approx(per_rows * steps * 2 * step)
+
+
+@pytest.mark.parametrize("compile", ["false", COMPILE["graphs"]])
+def test_a_data_generators_hooks_serve_follow_ups_and_stop_starting(tiny_target, compile):
+    """``run``'s hooks as ``specdraft-prepare`` uses them: ``on_done`` gets each finished reply
+    (its stop token left out, and whether it ran to its budget) and may return the next
+    request (a conversation's next turn, its prompt the conversation so far), served next on
+    the same rows; each reply is the batch-1 greedy one. Once ``should_stop`` says True no
+    waiting request starts and the rows in flight finish. A follow-up past ``longest`` is
+    refused, naming it."""
+    dec = SpeculativeDecoder(tiny_target, NoDraft(), Sampling(), calibrate=False, compile="false")
+    prompts = _prompts()[:4]
+    got: dict = {}
+
+    def on_done(key, reply, truncated):
+        got[key] = (reply, truncated)
+        i, turn = key
+        if turn == 0:  # the next turn: the prompt, the reply and a user's token after it
+            return [GenRequest((i, 1), prompts[i] + reply + [257], seed=i)]
+        return ()
+
+    reqs = [GenRequest((i, 0), p, seed=i) for i, p in enumerate(prompts)]
+    b = BatchDecoder(tiny_target, NoDraft(), Sampling(), 2, gamma=0, compile=compile)
+    out = b.run(reqs, 6, on_done=on_done, longest=80)
+    assert set(got) == {(i, t) for i in range(4) for t in (0, 1)} and set(out) == set(got)
+    for (i, t), (reply, truncated) in got.items():
+        p = prompts[i] if t == 0 else prompts[i] + got[(i, 0)][0] + [257]
+        assert reply == dec.generate(p, 6) and truncated  # no stop ids: every reply ran to 6
+    # a stop token: left out of the reply, and not truncated
+    stop = got[(0, 0)][0][2]
+    got.clear()
+    b.run(reqs[:1], 6, frozenset({stop}), on_done=lambda k, r, t: got.__setitem__(k, (r, t)))
+    first = dec.generate(prompts[0], 6)
+    assert got[(0, 0)] == (first[: first.index(stop)], False)
+    # stop starting: two rows start together, nothing joins after the first finishes
+    done: list = []
+    b.run(
+        [GenRequest((i, 0), [257, 72 + i]) for i in range(6)],
+        8,
+        on_done=lambda k, r, t: done.append(k),
+        should_stop=lambda: len(done) >= 1,
+    )
+    assert sorted(done) == [(0, 0), (1, 0)]
+    with pytest.raises(BatchError, match=r"request \(0, 1\).*longest=40"):
+        b.run(reqs[:1], 6, on_done=lambda k, r, t: [GenRequest((0, 1), [3] * 60)], longest=40)

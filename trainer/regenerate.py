@@ -4,8 +4,9 @@ EAGLE-3, HASS and Medusa-2 train on the target's own answers to the dataset's pr
 (DistillSpec calls it sequence-level KD). This keeps every user turn, and replaces every
 assistant turn by the target's reply to the conversation so far (its own earlier replies
 included), turn by turn, with continuous batching over conversations and a KV cache
-(``models.target.generate_many``: a finished reply leaves the batch and the next prompt joins
-it). The output is a ShareGPT-format JSONL that ``data.path=`` reads like any other file.
+(the evaluator's batched decoder with nothing drafted, ``decoding/batch.py``, on its static
+cache and CUDA graphs where they run: a finished reply leaves the batch and the next prompt
+joins it). The output is a ShareGPT-format JSONL that ``data.path=`` reads like any other file.
 
     specdraft-prepare out=data/regen.jsonl data.max_records=2000 max_turns=1
     specdraft-prepare out=data/regen2.jsonl data.skip_records=2000 data.max_records=2000 ...  # the next 2,000
@@ -36,6 +37,7 @@ from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
 from data.conversations import Conversation, DataError, load_conversations
+from decoding.runner import COMPILE_MODES
 from models.sampling import Sampling
 from models.target import GenRequest, TargetConfig, TargetError, generate_many, load_target
 
@@ -61,6 +63,10 @@ class PrepareConfig:
     #: time budget: after this many minutes no new conversation starts, the ones in flight
     #: finish and what is done is merged (the same command later continues from there)
     max_minutes: float | None = None
+    #: the target's forward, as the evaluator's ``compile``: auto (the batched decoder's
+    #: static cache: CUDA graphs per row bucket on a GPU, eager on a CPU; transformers' ragged
+    #: cache where the lean forward cannot run), true, false (transformers')
+    compile: str = "auto"
 
 
 COUNTS = ("replies", "truncated", "reply_tokens", "stopped_context", "dropped")
@@ -211,6 +217,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
         ("max_turns", cfg.max_turns is None or cfg.max_turns >= 1, "must be >= 1"),
         ("max_minutes", cfg.max_minutes is None or cfg.max_minutes > 0, "must be > 0"),
+        ("compile", str(cfg.compile).lower() in COMPILE_MODES, "use auto, true, false or fused"),
     ]:
         if not ok:
             raise PrepareError(f"{key}={cfg[key]!r}: {why}")
@@ -295,17 +302,13 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
                 finish(i)
             else:
                 first_requests.append(r)
-        generate_many(
-            target.model,
+        _generate(
+            target,
+            cfg,
             first_requests,
-            cfg.max_new_tokens,
             eos,
-            target.pad_token_id,
             on_done,
-            Sampling(cfg.temperature, cfg.top_k, cfg.top_p),
-            batch_size=cfg.batch_size,
-            admit=cfg.batch_admit,
-            should_stop=None if cfg.max_minutes is None else lambda: time.time() > deadline,
+            None if cfg.max_minutes is None else lambda: time.time() > deadline,
         )
     bar.close()
     counts_file.write_text(json.dumps(counts))
@@ -327,6 +330,56 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             )
     state.wait_for_everyone()
     return summary
+
+
+def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, should_stop):
+    """The replies, with continuous batching: on the batched decoder with nothing drafted
+    (``decoding/batch.py``: the evaluator's loop, on its static cache and, on a GPU, its CUDA
+    graphs), or for a target whose cache cannot be joined (sliding-window layers) on
+    ``models.target.generate_many`` (one padded batch, refilled when it has finished)."""
+    from decoding.batch import BatchDecoder, BatchError, check_batchable
+    from decoding.decoder import NoDraft
+
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+    try:
+        check_batchable(target, NoDraft())
+    except BatchError:
+        generate_many(
+            target.model,
+            requests,
+            cfg.max_new_tokens,
+            eos,
+            target.pad_token_id,
+            on_done,
+            sampling,
+            batch_size=cfg.batch_size,
+            admit=cfg.batch_admit,
+            should_stop=should_stop,
+        )
+        return
+    longest = cfg.data.max_length + cfg.max_new_tokens  # a prompt is cut before max_length
+    try:
+        dec = BatchDecoder(
+            target,
+            NoDraft(),
+            sampling,
+            cfg.batch_size,
+            gamma=0,
+            admit=cfg.batch_admit,
+            compile=str(cfg.compile).lower(),
+            max_len=longest + 8,
+            race=True,  # a resumed run writes the same file (``AcceptRule.race``)
+        )
+    except BatchError as e:
+        raise PrepareError(f"compile={cfg.compile}: {e}") from None
+    dec.run(
+        requests,
+        cfg.max_new_tokens,
+        frozenset(eos),
+        on_done=on_done,
+        should_stop=should_stop,
+        longest=longest,
+    )
 
 
 def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str, Any]:
