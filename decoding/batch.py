@@ -438,7 +438,7 @@ class BatchDecoder:
         the rows, verify every row in one forward, let each row accept its own, book the
         iteration (the policies' measures, the statistics), retire the finished rows.
 
-        A data generator's hooks (``trainer/regenerate.py``): ``on_done(key, reply,
+        A data generator's hooks (``flow/regenerate.py``): ``on_done(key, reply,
         truncated)`` gets each finished reply (its stop token left out) and whether it ran to
         its budget, and may return new requests, served next (a conversation's next turn);
         once ``should_stop()`` says True no waiting request starts and the rows in flight

@@ -203,7 +203,7 @@ class AcceptRule:
     #: at T > 0, a step with nothing drafted draws its token by ``torch.multinomial`` (an
     #: exponential race) instead of the inverse CDF: both exact, but rounding that moves with
     #: a batch's composition moves an inverse-CDF draw to a neighbouring token far more often,
-    #: and a resumed regeneration must write the same file (``trainer/regenerate.py``)
+    #: and a resumed regeneration must write the same file (``flow/regenerate.py``)
     race: bool = False
 
 

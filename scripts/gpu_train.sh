@@ -23,8 +23,9 @@
 #   regen  (REGEN_MIN 2.5 min) specdraft-prepare on the GPU: replies of <= 256 tokens at
 #          REGEN_T (0: greedy), prompt and reply <= 768 tokens (at 384, the CPU recipes'
 #          length, 38 of the first 82 conversations a CPU dry run reached ran out of room and
-#          were dropped), REGEN_BATCH (512) generated together; stops starting conversations
-#          at the budget
+#          were dropped), REGEN_BATCH (512) generated together on the batched decoder's
+#          static cache and CUDA graphs (REGEN_COMPILE, auto; if that writes nothing, again
+#          with compile=false); stops starting conversations at the budget
 #   train  (TRAIN_MIN 4 min) specdraft-train experiment=eagle3_smollm2_gpu on those replies
 #   eval   (110 s) the new head on MT-bench's first turns (PROMPTS 80 x TOKENS 128), a chain of
 #          3 at T = 0 on the compiled decoder: alpha by position, tau, speedup, lossless
@@ -71,10 +72,20 @@ regen_min=${REGEN_MIN:-2.5}
 train_min=${TRAIN_MIN:-4}
 secs() { python3 -c "import math; print(math.ceil(60 * $1 * 1.3 + ${2:-60}))"; }
 
-step regen "$(secs "$regen_min")" python3 -m trainer.regenerate "${tgt[@]}" \
-  "data.path=$work/prompts.jsonl" "out=$work/regen.jsonl" max_turns=1 \
-  max_new_tokens=256 data.max_length=768 "temperature=${REGEN_T:-0}" "batch_size=${REGEN_BATCH:-512}" \
-  "max_minutes=$regen_min" progress=false
+# on the batched decoder's static cache and CUDA graphs (REGEN_COMPILE, auto); if that writes
+# nothing (its first run at 512 rows on a card is the next one), once more on transformers'
+# forward, which continues what the first wrote
+regen() {
+  step "$1" "$(secs "$regen_min")" python3 -m flow.regenerate "${tgt[@]}" \
+    "data.path=$work/prompts.jsonl" "out=$work/regen.jsonl" max_turns=1 \
+    max_new_tokens=256 data.max_length=768 "temperature=${REGEN_T:-0}" \
+    "batch_size=${REGEN_BATCH:-512}" "max_minutes=$regen_min" progress=false "compile=$2"
+}
+regen regen "${REGEN_COMPILE:-auto}"
+if [ ! -s "$work/regen.jsonl" ] && [ "${REGEN_COMPILE:-auto}" != false ]; then
+  echo "regeneration wrote nothing: again with compile=false" | tee -a "$log"
+  regen regen_hf false
+fi
 if [ ! -s "$work/regen.jsonl" ]; then
   echo "no replies were regenerated: see $out/progress.err" | tee -a "$log" >&2
   exit 1

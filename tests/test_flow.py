@@ -19,7 +19,7 @@ def test_trainer_and_decoder_are_strangers():
     )
     for mod, other in (
         ("trainer.train", "decoding"),
-        ("trainer.regenerate", "decoding"),
+        ("trainer.config", "decoding"),
         ("decoding.eval", "trainer"),
         ("decoding.engine_eval", "trainer"),
     ):

@@ -15,7 +15,7 @@ from data.conversations import load_conversations
 def _cfg(data_file, out, **extra):
     from hydra import compose, initialize_config_dir
 
-    import trainer.regenerate  # noqa: F401  registers the schema
+    import flow.regenerate  # noqa: F401  registers the schema
 
     o = {
         "target": "tiny_random",
@@ -32,7 +32,7 @@ def _cfg(data_file, out, **extra):
 
 
 def test_replies_are_the_targets_greedy_answers(tmp_path, data_file, tiny_target):
-    from trainer.regenerate import regenerate
+    from flow.regenerate import regenerate
 
     out = tmp_path / "regen.jsonl"
     meta = regenerate(_cfg(data_file, out, max_turns=1))
@@ -57,7 +57,7 @@ def test_replies_are_the_targets_greedy_answers(tmp_path, data_file, tiny_target
 
 
 def test_resume_after_a_crash_gives_the_same_file(tmp_path, data_file):
-    from trainer.regenerate import regenerate
+    from flow.regenerate import regenerate
 
     full = tmp_path / "full.jsonl"
     regenerate(_cfg(data_file, full, temperature=1.0))
@@ -84,21 +84,21 @@ def test_different_settings_are_refused_naming_the_setting(tmp_path, data_file):
         "data.max_records=4",
         "progress=false",
     ]
-    r = run_module("trainer.regenerate", common + ["max_new_tokens=8"])
+    r = run_module("flow.regenerate", common + ["max_new_tokens=8"])
     assert r.returncode == 0, r.stderr
-    r = run_module("trainer.regenerate", common + ["max_new_tokens=9"])
+    r = run_module("flow.regenerate", common + ["max_new_tokens=9"])
     assert r.returncode == 2
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and "max_new_tokens=8" in err[0] and "max_new_tokens=9" in err[0]
-    r = run_module("trainer.regenerate", common + ["max_new_tokens=0"])
+    r = run_module("flow.regenerate", common + ["max_new_tokens=0"])
     assert r.returncode == 2 and "max_new_tokens=0" in r.stderr
     # another slice of the source into the same output: refused, naming the setting
-    r = run_module("trainer.regenerate", common + ["max_new_tokens=8", "data.skip_records=2"])
+    r = run_module("flow.regenerate", common + ["max_new_tokens=8", "data.skip_records=2"])
     assert r.returncode == 2 and "skip_records=0" in r.stderr and "skip_records=2" in r.stderr
 
 
 def test_skip_records_regenerates_a_later_slice(tmp_path, data_file):
-    from trainer.regenerate import regenerate
+    from flow.regenerate import regenerate
 
     out = tmp_path / "later.jsonl"
     regenerate(_cfg(data_file, out, max_turns=1, **{"data.max_records": 3, "data.skip_records": 5}))
@@ -111,7 +111,7 @@ def test_output_trains(tmp_path, data_file):
     """The regenerated file is ordinary training data."""
     from conftest import compose, tiny_overrides
 
-    from trainer.regenerate import regenerate
+    from flow.regenerate import regenerate
     from trainer.train import run
 
     out = tmp_path / "regen.jsonl"
@@ -121,7 +121,7 @@ def test_output_trains(tmp_path, data_file):
 
 
 def test_outputs_written_before_skip_records_existed_still_resume(tmp_path):
-    from trainer.regenerate import PrepareError, _check_settings
+    from flow.regenerate import PrepareError, _check_settings
 
     meta = tmp_path / "regen.jsonl.parts" / "meta.json"
     meta.parent.mkdir()
@@ -189,7 +189,7 @@ def test_max_minutes_stops_starting_conversations_and_the_same_command_continues
     """A time budget: once it is spent no conversation starts, what is done is merged and
     counted (``not_reached``), and the same command without the budget finishes the file as
     one uninterrupted run writes it."""
-    from trainer.regenerate import regenerate
+    from flow.regenerate import regenerate
 
     full = tmp_path / "full.jsonl"
     regenerate(_cfg(data_file, full, max_turns=1))

@@ -402,11 +402,9 @@ def test_regeneration_shards_over_processes_and_merges_in_input_order(data_file,
         "progress=false",
         "temperature=1.0",  # sampled: the seeds must not depend on the sharding
     ]
-    one = run_module("trainer.regenerate", [*args, f"out={tmp_path / 'one.jsonl'}"], 180)
+    one = run_module("flow.regenerate", [*args, f"out={tmp_path / 'one.jsonl'}"], 180)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = accelerate_launch(
-        2, [*args, f"out={tmp_path / 'two.jsonl'}"], module="trainer.regenerate"
-    )
+    two = accelerate_launch(2, [*args, f"out={tmp_path / 'two.jsonl'}"], module="flow.regenerate")
     assert two.returncode == 0, two.stderr[-2000:]
     parts = sorted(p.name for p in (tmp_path / "two.jsonl.parts").glob("rank*.jsonl"))
     assert parts == ["rank0-of-2.jsonl", "rank1-of-2.jsonl"]

@@ -10,7 +10,7 @@ joins it). The output is a ShareGPT-format JSONL that ``data.path=`` reads like 
 
     specdraft-prepare out=data/regen.jsonl data.max_records=2000 max_turns=1
     specdraft-prepare out=data/regen2.jsonl data.skip_records=2000 data.max_records=2000 ...  # the next 2,000
-    accelerate launch --num_processes 4 -m trainer.regenerate out=...   # sharded, then merged
+    accelerate launch --num_processes 4 -m flow.regenerate out=...   # sharded, then merged
 
 Resumable: each process appends finished conversations to its own part file (flushed and
 fsynced per conversation); a restart skips the conversations already there. When every part is
@@ -37,11 +37,12 @@ from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
 from data.conversations import Conversation, DataError, load_conversations
+from decoding.batch import BatchDecoder, BatchError, check_batchable
+from decoding.decoder import NoDraft
 from decoding.runner import COMPILE_MODES
 from models.sampling import Sampling
 from models.target import GenRequest, TargetConfig, TargetError, generate_many, load_target
-
-from .config import DataConfig, register_configs
+from trainer.config import DataConfig, register_configs
 
 
 @dataclass
@@ -203,7 +204,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     """Run the regeneration for this process's share, merge when all shares are done."""
     from accelerate import PartialState
 
-    from .train import data_path
+    from trainer.train import data_path
 
     for key, ok, why in [
         ("max_new_tokens", cfg.max_new_tokens >= 1, "must be >= 1"),
@@ -337,9 +338,6 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
     (``decoding/batch.py``: the evaluator's loop, on its static cache and, on a GPU, its CUDA
     graphs), or for a target whose cache cannot be joined (sliding-window layers) on
     ``models.target.generate_many`` (one padded batch, refilled when it has finished)."""
-    from decoding.batch import BatchDecoder, BatchError, check_batchable
-    from decoding.decoder import NoDraft
-
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     try:
         check_batchable(target, NoDraft())
