@@ -229,3 +229,54 @@ def test_generate_many_should_stop_lets_rows_in_flight_finish(tiny_target):
     # two rows started together; after the first finished nothing else joined
     assert sorted(k for k, _ in done) == [(0,), (1,)]
     assert all(n == 8 for _, n in done)
+
+
+def test_a_target_whose_cache_cannot_be_joined_is_regenerated_all_the_same(
+    tmp_path, data_file, monkeypatch
+):
+    """A target with sliding-window layers cannot join rows into a running cache (the batched
+    decoder refuses it): specdraft-prepare then generates on transformers' own continuous
+    batching (``generate_many``: one padded batch, refilled when it has finished), and the
+    replies are still the target's greedy answers."""
+    import transformers as tr
+
+    import flow.regenerate as fr
+    from decoding.batch import BatchError, check_batchable
+    from decoding.decoder import NoDraft
+    from models.target import Target, TargetConfig
+    from models.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    cfg = tr.MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        sliding_window=16,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = tr.MistralForCausalLM(cfg).eval()
+    target = Target(model, tok, "tiny-sliding", TargetConfig(name="test"))
+    with pytest.raises(BatchError, match="sliding-window"):
+        check_batchable(target, NoDraft())
+    monkeypatch.setattr(fr, "load_target", lambda c: target)
+    out = tmp_path / "regen.jsonl"
+    meta = fr.regenerate(_cfg(data_file, out, max_turns=1, **{"data.max_records": 4}))
+    src, _ = load_conversations(data_file, 4)
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert meta["records"] == len(got) == 4
+    for s, g in zip(src, got, strict=True):
+        p = torch.tensor([prompt_ids(tok, s.messages[:1])])
+        ref = model.generate(p, do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id)[
+            0, p.shape[1] :
+        ].tolist()
+        ref = ref[: ref.index(tok.eos_token_id)] if tok.eos_token_id in ref else ref
+        assert g["conversations"][1]["value"] == tok.decode(ref, skip_special_tokens=True)
