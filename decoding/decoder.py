@@ -198,15 +198,13 @@ class SpeculativeDecoder:
                 f"lenience={lenience} at T > 0 is implemented for chains (its TVD is exact "
                 "there); use tree=chain, or T = 0"
             )
-        self.acceptance = acceptance
-        self.lenience = lenience
         # keep, for the last generate() call, the target's logits row that decided each new
         # token (``last_logits``): how a divergence between two decodings is classified
         self.record_logits = record_logits
         self.last_logits: list[torch.Tensor] | None = None
-        self.typical = (typical_epsilon, typical_delta)
         self.target, self.proposer, self.sampling = target, proposer, sampling
-        self.rule = AcceptRule(sampling, lenience, acceptance, self.typical)
+        # how drafted tokens are accepted (``verify.accept``, the batched decoder's too)
+        self.rule = AcceptRule(sampling, lenience, acceptance, (typical_epsilon, typical_delta))
         self.device = target.device
         self.gamma = 0 if isinstance(proposer, NoDraft) else gamma
         # a proposer whose proposals gain from every drafting iteration (lookahead's pool) is

@@ -337,7 +337,8 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
     """The replies, with continuous batching: on the batched decoder with nothing drafted
     (``decoding/batch.py``: the evaluator's loop, on its static cache and, on a GPU, its CUDA
     graphs), or for a target whose cache cannot be joined (sliding-window layers) on
-    ``models.target.generate_many`` (one padded batch, refilled when it has finished)."""
+    ``models.target.generate_many`` (batches of one padded prefill each, the next once one has
+    finished)."""
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     try:
         check_batchable(target, NoDraft())
@@ -351,7 +352,6 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
             on_done,
             sampling,
             batch_size=cfg.batch_size,
-            admit=cfg.batch_admit,
             should_stop=should_stop,
         )
         return

@@ -72,7 +72,7 @@ def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     Where p itself moves by rounding (a batch of other rows, other padding), an inverse-CDF draw
     moves to a neighbouring token more often than torch.multinomial's exponential race does:
     data generation, whose resumed run must write the same file, keeps torch.multinomial
-    (``models.target.generate_many``)."""
+    (``decoding.verify.AcceptRule.race``, ``models.target.generate_many``)."""
     c = p.cumsum(-1, dtype=torch.float64)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
     i = int(torch.searchsorted(c, (u * c[-1]).reshape(1), right=True))

@@ -12,11 +12,9 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -532,158 +530,102 @@ def generate_many(
     on_done,
     sampling: Any = None,
     batch_size: int = 32,
-    stats: dict | None = None,
-    admit: int = 1,
     should_stop=None,
 ) -> None:
-    """Continuous batching for any HF causal LM with a KV cache: up to ``batch_size`` replies
-    are generated together; a finished row leaves the batch at once (its cache rows dropped)
-    and waiting requests join once ``admit`` slots are free (or the queue fits in what is
-    free), prefilled in groups of similar lengths and left-padded into the running cache, so
-    the batch stays full instead of idling behind its longest reply.
+    """Replies of any HF causal LM in batches of up to ``batch_size``: one left-padded prefill
+    each, a finished row leaving at once (its cache rows dropped), the next batch once this one
+    has finished. ``specdraft-prepare``'s path for a target whose cache cannot take rows into a
+    running batch (sliding-window layers); every other target is served with continuous
+    batching by the batched decoder (``decoding/batch.py``).
 
     ``on_done(key, reply, truncated)`` gets each reply (stop token excluded) and whether it ran
-    to ``max_new_tokens``; it may return new requests, which are served next (e.g. a
-    conversation's next turn). ``sampling``: a ``models.sampling.Sampling`` (None or T = 0:
-    greedy). Position ids count real tokens only, as ``generate`` does with left padding.
-    ``should_stop()``: once it says True, no waiting request joins (the rows in flight finish;
-    a time budget).
+    to its budget; it may return new requests, served first in a later batch (a conversation's
+    next turn). ``sampling``: a ``models.sampling.Sampling`` (None or T = 0: greedy). Position
+    ids count real tokens only, as ``generate`` does with left padding. ``should_stop()``: once
+    it says True no further batch starts (the rows in flight finish; a time budget).
     """
     from collections import deque
 
     from transformers import DynamicCache
 
-    from .ragged import group_order, prefill_groups, prefill_waste
     from .sampling import greedy_tokens, warp
 
-    if not 1 <= admit <= batch_size:
-        raise ValueError(f"admit={admit}: must be between 1 and the batch size ({batch_size})")
     dev = next(model.parameters()).device
     greedy = sampling is None or sampling.greedy
     queue = deque(requests)
-    rows: list[dict] = []  # live rows: key, reply, generator, next position
-    cache = mask = logits = None
-    # joining, stacking and trimming assume full-attention layers; a cache with sliding-window
-    # layers is prefilled in one padded forward and refilled once the whole batch has finished
-    joinable = all(type(x) is DynamicLayer for x in DynamicCache(config=model.config).layers)
-    st = stats if stats is not None else {}
-    for key in ("prefill_s", "decode_s", "steps", "row_steps", "cache_cols", "real_cols"):
-        st.setdefault(key, 0)
-
-    def prefill_group(reqs: list[GenRequest]):
+    while queue and not (should_stop is not None and should_stop()):
+        reqs = [queue.popleft() for _ in range(min(batch_size, len(queue)))]
         n = max(len(r.prompt) for r in reqs)
         ids = torch.full((len(reqs), n), pad_id, dtype=torch.long)
-        m = torch.zeros_like(ids)
+        mask = torch.zeros_like(ids)
         for i, r in enumerate(reqs):
             ids[i, n - len(r.prompt) :] = torch.tensor(r.prompt)
-            m[i, n - len(r.prompt) :] = 1
-        ids, m = ids.to(dev), m.to(dev)
-        pos = (m.cumsum(-1) - 1).clamp_min(0)
-        c = DynamicCache(config=model.config)
-        c.layers = [_GrowingLayer() if type(x) is DynamicLayer else x for x in c.layers]
+            mask[i, n - len(r.prompt) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        cache = DynamicCache(config=model.config)
+        # full-attention layers append into spare room instead of copying the whole cache
+        cache.layers = [_GrowingLayer() if type(x) is DynamicLayer else x for x in cache.layers]
         out = model(
             input_ids=ids,
-            attention_mask=m,
-            position_ids=pos,
-            **cache_kw(model, c),
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+            **cache_kw(model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
-        return c, m, out.logits[:, -1].float()
-
-    def prefill(reqs: list[GenRequest]):
-        """Prompts of similar lengths prefilled together (``prefill_groups``), put back in
-        order; a cache with sliding-window layers cannot be stacked: one padded forward."""
-        t0 = time.perf_counter()
-        waste = prefill_waste(dev) if joinable else math.inf
-        groups = prefill_groups([len(r.prompt) for r in reqs], waste)
-        parts = [prefill_group([reqs[i] for i in g]) for g in groups]
-        # groups hold the prompts longest first, a single group too: always put them back
-        order = group_order(groups)
-        c, m = _stack_caches([(c, m) for c, m, _ in parts], order)
-        lg = torch.cat([lg for _, _, lg in parts])[torch.tensor(order, device=dev)]
-        st["prefill_s"] += time.perf_counter() - t0
-        return c, m, lg
-
-    while queue or rows:
-        if queue and should_stop is not None and should_stop():
-            queue.clear()
-            if not rows:
-                break
-        free = batch_size - len(rows)
-        if queue and (not rows or (joinable and free >= min(admit, len(queue)))):
-            reqs = [queue.popleft() for _ in range(min(free, len(queue)))]
-            c, m, lg = prefill(reqs)
-            for r in reqs:
-                g = torch.Generator(device=dev).manual_seed(r.seed) if not greedy else None
-                rows.append(
-                    {
-                        "key": r.key,
-                        "reply": [],
-                        "gen": g,
-                        "pos": len(r.prompt),
-                        "budget": r.budget(max_new_tokens),
-                    }
-                )
-            if cache is None:
-                cache, mask, logits = c, m, lg
-            else:
-                cache, mask = _join_caches(cache, mask, c, m)
-                logits = torch.cat([logits, lg])
-        if greedy:
-            nxt = greedy_tokens(logits).tolist()
-        else:
-            probs = warp(logits, sampling)
-            # torch.multinomial (an exponential race over every token), not ``sample`` (the
-            # inverse CDF): rounding that moves with the batch's composition moves an inverse-CDF
-            # draw to a neighbouring token far more often, and a resumed run must write the same
-            # file (tests/test_regenerate.py)
-            nxt = [
-                int(torch.multinomial(probs[i], 1, generator=row["gen"]))
-                for i, row in enumerate(rows)
-            ]
-        keep = []
-        for i, (row, t) in enumerate(zip(rows, nxt, strict=True)):
-            stop = t in stop_ids
-            if not stop:
-                row["reply"].append(t)
-            if stop or len(row["reply"]) >= row["budget"]:
-                for r in on_done(row["key"], row["reply"], not stop) or ():
-                    queue.appendleft(r)
-            else:
-                keep.append(i)
-        if len(keep) < len(rows):
-            rows = [rows[i] for i in keep]
-            if not rows:
-                cache = mask = logits = None
-                continue
-            k = torch.tensor(keep, device=dev)
-            cache.batch_select_indices(k)
-            mask = mask[k]
-            # columns that are padding in every remaining row cost attention for nothing
-            first = int(mask.any(0).float().argmax())
-            if first > 0 and joinable:
-                _trim_cache(cache, first)
-                mask = mask[:, first:]
-        toks = torch.tensor([[r["reply"][-1]] for r in rows], device=dev)
-        pos = torch.tensor([[r["pos"]] for r in rows], device=dev)
-        for r in rows:
-            r["pos"] += 1
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        t0 = time.perf_counter()
-        out = model(
-            input_ids=toks,
-            attention_mask=mask,
-            position_ids=pos,
-            **cache_kw(model, cache),
-            use_cache=True,
-        )
         logits = out.logits[:, -1].float()
-        st["decode_s"] += time.perf_counter() - t0
-        st["steps"] += 1
-        st["row_steps"] += len(rows)
-        st["cache_cols"] += mask.numel()
-        st["real_cols"] += int(mask.sum())
+        rows = [
+            {
+                "key": r.key,
+                "reply": [],
+                "gen": None if greedy else torch.Generator(device=dev).manual_seed(r.seed),
+                "pos": len(r.prompt),
+                "budget": r.budget(max_new_tokens),
+            }
+            for r in reqs
+        ]
+        while rows:
+            if greedy:
+                nxt = greedy_tokens(logits).tolist()
+            else:
+                probs = warp(logits, sampling)
+                # torch.multinomial (an exponential race), as the batched decoder's plain draw
+                # for regeneration (``decoding.verify.AcceptRule.race``): a resumed run must
+                # write the same file (tests/test_regenerate.py)
+                nxt = [
+                    int(torch.multinomial(probs[i], 1, generator=row["gen"]))
+                    for i, row in enumerate(rows)
+                ]
+            keep = []
+            for i, (row, t) in enumerate(zip(rows, nxt, strict=True)):
+                stop = t in stop_ids
+                if not stop:
+                    row["reply"].append(t)
+                if stop or len(row["reply"]) >= row["budget"]:
+                    for r in reversed(list(on_done(row["key"], row["reply"], not stop) or ())):
+                        queue.appendleft(r)
+                else:
+                    keep.append(i)
+            if len(keep) < len(rows):
+                rows = [rows[i] for i in keep]
+                if not rows:
+                    break
+                k = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(k)
+                mask = mask[k]
+            toks = torch.tensor([[r["reply"][-1]] for r in rows], device=dev)
+            pos = torch.tensor([[r["pos"]] for r in rows], device=dev)
+            for r in rows:
+                r["pos"] += 1
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            out = model(
+                input_ids=toks,
+                attention_mask=mask,
+                position_ids=pos,
+                **cache_kw(model, cache),
+                use_cache=True,
+            )
+            logits = out.logits[:, -1].float()
 
 
 class _GrowingLayer(DynamicLayer):

@@ -205,7 +205,7 @@ def test_max_minutes_stops_starting_conversations_and_the_same_command_continues
 
 
 def test_generate_many_should_stop_lets_rows_in_flight_finish(tiny_target):
-    """``should_stop``: checked before each admission; once True the waiting requests never
+    """``should_stop``: checked before each batch starts; once True the waiting requests never
     start, and the rows already generating run to their end."""
     from models.target import GenRequest, generate_many
 
