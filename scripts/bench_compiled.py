@@ -266,18 +266,27 @@ def part_batch(target, tokens: int, reps: int, sizes=(1, 4, 16)) -> dict:
     ) / (len(outs) * len(first))
     del decs, runners
     res[f"draft_ms, shipped head, chain of 3, {big} rows"] = batched_draft_costs(target, big, reps)
+    res[f"draft_ms, shipped head, tree (depth 5, top_k 8, 32 nodes), {big} rows"] = (
+        batched_draft_costs(target, big, reps, gamma=5, tree=True)
+    )
     return res
 
 
-def batched_draft_costs(target, rows: int, reps: int, gamma: int = 3) -> dict:
+def batched_draft_costs(target, rows: int, reps: int, gamma: int = 3, tree: bool = False) -> dict:
     """ms of one proposal of ``gamma`` for ``rows`` rows by the shipped EAGLE-3 head, after
-    each row committed 2 new tokens: the eager batched drafter (a device read per step) and
-    the fixed-shape one (one read; CUDA: one graph replay; a CPU: its eager shapes)."""
+    each row committed 2 new tokens: the eager batched drafter (a device read per step, a
+    tree's per level) and the fixed-shape one (one read; CUDA: one graph replay; a CPU: its
+    eager shapes). ``tree``: EAGLE-2 trees of depth ``gamma``, top_k 8, 32 nodes."""
     from decoding.drafts import load_proposer
     from models.base import DecodeSettings, DecodeState
     from models.sampling import Sampling
 
-    prop, _ = load_proposer("smollm2-eagle3", target, tree=DecodeSettings(tree="chain"))
+    settings = (
+        DecodeSettings(tree="dynamic", depth=gamma, top_k=8, total_tokens=32)
+        if tree
+        else DecodeSettings(tree="chain")
+    )
+    prop, _ = load_proposer("smollm2-eagle3", target, tree=settings)
     g = torch.Generator().manual_seed(2)
     n = 160
     states = []
@@ -309,7 +318,7 @@ def batched_draft_costs(target, rows: int, reps: int, gamma: int = 3) -> dict:
         fixed = drafters[next(k for k in drafters if k.startswith("fixed"))]
         bucket = next(b for b in fixed.buckets if b >= rows)
         replay = median_seconds(
-            fixed._graph(bucket, gamma, states[0].sampling), target.device, reps
+            fixed._graph(bucket, gamma, None if tree else states[0].sampling), target.device, reps
         )
     res = {k: 1e3 * v for k, v in med.items()}
     res["fixed shapes, its function alone" + (" (graph replay)" if graphs == "cuda" else "")] = (

@@ -16,9 +16,9 @@
 #           equality with the eager proposer, the T = 1 chi-square of its on-device draws);
 #           compile=fused's tests wait for `exact_fused` (with them this ran past 150 s)
 #   batch_exact (60) the batched decoder's exactness on CUDA: every row its batch-1 greedy
-#           output on the static batch cache's real graphs, the batched EAGLE chain on fixed
-#           shapes proposing what each row's batch-1 chain does (tests/test_batch.py; 46 s on
-#           an H100)
+#           output on the static batch cache's real graphs, the batched EAGLE chain and EAGLE-2
+#           tree on fixed shapes proposing what each row's batch-1 drafter does
+#           (tests/test_batch.py; 46 s on an H100 before the trees' tests)
 #   shaped  (110) scripts/bench_compiled.py --parts shaped: a Llama-3.1-8B-shaped target with
 #           random weights built on the GPU: forward ms at 1 / 8 / 16 / 32 tokens against the
 #           memory-bandwidth limit, an EAGLE-3 draft step against a target step
@@ -45,7 +45,8 @@
 #   fused   (120) compile=fused against compile=true: a forward at 1 and 4 tokens, plain tok/s
 #   batch   (100) the batched decoder's runners: transformers' ragged cache against the static
 #           one's graphs, verification ms at 1 / 4 / 16 rows, plain tok/s at B = 16, and the
-#           shipped head's chain of 3 for 16 rows: eager batched drafter against its graph
+#           shipped head's chain of 3 and tree (5, 8, 32) for 16 rows: eager batched drafter
+#           against its graph
 #   hf      (200) transformers' generate with a static cache and torch.compile, side by side
 #           (its compile ran past 100 s on an H100)
 # Each MT-bench run decodes its 80 prompts plain and speculative (~90 s on an H100) after

@@ -1355,25 +1355,30 @@ def test_static_batched_eagle_chain_proposes_what_each_row_would_alone(
     assert bp.cols.rows == 3
 
 
-def test_the_batched_decoder_drafts_eagle_chains_on_fixed_shapes_where_graphs_run(
-    tiny_target, reference
+@pytest.mark.parametrize("name", ["eagle", "eagle_tree"])
+def test_the_batched_decoder_drafts_eagle_on_fixed_shapes_where_graphs_run(
+    tiny_target, reference, name
 ):
     """compile=emulate (graphs' shapes on a CPU; real graphs on CUDA): the batched decoder's
-    EAGLE chain is the fixed-shape one, and every row is its batch-1 greedy output."""
-    from models.eagle.static import StaticBatchedEagleChain
+    EAGLE chain or EAGLE-2 tree is the fixed-shape one, and every row is its batch-1 greedy
+    output."""
+    from models.eagle.static import StaticBatchedEagleChain, StaticBatchedEagleTree
 
     dec = BatchDecoder(
-        tiny_target, _proposers(tiny_target)["eagle"], Sampling(), 3, compile=COMPILE["graphs"]
+        tiny_target, _proposers(tiny_target)[name], Sampling(), 3, compile=COMPILE["graphs"]
     )
     out = dec.run([GenRequest(i, p) for i, p in enumerate(_prompts())], N_NEW)
-    assert isinstance(dec.bp, StaticBatchedEagleChain) and out == reference
-    # every (row bucket, length) captured before the run; a larger cache captures them again
+    kind = StaticBatchedEagleTree if name == "eagle_tree" else StaticBatchedEagleChain
+    assert type(dec.bp) is kind and out == reference
+    # every (row bucket, length) captured before the run (a tree: one per bucket); a larger
+    # cache captures them again
     bp = dec.bp
-    assert len(bp._graphs) == len(bp.buckets) * bp.gamma_max
+    n = len(bp.buckets) * (1 if name == "eagle_tree" else bp.gamma_max)
+    assert len(bp._graphs) == n
     bp.reserve(4 * bp.cols.capacity)
-    assert len(bp._graphs) == len(bp.buckets) * bp.gamma_max
+    assert len(bp._graphs) == n
     assert dec.run([GenRequest(i, p) for i, p in enumerate(_prompts())], N_NEW) == reference
-    auto = BatchDecoder(tiny_target, _proposers(tiny_target)["eagle"], Sampling(), 3)
+    auto = BatchDecoder(tiny_target, _proposers(tiny_target)[name], Sampling(), 3)
     auto.run([GenRequest(0, _prompts()[0])], 4)
     # the default on a CPU: the static cache eager, and the eager batched drafter
     assert isinstance(auto.bp, StaticBatchedEagleChain) == (tiny_target.device.type == "cuda")
@@ -1405,6 +1410,38 @@ def test_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min
 
     bp = _drafting_side_by_side(single, rows, alone, commit, late, 5, 0.0, rng, gammas=gammas)
     assert bp.valid.shape[0] == 3
+    assert all(len(s) <= 9 for s in bp.last_scores)
+
+
+@pytest.mark.parametrize("min_prob,late", [(0.0, False), (0.0, True), (0.1, True)])
+def test_static_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min_prob, late):
+    """EAGLE-2 trees for every row on fixed shapes (one function per row bucket, each row's
+    depth an input of it: the graph path, run eagerly here) against the batch-1 eager tree,
+    row by row: rows of different depths in one proposal (0 included), 3 rows in a bucket of 4,
+    ragged acceptance down each tree's path, late joins, and trees cut by ``min_prob``."""
+    from models.eagle import Eagle3Config, Eagle3Head
+    from models.eagle.static import StaticBatchedEagleTree
+
+    torch.manual_seed(0)
+    head = Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64)).to(tiny_target.device)
+    with torch.no_grad():  # a peaked draft, as a trained one: trees of many shapes
+        head.lm_head.weight.mul_(20)
+    settings = DecodeSettings(tree="dynamic", depth=4, top_k=3, total_tokens=9, min_prob=min_prob)
+    single = head.proposer(settings)
+    bp = single.batched_fixed_shape(4, 4, "emulate")
+    assert isinstance(bp, StaticBatchedEagleTree)
+    assert single.batched_fixed_shape(4, 3, "emulate") is None  # only at the tree's own depth
+    bp.prepare(Sampling())
+    assert len(bp._graphs) == len(bp.buckets)  # one function per bucket, every depth mix
+    rng = random.Random(3)
+    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
+    rows, alone, commit = _eagle_rows(tiny_target, single, seqs)
+
+    def gammas(it):
+        return [4, 1 + it % 4, 0 if it % 3 == 1 else 3]
+
+    _drafting_side_by_side(single, rows, alone, commit, late, 6, 0.0, rng, gammas=gammas, bp=bp)
+    assert bp.cols.rows == 3 and len(bp._graphs) == len(bp.buckets)
     assert all(len(s) <= 9 for s in bp.last_scores)
 
 

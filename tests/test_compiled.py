@@ -365,20 +365,33 @@ def test_static_eagle_tree_grows_what_the_eager_tree_grows(tiny_target, method, 
     def state(n):
         return DecodeState(seq[:n], feats[: n - 1], Sampling(), None, tiny_target.device)
 
+    def never(*a):
+        raise AssertionError("a tree within the graph's depth drafted the eager way")
+
+    static._eager_propose = never  # a shallower tree (near a reply's budget) is the graph's too
     n = len(PROMPT)
     for p in (eager, static):
         p.start(state(n))
     sizes = set()
-    for step in (1, 4, 2, 3):
+    for step, depth in ((1, 4), (4, 2), (2, 1), (3, 4), (1, 3)):
         n += step
-        a, b = eager.propose(state(n), 4), static.propose(state(n), 4)
+        a, b = eager.propose(state(n), depth), static.propose(state(n), depth)
         assert (a.tokens, a.parents) == (b.tokens, b.parents), step
+        assert max(_tree_depths(b.parents), default=0) <= depth
         assert eager.last_scores == pytest.approx(static.last_scores, abs=1e-4)
-        sizes.add(len(a))
+        if depth == 4:  # full-depth trees: where min_prob cuts, below the budget
+            sizes.add(len(a))
         for p in (eager, static):
             p.rollback(state(n), 0)
     # trees of several nodes, and where min_prob cuts, smaller than the budget
     assert max(sizes) > 1 and (min_prob == 0 or min(sizes) < 10), sizes
+
+
+def _tree_depths(parents: list[int]) -> list[int]:
+    d: list[int] = []
+    for p in parents:
+        d.append(1 if p < 0 else d[p] + 1)
+    return d
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -232,6 +232,19 @@ class EagleTreeProposer(EagleProposer):
             self.head, self.depth, self.top_k, self.total_tokens, min_prob, graphs
         )
 
+    def batched_fixed_shape(self, batch_size: int, gamma: int, graphs: str):
+        """Trees for the batched decoder's static path where graphs run
+        (``static.StaticBatchedEagleTree``: one function per row bucket, each row's depth an
+        input); None elsewhere."""
+        if type(self) is not EagleTreeProposer or graphs == "off" or gamma != self.depth:
+            return None
+        from .static import StaticBatchedEagleTree
+
+        min_prob = math.exp(self.log_min) if self.log_min > float("-inf") else 0.0
+        return StaticBatchedEagleTree(
+            self.head, batch_size, self.depth, self.top_k, self.total_tokens, min_prob, graphs
+        )
+
     def batched(self) -> BatchedEagleTree | None:
         """Trees for every row of the batched decoder, one head forward per level."""
         if type(self) is not EagleTreeProposer:

@@ -1,4 +1,6 @@
-"""EAGLE chain drafting on fixed shapes: the decoder's static path (``compile=true``).
+"""EAGLE drafting on fixed shapes: the decoders' static path (``compile=true``). Chains and
+EAGLE-2 trees, at batch 1 (``StaticEagleChain``, ``StaticEagleTree``) and for every row of the
+batched decoder (``StaticBatchedEagleChain``, ``StaticBatchedEagleTree``).
 
 The eager proposer (``proposer.py``) feeds the head through a ``DynamicCache`` that grows and
 is cropped every iteration and reads each drafted token back to the host before drafting the
@@ -215,7 +217,8 @@ class StaticEagleChain(EagleProposer):
         upto = n - 1
         if upto - self.done > self.width:  # the head sat idle: feed the older pairs first
             self._catch_up(state, upto - self.width)
-        graph = self._graph(gamma, state.sampling)  # captured before its inputs are set
+        g = self._graph_length(gamma)  # the graph that drafts it (a tree: its full depth)
+        graph = self._graph(g, state.sampling)  # captured before its inputs are set
         m = upto - self.done  # 1..width committed pairs to feed
         self.f_buf[:m] = state.features[self.done : upto]
         ids = torch.zeros(self.width, dtype=torch.long)
@@ -223,17 +226,22 @@ class StaticEagleChain(EagleProposer):
         self.x_buf.copy_(ids[None].to(self.x_buf.device, non_blocking=True))
         self.done_t.fill_(self.done)
         self.last_t.fill_(m - 1)
-        self._span = self.done + self.width + self._extra(gamma)
+        self._span = self.done + self.width + self._extra(g)
         if not state.sampling.greedy and not self.deterministic:
             self.u_buf[:gamma] = torch.rand(
                 gamma, generator=state.generator, dtype=torch.float64, device=state.device
             )
         out = graph()
         self.done = upto
-        self.draft_calls += gamma
+        self.draft_calls += g
         prop = self._proposal(out)  # the iteration's one read of the device
-        self.last_step_seconds = (time.perf_counter() - t) / gamma
+        self.last_step_seconds = (time.perf_counter() - t) / g
         return prop
+
+    def _graph_length(self, gamma: int) -> int:
+        """The length of the captured proposal that drafts ``gamma`` tokens (a chain has one
+        per length)."""
+        return gamma
 
     #: a proposal's tokens are the draft's top choices, never sampled (an EAGLE-2 tree)
     deterministic = False
@@ -313,11 +321,24 @@ class StaticEagleTree(StaticEagleChain):
     def _extra(self, gamma: int) -> int:
         return (gamma - 1) * self.top_k  # the fed frontier nodes of levels 1..depth-1
 
+    def _alloc(self, max_len: int) -> None:
+        super()._alloc(max_len)
+        # the deepest level a proposal keeps: the graph always grows every level, and the
+        # nodes below this one score -inf before the best are chosen (a shallower tree, near
+        # a reply's budget, is then the same graph: drafted the eager way it took ~60 host
+        # reads, and on a GPU a tree proposal averaged 4.85 ms, docs/benchmarks.md part 4)
+        self.cap_t = torch.zeros((), dtype=torch.long, device=self.f_buf.device)
+        self.level = tree_levels(self.top_k, self.gamma_max, self.f_buf.device)
+
     def _fixed(self, state: DecodeState, gamma: int) -> bool:
-        return gamma == self.depth  # a shallower tree is drafted the eager way
+        return 1 <= gamma <= self.depth  # a shallower tree: the same graph, cut (``cap_t``)
 
     def _lengths(self) -> tuple[int, ...]:
         return (self.depth,)  # one graph, for the full depth
+
+    def _graph_length(self, gamma: int) -> int:
+        self.cap_t.fill_(gamma)
+        return self.depth
 
     def _draft(self, depth: int, sampling) -> torch.Tensor:
         """The tree on the static buffers; returns (4, total_tokens) float64 for its best
@@ -371,6 +392,7 @@ class StaticEagleTree(StaticEagleChain):
         # node's parent is kept too (a child never scores above its parent, and a tie sorts
         # the parent, numbered first, before it)
         sc = torch.cat(scores)
+        sc = torch.where(self.level <= self.cap_t, sc, float("-inf"))  # levels past the cap
         best = torch.sort(sc, descending=True, stable=True).indices[: self.total_tokens]
         return torch.stack(
             [
@@ -382,25 +404,43 @@ class StaticEagleTree(StaticEagleChain):
         )
 
     def _proposal(self, out: torch.Tensor) -> Proposal:
-        """The tree from the graph's one read: the best nodes' numbers, tokens, parents and
-        scores, kept by the eager tree's rules (``_Tree.proposal``: ``min_prob``, a parent
-        before its children)."""
-        K = self.top_k
-        tree = _Tree(None)
-        keep = {}  # device node -> host node (nodes of -inf score and their subtrees dropped)
-        for v, t, p, s in sorted(zip(*out.tolist(), strict=True)):  # by number: parents first
-            v, p = int(v), int(p)
-            if s == float("-inf") or (p >= 0 and p not in keep):
-                continue
-            keep[v] = len(tree.tokens)
-            tree.tokens.append(int(t))
-            tree.parents.append(keep[p] if p >= 0 else -1)
-            tree.scores.append(s)
-            tree.depths.append(1 if v < K else 2 + (v - K) // (K * K))
-        prop, self.last_scores = tree.proposal(self.total_tokens, self.log_min)
+        prop, self.last_scores = best_nodes_tree(
+            out.tolist(), self.top_k, self.total_tokens, self.log_min
+        )
         return prop
 
     _eager = EagleTreeProposer
+
+
+def best_nodes_tree(
+    rows: list[list[float]], top_k: int, total_tokens: int, log_min: float
+) -> tuple[Proposal, list[float]]:
+    """The tree from a fixed-shape tree's one read: ``rows`` holds the best nodes' numbers
+    (level by level: ``top_k`` at the first, ``top_k``^2 at each next), tokens, parents'
+    numbers and scores, kept by the eager tree's rules (``_Tree.proposal``: ``min_prob``, a
+    parent before its children). Returns the proposal and the kept nodes' scores."""
+    K = top_k
+    tree = _Tree(None)
+    keep = {}  # device node -> host node (nodes of -inf score and their subtrees dropped)
+    for v, t, p, s in sorted(zip(*rows, strict=True)):  # by number: parents first
+        v, p = int(v), int(p)
+        if s == float("-inf") or (p >= 0 and p not in keep):
+            continue
+        keep[v] = len(tree.tokens)
+        tree.tokens.append(int(t))
+        tree.parents.append(keep[p] if p >= 0 else -1)
+        tree.scores.append(s)
+        tree.depths.append(1 if v < K else 2 + (v - K) // (K * K))
+    return tree.proposal(total_tokens, log_min)
+
+
+def tree_levels(top_k: int, depth: int, device) -> torch.Tensor:
+    """The level (1-based) of every node of a fixed-shape tree, in its numbering."""
+    K = top_k
+    return torch.cat(
+        [torch.ones(K, dtype=torch.long)]
+        + [torch.full((K * K,), d + 1, dtype=torch.long) for d in range(1, depth)]
+    ).to(device)
 
 
 class _BatchDraftKV:
@@ -459,10 +499,11 @@ class StaticBatchedEagleChain(BatchedProposer):
         cfg = attn.config
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dev, dtype, B = head.target.device, head._compute_dtype(), self.batch_size
-        L = round_up(max_len + self.width + self.gamma_max)
+        extra = self._extra(self.gamma_max)
+        L = round_up(max_len + self.width + extra)
         kv = torch.zeros(1, 2, B, kv_heads, L, attn.head_dim, dtype=dtype, device=dev)
         self.kv = _BatchDraftKV(kv)
-        self.cols = RaggedColumns(kv, L - self.width - self.gamma_max)
+        self.cols = RaggedColumns(kv, L - self.width - extra)
         self.done: list[int] = []
         W, nL, H = self.width, len(head.feature_layers), head.target.hidden_size
         self.f_buf = torch.zeros(B, W, nL, H, dtype=head.target.dtype, device=dev)
@@ -481,8 +522,12 @@ class StaticBatchedEagleChain(BatchedProposer):
         self.done = []
         self.last_step_seconds = None
 
+    def _extra(self, gamma: int) -> int:
+        """Columns a proposal of ``gamma`` writes after its block of committed pairs."""
+        return gamma
+
     def reserve(self, total: int) -> None:
-        if total + self.width + self.gamma_max > self.cols.capacity:
+        if total + self.width + self._extra(self.gamma_max) > self.cols.capacity:
             if self.cols.rows:
                 raise ValueError("reserve() with rows in the draft cache: call it before a run")
             self.capture_seconds = 0.0
@@ -497,14 +542,18 @@ class StaticBatchedEagleChain(BatchedProposer):
         (before anything is timed: a capture inside a timed run would count in it)."""
         self._prepared.add(sampling)
         for b in self.buckets:
-            for g in range(1, self.gamma_max + 1):
+            for g in self._lengths():
                 self._graph(b, g, sampling)
+
+    def _lengths(self) -> range | tuple[int, ...]:
+        """The proposal lengths captured per row bucket."""
+        return range(1, self.gamma_max + 1)
 
     def _graph(self, bucket: int, gamma: int, sampling) -> Captured:
         key = (bucket, gamma, sampling)
         if key not in self._graphs:
             # warm-up and capture write at the last columns, which no row reaches
-            self.base.fill_(self.kv.kv.shape[4] - self.width - self.gamma_max)
+            self.base.fill_(self.kv.kv.shape[4] - self.width - self._extra(self.gamma_max))
             cap = Captured(
                 functools.partial(self._draft, bucket, gamma, sampling),
                 self.graphs != "cuda",
@@ -515,11 +564,12 @@ class StaticBatchedEagleChain(BatchedProposer):
             self.capture_seconds += cap.seconds
         return self._graphs[key]
 
-    def _draft(self, bucket: int, gamma: int, sampling):
+    def _feed_block(self, bucket: int):
         """Feed the block of committed pairs (``f_buf``, ``x_buf``, ``p_buf``; ``real`` marks
-        them, left-padded) at columns base.., then ``gamma`` draft steps for the first
-        ``bucket`` rows. Returns the tokens (bucket, gamma) and, at T > 0, q (bucket, gamma,
-        V)."""
+        them, left-padded) at columns base.. for the first ``bucket`` rows. Returns the head's
+        output after each row's last pair (bucket, H), what every draft query of a row sees of
+        the committed context (bucket, span) and each column's place relative to the block
+        (span,)."""
         head, kv, W = self.head, self.kv, self.width
         span = kv.kv.shape[4]
         kv.rows, kv.span = slice(0, bucket), span
@@ -535,7 +585,14 @@ class StaticBatchedEagleChain(BatchedProposer):
         h0 = head.initial_hidden(self.f_buf[:bucket])
         emb = head._embed(self.x_buf[:bucket])
         h = head.step(h0, emb, self.p_buf[:bucket], mask[:, None], kv)[:, -1]  # (bucket, H)
-        seen = before | key_real  # the committed context of every draft step
+        return h, before | key_real, rel
+
+    def _draft(self, bucket: int, gamma: int, sampling):
+        """The block of committed pairs (``_feed_block``), then ``gamma`` draft steps for the
+        first ``bucket`` rows. Returns the tokens (bucket, gamma) and, at T > 0, q (bucket,
+        gamma, V)."""
+        head, kv, W = self.head, self.kv, self.width
+        h, seen, rel = self._feed_block(bucket)
         pos = self.p_buf[:bucket, -1] + 1  # the pending token's position
         toks, qs = [], []
         for i in range(gamma):
@@ -627,6 +684,28 @@ class StaticBatchedEagleChain(BatchedProposer):
         if top > self.gamma_max:
             raise ValueError(f"gamma={top}: past the static chain's {self.gamma_max}")
         t = time.perf_counter()
+        R, dev = len(states), self.head.target.device
+        sampling = states[0].sampling
+        bucket, graph, ups, real = self._inputs(states, top, sampling)
+        if not sampling.greedy:
+            for b, st in enumerate(states):
+                self.u_buf[b, : gammas[b]] = torch.rand(
+                    gammas[b], generator=st.generator, dtype=torch.float64, device=dev
+                )
+        toks, q = graph()
+        tokens = toks[:R].tolist()  # the proposal's one read of the device
+        self._committed(R, ups, real, top)
+        self.last_step_seconds = (time.perf_counter() - t) / top
+        return [
+            Proposal.chain(tokens[b][: gammas[b]], None if q is None else q[b, : gammas[b]].clone())
+            for b in range(R)
+        ]
+
+    def _inputs(self, states: list[DecodeState], length: int, sampling):
+        """Before a replay: rows that sat idle catch up eagerly, the graph of the row bucket
+        and ``length`` is captured if new, and the block of committed pairs is placed in its
+        input buffers. Returns the bucket, the graph, each row's committed length and the
+        block's ``real`` marks (host, (bucket, width))."""
         R, W, dev = len(states), self.width, self.head.target.device
         ups = [len(s.ids) - 1 for s in states]
         if any(u - d > W for u, d in zip(ups, self.done, strict=True)):
@@ -634,9 +713,8 @@ class StaticBatchedEagleChain(BatchedProposer):
             older = [max(d, u - W) for u, d in zip(ups, self.done, strict=True)]
             self._feed_eager(states, slice(0, R), older)
         bucket = next(b for b in self.buckets if b >= R)
-        sampling = states[0].sampling
-        graph = self._graph(bucket, top, sampling)  # captured before its inputs are set
-        self.cols.room(W + top)
+        graph = self._graph(bucket, length, sampling)  # captured before its inputs are set
+        self.cols.room(W + self._extra(length))
         toks, pos, real, fs = pair_block(states, self.done, ups, W)
         self._place_features(bucket, fs)
         # rows past R in the bucket: padding (no pair; each query sees only itself)
@@ -647,20 +725,134 @@ class StaticBatchedEagleChain(BatchedProposer):
         self.x_buf[:bucket].copy_(both[0])
         self.p_buf[:bucket].copy_(both[1])
         self.real[:bucket].copy_(real.to(dev, non_blocking=True))
-        base = self.cols.frontier
-        self.base.fill_(base)
-        if not sampling.greedy:
-            for b, st in enumerate(states):
-                self.u_buf[b, : gammas[b]] = torch.rand(
-                    gammas[b], generator=st.generator, dtype=torch.float64, device=dev
-                )
-        toks, q = graph()
-        tokens = toks[:R].tolist()  # the proposal's one read of the device
-        self.cols.fill(slice(0, R), base, real[:R])  # the block's real pairs stay
+        self.base.fill_(self.cols.frontier)
+        return bucket, graph, ups, real
+
+    def _committed(self, R: int, ups: list[int], real: torch.Tensor, steps: int) -> None:
+        """After a replay: the block's real pairs stay in the head's cache (the drafted
+        columns are written over by the next block)."""
+        self.cols.fill(slice(0, R), self.cols.frontier, real[:R])
         self.done = list(ups)
-        self.draft_calls += top
-        self.last_step_seconds = (time.perf_counter() - t) / top
-        return [
-            Proposal.chain(tokens[b][: gammas[b]], None if q is None else q[b, : gammas[b]].clone())
-            for b in range(R)
-        ]
+        self.draft_calls += steps
+
+
+class StaticBatchedEagleTree(StaticBatchedEagleChain):
+    """EAGLE-2 dynamic trees for every row of the batched decoder on fixed shapes: the batched
+    form of ``StaticEagleTree`` (``BatchedEagleTree``'s trees, drafted as one function per row
+    bucket, captured as a CUDA graph on CUDA).
+
+    The block of committed pairs is fed as the chain's (``_feed_block``); then ``depth - 1``
+    levels, each one head step for every row at once: a row's ``top_k`` best nodes of its
+    newest level (chosen on the device), in ``top_k`` columns shared by the rows after the
+    block, each query seeing its row's committed context, its own ancestors and itself. A
+    row's depth (0 to ``depth``: a row near its budget drafts less) is an input of the graph
+    (``cap``): the nodes below it score -inf before each row's ``total_tokens`` best are
+    chosen, so one graph per bucket serves every mix of depths. One host read a proposal: the
+    best nodes of every row, kept on the host by the eager tree's rules (``best_nodes_tree``).
+    Every level is computed in full, as the batch-1 tree on fixed shapes: the trees are the
+    eager ones (tests/test_batch.py)."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        batch_size: int,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        min_prob: float = 0.0,
+        graphs: str = "off",
+        max_len: int = 2048,
+    ):
+        self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+        self.log_min = math.log(min_prob) if min_prob > 0 else float("-inf")
+        super().__init__(head, batch_size, depth, graphs, max_len)
+        self.last_scores: list[list[float]] = []
+
+    def _extra(self, gamma: int) -> int:
+        return (gamma - 1) * self.top_k  # the fed frontier nodes of levels 1..depth-1
+
+    def _alloc(self, max_len: int) -> None:
+        super()._alloc(max_len)
+        dev = self.f_buf.device
+        self.cap = torch.zeros(self.batch_size, dtype=torch.long, device=dev)
+        self.level = tree_levels(self.top_k, self.depth, dev)
+
+    def _lengths(self) -> tuple[int, ...]:
+        return (self.depth,)  # one graph per row bucket: each row's depth is ``cap``
+
+    def prepare(self, sampling) -> None:
+        super().prepare(None)  # the draft's top choices: one function at every temperature
+
+    def _draft(self, bucket: int, depth: int, sampling) -> torch.Tensor:
+        """The block, then the trees of the first ``bucket`` rows; returns (4, bucket,
+        total_tokens) float64: each row's best nodes' numbers, tokens, parents' numbers (-1
+        for the first level) and cumulative log-probabilities (-inf: not kept)."""
+        head, kv, W, K = self.head, self.kv, self.width, self.top_k
+        root, seen, rel = self._feed_block(bucket)  # (bucket, H): predicts the first level
+        H, span = root.shape[-1], rel.shape[0]
+        pos0 = self.p_buf[:bucket, -1]  # the last pair's position: level d is at pos0 + d
+        slots = torch.arange(K, device=root.device)
+        logp, ids = head.top_tokens(root, K)  # (bucket, K)
+        scores, tokens = [logp.float()], [ids]
+        parents = [torch.full_like(ids, -1)]
+        level_s, level_t, offset = scores[0], tokens[0], 0
+        amask = out = None
+        for d in range(1, depth):
+            f_s, f_i = level_s.topk(K, dim=-1)  # each row's frontier: its level's K best
+            f_tok = level_t.gather(1, f_i)
+            own = W + (d - 1) * K + slots  # the frontier's columns, relative to the block
+            itself = (rel[None, :] == own[:, None])[None]  # (1, K, span)
+            if d == 1:
+                inp = root[:, None].expand(bucket, K, H)
+                m = seen[:, None, :] | itself
+            else:
+                prev = f_i // K  # the frontier node's parent: a fed node of the last level
+                inp = out.gather(1, prev[..., None].expand(bucket, K, H))
+                m = amask.gather(1, prev[..., None].expand(bucket, K, span)) | itself
+            kv.columns = self.base + own
+            p = (pos0 + d)[:, None].expand(bucket, K)
+            out = head.step(inp, head._embed(f_tok), p, m[:, None], kv)  # (bucket, K, H)
+            amask = m
+            lp, ci = head.top_tokens(out.reshape(bucket * K, H), K)  # each node's children
+            level_s = (f_s[:, :, None] + lp.float().view(bucket, K, K)).reshape(bucket, K * K)
+            level_t = ci.view(bucket, K * K)
+            f_gid = offset + f_i  # global numbers of the frontier nodes
+            offset += K if d == 1 else K * K
+            scores.append(level_s)
+            tokens.append(level_t)
+            parents.append(f_gid[:, :, None].expand(bucket, K, K).reshape(bucket, K * K))
+        sc = torch.cat(scores, 1)
+        sc = torch.where(self.level[None] <= self.cap[:bucket, None], sc, float("-inf"))
+        best = torch.sort(sc, dim=1, descending=True, stable=True).indices[:, : self.total_tokens]
+        return torch.stack(
+            [
+                best.double(),
+                torch.cat(tokens, 1).gather(1, best).double(),
+                torch.cat(parents, 1).gather(1, best).double(),
+                sc.gather(1, best).double(),
+            ]
+        )
+
+    @torch.no_grad()
+    def propose(self, states: list[DecodeState], gammas: list[int]) -> list[Proposal]:
+        depths = [max(0, min(self.depth, g)) for g in gammas]
+        if max(depths, default=0) == 0 or any(s.features is None or len(s.ids) < 2 for s in states):
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
+        t = time.perf_counter()
+        R = len(states)
+        bucket, graph, ups, real = self._inputs(states, self.depth, None)
+        caps = torch.zeros(bucket, dtype=torch.long)
+        caps[:R] = torch.tensor(depths)
+        self.cap[:bucket].copy_(caps.to(self.cap.device, non_blocking=True))
+        out = graph()[:, :R].tolist()  # the proposal's one read of the device
+        self._committed(R, ups, real, self.depth)
+        self.last_step_seconds = (time.perf_counter() - t) / self.depth
+        props, self.last_scores = [], []
+        for b in range(R):
+            p, s = best_nodes_tree(
+                [out[k][b] for k in range(4)], self.top_k, self.total_tokens, self.log_min
+            )
+            props.append(p)
+            self.last_scores.append(s)
+        return props
