@@ -1384,42 +1384,29 @@ def test_the_batched_decoder_drafts_eagle_on_fixed_shapes_where_graphs_run(
     assert isinstance(auto.bp, StaticBatchedEagleChain) == (tiny_target.device.type == "cuda")
 
 
-@pytest.mark.parametrize("min_prob,late", [(0.0, False), (0.0, True), (0.1, False)])
-def test_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min_prob, late):
-    """EAGLE-2 dynamic trees for every row, one head forward per level: each row's tree
-    (tokens and shape) is the batch-1 proposer's, with rows of different depths (0 included:
-    a row at its length limit drafts nothing while the others do), trees sized by the draft's
-    confidence (``min_prob``: rows stop growing at different levels), ragged acceptance down
-    each tree's path, and rows that join late."""
+@pytest.mark.parametrize(
+    "shapes,min_prob,late",
+    [
+        ("eager", 0.0, False),
+        ("eager", 0.0, True),
+        ("eager", 0.1, False),
+        ("fixed", 0.0, False),
+        ("fixed", 0.0, True),
+        ("fixed", 0.1, True),
+    ],
+)
+def test_batched_eagle_trees_are_what_each_row_would_grow_alone(
+    tiny_target, shapes, min_prob, late
+):
+    """EAGLE-2 dynamic trees for every row, against the batch-1 eager tree row by row: each
+    row's tree (tokens and shape) is its own, with rows of different depths in one proposal
+    (0 included: a row at its length limit drafts nothing while the others do), trees sized by
+    the draft's confidence (``min_prob``: rows stop growing at different levels), ragged
+    acceptance down each tree's path, and rows that join late. ``eager``: one head forward per
+    level; ``fixed``: on fixed shapes (one function per row bucket, each row's depth an input
+    of it: the graph path, run eagerly here; 3 rows in a bucket of 4)."""
     from models.eagle import Eagle3Config, Eagle3Head
     from models.eagle.proposer import BatchedEagleTree
-
-    torch.manual_seed(0)
-    head = Eagle3Head(tiny_target, Eagle3Config(draft_vocab_size=64)).to(tiny_target.device)
-    with torch.no_grad():  # a peaked draft, as a trained one: trees of many shapes
-        head.lm_head.weight.mul_(20)
-    settings = DecodeSettings(tree="dynamic", depth=4, top_k=3, total_tokens=9, min_prob=min_prob)
-    single = head.proposer(settings)
-    assert isinstance(single.batched(), BatchedEagleTree)
-    rng = random.Random(3)
-    seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
-    rows, alone, commit = _eagle_rows(tiny_target, single, seqs)
-
-    def gammas(it):
-        return [4, 1 + it % 4, 0 if it % 3 == 1 else 3]
-
-    bp = _drafting_side_by_side(single, rows, alone, commit, late, 5, 0.0, rng, gammas=gammas)
-    assert bp.valid.shape[0] == 3
-    assert all(len(s) <= 9 for s in bp.last_scores)
-
-
-@pytest.mark.parametrize("min_prob,late", [(0.0, False), (0.0, True), (0.1, True)])
-def test_static_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_target, min_prob, late):
-    """EAGLE-2 trees for every row on fixed shapes (one function per row bucket, each row's
-    depth an input of it: the graph path, run eagerly here) against the batch-1 eager tree,
-    row by row: rows of different depths in one proposal (0 included), 3 rows in a bucket of 4,
-    ragged acceptance down each tree's path, late joins, and trees cut by ``min_prob``."""
-    from models.eagle import Eagle3Config, Eagle3Head
     from models.eagle.static import StaticBatchedEagleTree
 
     torch.manual_seed(0)
@@ -1428,11 +1415,15 @@ def test_static_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_targ
         head.lm_head.weight.mul_(20)
     settings = DecodeSettings(tree="dynamic", depth=4, top_k=3, total_tokens=9, min_prob=min_prob)
     single = head.proposer(settings)
-    bp = single.batched_fixed_shape(4, 4, "emulate")
-    assert isinstance(bp, StaticBatchedEagleTree)
-    assert single.batched_fixed_shape(4, 3, "emulate") is None  # only at the tree's own depth
-    bp.prepare(Sampling())
-    assert len(bp._graphs) == len(bp.buckets)  # one function per bucket, every depth mix
+    if shapes == "eager":
+        bp = single.batched()
+        assert isinstance(bp, BatchedEagleTree)
+    else:
+        bp = single.batched_fixed_shape(4, 4, "emulate")
+        assert isinstance(bp, StaticBatchedEagleTree)
+        assert single.batched_fixed_shape(4, 3, "emulate") is None  # at the tree's depth only
+        bp.prepare(Sampling())
+        assert len(bp._graphs) == len(bp.buckets)  # one function per bucket, every depth mix
     rng = random.Random(3)
     seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
     rows, alone, commit = _eagle_rows(tiny_target, single, seqs)
@@ -1441,7 +1432,10 @@ def test_static_batched_eagle_trees_are_what_each_row_would_grow_alone(tiny_targ
         return [4, 1 + it % 4, 0 if it % 3 == 1 else 3]
 
     _drafting_side_by_side(single, rows, alone, commit, late, 6, 0.0, rng, gammas=gammas, bp=bp)
-    assert bp.cols.rows == 3 and len(bp._graphs) == len(bp.buckets)
+    if shapes == "eager":
+        assert bp.valid.shape[0] == 3
+    else:
+        assert bp.cols.rows == 3 and len(bp._graphs) == len(bp.buckets)
     assert all(len(s) <= 9 for s in bp.last_scores)
 
 
