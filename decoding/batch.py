@@ -1,9 +1,12 @@
-"""Batched speculative decoding: B requests in flight, each accepting its own number of tokens.
+"""The decoding loop: B requests in flight, each accepting its own number of tokens.
 
-The batch-1 decoder (``decoder.py``) stays the exact reference; this one serves a queue of
-requests the way a server does: up to ``batch_size`` rows decode together, a finished row leaves
-at once and a waiting request takes its place (continuous batching: the newcomers are prefilled
-in groups of similar lengths and joined to the running cache).
+One loop for batch 1 and batch B (``BatchDecoder.run``: admit, draft, verify, accept, book,
+retire). The batch-1 decoder (``decoder.py``) runs it with one row on its own runner
+(``batch_runner.SequenceRunner``) and adds what only batch 1 offers (lossy acceptance rules, a
+side branch, a stop rule, recorded logits: the attributes ``_OneSequence`` sets); here it serves
+a queue of requests the way a server does: up to ``batch_size`` rows decode together, a
+finished row leaves at once and a waiting request takes its place (continuous batching: the
+newcomers are prefilled in groups of similar lengths and joined to the running cache).
 
 **Ragged acceptance without moving the cache ("holes").** The rows share one KV cache with a
 boolean ``valid`` (B, L): the columns each row attends to. A verification forward appends
@@ -57,7 +60,6 @@ from models.sampling import Sampling, greedy_tokens
 from models.target import GenRequest, Target
 
 from .batch_runner import BatchRunner, RaggedRunner, choose_batch_runner
-from .decoder import Stats, _depths, count_iteration
 from .policies import (
     POLICIES,
     GammaController,
@@ -67,6 +69,7 @@ from .policies import (
     _Acceptance,
 )
 from .runner import RunnerError
+from .stats import Stats, count_iteration, depths
 from .timing import sync
 from .verify import AcceptRule, accept, until_stop
 
@@ -92,6 +95,9 @@ class _Row:
     started: bool = False
     read: int = 0  # tokens of the sequence its drafter has read (0: none yet)
     fbuf: torch.Tensor | None = None  # room for the features, grown by doubling
+    drafted: int = 0  # this iteration: tokens its proposer drafted (before a policy's cut)
+    side: object | None = None  # this iteration's side branch (batch 1: lookahead's window)
+    step_logits: list = field(default_factory=list)  # the target rows that chose its tokens
 
     def append_features(self, new: torch.Tensor) -> None:
         """Add target features for newly committed positions. ``state.features`` is a view
@@ -209,6 +215,7 @@ class BatchDecoder:
         runner: BatchRunner | None = None,
         drafter: BatchedProposer | None = None,
         race: bool = False,
+        rule: AcceptRule | None = None,
     ):
         if batch_size < 1:
             raise BatchError(f"batch_size={batch_size}: must be >= 1")
@@ -218,11 +225,12 @@ class BatchDecoder:
             raise BatchError(f"gamma={gamma}: must be >= 0")
         if policy not in POLICIES:
             raise BatchError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")
-        check_batchable(target, proposer)
+        if runner is None:
+            check_batchable(target, proposer)
         self.target, self.template, self.sampling = target, proposer, sampling
         # exact: lenience and typical run at batch 1 only; ``race``: plain steps at T > 0 draw
         # by torch.multinomial (``AcceptRule.race``: what a resumable regeneration needs)
-        self.rule = AcceptRule(sampling, race=race)
+        self.rule = rule or AcceptRule(sampling, race=race)
         self.batch_size, self.policy = batch_size, policy
         # waiting requests join once this many slots are free (each join is a prefill forward,
         # grouped by length, and a copy of the running cache)
@@ -307,6 +315,19 @@ class BatchDecoder:
             if policy == "goodput" and self.gamma
             else None
         )
+        if type(proposer).side_branch is not Proposer.side_branch and not (
+            runner.carries_side_branches
+        ):
+            raise BatchError(side_branch_refusal(proposer))
+        # what only batch 1 asks of the loop (``decoder._OneSequence`` sets them): the target
+        # rows that chose each token (``logits``: {key: rows} of the last run), acceptance
+        # traces and a learned stop rule (both read the draft's signals, ``signals``)
+        self.sides = type(proposer).side_branch is not Proposer.side_branch
+        self.record_logits = False
+        self.traces: list | None = None
+        self.stop_rule = None
+        self.signals = False
+        self.logits: dict = {}
         self.stats = BatchStats()
 
     # -- helpers -------------------------------------------------------------------------
@@ -398,14 +419,14 @@ class BatchDecoder:
             sync(self.device)
             if bp.last_step_seconds is not None:
                 return bp.last_step_seconds
-            steps = max((max(_depths(d), default=0) for d in drafted), default=0)
+            steps = max((max(depths(d), default=0) for d in drafted), default=0)
             return (time.perf_counter() - t) / steps if steps else None
         times = []
         for p, st in zip(props, states, strict=True):
             t = time.perf_counter()
             d = p.propose(st, self.gamma)
             sync(self.device)
-            steps = 1 if self.template.parallel else max(_depths(d), default=0)
+            steps = 1 if self.template.parallel else max(depths(d), default=0)
             if p.measures_steps and p.last_step_seconds is not None:
                 times.append(p.last_step_seconds)
             elif steps:
@@ -448,14 +469,14 @@ class BatchDecoder:
         for r in requests:
             self._check_request(r)
         self.stats = BatchStats()
+        self.logits = {}
         self.bp = self._drafter()  # for this run (None: row-by-row drafting)
         longest = max(
             max((len(r.prompt) + r.budget(max_new_tokens) for r in requests), default=0),
             longest or 0,
         )
         longest += 8
-        if self.bp is not None:
-            self.bp.reserve(longest)
+        self._reserve_drafters(longest)
         self.runner.reset()
         self.runner.reserve(longest)
         # in order of arrival (all at 0: the given order)
@@ -469,8 +490,10 @@ class BatchDecoder:
             self._admit(run)
             length = self.runner.columns
             props, t_draft, step_times = self._draft(run, length)
-            logits, feats, t_verify = self._verify(run, props, length)
-            finished, tested, accepted = self._accept(run, props, logits, feats, t_draft, t_verify)
+            logits, feats, side_logits, t_verify = self._verify(run, props, length)
+            finished, tested, accepted = self._accept(
+                run, props, logits, feats, side_logits, t_draft, t_verify
+            )
             self._book(run, props, length, t_draft, t_verify, step_times, tested, accepted)
             self._retire(run, finished, progress)
         st = self.stats
@@ -479,6 +502,27 @@ class BatchDecoder:
         if self.bp is not None:
             st.rows.draft_calls += self.bp.draft_calls
         return run.done
+
+    # -- what a row is made of (batch 1 keeps one proposer, controller and stream) -----------
+
+    #: whether a row's proposer reads its prompt when the row is admitted (batch 1: its
+    #: prefill then, as timed prefill) rather than when it first drafts
+    start_at_admission = False
+
+    def _row_parts(self, request: GenRequest):
+        """A new row's proposer (a fresh copy of the template: its own caches and state), its
+        controller (``adaptive``: a gamma or tree controller of its own; else None) and its
+        random stream (at T > 0, seeded by the request: what it samples does not depend on the
+        rows beside it; None at T = 0)."""
+        gen = None
+        if not self.sampling.greedy:
+            gen = torch.Generator(device=self.device).manual_seed(int(request.seed))
+        return self.template.fresh(), self._controller(), gen
+
+    def _reserve_drafters(self, longest: int) -> None:
+        """The drafter's static buffers sized for rows of ``longest`` tokens, before a run."""
+        if self.bp is not None:
+            self.bp.reserve(longest)
 
     @staticmethod
     def _check_request(r: GenRequest) -> None:
@@ -492,6 +536,8 @@ class BatchDecoder:
         free, or at once when no row runs): the runner prefills them, each becomes a row. With
         nothing to decode, wait for the next arrival."""
         st, queue = self.stats, run.queue
+        if not queue:
+            return
         free = self.batch_size - len(run.rows)
         now = time.perf_counter() - run.t0
         if not run.rows and queue[0].arrival > now:  # nothing to decode until the next arrives
@@ -511,36 +557,38 @@ class BatchDecoder:
         st.rows.t_prefill += time.perf_counter() - t
         st.prefills += 1
         for r, f, view in zip(reqs, feats, views, strict=True):
-            gen = None
-            if not self.sampling.greedy:
-                gen = torch.Generator(device=self.device).manual_seed(int(r.seed))
+            prop, ctl, gen = self._row_parts(r)
             state = DecodeState(
                 ids=list(r.prompt),
                 features=f,
                 sampling=self.sampling,
                 generator=gen,
                 device=self.device,
+                signals=self.signals,
+                stop=self.stop_rule,
                 prefill_cache=view,
             )
-            prop = self.template.fresh()
             acc = self.goodput.new_request() if self.goodput else _Acceptance()
             # its proposer starts when the row first drafts; a batched drafter reads the
             # newcomers' prompts when the batch next drafts (``_join_drafter``): while the
             # policy decodes plain, newcomers cost it nothing
-            run.rows.append(
-                _Row(
-                    r.key,
-                    list(r.prompt),
-                    state,
-                    prop,
-                    self._controller(),
-                    acc,
-                    t_admit=time.perf_counter(),
-                    t_arrive=run.t0 + r.arrival,
-                    budget=r.budget(run.max_new_tokens),
-                    calls0=prop.draft_calls,
-                )
+            row = _Row(
+                r.key,
+                list(r.prompt),
+                state,
+                prop,
+                ctl,
+                acc,
+                t_admit=time.perf_counter(),
+                t_arrive=run.t0 + r.arrival,
+                budget=r.budget(run.max_new_tokens),
+                calls0=prop.draft_calls,
             )
+            run.rows.append(row)
+            if self.start_at_admission:
+                dt = self._start_row(row)
+                st.rows.t_prefill += dt
+                st.rows.t_draft_start += dt
 
     def _draft(self, run: _Run, length: int) -> tuple[list[Proposal], float, list]:
         """How much each row drafts (the policy) and its proposal. Returns the proposals, the
@@ -560,6 +608,8 @@ class BatchDecoder:
                     self._propose(run, r, c) if c else Proposal([], [])
                     for r, c in zip(rows, caps, strict=True)
                 ]
+                for r, f in zip(rows, found, strict=True):
+                    r.drafted = len(f)
                 caps = [min(c, len(p)) for c, p in zip(caps, found, strict=True)]
             unread = (
                 0
@@ -579,6 +629,7 @@ class BatchDecoder:
                 cap = max(0, min(self.gamma, lim))
                 ctl = r.controller
                 p = self._propose(run, r, cap) if cap else Proposal([], [])
+                r.drafted = len(p)
                 gg = ctl.choose(len(p), p.bucket) if (ctl and len(p)) else len(p)
                 props.append(p.truncated(gg))
         else:
@@ -590,59 +641,90 @@ class BatchDecoder:
             if max(gs, default=0):
                 self._join_drafter(run)
                 props = self.bp.propose([r.state for r in rows], gs)
-                for r in rows:  # it caught every row up
+                for r, p in zip(rows, props, strict=True):  # it caught every row up
                     r.read = len(r.state.ids) - 1
+                    r.drafted = len(p)
                 if self.bp.last_step_seconds is not None:
                     step_times.append(self.bp.last_step_seconds)
             else:
                 props = [Proposal([], []) for _ in rows]
+                for r in rows:
+                    r.drafted = 0
         elif gs is not None:
             for r, gg in zip(rows, gs, strict=True):
                 props.append(self._propose(run, r, gg) if gg else Proposal([], []))
+                r.drafted = len(props[-1])
                 if gg:
                     r.read = len(r.state.ids) - 1
                 self._step_time(r, props[-1], step_times)
+        if self.sides:  # batch 1: a proposer's side branch, in iterations that draft
+            chosen = gs if gs is not None else [len(p) for p in props]
+            for r, g in zip(rows, chosen, strict=True):
+                r.side = r.proposer.side_branch(r.state) if (g > 0 or r.drafted) else None
         sync(self.device)
         st.rows.t_prefill += run.t_start
         return props, time.perf_counter() - t - run.t_start, step_times
 
     def _verify(self, run: _Run, props: list[Proposal], length: int):
         """One forward for the batch: each row's last committed token and its proposal (a
-        chain, or a tree with its ancestor mask), padded to the longest. Returns the logits,
-        the features and its seconds."""
-        R = len(run.rows)
-        ids, pos, inner = verify_inputs([r.state.ids for r in run.rows], props)
-        self.stats.cache_columns += R * length
+        chain, or a tree with its ancestor mask), padded to the longest, and at batch 1 a
+        side branch. Returns the logits, the features, the side branches' logits and its
+        seconds."""
+        rows = run.rows
+        self.stats.cache_columns += len(rows) * length
         self.stats.valid_columns += self.runner.valid_columns()
         t = time.perf_counter()
-        logits, feats = self.runner.verify(ids, pos, inner)
+        logits, feats, side_logits = self.runner.verify_rows(
+            [r.state.ids for r in rows], props, [r.side for r in rows]
+        )
         sync(self.device)
-        return logits, feats, time.perf_counter() - t
+        return logits, feats, side_logits, time.perf_counter() - t
 
-    def _accept(self, run: _Run, props, logits, feats, t_draft: float, t_verify: float):
-        """Each row accepts its own (greedy or exact rejection sampling), emits its tokens up
-        to a stop token, and its controller and acceptance tracker learn; the runner keeps
-        the accepted entries. Returns the finished rows and the tokens tested and accepted."""
+    def _accept(
+        self, run: _Run, props, logits, feats, side_logits, t_draft: float, t_verify: float
+    ):
+        """Each row accepts its own (``verify.accept``: greedy or exact rejection sampling;
+        at batch 1 also lenient or typical), emits its tokens up to a stop token, its proposer
+        rolls back, and its controller and acceptance tracker learn; the runner keeps the
+        accepted entries. Returns the finished rows and the tokens tested and accepted."""
         rows, st = run.rows, self.stats
-        greedy = self.sampling.greedy
-        arg = greedy_tokens(logits).tolist() if greedy else None
+        rule = self.rule
+        # the batch's argmax read at once (a lenient rule reads the logits themselves)
+        arg = (
+            greedy_tokens(logits).tolist() if rule.sampling.greedy and rule.lenience == 1 else None
+        )
         keeps: list[list[int]] = []
         finished: list[int] = []
         it_tested = it_accepted = 0
+        drafted_all = sum(r.drafted for r in rows)
         for b, (r, p) in enumerate(zip(rows, props, strict=True)):
             m = len(p) + 1
-            # the batch-1 decoder's acceptance, row by row (the batch's argmax read at once)
-            got = accept(
-                self.rule, p, logits[b, :m], r.state.generator, arg[b][:m] if greedy else None
-            )
+            got = accept(rule, p, logits[b, :m], r.state.generator, arg[b][:m] if arg else None)
             verdict = got.verdict
             path = verdict.path
-            keeps.append([0] + [i + 1 for i in path])
+            keep = [0] + [i + 1 for i in path]
+            keeps.append(keep)
+            if self.record_logits:  # the target rows that decided each emitted token
+                r.step_logits.extend(logits[b, keep].float().cpu())
             emitted = until_stop([p.tokens[i] for i in path] + [verdict.token], run.stop_ids)
             r.state.ids.extend(emitted)
             r.new.extend(emitted)
+            if got.tvd is not None:  # a lossy rule: how far each emitted token moved
+                st.rows.tvd_sum += sum(got.tvd[: len(emitted)])
+                st.rows.tvd_tokens += len(emitted)
+            st.rows.off_argmax += got.off_argmax
             if r.started and self.bp is None:
                 r.proposer.rollback(r.state, len(path))
+            if r.side is not None:
+                r.proposer.side_logits(r.state, side_logits[b])
+            if self.traces is not None and p.signals is not None and len(p):
+                self.traces.append(
+                    {
+                        "signals": [[round(v, 6) for v in x] for x in p.signals.tolist()],
+                        "accepted": len(path),
+                        "drafted": len(p),
+                    }
+                )
             tested = count_iteration(st.rows, p, path)
             it_tested += tested
             it_accepted += len(path)
@@ -653,18 +735,23 @@ class BatchDecoder:
             r.acc.update(tested, len(path), as_tree)
             if self.goodput is not None and as_tree:
                 self.goodput.saw_row_tree(len(path))
+            # a draft step's seconds: the drafter's own measure where it has one (catching up
+            # on tokens committed while it was idle left out), else drafting time per token
+            if self.bp is not None:
+                step = self.bp.last_step_seconds
+            elif r.proposer.measures_steps:
+                step = r.proposer.last_step_seconds
+            else:
+                step = t_draft / drafted_all if r.drafted else None
+            if step is not None and len(p):
+                st.rows.step_seconds_sum += step
+                st.rows.step_samples += 1
             if r.controller is not None:
-                step = (
-                    self.bp.last_step_seconds
-                    if self.bp is not None
-                    else (
-                        r.proposer.last_step_seconds
-                        if r.proposer.measures_steps
-                        else (t_draft / max(1, sum(len(q) for q in props)) if len(p) else None)
-                    )
-                )
+                # an iteration that carried a side branch cost more than a plain step even
+                # with nothing drafted: a controller must not book it as plain decoding
+                g_used = len(p) if r.side is None else max(1, len(p))
                 r.controller.update(
-                    len(p), tested, len(path), step, t_verify, p.bucket, t_draft=t_draft / len(rows)
+                    g_used, tested, len(path), step, t_verify, p.bucket, t_draft=t_draft / len(rows)
                 )
             if emitted[-1] in run.stop_ids or len(r.new) >= r.budget:
                 finished.append(b)
@@ -682,9 +769,7 @@ class BatchDecoder:
         if self.goodput is not None:
             self.cost.observe(R, n, length, t_verify)
             clean = [s for s in step_times if s is not None]
-            steps = sum(
-                (1 if self.template.parallel else max(_depths(p), default=0)) for p in props
-            )
+            steps = sum((1 if self.template.parallel else max(depths(p), default=0)) for p in props)
             if self.bp is not None:  # one step drafts for every row
                 steps = max((len(p) for p in props), default=0)
             if not clean and steps:  # a proposer without its own measure: time / steps
@@ -720,6 +805,8 @@ class BatchDecoder:
                 r = rows[b]
                 out_tokens = r.new[: r.budget]
                 run.done[r.key] = out_tokens
+                if self.record_logits:
+                    self.logits[r.key] = r.step_logits[: len(out_tokens)]
                 st.rows.new_tokens += len(out_tokens)
                 if self.bp is None:
                     st.rows.draft_calls += r.proposer.draft_calls - r.calls0
@@ -779,53 +866,25 @@ class BatchDecoder:
         never draft (a policy that chose 0 all along) never pay for it; that time counts as
         prefill, not drafting."""
         if not r.started:
-            t = time.perf_counter()
-            r.proposer.start(r.state)
-            r.state.prefill_cache = None
-            r.started = True
-            dt = time.perf_counter() - t
+            dt = self._start_row(r)
             run.t_start += dt
             if self.goodput is not None:
                 self.goodput.saw_reading(len(r.state.ids) - 1, dt)
         return r.proposer.propose(r.state, g)
 
+    def _start_row(self, r: _Row) -> float:
+        """Row ``r``'s proposer reads the sequence so far (its prefill); returns the seconds."""
+        t = time.perf_counter()
+        r.proposer.start(r.state)
+        r.state.prefill_cache = None
+        r.started = True
+        sync(self.device)
+        return time.perf_counter() - t
+
     @staticmethod
     def _step_time(row: _Row, p: Proposal, out: list) -> None:
         if len(p) and row.proposer.measures_steps:
             out.append(row.proposer.last_step_seconds)
-
-
-def verify_inputs(
-    seqs: list[list[int]], props: list[Proposal]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One verification's host inputs for a batch: each row's last committed token and its
-    proposal, padded to the longest (ids and positions (R, n); padding repeats the row's
-    last position), and the rows' inner masks (R, n, n): a chain's is causal, a tree's each
-    node's ancestors, padding sees itself. Built from lists in three tensors: a row-by-row
-    build launched ~100 small tensor operations at B = 16 (part of the 1.45 ms of host work
-    per iteration beside a 4.5 ms graph step on an H100, docs/benchmarks.md part 4)."""
-    n = 1 + max(len(p) for p in props)
-    ids, pos, lens = [], [], []
-    trees: list[tuple[int, Proposal]] = []
-    for b, (seq, p) in enumerate(zip(seqs, props, strict=True)):
-        base, m = len(seq) - 1, len(p) + 1
-        pad = n - m
-        ids.append([seq[-1], *p.tokens] + [0] * pad)
-        if p.is_chain:
-            pos.append(list(range(base, base + m)) + [base] * pad)
-        else:
-            pos.append([base] + [base + d for d in _depths(p)] + [base] * pad)
-            trees.append((b, p))
-        lens.append(m)
-    ar = torch.arange(n)
-    real = ar[None, :] < torch.tensor(lens)[:, None]  # (R, n)
-    causal = (ar[None, :] <= ar[:, None])[None] & real[:, None, :] & real[:, :, None]
-    inner = causal | torch.eye(n, dtype=torch.bool)[None]
-    for b, p in trees:  # a tree's rows: each node sees its ancestors
-        m = len(p) + 1
-        inner[b] = torch.eye(n, dtype=torch.bool)
-        inner[b, :m, :m] = torch.tensor(p.ancestors())
-    return torch.tensor(ids), torch.tensor(pos), inner
 
 
 def kept_rows(feats: torch.Tensor, keeps: list[list[int]]) -> list[torch.Tensor]:
@@ -838,14 +897,18 @@ def kept_rows(feats: torch.Tensor, keeps: list[list[int]]) -> list[torch.Tensor]
     return list(got.split([len(ks) for ks in keeps]))
 
 
+def side_branch_refusal(proposer: Proposer) -> str:
+    return (
+        f"draft {proposer.name}: adds a side branch to each verification forward "
+        "(lookahead's Jacobi window), which the batched decoder does not carry; use "
+        "batch_size=1 for it"
+    )
+
+
 def check_batchable(target: Target, proposer: Proposer) -> None:
     """``BatchError`` for a proposer or target the batched decoder cannot serve."""
     if type(proposer).side_branch is not Proposer.side_branch:
-        raise BatchError(
-            f"draft {proposer.name}: adds a side branch to each verification forward "
-            "(lookahead's Jacobi window), which the batched decoder does not carry; use "
-            "batch_size=1 for it"
-        )
+        raise BatchError(side_branch_refusal(proposer))
     if any(type(x) is not DynamicLayer for x in DynamicCache(config=target.config).layers):
         raise BatchError(
             f"target {target.identity}: batch_size > 1 needs full-attention cache layers "

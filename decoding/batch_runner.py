@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache
 
-from models.base import cache_kw
+from models.base import Proposal, cache_kw
 from models.lean import (
     CacheFull,
     Captured,
@@ -53,7 +53,15 @@ from models.ragged import (
 )
 from models.target import Target
 
-from .runner import PREFILL_WIDTHS, RunnerError, check_static, static_path
+from .runner import (
+    PREFILL_WIDTHS,
+    Layout,
+    RunnerError,
+    TargetRunner,
+    check_static,
+    static_path,
+)
+from .stats import depths
 from .timing import interleaved_medians
 
 
@@ -148,6 +156,119 @@ class BatchRunner(abc.ABC):
 
     def reserve(self, total: int) -> None:  # noqa: B027 (a no-op default)
         """Room for rows of ``total`` tokens each (a static cache allocates it now)."""
+
+    #: whether ``verify_rows`` carries a proposer's side branch (lookahead's Jacobi window)
+    carries_side_branches = False
+
+    def verify_rows(self, seqs: list[list[int]], props: list[Proposal], sides: list):
+        """The decoder's verification: each row's last committed token and its proposal
+        (``verify_inputs``), padded to the longest, in one ``verify``. Returns the logits
+        (R, n, V), the features (R, n, L, H) or None, and each row's side-branch logits (None
+        here: a runner that carries side branches says so)."""
+        if any(s is not None for s in sides):
+            raise RunnerError(f"{type(self).__name__} does not carry side branches")
+        logits, feats = self.verify(*verify_inputs(seqs, props))
+        return logits, feats, None
+
+
+def verify_inputs(
+    seqs: list[list[int]], props: list[Proposal]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One verification's host inputs for a batch: each row's last committed token and its
+    proposal, padded to the longest (ids and positions (R, n); padding repeats the row's
+    last position), and the rows' inner masks (R, n, n): a chain's is causal, a tree's each
+    node's ancestors, padding sees itself. Built from lists in three tensors: a row-by-row
+    build launched ~100 small tensor operations at B = 16 (part of the 1.45 ms of host work
+    per iteration beside a 4.5 ms graph step on an H100, docs/benchmarks.md part 4)."""
+    n = 1 + max(len(p) for p in props)
+    ids, pos, lens = [], [], []
+    trees: list[tuple[int, Proposal]] = []
+    for b, (seq, p) in enumerate(zip(seqs, props, strict=True)):
+        base, m = len(seq) - 1, len(p) + 1
+        pad = n - m
+        ids.append([seq[-1], *p.tokens] + [0] * pad)
+        if p.is_chain:
+            pos.append(list(range(base, base + m)) + [base] * pad)
+        else:
+            pos.append([base] + [base + d for d in depths(p)] + [base] * pad)
+            trees.append((b, p))
+        lens.append(m)
+    ar = torch.arange(n)
+    real = ar[None, :] < torch.tensor(lens)[:, None]  # (R, n)
+    causal = (ar[None, :] <= ar[:, None])[None] & real[:, None, :] & real[:, :, None]
+    inner = causal | torch.eye(n, dtype=torch.bool)[None]
+    for b, p in trees:  # a tree's rows: each node sees its ancestors
+        m = len(p) + 1
+        inner[b] = torch.eye(n, dtype=torch.bool)
+        inner[b, :m, :m] = torch.tensor(p.ancestors())
+    return torch.tensor(ids), torch.tensor(pos), inner
+
+
+class SequenceRunner(BatchRunner):
+    """One sequence's runner (``runner.TargetRunner``) behind the batch contract: the
+    decoding loop at batch 1 (``decoder.SpeculativeDecoder``). A verification is its forward
+    over a ``Layout`` (the proposal, and a side branch, which it carries), ``keep`` its commit
+    (a tree's accepted entries moved into place: no holes), so batch 1 keeps its own cache,
+    widths and graphs while the loop is the batched decoder's."""
+
+    carries_side_branches = True
+
+    def __init__(self, runner: TargetRunner):
+        super().__init__(runner.target, runner.layers)
+        self.one = runner
+        self.kind = runner.kind
+        self._rows = 0
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.one.capture_seconds
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    def reset(self) -> None:
+        self.one.reset()
+        self._rows = 0
+
+    @property
+    def columns(self) -> int:
+        return self.one.length
+
+    def valid_columns(self) -> int:
+        return self.one.length * self._rows
+
+    def reserve(self, total: int) -> None:
+        self.one.reserve(total)
+
+    def admit(self, prompts):
+        if self._rows + len(prompts) > 1:
+            raise RunnerError(f"{self._rows + len(prompts)} rows: a sequence runner holds one")
+        (prompt,) = prompts
+        self.one.reset()
+        feats = self.one.prefill(prompt) if prompt else None
+        self._rows = 1
+        return [0], [feats], [self.one.prefill_cache() if prompt else None]
+
+    def verify(self, ids, pos, inner):
+        raise RunnerError("a sequence runner verifies a Layout: use verify_rows")
+
+    def verify_rows(self, seqs, props, sides):
+        (seq,), (prop,), (side,) = seqs, props, sides
+        logits, feats = self.one.forward(Layout(seq[-1], prop, side))
+        n = len(prop) + 1
+        side_logits = None
+        if side is not None:
+            logits, side_logits = logits[:n], [logits[n:]]
+            feats = feats[:n] if feats is not None else None
+        return logits[None], None if feats is None else feats[None], side_logits
+
+    def keep(self, keeps):
+        (keep,) = keeps
+        self.one.commit(keep)
+
+    def retire(self, keep):
+        self._rows = len(keep)
 
 
 class _RowCache:

@@ -1,116 +1,38 @@
-"""The speculative decoder: one loop for every proposer.
+"""The speculative decoder at batch 1: any proposer, every acceptance rule.
+
+Its loop is the batched decoder's (``batch.py``: admit, draft, verify, accept, book, retire),
+run with one row (``_OneSequence``): one decoding core for batch 1 and batch B. What batch 1
+adds is set up here: the one-sequence runner (``runner.py``: transformers' dynamic cache, or
+the static cache at fixed widths, captured as CUDA graphs on a GPU; a tree's accepted path is
+moved into place instead of left as holes), the proposer on fixed shapes where graphs run and
+kept from prompt to prompt with its graphs, one gamma or tree controller that learns across
+prompts (``policies.py``), one random stream for every call, and what only batch 1 offers:
+lossy acceptance rules (lenience, typical acceptance) with their measured TVD, a proposer's
+side branch (lookahead's Jacobi window), a learned stop rule and acceptance traces, and the
+target rows that chose each token (``record_logits``).
 
 Invariant between iterations: the target's KV cache holds every committed token but the last;
 the last committed token is fed together with the draft in the next verification forward. So
 each iteration is exactly one target forward (plain decoding: one token fed, gamma = 0), and
 tau = emitted tokens / verification forwards is 1 for plain decoding. The prompt's prefill is a
 separate forward, not counted in tau (and timed separately).
-
-After verification the target cache is cut back to the accepted path (a crop for a chain; for a
-tree the accepted nodes' entries are moved into place first) and the proposer rolls back its
-own caches; nothing is recomputed from scratch. The target's cache and forwards are a runner's
-(``runner.py``: transformers' dynamic cache, or a static one at fixed widths, captured as CUDA
-graphs on a GPU); how much to draft is a policy's (``policies.py``).
 """
 
 from __future__ import annotations
-
-import math
-import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
 from models.base import DecodeState, Proposal, Proposer
 from models.sampling import Sampling
-from models.target import Target
+from models.target import GenRequest, Target
 
+from .batch import BatchDecoder
+from .batch_runner import SequenceRunner
 from .policies import GammaController, TreeController
 from .runner import Layout, RunnerError, StaticRunner, TargetRunner, choose_runner
-from .timing import interleaved_medians, sync
-from .verify import AcceptRule, Verdict, accept, until_stop
-
-
-@dataclass
-class Stats:
-    """Counters over one or more generations. Position k (1-based) of a draft is *tested* when
-    positions 1..k-1 were accepted and the draft reached depth k."""
-
-    drafted: Counter = field(default_factory=Counter)  # draft nodes per depth
-    tested: Counter = field(default_factory=Counter)
-    accepted: Counter = field(default_factory=Counter)
-    accept_len: Counter = field(default_factory=Counter)  # accepted tokens per drafting iteration
-    gamma_used: Counter = field(default_factory=Counter)  # draft tokens per iteration
-    target_calls: int = 0  # verification forwards (prefill excluded)
-    prefill_calls: int = 0
-    draft_calls: int = 0  # forwards of the draft model/head
-    draft_steps: int = 0  # sequential draft steps: a proposal's depth, summed over iterations
-    tree_iterations: int = 0  # iterations whose proposal was a tree (not a chain)
-    new_tokens: int = 0
-    t_target: float = 0.0  # seconds in verification forwards
-    t_prefill: float = 0.0
-    t_draft_start: float = 0.0  # the part of t_prefill that is the drafter's start
-    t_draft: float = 0.0
-    t_total: float = 0.0  # wall time of generate(), prefill included
-    # typical acceptance and lenience < 1 at T > 0: summed TVD between each emitted token's
-    # distribution and the target's at that position, over ``tvd_tokens`` emitted tokens (0 for
-    # exact decoding)
-    tvd_sum: float = 0.0
-    tvd_tokens: int = 0
-    # lenience < 1 at T = 0: accepted draft tokens that are not the target's argmax
-    off_argmax: int = 0
-    # the proposer's own measure of one draft step (catching up on tokens committed while it
-    # was idle left out), summed over the iterations that measured one
-    step_seconds_sum: float = 0.0
-    step_samples: int = 0
-
-    @property
-    def draft_step_seconds(self) -> float | None:
-        return self.step_seconds_sum / self.step_samples if self.step_samples else None
-
-    @property
-    def mean_tvd(self) -> float:
-        return self.tvd_sum / self.tvd_tokens if self.tvd_tokens else 0.0
-
-    def merge(self, o: Stats) -> None:
-        for k in ("drafted", "tested", "accepted", "accept_len", "gamma_used"):
-            getattr(self, k).update(getattr(o, k))
-        for k in (
-            "target_calls",
-            "prefill_calls",
-            "draft_calls",
-            "draft_steps",
-            "tree_iterations",
-            "new_tokens",
-            "t_target",
-            "t_prefill",
-            "t_draft_start",
-            "t_draft",
-            "t_total",
-            "tvd_sum",
-            "tvd_tokens",
-            "off_argmax",
-            "step_seconds_sum",
-            "step_samples",
-        ):
-            setattr(self, k, getattr(self, k) + getattr(o, k))
-
-    @property
-    def tau(self) -> float:
-        return self.new_tokens / self.target_calls if self.target_calls else float("nan")
-
-    @property
-    def alpha(self) -> float:
-        t = sum(self.tested.values())
-        return sum(self.accepted.values()) / t if t else float("nan")
-
-    def alpha_per_position(self) -> list[float]:
-        depth = max(self.tested, default=0)
-        return [
-            self.accepted[k] / self.tested[k] if self.tested[k] else float("nan")
-            for k in range(1, depth + 1)
-        ]
+from .stats import Stats
+from .timing import interleaved_medians
+from .verify import AcceptRule
 
 
 class NoDraft(Proposer):
@@ -125,7 +47,8 @@ class NoDraft(Proposer):
 class SpeculativeDecoder:
     """Batch-size-1 speculative decoding of ``target`` with any proposer.
 
-    ``generate`` returns the new tokens; ``stats`` accumulates counters over calls.
+    ``generate`` returns the new tokens; ``stats`` accumulates counters over calls, ``last``
+    holds the last call's. The loop is the batched decoder's (``_OneSequence``), with one row.
     """
 
     def __init__(
@@ -238,6 +161,8 @@ class SpeculativeDecoder:
                 self.gamma, adaptive, t_verify, parallel=proposer.parallel
             )
         self.stats = Stats()
+        self.last = Stats()
+        self._loop = _OneSequence(self)
 
     # -- target forwards ----------------------------------------------------------------
 
@@ -282,287 +207,54 @@ class SpeculativeDecoder:
         max_new_tokens: int,
         stop_ids: set[int] | frozenset[int] = frozenset(),
     ) -> list[int]:
-        """Up to ``max_new_tokens`` new tokens after ``prompt`` (ending at a stop token). The
-        loop is the algorithm: draft, verify, accept; admitting the prompt and retiring the
-        sequence around it; every clock and counter is booked in ``_book``."""
+        """Up to ``max_new_tokens`` new tokens after ``prompt`` (ending at a stop token):
+        the decoding loop with this prompt as its one row."""
         if not prompt:
             raise ValueError("empty prompt")
-        seq = self._admit(prompt, max_new_tokens, frozenset(stop_ids))
-        while len(seq.new) < max_new_tokens:
-            draft = self._draft(seq.state, max_new_tokens - len(seq.new) - 1)
-            check = self._verify(seq.state, draft)
-            emitted = self._accept(seq, draft, check)
-            self._book(seq.stats, draft, check)
-            if emitted[-1] in seq.stop_ids:
-                break
-        return self._retire(seq, max_new_tokens)
-
-    # -- the phases ---------------------------------------------------------------------
-
-    def _admit(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset) -> _Sequence:
-        """A new sequence: the prompt's prefill (all but its last token) on the target, then
-        the proposer's start (a draft model prefills there too); both timed as prefill."""
-        st = Stats()
-        runner = self.runner
-        # static caches sized before the clock starts (a CUDA graph captured again costs
-        # seconds; ``runner.capture_seconds`` reports it)
-        runner.reserve(len(prompt) + max_new_tokens + 1)
-        self.proposer.reserve(len(prompt) + max_new_tokens + 1)
-        t_start = time.perf_counter()
-        runner.reset()
-        feats = None
-        if len(prompt) > 1:
-            t = time.perf_counter()
-            feats = runner.prefill(prompt[:-1])
-            sync(self.device)
-            st.t_prefill += time.perf_counter() - t
-            st.prefill_calls += 1
-        seq = _Sequence(
-            state=DecodeState(
-                ids=list(prompt),
-                features=None,
-                sampling=self.sampling,
-                generator=self.generator,
-                device=self.device,
-                signals=self.stop_rule is not None or self.traces is not None,
-                stop=self.stop_rule,
-                prefill_cache=runner.prefill_cache() if len(prompt) > 1 else None,
-            ),
-            stats=st,
-            stop_ids=stop_ids,
-            t_start=t_start,
-            calls0=self.proposer.draft_calls,
-        )
-        if feats is not None:
-            seq.add_features(feats)
-        t = time.perf_counter()
-        self.proposer.start(seq.state)
-        seq.state.prefill_cache = None
-        sync(self.device)
-        st.t_draft_start += time.perf_counter() - t
-        st.t_prefill += time.perf_counter() - t
-        return seq
-
-    def _draft(self, state: DecodeState, limit: int) -> _Draft:
-        """This iteration's proposal: sized by the controller before drafting, or for a
-        proposer that costs nothing (a lookup) drafted first and then cut to what the
-        controller verifies (it knows the proposal's confidence bucket); plus a proposer's
-        side branch (lookahead's Jacobi window) in iterations that draft."""
-        ctl = self.controller
-        t = time.perf_counter()
-        if self.proposer.free and self.gamma and limit > 0:
-            prop = self.proposer.propose(state, min(self.gamma, limit))
-            drafted = len(prop)
-            g = ctl.choose(drafted, prop.bucket) if drafted else 0
-            prop = prop.truncated(g)
-        else:
-            g = ctl.choose(limit)
-            prop = self.proposer.propose(state, g) if g > 0 else Proposal([], [])
-            drafted = len(prop)
-        side = self.proposer.side_branch(state) if (g > 0 or drafted) else None
-        sync(self.device)
-        return _Draft(prop, side, drafted, time.perf_counter() - t)
-
-    def _verify(self, state: DecodeState, d: _Draft) -> _Check:
-        """One target forward over the last committed token, the proposal and any side branch,
-        and the acceptance rule on its logits: greedy, exact rejection sampling, typical, or
-        lenient."""
-        prop = d.prop
-        t = time.perf_counter()
-        logits, f_new = self.runner.forward(Layout(state.ids[-1], prop, d.side))
-        side_logits = None
-        if d.side is not None:
-            n_main = len(prop) + 1
-            logits, side_logits = logits[:n_main], logits[n_main:]
-            f_new = f_new[:n_main] if f_new is not None else None
-        a = accept(self.rule, prop, logits, self.generator)  # the acceptance both decoders use
-        sync(self.device)
-        return _Check(
-            a.verdict, logits, f_new, side_logits, a.tvd, a.off_argmax, time.perf_counter() - t
-        )
-
-    def _accept(self, seq: _Sequence, d: _Draft, c: _Check) -> list[int]:
-        """Commit the accepted path and the token after it (up to a stop token): the target's
-        cache keeps their entries, the proposer its state, the sequence their features."""
-        path = c.verdict.path
-        keep = [0] + [i + 1 for i in path]
-        self.runner.commit(keep)
-        if self.layers:
-            seq.add_features(c.f_new[keep] if len(keep) < len(c.f_new) else c.f_new)
-        emitted = [d.prop.tokens[i] for i in path] + [c.verdict.token]
-        if self.record_logits:  # the target rows that decided each emitted token
-            seq.step_logits.extend(c.logits[keep].float().cpu())
-        emitted = until_stop(emitted, seq.stop_ids)
-        seq.state.ids.extend(emitted)
-        seq.new.extend(emitted)
-        if c.tvd is not None:
-            seq.stats.tvd_sum += sum(c.tvd[: len(emitted)])
-            seq.stats.tvd_tokens += len(emitted)
-        self.proposer.rollback(seq.state, len(path))
-        if d.side is not None:
-            self.proposer.side_logits(seq.state, c.side_logits)
-        return emitted
-
-    def _book(self, st: Stats, d: _Draft, c: _Check) -> None:
-        """The iteration's counters and clocks, and what the controller learns from it."""
-        prop, path = d.prop, c.verdict.path
-        st.off_argmax += c.off_argmax
-        if self.traces is not None and prop.signals is not None and len(prop):
-            self.traces.append(
-                {
-                    "signals": [[round(v, 6) for v in r] for r in prop.signals.tolist()],
-                    "accepted": len(path),
-                    "drafted": len(prop),
-                }
-            )
-        tested = count_iteration(st, prop, path)
-        st.t_target += c.seconds
-        st.t_draft += d.seconds
-        # Per-step draft cost: the proposer's own measure of its steps when it has one (it
-        # leaves out catching up on tokens committed while it was idle), else the drafting time
-        # over the tokens drafted.
-        if self.proposer.measures_steps:
-            step = self.proposer.last_step_seconds  # None: nothing clean to measure
-        else:
-            step = d.seconds / d.drafted if d.drafted else None
-        if step is not None and len(prop):
-            st.step_seconds_sum += step
-            st.step_samples += 1
-        # an iteration that carried a side branch cost more than a plain step even when the
-        # proposal was empty: the tree controller must not book it as plain decoding
-        g_used = len(prop) if d.side is None else max(1, len(prop))
-        self.controller.update(
-            g_used, tested, len(path), step, c.seconds, prop.bucket, t_draft=d.seconds
-        )
-
-    def _retire(self, seq: _Sequence, max_new_tokens: int) -> list[int]:
-        st = seq.stats
-        new = seq.new[:max_new_tokens]
-        st.new_tokens = len(new)
-        st.draft_calls = self.proposer.draft_calls - seq.calls0
-        st.t_total = time.perf_counter() - seq.t_start
+        loop = self._loop
+        if loop.runner.one is not self.runner:  # a runner swapped in since (tests, benches)
+            loop.runner = SequenceRunner(self.runner)
+        new = loop.run([GenRequest(0, list(prompt))], max_new_tokens, frozenset(stop_ids))[0]
+        st = loop.stats.rows
+        st.prefill_calls = 1 if len(prompt) > 1 else 0
         self.stats.merge(st)
         self.last = st
-        self.last_logits = seq.step_logits[: len(new)] if self.record_logits else None
+        self.last_logits = loop.logits.get(0) if self.record_logits else None
         return new
 
 
-@dataclass
-class _Draft:
-    """What ``_draft`` proposed: the proposal, a side branch, tokens drafted (before the
-    controller's cut, for a free proposer) and the seconds drafting took."""
+class _OneSequence(BatchDecoder):
+    """The decoding loop (``BatchDecoder``'s) with one row, as ``SpeculativeDecoder`` runs
+    it: the front's one-sequence runner, its proposer (started at admission, so its prompt is
+    read as prefill, and kept with its caches and graphs from prompt to prompt), its
+    controller and its random stream for every request, its acceptance rule, stop rule,
+    traces and recorded logits."""
 
-    prop: Proposal
-    side: object | None
-    drafted: int
-    seconds: float
+    start_at_admission = True
 
+    def __init__(self, front: SpeculativeDecoder):
+        self.front = front
+        super().__init__(
+            front.target,
+            front.proposer,
+            front.sampling,
+            batch_size=1,
+            gamma=front.gamma,
+            calibrate=False,
+            runner=SequenceRunner(front.runner),
+            rule=front.rule,
+        )
+        self.gamma = front.gamma  # a tree is drafted as deep as the front's controller says
+        self.record_logits = front.record_logits
+        self.traces, self.stop_rule = front.traces, front.stop_rule
+        self.signals = front.stop_rule is not None or front.traces is not None
 
-@dataclass
-class _Check:
-    """What ``_verify`` found: the verdict, the target's logits and features over the
-    proposal, its logits over a side branch, per-token TVD of a lossy rule, accepted tokens off
-    the argmax (lenience at T = 0) and the seconds the forward and the rule took."""
+    def _row_parts(self, request: GenRequest):
+        f = self.front
+        return f.proposer, f.controller, f.generator
 
-    verdict: Verdict
-    logits: torch.Tensor
-    f_new: torch.Tensor | None
-    side_logits: torch.Tensor | None
-    tvd: list[float] | None
-    off_argmax: int
-    seconds: float
+    def _drafter(self):
+        return None  # the row's own proposer drafts (a fixed-shape one where graphs run)
 
-
-@dataclass
-class _Sequence:
-    """One sequence in flight: what the proposer reads (``state``), its new tokens, the target
-    rows that chose them (``record_logits``), its counters, and the features of every fed
-    position (``_Features``; ``state.features`` views it)."""
-
-    state: DecodeState
-    stats: Stats
-    stop_ids: frozenset
-    t_start: float
-    calls0: int
-    new: list[int] = field(default_factory=list)
-    step_logits: list[torch.Tensor] = field(default_factory=list)
-    features: _Features | None = None
-
-    def add_features(self, rows: torch.Tensor) -> None:
-        if self.features is None:
-            self.features = _Features(rows)
-        else:
-            self.features.append(rows)
-        self.state.features = self.features.view
-
-
-class _Features:
-    """The target's features at every fed position, (n, L, H), appended in place: storage
-    doubles when full, so a sequence costs O(n) copies instead of a concatenation of the whole
-    history per iteration. ``view`` is what proposers read (rows never change once written)."""
-
-    def __init__(self, first: torch.Tensor):
-        self.buf = torch.empty((max(64, 2 * len(first)), *first.shape[1:]), **_like(first))
-        self.buf[: len(first)] = first
-        self.n = len(first)
-
-    def append(self, rows: torch.Tensor) -> None:
-        need = self.n + len(rows)
-        if need > len(self.buf):
-            grown = torch.empty((2 * need, *self.buf.shape[1:]), **_like(self.buf))
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
-        self.buf[self.n : need] = rows
-        self.n = need
-
-    @property
-    def view(self) -> torch.Tensor:
-        return self.buf[: self.n]
-
-
-def _like(t: torch.Tensor) -> dict:
-    return {"dtype": t.dtype, "device": t.device}
-
-
-def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:
-    """Book one verification of ``prop`` (accepted ``path``) in ``st``; returns how many draft
-    positions it tested. Position k is tested when 1..k-1 were accepted and the accepted node
-    at k-1 has children (for a chain: the draft reached depth k); a deeper branch elsewhere in a
-    tree is not a test of the accepted path."""
-    depth = _depths(prop)
-    for d in depth:
-        st.drafted[d] += 1
-    st.draft_steps += max(depth, default=0)
-    st.tree_iterations += 0 if prop.is_chain else 1
-    parents_with_kids = set(prop.parents)
-    tested = len(path) + (1 if (path[-1] if path else -1) in parents_with_kids else 0)
-    for k in range(1, tested + 1):
-        st.tested[k] += 1
-        if k <= len(path):
-            st.accepted[k] += 1
-    if len(prop):
-        st.accept_len[len(path)] += 1
-    st.gamma_used[len(prop)] += 1  # what was drafted (a lookup may find nothing)
-    st.target_calls += 1
-    return tested
-
-
-def _depths(p: Proposal) -> list[int]:
-    d: list[int] = []
-    for par in p.parents:
-        d.append(1 if par < 0 else d[par] + 1)
-    return d
-
-
-def predicted_speedup(
-    alpha: float, gamma_used: Counter | dict, c: float, parallel: bool = False
-) -> float:
-    """The paper's expected speedup, (1 - a^(g+1)) / ((1 - a)(g c + 1)) for a fixed gamma g;
-    with several gammas used, expected tokens over expected cost summed over iterations. For a
-    ``parallel`` drafter (one forward drafts every token) an iteration costs c + 1, c then
-    being that forward over a target step."""
-    if math.isnan(alpha) or not gamma_used:
-        return float("nan")
-    tokens = sum(n * GammaController.expected_tokens(alpha, g) for g, n in gamma_used.items())
-    cost = sum(n * ((c if g else 0.0) if parallel else g * c) + n for g, n in gamma_used.items())
-    return tokens / cost
+    def _reserve_drafters(self, longest: int) -> None:
+        self.front.proposer.reserve(longest)

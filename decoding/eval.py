@@ -35,7 +35,7 @@ from models.target import TargetConfig, TargetError, load_target
 from .batch import BatchError
 from .batch_eval import evaluate_batched, wants_batch
 from .bench import BenchError
-from .decoder import NoDraft, SpeculativeDecoder, Stats
+from .decoder import NoDraft, SpeculativeDecoder
 from .disco import load_stop_rule, write_traces
 from .drafts import (
     DECODE_KEYS,
@@ -58,6 +58,7 @@ from .report import (
 )
 from .runner import compile_mode
 from .settings import EvalConfig, EvalError, bench_questions, stop_ids, validate
+from .stats import Stats
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

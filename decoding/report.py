@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .decoder import Stats, predicted_speedup
+from .stats import Stats, predicted_speedup
 
 CONVENTION = (
     "tau = tokens emitted per target verification forward, counting the corrected/bonus token "

@@ -118,8 +118,8 @@ def test_sampled_dflash_chain_follows_the_target(small_vocab_target, s):
 
 
 def test_a_parallel_drafter_pays_one_forward_for_any_gamma():
-    from decoding.decoder import predicted_speedup
     from decoding.policies import GammaController
+    from decoding.stats import predicted_speedup
 
     seq = GammaController(4, True, [1.0, 1.1, 1.2, 1.3, 1.4])
     par = GammaController(4, True, [1.0, 1.1, 1.2, 1.3, 1.4], parallel=True)

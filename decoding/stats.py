@@ -1,0 +1,139 @@
+"""What a decoding run counts: per-position acceptance, tau, the clocks of its phases
+(``Stats``, pooled over iterations and requests, at batch 1 and batch B alike), the booking of
+one verification (``count_iteration``) and the speedup the paper's formula predicts from them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from models.base import Proposal
+
+from .policies import GammaController
+
+
+@dataclass
+class Stats:
+    """Counters over one or more generations. Position k (1-based) of a draft is *tested* when
+    positions 1..k-1 were accepted and the draft reached depth k."""
+
+    drafted: Counter = field(default_factory=Counter)  # draft nodes per depth
+    tested: Counter = field(default_factory=Counter)
+    accepted: Counter = field(default_factory=Counter)
+    accept_len: Counter = field(default_factory=Counter)  # accepted tokens per drafting iteration
+    gamma_used: Counter = field(default_factory=Counter)  # draft tokens per iteration
+    target_calls: int = 0  # verification forwards (prefill excluded)
+    prefill_calls: int = 0
+    draft_calls: int = 0  # forwards of the draft model/head
+    draft_steps: int = 0  # sequential draft steps: a proposal's depth, summed over iterations
+    tree_iterations: int = 0  # iterations whose proposal was a tree (not a chain)
+    new_tokens: int = 0
+    t_target: float = 0.0  # seconds in verification forwards
+    t_prefill: float = 0.0
+    t_draft_start: float = 0.0  # the part of t_prefill that is the drafter's start
+    t_draft: float = 0.0
+    t_total: float = 0.0  # wall time of generate(), prefill included
+    # typical acceptance and lenience < 1 at T > 0: summed TVD between each emitted token's
+    # distribution and the target's at that position, over ``tvd_tokens`` emitted tokens (0 for
+    # exact decoding)
+    tvd_sum: float = 0.0
+    tvd_tokens: int = 0
+    # lenience < 1 at T = 0: accepted draft tokens that are not the target's argmax
+    off_argmax: int = 0
+    # the proposer's own measure of one draft step (catching up on tokens committed while it
+    # was idle left out), summed over the iterations that measured one
+    step_seconds_sum: float = 0.0
+    step_samples: int = 0
+
+    @property
+    def draft_step_seconds(self) -> float | None:
+        return self.step_seconds_sum / self.step_samples if self.step_samples else None
+
+    @property
+    def mean_tvd(self) -> float:
+        return self.tvd_sum / self.tvd_tokens if self.tvd_tokens else 0.0
+
+    def merge(self, o: Stats) -> None:
+        for k in ("drafted", "tested", "accepted", "accept_len", "gamma_used"):
+            getattr(self, k).update(getattr(o, k))
+        for k in (
+            "target_calls",
+            "prefill_calls",
+            "draft_calls",
+            "draft_steps",
+            "tree_iterations",
+            "new_tokens",
+            "t_target",
+            "t_prefill",
+            "t_draft_start",
+            "t_draft",
+            "t_total",
+            "tvd_sum",
+            "tvd_tokens",
+            "off_argmax",
+            "step_seconds_sum",
+            "step_samples",
+        ):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        t = sum(self.tested.values())
+        return sum(self.accepted.values()) / t if t else float("nan")
+
+    def alpha_per_position(self) -> list[float]:
+        depth = max(self.tested, default=0)
+        return [
+            self.accepted[k] / self.tested[k] if self.tested[k] else float("nan")
+            for k in range(1, depth + 1)
+        ]
+
+
+def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:
+    """Book one verification of ``prop`` (accepted ``path``) in ``st``; returns how many draft
+    positions it tested. Position k is tested when 1..k-1 were accepted and the accepted node
+    at k-1 has children (for a chain: the draft reached depth k); a deeper branch elsewhere in a
+    tree is not a test of the accepted path."""
+    depth = depths(prop)
+    for d in depth:
+        st.drafted[d] += 1
+    st.draft_steps += max(depth, default=0)
+    st.tree_iterations += 0 if prop.is_chain else 1
+    parents_with_kids = set(prop.parents)
+    tested = len(path) + (1 if (path[-1] if path else -1) in parents_with_kids else 0)
+    for k in range(1, tested + 1):
+        st.tested[k] += 1
+        if k <= len(path):
+            st.accepted[k] += 1
+    if len(prop):
+        st.accept_len[len(path)] += 1
+    st.gamma_used[len(prop)] += 1  # what was drafted (a lookup may find nothing)
+    st.target_calls += 1
+    return tested
+
+
+def depths(p: Proposal) -> list[int]:
+    d: list[int] = []
+    for par in p.parents:
+        d.append(1 if par < 0 else d[par] + 1)
+    return d
+
+
+def predicted_speedup(
+    alpha: float, gamma_used: Counter | dict, c: float, parallel: bool = False
+) -> float:
+    """The paper's expected speedup, (1 - a^(g+1)) / ((1 - a)(g c + 1)) for a fixed gamma g;
+    with several gammas used, expected tokens over expected cost summed over iterations. For a
+    ``parallel`` drafter (one forward drafts every token) an iteration costs c + 1, c then
+    being that forward over a target step."""
+    if math.isnan(alpha) or not gamma_used:
+        return float("nan")
+    tokens = sum(n * GammaController.expected_tokens(alpha, g) for g, n in gamma_used.items())
+    cost = sum(n * ((c if g else 0.0) if parallel else g * c) + n for g, n in gamma_used.items())
+    return tokens / cost
