@@ -673,10 +673,9 @@ class BatchDecoder:
         rows = run.rows
         self.stats.cache_columns += len(rows) * length
         self.stats.valid_columns += self.runner.valid_columns()
+        inputs = self.runner.inputs([r.state.ids for r in rows], props, [r.side for r in rows])
         t = time.perf_counter()
-        logits, feats, side_logits = self.runner.verify_rows(
-            [r.state.ids for r in rows], props, [r.side for r in rows]
-        )
+        logits, feats, side_logits = self.runner.verify_rows(inputs)
         sync(self.device)
         return logits, feats, side_logits, time.perf_counter() - t
 

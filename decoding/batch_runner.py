@@ -160,14 +160,19 @@ class BatchRunner(abc.ABC):
     #: whether ``verify_rows`` carries a proposer's side branch (lookahead's Jacobi window)
     carries_side_branches = False
 
-    def verify_rows(self, seqs: list[list[int]], props: list[Proposal], sides: list):
-        """The decoder's verification: each row's last committed token and its proposal
-        (``verify_inputs``), padded to the longest, in one ``verify``. Returns the logits
-        (R, n, V), the features (R, n, L, H) or None, and each row's side-branch logits (None
-        here: a runner that carries side branches says so)."""
+    def inputs(self, seqs: list[list[int]], props: list[Proposal], sides: list):
+        """The host's part of the decoder's verification (untimed: what a verification costs
+        is the forward's, as ``verify_costs`` measures it): each row's last committed token
+        and its proposal, padded to the longest (``verify_inputs``)."""
         if any(s is not None for s in sides):
             raise RunnerError(f"{type(self).__name__} does not carry side branches")
-        logits, feats = self.verify(*verify_inputs(seqs, props))
+        return verify_inputs(seqs, props)
+
+    def verify_rows(self, inputs):
+        """The decoder's verification over ``inputs``: the logits (R, n, V), the features
+        (R, n, L, H) or None, and each row's side-branch logits (None here: a runner that
+        carries side branches says so)."""
+        logits, feats = self.verify(*inputs)
         return logits, feats, None
 
 
@@ -251,12 +256,15 @@ class SequenceRunner(BatchRunner):
         return [0], [feats], [self.one.prefill_cache() if prompt else None]
 
     def verify(self, ids, pos, inner):
-        raise RunnerError("a sequence runner verifies a Layout: use verify_rows")
+        raise RunnerError("a sequence runner verifies a Layout: use inputs and verify_rows")
 
-    def verify_rows(self, seqs, props, sides):
+    def inputs(self, seqs, props, sides):
         (seq,), (prop,), (side,) = seqs, props, sides
-        logits, feats = self.one.forward(Layout(seq[-1], prop, side))
-        n = len(prop) + 1
+        return Layout(seq[-1], prop, side), len(prop) + 1, side
+
+    def verify_rows(self, inputs):
+        lay, n, side = inputs
+        logits, feats = self.one.forward(lay)
         side_logits = None
         if side is not None:
             logits, side_logits = logits[:n], [logits[n:]]
