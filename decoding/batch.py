@@ -890,6 +890,9 @@ def kept_rows(feats: torch.Tensor, keeps: list[list[int]]) -> list[torch.Tensor]
     """Each row's kept positions of ``feats`` (R, n, ...) by ``keeps`` (row b keeps
     ``keeps[b]``): one gather for the batch, split into views."""
     R, n = feats.shape[:2]
+    if R == 1:  # batch 1: a view where every position is kept, else one gather
+        (ks,) = keeps
+        return [feats[0, : len(ks)] if ks == list(range(len(ks))) else feats[0, ks]]
     flat = [b * n + k for b, ks in enumerate(keeps) for k in ks]
     idx = torch.tensor(flat).to(feats.device, non_blocking=True)
     got = feats.reshape(R * n, *feats.shape[2:]).index_select(0, idx)

@@ -6,7 +6,7 @@ decides how much of the card is used. This times that work on any machine with t
 target (3 layers, hidden 64), whose forwards are small enough for the host's share to show:
 
     python scripts/bench_host.py                  # all parts, medians of 5 runs
-    python scripts/bench_host.py --parts plain    # plain | drafter | batched_draft
+    python scripts/bench_host.py --parts plain    # plain | drafter | batched_draft | single
 
   plain          BatchDecoder on the static batch cache (eager), B = 16, 32 requests x 64
                  tokens, no draft: ms of host work an iteration (wall time less the forwards
@@ -15,6 +15,9 @@ target (3 layers, hidden 64), whose forwards are small enough for the host's sha
                  every iteration (as the H100 ran it, docs/benchmarks.md part 4)
   batched_draft  the fixed-shape batched EAGLE chain (16 rows, a chain of 3): a proposal's
                  time less its function's (the committed pairs, the inputs' copies)
+  single         the batch-1 decoder (the same loop with one row), 16 prompts x 64 tokens on
+                 the static cache (eager) and on transformers': ms an iteration outside the
+                 forwards, prefills and drafting, plain and with an EAGLE chain of 3
 
 Run it alone on the machine (a second busy process slows small forwards 10-70x on 2 cores).
 """
@@ -133,9 +136,39 @@ def part_batched_draft(runs: int) -> dict:
     return {"host ms a proposal (median)": statistics.median(host)}
 
 
+def part_single(runs: int) -> dict:
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from models.eagle import Eagle1Config, EagleHead
+    from models.sampling import Sampling
+
+    t, reqs = _setup()
+    prompts = [r.prompt for r in reqs[:16]]
+    torch.manual_seed(0)
+    head = EagleHead(t, Eagle1Config()).eval()
+    out = {}
+    for name, prop, kw in (
+        ("plain", NoDraft(), {}),
+        ("EAGLE chain of 3", head.proposer(), {"gamma": 3, "adaptive": False}),
+    ):
+        for comp in ("true", "false"):
+            dec = SpeculativeDecoder(t, prop, Sampling(), calibrate=False, compile=comp, **kw)
+            dec.generate(prompts[0], 16)  # warm-up
+            per = []
+            for _ in range(runs):
+                other, its = 0.0, 0
+                for p in prompts:
+                    dec.generate(p, 64)
+                    s = dec.last
+                    other += s.t_total - s.t_target - s.t_prefill - s.t_draft
+                    its += s.target_calls
+                per.append(1e3 * other / its)
+            out[f"{name}, compile={comp}: host ms an iteration (median)"] = statistics.median(per)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="plain,drafter,batched_draft")
+    ap.add_argument("--parts", default="plain,drafter,batched_draft,single")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
@@ -143,6 +176,7 @@ def main() -> None:
         "plain": lambda: part_loop(False, a.runs),
         "drafter": lambda: part_loop(True, a.runs),
         "batched_draft": lambda: part_batched_draft(a.runs),
+        "single": lambda: part_single(a.runs),
     }
     res: dict = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -15,7 +15,7 @@
 #           test of tests/test_decoder.py with real CUDA graphs, the static EAGLE chain (greedy
 #           equality with the eager proposer, the T = 1 chi-square of its on-device draws);
 #           compile=fused's tests wait for `exact_fused` (with them this ran past 150 s)
-#   batch_exact (60) the batched decoder's exactness on CUDA: every row its batch-1 greedy
+#   batch_exact (75) the batched decoder's exactness on CUDA: every row its batch-1 greedy
 #           output on the static batch cache's real graphs, the batched EAGLE chain and EAGLE-2
 #           tree on fixed shapes proposing what each row's batch-1 drafter does
 #           (tests/test_batch.py; 46 s on an H100 before the trees' tests)
@@ -78,7 +78,7 @@ if [ "$mode" = exact ]; then
   SPECDRAFT_TEST_DEVICE=$dev step exact 150 python3 -m pytest -q -o addopts="" \
     -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py \
     -k "(runner or static or graph or lean or compile or discipline or greedy_speculative or tree_verification) and not embedded_target and not fused"
-  SPECDRAFT_TEST_DEVICE=$dev step batch_exact 60 python3 -m pytest -q -o addopts="" \
+  SPECDRAFT_TEST_DEVICE=$dev step batch_exact 75 python3 -m pytest -q -o addopts="" \
     -p no:cacheprovider tests/test_batch.py -k "every_row_equals or static_batch or compacting or fixed_shapes"
   step shaped 110 python3 scripts/bench_compiled.py --parts shaped --device "$dev" \
     --reps 10 --out "$out/shaped.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
