@@ -250,7 +250,8 @@ class SequenceRunner(BatchRunner):
         if self._rows + len(prompts) > 1:
             raise RunnerError(f"{self._rows + len(prompts)} rows: a sequence runner holds one")
         (prompt,) = prompts
-        self.one.reset()
+        if not prompt:  # a one-token prompt: nothing to prefill (``prefill`` resets itself)
+            self.one.reset()
         feats = self.one.prefill(prompt) if prompt else None
         self._rows = 1
         return [0], [feats], [self.one.prefill_cache() if prompt else None]
