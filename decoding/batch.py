@@ -56,7 +56,7 @@ from transformers.cache_utils import DynamicLayer
 
 from models.base import BatchedProposer, DecodeState, Proposal, Proposer
 from models.ragged import prefill_waste
-from models.sampling import Sampling, greedy_tokens
+from models.sampling import Sampling
 from models.target import GenRequest, Target
 
 from .batch_runner import BatchRunner, RaggedRunner, choose_batch_runner
@@ -71,7 +71,7 @@ from .policies import (
 from .runner import RunnerError
 from .stats import Stats, count_iteration, depths
 from .timing import sync
-from .verify import AcceptRule, accept, until_stop
+from .verify import AcceptRule, accept_rows, until_stop
 
 
 class BatchError(ValueError):
@@ -505,6 +505,11 @@ class BatchDecoder:
 
     # -- what a row is made of (batch 1 keeps one proposer, controller and stream) -----------
 
+    #: at T > 0, whether every row's rejection sampling runs on the device with one read for
+    #: the batch (``verify.sampled_on_device``) or row by row on the host; None: on the
+    #: device where the logits are on a GPU (there a host test reads the device each time)
+    sample_on_device: bool | None = None
+
     #: whether a row's proposer reads its prompt when the row is admitted (batch 1: its
     #: prefill then, as timed prefill) rather than when it first drafts
     start_at_admission = False
@@ -688,17 +693,17 @@ class BatchDecoder:
         accepted entries. Returns the finished rows and the tokens tested and accepted."""
         rows, st = run.rows, self.stats
         rule = self.rule
-        # the batch's argmax read at once (a lenient rule reads the logits themselves)
-        arg = (
-            greedy_tokens(logits).tolist() if rule.sampling.greedy and rule.lenience == 1 else None
-        )
+        gens = [r.state.generator for r in rows]
+        on_device = self.sample_on_device
+        if on_device is None:
+            on_device = logits.is_cuda
+        outcomes = accept_rows(rule, props, logits, gens, on_device)
         keeps: list[list[int]] = []
         finished: list[int] = []
         it_tested = it_accepted = 0
         drafted_all = sum(r.drafted for r in rows)
         for b, (r, p) in enumerate(zip(rows, props, strict=True)):
-            m = len(p) + 1
-            got = accept(rule, p, logits[b, :m], r.state.generator, arg[b][:m] if arg else None)
+            got = outcomes[b]
             verdict = got.verdict
             path = verdict.path
             keep = [0] + [i + 1 for i in path]

@@ -21,15 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from models.base import Proposal
-from models.sampling import Sampling, greedy_tokens, sample, warp
+from models.sampling import Sampling, greedy_tokens, inverse_cdf, sample, warp
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)): what the target still owes after a rejection. (V,) -> (V,).
-    If p <= q everywhere (only possible when p == q, where rejection has probability 0), p."""
+    """norm(max(0, p - q)): what the target still owes after a rejection, (..., V) -> (..., V)
+    with no read of the device. Where p <= q everywhere (only possible when p == q, where
+    rejection has probability 0), p."""
     r = (p - q).clamp_min(0.0)
-    total = r.sum()
-    return r / total if total > 0 else p
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total, p)
 
 
 @dataclass
@@ -246,6 +247,159 @@ def accept(
         verdict, tvd = verify_typical(prop.tokens, prop.parents, p, *rule.typical, generator)
         return Accepted(verdict, tvd)
     return Accepted(verify_sampled(prop.tokens, prop.parents, p, prop.q, generator))
+
+
+def accept_rows(
+    rule: AcceptRule,
+    props: list[Proposal],
+    logits: torch.Tensor,
+    generators: list[torch.Generator | None],
+    on_device: bool = False,
+) -> list[Accepted]:
+    """The acceptance step of every row of a batch (``accept``'s for each): ``logits``
+    (R, W, V), row b's first len(props[b]) + 1 positions its own. At T = 0 one read of the
+    device gives every row's argmax. At T > 0 under the exact rule, ``on_device`` makes every
+    row's tests and draws on the device with one read (``sampled_on_device``); else each row
+    accepts on its own, which on a GPU reads the device at every test and draw."""
+    pairs = list(enumerate(zip(props, generators, strict=True)))
+    if rule.sampling.greedy and rule.lenience == 1.0:
+        arg = greedy_tokens(logits).tolist()
+        return [
+            accept(rule, p, logits[b, : len(p) + 1], g, arg[b][: len(p) + 1]) for b, (p, g) in pairs
+        ]
+    if on_device and samples_on_device(rule, props):
+        return sampled_on_device(rule.sampling, props, logits, generators)
+    return [accept(rule, p, logits[b, : len(p) + 1], g) for b, (p, g) in pairs]
+
+
+def samples_on_device(rule: AcceptRule, props: list[Proposal]) -> bool:
+    """Whether ``sampled_on_device`` takes these rows: T > 0 under the exact rule (no
+    lenience, typical acceptance or exponential race), and every proposal deterministic
+    (point masses: any tree) or a chain."""
+    return (
+        not rule.sampling.greedy
+        and rule.lenience == 1.0
+        and rule.acceptance == "exact"
+        and not rule.race
+        and all(p.q is None or p.is_chain for p in props)
+    )
+
+
+def sampled_on_device(
+    s: Sampling,
+    props: list[Proposal],
+    logits: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> list[Accepted]:
+    """Exact rejection sampling (``verify_sampled``'s law) of R rows with one read of the
+    device. Each row draws its uniforms from its own stream, as many as its own proposal asks
+    (what it samples does not depend on the rows beside it).
+
+    Deterministic proposals (every q None: point masses, so any tree): recursive rejection at a
+    node accepts its child c with the probability the target gives c's token once the earlier
+    siblings' tokens are removed, and after the last child draws from what remains. In law
+    that is one draw y from the target at the node, then the child whose token is y, or y
+    emitted where no child has it. So every node draws once, all at once on the device, and
+    the host walks the draws as a greedy walk follows argmaxes (``verify_greedy``).
+    Chains with draft distributions: ``chains_sampled``. Each row by its own kind's rule: a
+    batch that holds both kinds is accepted as two (two reads)."""
+    R, dev = len(props), logits.device
+    # an empty proposal is accepted alike by both rules: a draw from p at its one uniform
+    masses = [b for b, pr in enumerate(props) if pr.q is None and len(pr)]
+    dists = [b for b, pr in enumerate(props) if pr.q is not None]
+    walk = not dists
+    if masses and dists:
+        out: list[Accepted] = [None] * R  # type: ignore[list-item]
+        for group in (masses, [b for b in range(R) if b not in masses]):
+            got = sampled_on_device(
+                s,
+                [props[b] for b in group],
+                logits.index_select(0, torch.tensor(group, device=dev)),
+                [generators[b] for b in group],
+            )
+            for b, a in zip(group, got, strict=True):
+                out[b] = a
+        return out
+    lens = [len(p) for p in props]
+    W = max(lens) + 1
+    p = warp(logits[:, :W], s)
+    draws = [
+        torch.rand(n + 1, generator=g, dtype=torch.float64, device=dev)
+        for n, g in zip(lens, generators, strict=True)
+    ]
+    u = torch.cat(draws) if R > 1 else draws[0]
+    starts = [0]  # where each row's uniforms begin in ``u``
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n + 1)
+    if walk:  # point masses: a draw at every node, then the walk
+        if R == 1:
+            flat = p[0]
+        else:
+            sel = [b * W + i for b, n in enumerate(lens) for i in range(n + 1)]
+            flat = p.reshape(R * W, -1).index_select(0, torch.tensor(sel, device=dev))
+        ys = inverse_cdf(flat, u).tolist()  # the one read
+        return [
+            Accepted(verify_greedy(pr.tokens, pr.parents, ys[a : a + n + 1]))
+            for pr, n, a in zip(props, lens, starts, strict=True)
+        ]
+    G = W - 1
+    # one copy to the device: the tokens (R, G), the lengths, and where each row's uniforms
+    # sit in ``u`` (a test per drafted token, then the draw; padding reads the row's first)
+    flat_ints = [t for pr, n in zip(props, lens, strict=True) for t in pr.tokens + [0] * (G - n)]
+    flat_ints += lens
+    flat_ints += [
+        a + i if i < n else a for a, n in zip(starts, lens, strict=True) for i in range(G)
+    ]
+    flat_ints += [a + n for a, n in zip(starts, lens, strict=True)]
+    ints = torch.tensor(flat_ints, device=dev)
+    tokens = ints[: R * G].view(R, G)
+    lengths = ints[R * G : R * G + R] if min(lens) < G else None
+    pick = u.index_select(0, ints[R * G + R :])
+    if R == 1:
+        q = props[0].q[None].to(p.dtype)
+    else:
+        q = p.new_zeros(R, G, p.shape[-1])
+        for b in dists:
+            q[b, : lens[b]] = props[b].q
+    n_acc, tok = chains_sampled(p, q, tokens, lengths, pick[: R * G].view(R, G), pick[R * G :])
+    got = torch.stack([n_acc, tok]).tolist()  # the one read
+    return [Accepted(Verdict(list(range(k)), t)) for k, t in zip(*got, strict=True)]
+
+
+def chains_sampled(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor | None,
+    u_test: torch.Tensor,
+    u_draw: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_sampled`` for R chains at once, on the device with no read of it.
+
+    p: (R, G + 1, V) the warped target distributions; q: (R, G, V) those the drafted tokens
+    (R, G) were drawn from (a one-hot row for a point mass); lengths (R,): each row's drafted
+    tokens, the positions past it padding (None: no row is padded); u_test (R, G): the uniform that tests each
+    position; u_draw (R,): the uniform of the emitted token's draw. Position i is accepted
+    with probability min(1, p(x) / q(x)) (where q(x) = 0: only if p(x) > 0, as
+    ``verify_sampled``) while every earlier one was; the emitted token is drawn from the
+    residual norm(max(0, p - q)) at the first rejected position (p itself where nothing is
+    left), or from p after the last drafted token. Returns the accepted counts and the emitted
+    tokens, (R,) each."""
+    R, G = tokens.shape
+    rows = torch.arange(R, device=p.device)
+    if not G:
+        return torch.zeros(R, dtype=torch.long, device=p.device), inverse_cdf(p[:, 0], u_draw)
+    px = p[:, :G].gather(-1, tokens[..., None])[..., 0]
+    qx = q.gather(-1, tokens[..., None])[..., 0]
+    ok = u_test * qx < px  # u < p(x) / q(x); where q(x) = 0, p(x) > 0
+    if lengths is not None:
+        ok &= torch.arange(G, device=p.device) < lengths[:, None]
+    n = ok.long().cumprod(-1).sum(-1)
+    pn = p[rows, n]
+    qn = q[rows, n.clamp(max=G - 1)]
+    rejected = n < (lengths if lengths is not None else G)
+    w = torch.where(rejected[:, None], residual(pn, qn), pn)
+    return n, inverse_cdf(w, u_draw)
 
 
 def lenient_chain_tvd(prop: Proposal, p: torch.Tensor, accepted: int, lenience: float):

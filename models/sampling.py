@@ -86,3 +86,16 @@ def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
             f"({p.shape[-1]} entries): the warped probabilities are all zero or not finite"
         )
     return int(torch.nonzero(p > 0)[-1])
+
+
+def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``sample`` for each row of p (R, V) at its own uniform u (R,) in [0, 1), on p's device
+    with no read of it: the first index whose cumulative weight (float64) exceeds u * total,
+    never past the row's last token of positive weight (where u * total rounds up to the
+    total). A row with no usable mass is the caller's to rule out (``sample`` raises)."""
+    c = p.cumsum(-1, dtype=torch.float64)
+    total = c[:, -1:].contiguous()
+    i = torch.searchsorted(c, u[:, None] * total, right=True)
+    # where u * total rounded up to the total, i is past the end: the first index at which the
+    # cumulative weight reaches the total instead, a token of positive weight
+    return torch.minimum(i, torch.searchsorted(c, total))[:, 0]

@@ -6,7 +6,7 @@ decides how much of the card is used. This times that work on any machine with t
 target (3 layers, hidden 64), whose forwards are small enough for the host's share to show:
 
     python scripts/bench_host.py                  # all parts, medians of 5 runs
-    python scripts/bench_host.py --parts plain    # plain | drafter | batched_draft | single
+    python scripts/bench_host.py --parts plain    # plain | drafter | batched_draft | single | accept
 
   plain          BatchDecoder on the static batch cache (eager), B = 16, 32 requests x 64
                  tokens, no draft: ms of host work an iteration (wall time less the forwards
@@ -18,6 +18,11 @@ target (3 layers, hidden 64), whose forwards are small enough for the host's sha
   single         the batch-1 decoder (the same loop with one row), 16 prompts x 64 tokens on
                  the static cache (eager) and on transformers': ms an iteration outside the
                  forwards, prefills and drafting, plain and with an EAGLE chain of 3
+  accept         T = 1: one iteration's acceptance step (``verify.accept_rows``) row by row on
+                 the host, and the batch at once on the device with one read
+                 (``sampled_on_device``), over the embedded target's 49,152 tokens: ms here,
+                 and the aten operations and reads of the device it makes (on a GPU each
+                 operation is a launch and each read a wait; ``--device cuda`` times it there)
 
 Run it alone on the machine (a second busy process slows small forwards 10-70x on 2 cores).
 """
@@ -25,6 +30,7 @@ Run it alone on the machine (a second busy process slows small forwards 10-70x o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -166,17 +172,115 @@ def part_single(runs: int) -> dict:
     return out
 
 
+def _accept_case(rows: int, tree: bool, V: int, dev: str, seed: int):
+    """One iteration's rows at T = 1: a chain of 3 drafted from a q near the target's p, or a
+    12-node tree of the target's likeliest tokens (point masses, as EAGLE-2 drafts)."""
+    from models.base import Proposal
+
+    g = torch.Generator().manual_seed(seed)
+    # a tree: the root's 4 children, 4 under the first, 2 under its first, 1 under that, 1
+    # under the root's second; a chain: 3 nodes
+    parents = [-1, -1, -1, -1, 0, 0, 0, 0, 4, 4, 8, 1] if tree else [-1, 0, 1]
+    n = len(parents)
+    logits = torch.randn(rows, n + 1, V, generator=g) * 4
+    props = []
+    for b in range(rows):
+        if tree:
+            kids: dict[int, list[int]] = {}
+            for i, par in enumerate(parents):
+                kids.setdefault(par, []).append(i)
+            tokens = [0] * n
+            for par, ch in kids.items():
+                top = logits[b, par + 1].topk(len(ch)).indices.tolist()
+                for i, t in zip(ch, top, strict=True):
+                    tokens[i] = t
+            props.append(Proposal(tokens, parents))
+        else:
+            q = (logits[b, :n] + torch.randn(n, V, generator=g)).softmax(-1)
+            toks = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(n)]
+            props.append(Proposal.chain(toks, q.to(dev)))
+    return props, logits.to(dev)
+
+
+def _count_ops_and_reads(fn) -> tuple[int, int]:
+    """The aten operations ``fn()`` dispatches that are not views (on a GPU, each a kernel's
+    launch) and its reads of the device (``item``-like scalar reads and ``tolist``: on a CPU
+    neither waits, on a GPU each waits for the work queued before it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads += 1
+            elif not func.is_view:  # a view launches nothing
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    count, tolist = Count(), torch.Tensor.tolist
+
+    def counted(self):
+        count.reads += 1
+        return tolist(self)
+
+    torch.Tensor.tolist = counted
+    try:
+        with count:
+            fn()
+    finally:
+        torch.Tensor.tolist = tolist
+    return count.ops, count.reads
+
+
+def _streams(rows: int, device: str, seed: int) -> list[torch.Generator]:
+    return [torch.Generator(device=device).manual_seed(1000 * seed + b) for b in range(rows)]
+
+
+def part_accept(runs: int, device: str = "cpu") -> dict:
+    from decoding.verify import AcceptRule, accept_rows
+    from models.sampling import Sampling
+
+    rule = AcceptRule(Sampling(1.0))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = {}
+    for rows, tree in ((1, False), (1, True), (16, False), (16, True)):
+        what = f"B = {rows}, {'a 12-node tree' if tree else 'a chain of 3'}"
+        cases = [_accept_case(rows, tree, 49152, device, s) for s in range(runs * 4)]
+        for on_device in (False, True):
+            accept_rows(rule, *cases[0], _streams(rows, device, 0), on_device)  # warm-up
+            per = []
+            for i, (props, logits) in enumerate(cases):
+                gs = _streams(rows, device, i)
+                sync()
+                t = time.perf_counter()
+                accept_rows(rule, props, logits, gs, on_device)
+                sync()
+                per.append(1e3 * (time.perf_counter() - t))
+            args = (rule, *cases[1], _streams(rows, device, 1), on_device)
+            ops, reads = _count_ops_and_reads(functools.partial(accept_rows, *args))
+            where = "device" if on_device else "host"
+            out[f"{what}, {where}: ms (median) / aten ops / reads"] = [
+                round(statistics.median(per), 3),
+                ops,
+                reads,
+            ]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="plain,drafter,batched_draft,single")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--device", default="cpu", help="where part accept runs (cpu | cuda)")
     a = ap.parse_args()
     known = {
         "plain": lambda: part_loop(False, a.runs),
         "drafter": lambda: part_loop(True, a.runs),
         "batched_draft": lambda: part_batched_draft(a.runs),
         "single": lambda: part_single(a.runs),
+        "accept": lambda: part_accept(a.runs, a.device),
     }
     res: dict = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -13,8 +13,10 @@
 #   exact   (150) the decoder's exactness tests on CUDA (SPECDRAFT_TEST_DEVICE=cuda): the lean
 #           forward and its static cache against transformers, every runner-parametrized
 #           test of tests/test_decoder.py with real CUDA graphs, the static EAGLE chain (greedy
-#           equality with the eager proposer, the T = 1 chi-square of its on-device draws);
-#           compile=fused's tests wait for `exact_fused` (with them this ran past 150 s)
+#           equality with the eager proposer, the T = 1 chi-square of its on-device draws),
+#           and the batch's T > 0 acceptance on the device (tests/test_verify.py, one read:
+#           the decoder's choice on a GPU); compile=fused's tests wait for `exact_fused`
+#           (with them this ran past 150 s)
 #   batch_exact (75) the batched decoder's exactness on CUDA: every row its batch-1 greedy
 #           output on the static batch cache's real graphs, the batched EAGLE chain and EAGLE-2
 #           tree on fixed shapes proposing what each row's batch-1 drafter does
@@ -31,6 +33,10 @@
 #           fixed-shape chain / its CUDA graph) and the EAGLE-2 tree of `tree` (eager tree /
 #           the fixed-shape tree's whole proposal / its graph replay alone / its host part
 #           alone: an H100 measured 4.85 ms a tree proposal in part 4, the chain 0.81)
+#   accept  (40)  T = 1: an iteration's acceptance for 1 and 16 rows (a chain of 3, a 12-node
+#           tree) row by row on the host against the batch at once on the device, ms on the
+#           card and the operations and reads it makes (scripts/bench_host.py --parts accept;
+#           into the log: a call brings back 8 files)
 #   goodput (150) MT-bench's 80 first turns x 128, T = 0, B = 16, the shipped head's chain of
 #           up to 3 with the goodput policy on the static batch cache (CUDA graphs per row
 #           bucket and width, the batched chain as one graph), against plain at B = 16,
@@ -76,8 +82,8 @@ if [ "$mode" = exact ]; then
   # every selected test, not -x: one call should say all that fails (the embedded target's
   # own test waits for call 3, which assembles it)
   SPECDRAFT_TEST_DEVICE=$dev step exact 150 python3 -m pytest -q -o addopts="" \
-    -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py \
-    -k "(runner or static or graph or lean or compile or discipline or greedy_speculative or tree_verification) and not embedded_target and not fused"
+    -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py tests/test_verify.py \
+    -k "(runner or static or graph or lean or compile or discipline or greedy_speculative or tree_verification or on_the_device) and not embedded_target and not fused and not sample_on_host"
   SPECDRAFT_TEST_DEVICE=$dev step batch_exact 75 python3 -m pytest -q -o addopts="" \
     -p no:cacheprovider tests/test_batch.py -k "every_row_equals or static_batch or compacting or fixed_shapes"
   step shaped 110 python3 scripts/bench_compiled.py --parts shaped --device "$dev" \
@@ -100,6 +106,7 @@ SPECDRAFT_TEST_DEVICE=$dev step embedded 40 python3 -m pytest -q -o addopts="" \
   -p no:cacheprovider tests/test_compiled.py -k embedded_target
 step draft 60 python3 scripts/bench_compiled.py --parts draft --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json"
+step accept 40 python3 scripts/bench_host.py --parts accept --device "$dev" --runs 5
 step goodput 150 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" tree=chain \
   gamma=3 num_prompts="$n" max_new_tokens="$tokens" temperature=0 compile=true \
   "batch_sizes=[16]" "batch_policies=[goodput]" report="$out/goodput_b16.json" \
@@ -121,4 +128,4 @@ step batch 100 python3 scripts/bench_compiled.py --parts batch --device "$dev" \
   --tokens 64 --reps 4 --out "$out/costs.json" --merge
 step hf 200 python3 scripts/bench_compiled.py --parts hf_compile --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json" --merge
-grep -E '^(==|   rc|all |decoder:|predicted)|tok/s|passed|failed' "$log"
+grep -E '^(==|   rc|all |decoder:|predicted)|tok/s|passed|failed|ms \(median\)' "$log"

@@ -170,6 +170,17 @@ def accelerate_launch(
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(params=[False, True], ids=["sample_on_host", "sample_on_device"])
+def sampling_where(request, monkeypatch):
+    """At T > 0, each row's rejection sampling on the host (row by row) or on the device (the
+    batch at once, one read: ``verify.sampled_on_device``), whatever the device is (on a GPU
+    the decoder's own choice is the device: scripts/gpu_check.sh leaves the host's out)."""
+    from decoding.batch import BatchDecoder
+
+    monkeypatch.setattr(BatchDecoder, "sample_on_device", request.param)
+    return request.param
+
+
 def assert_first_two_tokens_follow_the_target(target, dec, prompt, s, gen=2, n=2500):
     """Chi-square test (false-alarm rate 1e-3) that the first two of ``gen`` tokens that
     ``dec`` generates after ``prompt`` follow the target's warped distribution ``s``, over a

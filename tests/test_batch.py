@@ -367,7 +367,7 @@ def test_breaking_the_ragged_rollback_is_caught(small_vocab_pair, monkeypatch, c
     assert sum(out[i] != ref[i] for i in ref) >= 4
 
 
-def test_sampling_follows_the_target_in_every_row(small_vocab_pair):
+def test_sampling_follows_the_target_in_every_row(small_vocab_pair, sampling_where):
     """T = 1, B = 4: requests of three different prompts share batches in every mix (rows of
     different lengths, each accepting its own); for each prompt, a chi-square test
     (false-alarm rate 1e-3 each) that the first two tokens follow the target's distribution."""

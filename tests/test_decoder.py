@@ -179,7 +179,7 @@ def test_tree_verification_keeps_the_accepted_path(tiny_target, runner):
     [Sampling(1.0), Sampling(1.0, top_k=4), Sampling(0.8, top_p=0.7)],
     ids=["T1", "T1-topk4", "T0.8-topp0.7"],
 )
-def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s):
+def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s, sampling_where):
     """Chi-square on the first two generated tokens (false-alarm rate 1e-3 per test)."""
     target, draft = small_vocab_pair
     dec = SpeculativeDecoder(target, DraftLMProposer(draft), s, gamma=3, adaptive=False, seed=5)
@@ -198,7 +198,7 @@ def test_sampled_output_follows_the_target_on_every_runner(small_vocab_pair, run
     assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s)
 
 
-def test_lookahead_sampling_follows_the_target(small_vocab_pair):
+def test_lookahead_sampling_follows_the_target(small_vocab_pair, sampling_where):
     """Lookahead's candidates are deterministic n-grams verified as a tree with point-mass
     rejection; the prompt repeats its last token so the pool has candidates from the start."""
     target, _ = small_vocab_pair

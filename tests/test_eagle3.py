@@ -377,7 +377,7 @@ def small_vocab_target():
 
 @pytest.mark.parametrize("min_prob", [0.0, 0.02], ids=["fixed", "min_prob"])
 @pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.8, top_p=0.7)], ids=["T1", "T0.8-p0.7"])
-def test_sampled_tree_output_follows_the_target(small_vocab_target, s, min_prob):
+def test_sampled_tree_output_follows_the_target(small_vocab_target, s, min_prob, sampling_where):
     """Chi-square on the first two tokens through a dynamic tree (false-alarm rate 1e-3), of
     a fixed size or sized by the draft's confidence (``min_prob``)."""
     target = small_vocab_target
@@ -521,7 +521,7 @@ def test_sampling_over_the_draft_vocabulary_gives_the_same_q(tiny_target, s):
 
 
 @pytest.mark.parametrize("weights", ["full", "int8"])
-def test_sampled_eagle3_chain_follows_the_target(small_vocab_target, weights):
+def test_sampled_eagle3_chain_follows_the_target(small_vocab_target, weights, sampling_where):
     """Chi-square on the first two tokens of a sampled EAGLE-3 chain whose draft vocabulary
     (6 of 10 tokens) leaves out tokens the target samples: those come only from the
     residual, so a q laid out wrongly over the target's vocabulary fails here. With int8

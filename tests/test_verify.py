@@ -7,10 +7,15 @@ import itertools
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from scipy.stats import chisquare
 
 import decoding.verify as verify
 from models.sampling import Sampling, greedy_tokens, sample, warp
+
+#: the device of the batch-at-once acceptance's tests (``on_the_device``): cuda in
+#: scripts/gpu_check.sh, else the CPU
+DEV = TEST_DEVICE
 
 V = 6
 ALPHA_TEST = 1e-3  # false-alarm rate of each chi-square test (seeds are fixed: deterministic)
@@ -173,6 +178,26 @@ def test_sample_at_either_end_of_the_unit_interval_draws_a_token_of_weight(monke
     assert sample(p, None) == want
 
 
+def test_inverse_cdf_is_sample_for_every_row_at_its_own_uniform(monkeypatch):
+    """The device's draw (no read): each row at its u is what ``sample`` draws at that u,
+    including u = 0 over leading zero weights and u * total rounding up to the total over
+    trailing ones (the last token of positive weight, not an index past the end)."""
+    from models.sampling import inverse_cdf
+
+    g = torch.Generator().manual_seed(4)
+    p = torch.randn(64, 40, generator=g).softmax(-1)
+    p[:, [0, 1, 7, 38, 39]] = 0.0
+    p[5] = 0.0
+    p[5, 9] = 2.5  # one token of weight, unnormalised
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2**-60  # rounds up to the total
+    got = inverse_cdf(p, u).tolist()
+    assert got[0] == 2 and got[1] == 37 and got[5] == 9
+    for row, ur, want in zip(p, u, got, strict=True):  # sample's draw at this row's u
+        monkeypatch.setattr(torch, "rand", lambda *a, _u=ur, **k: _u.clone())
+        assert sample(row, None) == want
+
+
 def test_a_token_the_draft_could_not_have_drawn_is_never_emitted_where_p_is_zero():
     """q(x) = 0 for a drafted x is an inconsistent proposal (no proposer makes one); it must not
     be accepted with probability 1, least of all where the target gives x probability 0."""
@@ -289,3 +314,157 @@ def test_accept_is_each_rule_the_decoders_apply():
         verify.AcceptRule(s, acceptance="typical"), chain, logits, torch.Generator().manual_seed(3)
     )
     assert typ.tvd is not None and len(typ.tvd) == len(typ.verdict.path) + 1
+
+
+# -- a batch's rejection sampling on the device, one read (``sampled_on_device``) --------------
+
+
+def _simulate_on_device(n: int, s: Sampling, seed: int, tree: bool = False) -> torch.Tensor:
+    """``_simulate``'s counts, with ``n`` rows accepted at once by ``sampled_on_device`` on
+    the test device: each a depth-2 chain drawn from q, or (``tree``) a deterministic tree (q
+    None) whose root has q1's two likeliest tokens as children, each with its likeliest child
+    under q2."""
+    from models.base import Proposal
+
+    p1, p2, q1, q2 = _tables(0)
+    P1, P2, Q1, Q2 = warp(p1, s), warp(p2, s), warp(q1, s), warp(q2, s)
+    g = torch.Generator().manual_seed(seed)
+    props, rows = [], []
+    for _ in range(n):
+        if tree:
+            a, b = Q1.topk(2).indices.tolist()
+            tokens, parents = [a, int(Q2[a].argmax()), b, int(Q2[b].argmax())], [-1, 0, -1, 2]
+            props.append(Proposal(tokens, parents))
+        else:
+            x1 = int(torch.multinomial(Q1, 1, generator=g))
+            tokens, parents = [x1, int(torch.multinomial(Q2[x1], 1, generator=g))], [-1, 0]
+            props.append(Proposal.chain(tokens, torch.stack([Q1, Q2[x1]]).to(DEV)))
+        after = [P2[t] if parents[i] == -1 else P1 for i, t in enumerate(tokens)]
+        rows.append(torch.stack([P1, *after]))
+    # log p warped at T = 1 is p again (the settings' warping is in P already)
+    gens = [torch.Generator(DEV).manual_seed(seed * 100_000 + i) for i in range(n)]
+    got = verify.sampled_on_device(Sampling(1.0), props, torch.stack(rows).log().to(DEV), gens)
+    counts = torch.zeros(V, V)
+    for prop, a in zip(props, got, strict=True):
+        emitted = [prop.tokens[i] for i in a.verdict.path] + [a.verdict.token]
+        if len(emitted) < 2:  # rejected at depth 1: the second token comes from p2(.|x1)
+            emitted.append(int(torch.multinomial(P2[emitted[0]], 1, generator=g)))
+        counts[emitted[0], emitted[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=["T1", "T0.7-topk4", "T1-topp0.8"])
+def test_chains_sampled_on_the_device_follow_the_target(s):
+    counts = _simulate_on_device(6000, s, seed=1)
+    assert _pvalue(counts, _expected(s)) > ALPHA_TEST
+
+
+@pytest.mark.parametrize("s", [Sampling(1.0), Sampling(1.0, top_p=0.8)], ids=["T1", "T1-topp0.8"])
+def test_deterministic_trees_sampled_on_the_device_follow_the_target(s):
+    """One draw per node, then the walk over the draws: the law of recursive rejection over
+    point masses (a node's two children tried in turn, then the remainder)."""
+    counts = _simulate_on_device(6000, s, seed=2, tree=True)
+    assert _pvalue(counts, _expected(s)) > ALPHA_TEST
+
+
+def test_the_device_test_notices_plain_p_instead_of_residual(monkeypatch):
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    counts = _simulate_on_device(6000, Sampling(1.0), seed=1)
+    assert _pvalue(counts, _expected(Sampling(1.0))) < ALPHA_TEST
+
+
+def _rows(seed: int, trees: bool = False):
+    """Five rows of mixed lengths (0 to 3) and kinds: chains with q and a chain of point
+    masses, or (``trees``) point masses only: trees, a chain and an empty proposal."""
+    from models.base import Proposal
+
+    g = torch.Generator().manual_seed(seed)
+    W, Vb = 4, 12
+    logits = (torch.randn(5, W, Vb, generator=g) * 2).to(DEV)
+    q = (torch.randn(3, Vb, generator=g) * 2).softmax(-1).to(DEV)
+    if trees:
+        props = [
+            Proposal([3, 1, 4], [-1, -1, 0]),
+            Proposal.chain([]),
+            Proposal([2, 6], [-1, -1]),
+            Proposal.chain([5, 9]),
+            Proposal([7, 8, 0], [-1, 0, 0]),
+        ]
+    else:
+        props = [
+            Proposal.chain([3, 1, 4], q),
+            Proposal.chain([]),
+            Proposal.chain([2], q[:1]),
+            Proposal.chain([5, 9]),  # point masses
+            Proposal.chain([7, 7, 0], q),
+        ]
+    return props, logits
+
+
+def _streams(seed: int) -> list[torch.Generator]:
+    return [torch.Generator(DEV).manual_seed(seed * 10 + b) for b in range(5)]
+
+
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_a_rows_draws_on_the_device_do_not_depend_on_the_rows_beside_it(trees):
+    """Each row draws from its own stream as many uniforms as its own proposal asks: accepted
+    alone or in a batch of rows of other lengths, a row accepts the same."""
+    s = Sampling(1.0)
+    paths = set()
+    for seed in range(20):
+        props, logits = _rows(seed, trees)
+        together = verify.sampled_on_device(s, props, logits, _streams(seed))
+        for b, prop in enumerate(props):
+            alone = verify.sampled_on_device(
+                s, [prop], logits[b : b + 1, : len(prop) + 1], _streams(seed)[b : b + 1]
+            )[0]
+            got = (alone.verdict.path, alone.verdict.token)
+            assert got == (together[b].verdict.path, together[b].verdict.token)
+            path = alone.verdict.path  # a path from the root, within the proposal
+            assert all(prop.parents[j] == (path[i - 1] if i else -1) for i, j in enumerate(path))
+            paths.add(len(path))
+    assert {0, 1} <= paths  # rows both rejected and accepted
+
+
+def test_a_token_the_draft_could_not_have_drawn_is_never_emitted_on_the_device():
+    """``verify_sampled``'s rule for q(x) = 0: x is never accepted where the target gives it 0."""
+    from models.base import Proposal
+
+    p = torch.tensor([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], device=DEV)
+    prop = Proposal.chain([0], torch.tensor([[0.0, 1.0, 0.0]], device=DEV))
+    n = 2000
+    gens = [torch.Generator(DEV).manual_seed(i) for i in range(n)]
+    got = verify.sampled_on_device(Sampling(1.0), [prop] * n, p.log().expand(n, 2, 3), gens)
+    assert all(a.verdict.path == [] and a.verdict.token != 0 for a in got)
+
+
+def test_accept_rows_on_the_host_or_on_the_device_is_accept_for_every_row():
+    """The batch's acceptance: at T = 0 one argmax read for all rows; at T > 0 on the host,
+    each row ``accept``'s with its own stream; on the device only under the exact rule (a
+    lenient or typical rule, or the exponential race, stays on the host)."""
+    props, logits = _rows(7)
+
+    def outcome(got):
+        return [(a.verdict.path, a.verdict.token, a.tvd) for a in got]
+
+    for rule in [
+        verify.AcceptRule(Sampling()),
+        verify.AcceptRule(Sampling(1.0)),
+        verify.AcceptRule(Sampling(1.0), lenience=0.5),
+        verify.AcceptRule(Sampling(1.0), acceptance="typical"),
+        verify.AcceptRule(Sampling(1.0), race=True),
+    ]:
+        each = [
+            verify.accept(rule, p, logits[b, : len(p) + 1], g)
+            for b, (p, g) in enumerate(zip(props, _streams(7), strict=True))
+        ]
+        assert outcome(verify.accept_rows(rule, props, logits, _streams(7))) == outcome(each)
+        on_device = verify.accept_rows(rule, props, logits, _streams(7), on_device=True)
+        exact = not rule.sampling.greedy and rule == verify.AcceptRule(Sampling(1.0))
+        assert verify.samples_on_device(rule, props) == exact
+        if not exact:
+            assert outcome(on_device) == outcome(each)
+        else:
+            assert outcome(on_device) == outcome(
+                verify.sampled_on_device(rule.sampling, props, logits, _streams(7))
+            )

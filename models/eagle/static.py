@@ -28,7 +28,7 @@ import torch
 from ..base import BatchedProposer, DecodeState, Proposal
 from ..lean import Captured, RaggedColumns, round_up, row_buckets, visible_columns
 from ..ragged import causal_mask
-from ..sampling import warp
+from ..sampling import inverse_cdf, warp
 from .proposer import EagleProposer, EagleTreeProposer, _Tree, pair_block
 
 if TYPE_CHECKING:
@@ -270,20 +270,10 @@ def _draft_tokens(head: EagleHead, h: torch.Tensor, sampling, u: torch.Tensor):
         return head.top_tokens(h, 1)[1][:, 0], None
     logits, offset = head.own_logits(h)
     q_own = warp(logits, sampling)
-    j = _inverse_cdf(q_own, u)
+    j = inverse_cdf(q_own, u)
     # index_select, not offset[j]: an index tensor read on the host breaks a graph's capture
     x = j + offset.index_select(0, j) if offset is not None else j
     return x, head.to_target_vocab(q_own)
-
-
-def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``models.sampling.sample`` on the device, for each row of p (R, V) at its u (R,): the
-    first index whose cumulative weight exceeds u * total (float64 cumulative sum), never past
-    the last token of positive weight (where u * total rounds up to the total)."""
-    c = p.cumsum(-1, dtype=torch.float64)
-    i = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True)[:, 0]
-    last = (torch.arange(p.shape[-1], device=p.device) * (p > 0)).max(-1).values
-    return torch.minimum(i, last)
 
 
 class StaticEagleTree(StaticEagleChain):
