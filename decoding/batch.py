@@ -59,12 +59,12 @@ from models.ragged import prefill_waste
 from models.sampling import Sampling
 from models.target import GenRequest, Target
 
-from .batch_runner import BatchRunner, RaggedRunner, choose_batch_runner
+from .batch_runner import BatchRunner, choose_batch_runner
+from .costs import StepCostModel, drafting_cost
 from .policies import (
     POLICIES,
     GammaController,
     GoodputPolicy,
-    StepCostModel,
     TreeController,
     _Acceptance,
 )
@@ -302,7 +302,7 @@ class BatchDecoder:
                 self.cost.read_s_fixed,
                 self.cost.read_s_per_token,
                 self.cost.draft_step_s,
-            ) = self._drafting_cost()
+            ) = drafting_cost(self)
         self.goodput = (
             GoodputPolicy(
                 self.gamma,
@@ -332,74 +332,6 @@ class BatchDecoder:
 
     # -- helpers -------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _drafting_cost(
-        self, rows: int = 2, tokens: int = 96, short: int = 16
-    ) -> tuple[float, float, float | None]:
-        """The drafter's reading of sequences it has not seen (a batched drafter's join, a
-        row-by-row proposer's start) priced as seconds per reading plus seconds per token, and
-        one draft step's seconds (None: not measured), timed on random prompts after an
-        untimed reading and draft: one row of ``short`` tokens and ``rows`` rows of ``tokens``
-        (two points of the line). The goodput policy prices its first drafts and probes with
-        them before the run has measured its own (a draft step priced at nothing made the
-        first choice a draft, whatever drafting costs here). Both parts matter: on a CPU a
-        reading costs by its tokens (the head's matrix work), on a GPU by the call (an eager
-        head forward's launches: 190 tokens took 8.2 ms on an H100, 1,200 cost about as much;
-        priced by the token alone, 16 unread prompts looked like 52 ms and goodput at B = 16
-        never probed, docs/benchmarks.md)."""
-        g = torch.Generator().manual_seed(1)
-        vocab = self.target.config.vocab_size
-        rows = min(rows, self.batch_size)  # what a batched drafter on fixed shapes holds
-        reqs = [
-            GenRequest(("calibration", i), torch.randint(0, vocab, (tokens,), generator=g).tolist())
-            for i in range(rows)
-        ]
-        # the target's features on transformers' forward (the drafter's cost is what is timed,
-        # and ``rows`` may be more than the batch's static cache holds)
-        ragged = RaggedRunner(
-            self.target, self.layers, self.prefill_waste, self.template.reads_prefill_cache
-        )
-        _, feats, views = ragged.admit([r.prompt[:-1] for r in reqs])
-
-        def states(n_rows: int, n: int) -> list[DecodeState]:
-            return [
-                DecodeState(
-                    ids=list(r.prompt[:n]),
-                    features=None if f is None else f[: n - 1],
-                    sampling=self.sampling,
-                    generator=torch.Generator(device=self.device).manual_seed(0),
-                    device=self.device,
-                    prefill_cache=v if n == tokens else None,
-                )
-                for r, f, v in list(zip(reqs, feats, views, strict=True))[:n_rows]
-            ]
-
-        def reading(sts: list[DecodeState]):
-            sync(self.device)
-            t = time.perf_counter()
-            bp = self._drafter()
-            props = []
-            if bp is not None:
-                bp.join(sts)
-            else:
-                props = [self.template.fresh() for _ in sts]
-                for p, st in zip(props, sts, strict=True):
-                    p.start(st)
-            sync(self.device)
-            return time.perf_counter() - t, bp, props
-
-        step = None
-        for _ in range(2):  # a warm-up, then the timed readings and draft
-            t_short, _, _ = reading(states(1, short))
-            full = states(rows, tokens)
-            t_long, bp, props = reading(full)
-            step = self._time_draft(bp, props, full)
-        n_short, n_long = short - 1, rows * (tokens - 1)
-        per = (t_long - t_short) / (n_long - n_short)
-        if per <= 0:  # the longer reading timed no dearer (noise): priced by its tokens alone
-            return 0.0, t_long / n_long, step
-        return max(0.0, t_short - per * n_short), per, step
-
     def _drafter(self):
         """The batched drafter for a run, with no rows: on the static runner's graphs the
         proposer's fixed-shape one where it has one (built once, its graphs kept from run to
@@ -408,30 +340,6 @@ class BatchDecoder:
             self.fixed_drafter.reset()
             return self.fixed_drafter
         return self.template.batched()
-
-    def _time_draft(self, bp, props: list[Proposer], states: list[DecodeState]) -> float | None:
-        """Seconds of one draft step of a ``gamma``-deep draft for ``states`` (one step for
-        all of them with the batched drafter ``bp``, else one row's, averaged over the rows),
-        as the run measures it."""
-        if bp is not None:
-            t = time.perf_counter()
-            drafted = bp.propose(states, [self.gamma] * len(states))
-            sync(self.device)
-            if bp.last_step_seconds is not None:
-                return bp.last_step_seconds
-            steps = max((max(depths(d), default=0) for d in drafted), default=0)
-            return (time.perf_counter() - t) / steps if steps else None
-        times = []
-        for p, st in zip(props, states, strict=True):
-            t = time.perf_counter()
-            d = p.propose(st, self.gamma)
-            sync(self.device)
-            steps = 1 if self.template.parallel else max(depths(d), default=0)
-            if p.measures_steps and p.last_step_seconds is not None:
-                times.append(p.last_step_seconds)
-            elif steps:
-                times.append((time.perf_counter() - t) / steps)
-        return sum(times) / len(times) if times else None
 
     def _controller(self):
         if self.policy != "adaptive" or not self.gamma:

@@ -22,8 +22,9 @@ from data.chat import prompt_ids
 from models.target import GenRequest
 
 from .batch import BatchDecoder, BatchError, BatchStats, check_batch_settings
+from .costs import StepCostModel
 from .decoder import NoDraft, SpeculativeDecoder
-from .policies import POLICIES, StepCostModel
+from .policies import POLICIES
 from .report import BATCH_CONVENTION, CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
 from .runner import compile_mode
 

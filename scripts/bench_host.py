@@ -57,8 +57,8 @@ def _setup():
 def part_loop(with_drafter: bool, runs: int) -> dict:
     from decoding.batch import BatchDecoder
     from decoding.batch_runner import StaticBatchRunner, batch_widths
+    from decoding.costs import StepCostModel
     from decoding.decoder import NoDraft
-    from decoding.policies import StepCostModel
     from models.eagle import Eagle1Config, EagleHead
     from models.ragged import prefill_waste
     from models.sampling import Sampling

@@ -17,9 +17,10 @@ import decoding.batch as batch
 import decoding.batch_runner as batch_runner
 from decoding.batch import BatchDecoder, BatchError
 from decoding.batch_runner import StaticBatchRunner
+from decoding.costs import StepCostModel
 from decoding.decoder import NoDraft, SpeculativeDecoder
 from decoding.lookahead import LookaheadProposer
-from decoding.policies import GoodputPolicy, StepCostModel, _Acceptance
+from decoding.policies import GoodputPolicy, _Acceptance
 from decoding.proposers import DraftLMProposer, NGramProposer
 from models.base import DecodeSettings, DecodeState, Proposal, Proposer
 from models.eagle import Eagle1Config, EagleHead
