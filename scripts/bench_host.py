@@ -6,7 +6,8 @@ decides how much of the card is used. This times that work on any machine with t
 target (3 layers, hidden 64), whose forwards are small enough for the host's share to show:
 
     python scripts/bench_host.py                  # all parts, medians of 5 runs
-    python scripts/bench_host.py --parts plain    # plain | drafter | batched_draft | single | accept
+    python scripts/bench_host.py --parts plain    # plain | drafter | batched_draft | single |
+                                                  # accept | launches
 
   plain          BatchDecoder on the static batch cache (eager), B = 16, 32 requests x 64
                  tokens, no draft: ms of host work an iteration (wall time less the forwards
@@ -23,6 +24,10 @@ target (3 layers, hidden 64), whose forwards are small enough for the host's sha
                  (``sampled_on_device``), over the embedded target's 49,152 tokens: ms here,
                  and the aten operations and reads of the device it makes (on a GPU each
                  operation is a launch and each read a wait; ``--device cuda`` times it there)
+  launches       the loop on fixed shapes (compile=emulate) at B = 1 (plain, an EAGLE chain of
+                 3, an EAGLE-2 tree) and B = 8 (the batched chain of 3), T = 0 and 1: an
+                 iteration's operations outside its graphs, reads of the device and graph
+                 replays (what a GPU's host does around the graphs)
 
 Run it alone on the machine (a second busy process slows small forwards 10-70x on 2 cores).
 """
@@ -202,35 +207,48 @@ def _accept_case(rows: int, tree: bool, V: int, dev: str, seed: int):
     return props, logits.to(dev)
 
 
-def _count_ops_and_reads(fn) -> tuple[int, int]:
+def _count_ops_and_reads(fn) -> tuple[int, int, int]:
     """The aten operations ``fn()`` dispatches that are not views (on a GPU, each a kernel's
-    launch) and its reads of the device (``item``-like scalar reads and ``tolist``: on a CPU
-    neither waits, on a GPU each waits for the work queued before it)."""
+    launch), its reads of the device (``item``-like scalar reads and ``tolist``: on a CPU
+    neither waits, on a GPU each waits for the work queued before it) and its graph replays,
+    whose own operations are not counted (a CUDA graph replays them as one launch)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    import models.lean as lean
+
     class Count(TorchDispatchMode):
-        ops = reads = 0
+        ops = reads = replays = paused = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
+            if self.paused:
+                pass
+            elif func is torch.ops.aten._local_scalar_dense.default:
                 self.reads += 1
             elif not func.is_view:  # a view launches nothing
                 self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    count, tolist = Count(), torch.Tensor.tolist
+    count, tolist, replay = Count(), torch.Tensor.tolist, lean.Captured.__call__
 
     def counted(self):
-        count.reads += 1
+        count.reads += not count.paused
         return tolist(self)
 
-    torch.Tensor.tolist = counted
+    def replayed(self):
+        count.replays += not count.paused
+        count.paused += 1
+        try:
+            return replay(self)
+        finally:
+            count.paused -= 1
+
+    torch.Tensor.tolist, lean.Captured.__call__ = counted, replayed
     try:
         with count:
             fn()
     finally:
-        torch.Tensor.tolist = tolist
-    return count.ops, count.reads
+        torch.Tensor.tolist, lean.Captured.__call__ = tolist, replay
+    return count.ops, count.reads, count.replays
 
 
 def _streams(rows: int, device: str, seed: int) -> list[torch.Generator]:
@@ -258,13 +276,80 @@ def part_accept(runs: int, device: str = "cpu") -> dict:
                 sync()
                 per.append(1e3 * (time.perf_counter() - t))
             args = (rule, *cases[1], _streams(rows, device, 1), on_device)
-            ops, reads = _count_ops_and_reads(functools.partial(accept_rows, *args))
+            ops, reads, _ = _count_ops_and_reads(functools.partial(accept_rows, *args))
             where = "device" if on_device else "host"
             out[f"{what}, {where}: ms (median) / aten ops / reads"] = [
                 round(statistics.median(per), 3),
                 ops,
                 reads,
             ]
+    return out
+
+
+def part_launches() -> dict:
+    """The batch-1 loop on fixed shapes (``compile=emulate``: the graph path's buffers run
+    eagerly), tiny target, 4 prompts x 32 tokens: an iteration's operations outside its
+    graphs, reads of the device and graph replays, prefills included, at T = 0 and T = 1
+    (rejection sampling row by row on the host, or on the device)."""
+    from decoding.batch import BatchDecoder
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from models.base import DecodeSettings
+    from models.eagle import Eagle1Config, EagleHead
+    from models.sampling import Sampling
+
+    t, reqs = _setup()
+    prompts = [r.prompt for r in reqs[:4]]
+    torch.manual_seed(0)
+    head = EagleHead(t, Eagle1Config()).eval()
+    tree = DecodeSettings(tree="dynamic", depth=4, top_k=4, total_tokens=12)
+    out = {}
+    for name, prop, kw in (
+        ("plain", NoDraft(), {}),
+        ("EAGLE chain of 3", head.proposer(), {"gamma": 3, "adaptive": False}),
+        ("EAGLE-2 tree (4, 4, 12)", head.proposer(tree), {"gamma": 4, "adaptive": False}),
+    ):
+        for temp, where in ((0.0, None), (1.0, False), (1.0, True)):
+            BatchDecoder.sample_on_device = where
+            try:
+                dec = SpeculativeDecoder(
+                    t, prop, Sampling(temp), calibrate=False, compile="emulate", **kw
+                )
+                dec.generate(prompts[0], 8)  # warm-up
+                its = []
+
+                def run(dec=dec, its=its):
+                    for p in prompts:
+                        dec.generate(p, 32)
+                        its.append(dec.last.target_calls)
+
+                ops, reads, replays = _count_ops_and_reads(run)
+            finally:
+                BatchDecoder.sample_on_device = None
+            n = sum(its)
+            how = "" if where is None else (", sampled on the device" if where else ", on the host")
+            out[f"B = 1, {name}, T = {temp:g}{how}: ops / reads / replays an iteration"] = [
+                round(ops / n, 1),
+                round(reads / n, 2),
+                round(replays / n, 2),
+            ]
+    # B = 8: the batched loop, its static batch cache and the batched chain on fixed shapes
+    for temp, where in ((0.0, None), (1.0, False), (1.0, True)):
+        BatchDecoder.sample_on_device = where
+        try:
+            dec = BatchDecoder(
+                t, head.proposer(), Sampling(temp), 8, gamma=3, compile="emulate", calibrate=False
+            )
+            dec.run(reqs[:8], 8)  # warm-up
+            ops, reads, replays = _count_ops_and_reads(lambda dec=dec: dec.run(reqs[:16], 32))
+        finally:
+            BatchDecoder.sample_on_device = None
+        n = dec.stats.forwards
+        how = "" if where is None else (", sampled on the device" if where else ", on the host")
+        out[f"B = 8, EAGLE chain of 3, T = {temp:g}{how}: ops / reads / replays a forward"] = [
+            round(ops / n, 1),
+            round(reads / n, 2),
+            round(replays / n, 2),
+        ]
     return out
 
 
@@ -281,6 +366,7 @@ def main() -> None:
         "batched_draft": lambda: part_batched_draft(a.runs),
         "single": lambda: part_single(a.runs),
         "accept": lambda: part_accept(a.runs, a.device),
+        "launches": part_launches,
     }
     res: dict = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
