@@ -71,7 +71,7 @@ from .policies import (
 from .runner import RunnerError
 from .stats import Stats, count_iteration, depths
 from .timing import sync
-from .verify import AcceptRule, accept_rows, until_stop
+from .verify import AcceptRule, accept_rows, samples_on_device, until_stop
 
 
 class BatchError(ValueError):
@@ -606,6 +606,8 @@ class BatchDecoder:
         if on_device is None:
             on_device = logits.is_cuda
         outcomes = accept_rows(rule, props, logits, gens, on_device)
+        if on_device and samples_on_device(rule, props):
+            st.rows.sampled_on_device += len(rows)
         keeps: list[list[int]] = []
         finished: list[int] = []
         it_tested = it_accepted = 0

@@ -27,6 +27,7 @@ from .decoder import NoDraft, SpeculativeDecoder
 from .policies import POLICIES
 from .report import BATCH_CONVENTION, CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
 from .runner import compile_mode
+from .stats import acceptance_where
 
 
 def policies_of(cfg) -> list[str]:
@@ -384,6 +385,7 @@ def _sweep_point(
         out = outs[policy]
         row = _row(pooled(runs[policy]), plain, b, policy)
         row["repeats"] = cfg.batch_repeats
+        row["acceptance"] = acceptance_where(pooled(runs[policy]).rows, sampling)
         row["request_rate"] = rate
         if sampling.greedy:
             divs = []

@@ -58,7 +58,7 @@ from .report import (
 )
 from .runner import compile_mode
 from .settings import EvalConfig, EvalError, bench_questions, stop_ids, validate
-from .stats import Stats
+from .stats import Stats, acceptance_where
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -246,6 +246,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         + ar.runner.capture_seconds
         + spec.proposer.capture_seconds,
         "plain_ms_per_step": 1e3 * ar_step,
+        "acceptance": acceptance_where(spec.stats, sampling),
     }
     near = sum(d["near_tie"] for d in divergences)
     accepted = sum(spec.stats.accepted.values())

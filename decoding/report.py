@@ -203,6 +203,7 @@ def print_report(r: dict[str, Any], out=print) -> None:
                     if d["capture_seconds"]
                     else ""
                 )
+                + (f"; acceptance: {d['acceptance']}" if d.get("acceptance") else "")
                 + f"); speedup {f(r['speedup'])} against a bound of {f(r.get('speedup_bound'))} "
                 "(tau over 1 + drafting's share of a plain step)"
             )

@@ -46,6 +46,9 @@ class Stats:
     # was idle left out), summed over the iterations that measured one
     step_seconds_sum: float = 0.0
     step_samples: int = 0
+    # row-iterations at T > 0 whose rejection sampling ran on the device, with the batch's in
+    # one read (``verify.sampled_on_device``); the rest at T > 0 ran row by row on the host
+    sampled_on_device: int = 0
 
     @property
     def draft_step_seconds(self) -> float | None:
@@ -73,6 +76,7 @@ class Stats:
             "tvd_sum",
             "tvd_tokens",
             "off_argmax",
+            "sampled_on_device",
             "step_seconds_sum",
             "step_samples",
         ):
@@ -137,3 +141,17 @@ def predicted_speedup(
     tokens = sum(n * GammaController.expected_tokens(alpha, g) for g, n in gamma_used.items())
     cost = sum(n * ((c if g else 0.0) if parallel else g * c) + n for g, n in gamma_used.items())
     return tokens / cost
+
+
+def acceptance_where(stats: Stats, sampling) -> str:
+    """Where a run's acceptance step ran, for its report: at T = 0 the argmaxes, read once an
+    iteration; at T > 0 rejection sampling on the device with one read (a GPU) or row by row
+    on the host (a CPU, a lossy rule, regeneration's race)."""
+    if sampling.greedy:
+        return "greedy, one read of the argmaxes an iteration"
+    n, k = stats.target_calls, stats.sampled_on_device
+    if n and k >= n:
+        return "sampled on the device, one read an iteration"
+    if not k:
+        return "sampled row by row on the host"
+    return f"sampled on the device in {k} of {n} row-iterations, else row by row on the host"

@@ -185,6 +185,9 @@ def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s, samp
     dec = SpeculativeDecoder(target, DraftLMProposer(draft), s, gamma=3, adaptive=False, seed=5)
     assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s)
     assert dec.stats.alpha < 0.95  # the draft really differs: rejections happen
+    # every iteration's acceptance ran where it was asked to, and the counter says so
+    on = dec.stats.sampled_on_device
+    assert on == (dec.stats.target_calls if sampling_where else 0)
 
 
 @pytest.mark.parametrize("runner", ["transformers", "graphs"])

@@ -280,6 +280,11 @@ def test_the_report_says_which_decoder_ran_and_the_bound_beside_the_speedup(comp
     lines: list[str] = []
     print_report(r, out=lines.append)
     assert any(line.startswith(f"decoder: {runner} (compile={compile}") for line in lines)
+    # where the acceptance step ran: greedy here; at T > 0 on a CPU, row by row on the host
+    assert d["acceptance"].startswith("greedy")
+    assert any(f"acceptance: {d['acceptance']}" in line for line in lines)
+    sampled = evaluate(_eval_cfg(draft="ngram", compile=compile, adaptive="false", temperature=1))
+    assert sampled["decoder"]["acceptance"] == "sampled row by row on the host"
 
 
 def test_a_drafts_saved_decode_settings_apply_when_none_is_given(tmp_path):
