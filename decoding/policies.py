@@ -191,9 +191,6 @@ class TreeController:
 POLICIES = ("fixed", "adaptive", "goodput")
 
 
-# -- the cost model (SmartSpec) -----------------------------------------------------------------
-
-
 # -- acceptance tracking ------------------------------------------------------------------------
 
 
@@ -585,6 +582,3 @@ class GoodputPolicy:
                 # it grows with the wait)
                 extra = max(0.0, iteration_seconds - plain)
                 self.probe_fixed = max(0.0, extra - self.reading_seconds(self._unread))
-
-
-# -- the decoder --------------------------------------------------------------------------------

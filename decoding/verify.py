@@ -379,12 +379,12 @@ def chains_sampled(
     p: (R, G + 1, V) the warped target distributions; q: (R, G, V) those the drafted tokens
     (R, G) were drawn from (a one-hot row for a point mass); lengths (R,): each row's drafted
     tokens, the positions past it padding (None: no row is padded); u_test (R, G): the
-    uniform that tests each position; u_draw (R,): the uniform of the emitted token's draw. Position i is accepted
-    with probability min(1, p(x) / q(x)) (where q(x) = 0: only if p(x) > 0, as
-    ``verify_sampled``) while every earlier one was; the emitted token is drawn from the
-    residual norm(max(0, p - q)) at the first rejected position (p itself where nothing is
-    left), or from p after the last drafted token. Returns the accepted counts and the emitted
-    tokens, (R,) each."""
+    uniform that tests each position; u_draw (R,): the uniform of the emitted token's draw.
+    Position i is accepted with probability min(1, p(x) / q(x)) (where q(x) = 0: only if
+    p(x) > 0, as ``verify_sampled``) while every earlier one was; the emitted token is drawn
+    from the residual norm(max(0, p - q)) at the first rejected position (p itself where
+    nothing is left), or from p after the last drafted token. Returns the accepted counts and
+    the emitted tokens, (R,) each."""
     R, G = tokens.shape
     rows = torch.arange(R, device=p.device)
     if not G:
