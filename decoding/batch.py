@@ -231,6 +231,8 @@ class BatchDecoder:
         # exact: lenience and typical run at batch 1 only; ``race``: plain steps at T > 0 draw
         # by torch.multinomial (``AcceptRule.race``: what a resumable regeneration needs)
         self.rule = rule or AcceptRule(sampling, race=race)
+        # what the proposers draft with: the target's sampling, or argmax drafts (point masses)
+        self.draft_sampling = Sampling() if self.rule.draft == "greedy" else sampling
         self.batch_size, self.policy = batch_size, policy
         # waiting requests join once this many slots are free (each join is a prefill forward,
         # grouped by length, and a copy of the running cache)
@@ -272,7 +274,7 @@ class BatchDecoder:
         if drafter is None and graphs != "off" and self.gamma:
             self.fixed_drafter = proposer.batched_fixed_shape(batch_size, self.gamma, graphs)
         if self.fixed_drafter is not None:
-            self.fixed_drafter.prepare(sampling)
+            self.fixed_drafter.prepare(self.draft_sampling)
         self.t_verify1: list[float] | None = None
         if policy == "adaptive" and self.gamma and calibrate:
             # today's controller, as at batch 1: the cost of each verification size for one
@@ -474,7 +476,7 @@ class BatchDecoder:
             state = DecodeState(
                 ids=list(r.prompt),
                 features=f,
-                sampling=self.sampling,
+                sampling=self.draft_sampling,
                 generator=gen,
                 device=self.device,
                 signals=self.signals,

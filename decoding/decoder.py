@@ -69,9 +69,11 @@ class SpeculativeDecoder:
         traces: list | None = None,
         compile: str = "auto",
         max_len: int = 2048,
+        draft_sampling: str = "sample",
     ):
         """``acceptance``: ``exact`` (speculative sampling: the output follows the target
-        exactly) or ``typical`` (Medusa's typical acceptance at T > 0 with ``typical_epsilon``
+        exactly), ``block`` (block verification of chains at T > 0: exact too, Sun et al.) or
+        ``typical`` (Medusa's typical acceptance at T > 0 with ``typical_epsilon``
         and ``typical_delta``: longer accepted runs, but the output distribution moves; the
         per-token TVD is measured in ``stats``). Greedy decoding (T = 0) is exact either way.
 
@@ -91,11 +93,17 @@ class SpeculativeDecoder:
         over a static cache at fixed widths (CUDA graphs on a GPU), ``false`` transformers'
         forward over its dynamic cache, ``auto`` the first wherever it runs (``self.runner.kind``
         says which ran), ``fused`` the first with each layer's elementwise ops compiled by
-        torch.compile. ``max_len``: the static cache's columns allocated up front."""
+        torch.compile. ``max_len``: the static cache's columns allocated up front.
+
+        ``draft_sampling``: at T > 0, ``sample`` (drafts drawn from the draft's q and tested
+        with it) or ``greedy`` (the draft's argmax, tested as a point mass: exact as well; what
+        vLLM serves by default). T = 0 drafts greedily either way."""
         if gamma < 0:
             raise ValueError(f"gamma={gamma}: must be >= 0")
-        if acceptance not in ("exact", "typical"):
-            raise ValueError(f"acceptance={acceptance!r}: use exact or typical")
+        if acceptance not in ("exact", "typical", "block"):
+            raise ValueError(f"acceptance={acceptance!r}: use exact, block or typical")
+        if draft_sampling not in ("sample", "greedy"):
+            raise ValueError(f"draft_sampling={draft_sampling!r}: use sample or greedy")
         if not 0.0 < lenience <= 1.0:
             raise ValueError(f"lenience={lenience}: must be in (0, 1] (1: exact)")
         if lenience < 1.0 and acceptance == "typical":
@@ -116,6 +124,10 @@ class SpeculativeDecoder:
                 f"{' (a tree)' if tree else ''} does not"
             )
         self.stop_rule, self.traces = stop_rule, traces
+        if acceptance == "block" and tree and not sampling.greedy:
+            raise ValueError("acceptance=block verifies chains: use tree=chain, or T = 0")
+        if lenience < 1.0 and acceptance == "block":
+            raise ValueError(f"lenience={lenience} with acceptance=block: use one")
         if lenience < 1.0 and tree and not sampling.greedy:
             raise ValueError(
                 f"lenience={lenience} at T > 0 is implemented for chains (its TVD is exact "
@@ -127,7 +139,9 @@ class SpeculativeDecoder:
         self.last_logits: list[torch.Tensor] | None = None
         self.target, self.proposer, self.sampling = target, proposer, sampling
         # how drafted tokens are accepted (``verify.accept``, the batched decoder's too)
-        self.rule = AcceptRule(sampling, lenience, acceptance, (typical_epsilon, typical_delta))
+        self.rule = AcceptRule(
+            sampling, lenience, acceptance, (typical_epsilon, typical_delta), draft_sampling
+        )
         self.device = target.device
         self.gamma = 0 if isinstance(proposer, NoDraft) else gamma
         # a proposer whose proposals gain from every drafting iteration (lookahead's pool) is

@@ -44,7 +44,7 @@ from .drafts import (
     machine_kind,
     saved_decode_settings,
 )
-from .llama_cpp import EngineError
+from .engines.base import EngineError
 from .report import (
     CONVENTION,
     NEAR_TIE_TOLERANCE,
@@ -62,19 +62,21 @@ from .stats import Stats, acceptance_where
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    if cfg.engine not in ("torch", "llama.cpp"):
-        raise EvalError(f"engine={cfg.engine!r}: use torch (built in) or llama.cpp")
-    if cfg.engine == "llama.cpp":
-        from .engine_eval import evaluate_engine
+    from .engines import ENGINES
+
+    if cfg.engine != "torch" and cfg.engine not in ENGINES:
+        raise EvalError(f"engine={cfg.engine!r}: use torch (built in), {' or '.join(ENGINES)}")
+    if cfg.engine != "torch":
+        from .engines import evaluate_in_engine
 
         if wants_batch(cfg):
             raise EvalError(
                 "batch_size / batch_sizes / request_rates / stop=goodput are measured in the "
-                "built-in decoder (engine=torch); llama-server's parallel slots are not"
+                f"built-in decoder (engine=torch), not in engine={cfg.engine}"
             )
         if cfg.ignore_eos:
             raise EvalError("ignore_eos=true is for the built-in decoder (engine=torch)")
-        return json_safe(evaluate_engine(cfg))
+        return json_safe(evaluate_in_engine(cfg))
     validate(cfg)
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
@@ -100,6 +102,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         streaming=(cfg.stream_sinks, cfg.stream_window),
     )
     if wants_batch(cfg):
+        if cfg.draft_sampling != "sample" or cfg.acceptance == "block":
+            raise EvalError(
+                "draft_sampling=greedy and acceptance=block are measured at batch 1 "
+                "(batch_size=1); the batched evaluation runs exact sampled drafts"
+            )
         sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
         tok = target.tokenizer
         stop = stop_ids(cfg, tok)
@@ -158,6 +165,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             adaptive=cfg.adaptive and stop_rule is None,
             seed=cfg.seed,
             acceptance=cfg.acceptance,
+            draft_sampling=cfg.draft_sampling,
             typical_epsilon=cfg.typical_epsilon,
             typical_delta=cfg.typical_delta,
             lenience=cfg.lenience,
@@ -309,6 +317,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "divergence_details": divergences,
             "lossless_note": note,
             "acceptance": "greedy" if sampling.greedy else cfg.acceptance,
+            "draft_sampling": None if sampling.greedy else cfg.draft_sampling,
             "mean_tvd": spec.stats.mean_tvd
             if (typical or (lenient and not sampling.greedy))
             else None,
@@ -483,6 +492,9 @@ def _main(cfg: DictConfig) -> None:
         plot_report(r, png)
         print_report(r)
     print(f"report: {path}   plot: {png}")
+    if r.get("finished") is False:
+        print(f"error: the engine failed part way: {r.get('engine_error')}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:

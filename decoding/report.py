@@ -176,7 +176,19 @@ def print_report(r: dict[str, Any], out=print) -> None:
             f"{r['settings'].get('n_max')}, p_min {r['settings'].get('p_min')}); "
             f"draft_acceptance_rate {f(r['draft_acceptance_rate'], 3)}"
         )
-        if c:
+        if c and "speculative_step_ms" in c:
+            out(
+                f"engine costs: plain step {f(c['plain_ms_per_token'])} ms, speculative step "
+                f"{f(c['speculative_step_ms'])} ms ({f(c['speculative_step_over_plain_step'])} "
+                f"plain steps: the draft's {r['settings'].get('n_max')} tokens and their "
+                "verification)"
+            )
+            out(
+                f"predicted speedup {f(r['predicted_speedup'])} (measured {f(r['speedup'])}, "
+                f"ratio {f(r.get('predicted_vs_measured'))}); ceiling (a draft always right) "
+                f"{f(r['ceiling_speedup'])}; lossless: {r['lossless']} ({r['lossless_note']})"
+            )
+        elif c:
             out(
                 f"engine costs: plain step {f(c['plain_ms_per_token'])} ms; target forward over "
                 + ", ".join(f"{k}: {f(v)}" for k, v in list(fwd.items())[:6])
@@ -192,6 +204,28 @@ def print_report(r: dict[str, Any], out=print) -> None:
             )
         else:
             out(f"lossless: {r['lossless']} ({r['lossless_note']})")
+        o = r.get("ours")
+        if o:
+            diff = " ".join(f(d, 3) for d in (o["difference_per_position"] or [])[:6])
+            rule = (
+                f"rule {o['acceptance']} with {o['draft_sampling']} drafts"
+                if o.get("draft_sampling")
+                else "greedy"
+            )
+            out(
+                f"built-in decoder, same prompts and draft, {rule}: tau {f(o['tau'])}, alpha by "
+                "position "
+                + " ".join(f(a) for a in (o["alpha_per_position"] or [])[:6])
+                + f"; engine minus ours: {diff}; its speedup {f(o['speedup'])} over its own "
+                f"plain decoding ({f(o['ar_tokens_per_second'], 1)} tok/s)"
+            )
+        if r.get("engine_flag"):
+            out(f"ENGINE FLAGGED: {r['engine_flag']}")
+        if r.get("finished") is False:
+            out(
+                f"ENGINE FAILED part way: {r.get('engine_error')}; the figures above cover "
+                f"the {len(r['outputs'])} prompts that finished"
+            )
     else:
         d = r.get("decoder") or {}
         if d:

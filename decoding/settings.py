@@ -53,9 +53,15 @@ class EvalConfig:
     # where it drafts ~2x faster; else as loaded), int8, or full. The target is never
     # quantized, so decoding stays lossless either way; acceptance moves slightly.
     draft_weights: str = "auto"
-    # exact (lossless speculative sampling) | typical (Medusa's typical acceptance at T > 0:
-    # not lossless; the report gives the mean per-token TVD from the target)
+    # exact (lossless speculative sampling) | block (block verification of chains at T > 0,
+    # Sun et al.: lossless, accepts at least as much; vLLM's rejection_sample_method="block") |
+    # typical (Medusa's typical acceptance at T > 0: not lossless; the report gives the mean
+    # per-token TVD from the target)
     acceptance: str = "exact"
+    # at T > 0, how a trained draft proposes: sample (drawn from its q, tested with q) or
+    # greedy (its argmax, tested as a point mass: lossless too, and what vLLM serves by
+    # default, the only rule it allows for reduced-vocabulary heads such as EAGLE-3's)
+    draft_sampling: str = "sample"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     # lenience l in (0, 1] (1: exact). Below 1, NOT lossless: a drafted x is accepted with
@@ -130,7 +136,7 @@ class EvalConfig:
     split_seed: int = 0  # for bench=sharegpt_val: training's train.seed
     max_val_records: int = 128  # for bench=sharegpt_val: training's data.max_val_records
     # the decoder: torch (the built-in one, the exact reference) or llama.cpp (llama-server,
-    # installed by `bash scripts/install.sh engine`; see decoding/engine_eval.py). In llama.cpp
+    # installed by `bash scripts/install.sh engine`; see decoding/engines/). In llama.cpp
     # gamma is its n_max (chain length) and p_min its confidence stop.
     engine: str = "torch"
     p_min: float = 0.0
@@ -143,6 +149,15 @@ class EvalConfig:
         "ngram-simple"  # llama.cpp: its n-gram type for draft=ngram (gamma: its length)
     )
     engine_tie_tolerance: float = 0.5  # llama.cpp: log-prob gap that counts as a near-tie
+    # vLLM: the export layout a trained EAGLE-3/HASS draft is served in (vllm | speculators;
+    # None: each method's default, decoding/engines/vllm.py), vLLM's acceptance rule at T > 0
+    # (greedy_draft: argmax drafts tested as one-hot, vLLM's default; exact: drafts sampled
+    # from q; block: block verification), its dtype (auto: the target's), and whether the
+    # built-in decoder runs the same prompts under the same rule beside it
+    engine_format: str | None = None
+    engine_rule: str = "greedy_draft"
+    engine_dtype: str = "auto"
+    engine_compare: bool = True
     predict: bool = True  # llama.cpp: measure the engine's costs and predict the speedup
     plan: bool = False  # llama.cpp: pick n_max (<= plan_max) from those costs first
     plan_max: int = 6
@@ -200,8 +215,10 @@ def validate(cfg: DictConfig) -> None:
         raise EvalError(f"min_prob={cfg.min_prob}: must be in [0, 1) (0: a fixed-size tree)")
     if cfg.tree_nodes is not None and cfg.tree_nodes < 1:
         raise EvalError(f"tree_nodes={cfg.tree_nodes}: must be >= 1")
-    if cfg.acceptance not in ("exact", "typical"):
-        raise EvalError(f"acceptance={cfg.acceptance!r}: use exact or typical")
+    if cfg.acceptance not in ("exact", "block", "typical"):
+        raise EvalError(f"acceptance={cfg.acceptance!r}: use exact, block or typical")
+    if cfg.draft_sampling not in ("sample", "greedy"):
+        raise EvalError(f"draft_sampling={cfg.draft_sampling!r}: use sample or greedy")
     if not 0 < cfg.lenience <= 1:
         raise EvalError(f"lenience={cfg.lenience}: must be in (0, 1] (1: exact)")
     try:

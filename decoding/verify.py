@@ -190,17 +190,75 @@ def verify_typical(
     return Verdict(path, token), tvd + [0.0]
 
 
+def verify_block(
+    tokens: list[int],
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """T > 0, a chain: block verification (Sun et al. 2024, arXiv 2403.10444), exact like
+    token-by-token rejection sampling and never accepting less in expectation; vLLM's
+    ``rejection_sample_method="block"``.
+
+    p: (N + 1, V) warped target distributions ([0]: after the root); q: (N, V) the draft
+    distribution each token was drawn from, or None for point masses (argmax drafts). With
+    the running ratio r_0 = 1, r_i = min(1, r_{i-1} p_{i-1}(x_i) / q_{i-1}(x_i)), position
+    i < N passes with probability h_i = m_i / (m_i + 1 - r_i), where m_i = sum_x max(0,
+    r_i p_i(x) - q_i(x)) is the residual mass after it, and position N with h_N = r_N. Each
+    position draws its own uniform; the accepted length tau is the last position that passed
+    (0 if none), and the next token is drawn from norm(max(0, r_tau p_tau - q_tau)) (from
+    p_N after the whole chain).
+    """
+    n = len(tokens)
+    qs = (
+        q
+        if q is not None
+        else torch.zeros_like(p[:n]).scatter_(1, torch.tensor(tokens)[:, None].to(p.device), 1.0)
+    )
+    r = [1.0]
+    for i, x in enumerate(tokens):
+        qx = float(qs[i, x])
+        ratio = float(p[i, x]) / qx if qx > 0 else float(p[i, x] > 0)
+        r.append(min(1.0, r[-1] * ratio))
+    tau = 0
+    for i in range(1, n + 1):
+        if i < n:
+            mass = float((r[i] * p[i] - qs[i]).clamp_min(0.0).sum())
+            denom = mass + 1.0 - r[i]
+            h = mass / denom if denom > 0 else 1.0
+        else:
+            h = r[n]
+        u = float(torch.rand((), generator=generator, device=p.device))
+        if u <= h:
+            tau = i
+    if tau == n:
+        return Verdict(list(range(n)), sample(p[n], generator))
+    return Verdict(list(range(tau)), sample(block_residual(r[tau], p[tau], qs[tau]), generator))
+
+
+def block_residual(r: float, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What block verification draws from after accepting a prefix with running ratio r:
+    max(0, r p - q) (V,), unnormalised; p where that is empty (only where r p == q, where a
+    rejection has probability 0)."""
+    left = (r * p - q).clamp_min(0.0)
+    return left if float(left.sum()) > 0 else p
+
+
 @dataclass(frozen=True)
 class AcceptRule:
     """How a verification's drafted tokens are accepted, for both decoders (batch 1 and B):
     ``sampling`` (T = 0: greedy; else exact rejection sampling), ``lenience`` < 1 (NOT exact:
-    ``verify_greedy_lenient`` / ``verify_sampled``'s l) and ``acceptance="typical"`` (at
-    T > 0, Medusa's, NOT exact) with its (epsilon, delta)."""
+    ``verify_greedy_lenient`` / ``verify_sampled``'s l), ``acceptance="typical"`` (at
+    T > 0, Medusa's, NOT exact) with its (epsilon, delta) and ``acceptance="block"`` (at
+    T > 0, chains: block verification, exact). ``draft``: how drafts are proposed at T > 0,
+    ``sample`` (from q, tested with q) or ``greedy`` (the draft's argmax, tested as a point
+    mass: exact too; vLLM's default and its only rule for reduced-vocabulary heads)."""
 
     sampling: Sampling
     lenience: float = 1.0
     acceptance: str = "exact"
     typical: tuple[float, float] = (0.09, 0.3)
+    draft: str = "sample"
     #: at T > 0, a step with nothing drafted draws its token by ``torch.multinomial`` (an
     #: exponential race) instead of the inverse CDF: both exact, but rounding that moves with
     #: a batch's composition moves an inverse-CDF draw to a neighbouring token far more often,
@@ -246,6 +304,10 @@ def accept(
     if rule.acceptance == "typical":
         verdict, tvd = verify_typical(prop.tokens, prop.parents, p, *rule.typical, generator)
         return Accepted(verdict, tvd)
+    if rule.acceptance == "block" and prop.tokens:
+        if not prop.is_chain:
+            raise ValueError("acceptance=block verifies chains (tree=chain)")
+        return Accepted(verify_block(prop.tokens, p, prop.q, generator))
     return Accepted(verify_sampled(prop.tokens, prop.parents, p, prop.q, generator))
 
 

@@ -45,6 +45,7 @@ class TargetConfig:
     trust_remote_code: bool = False
     seed: int = 0  # tiny_random only: weights are a function of this seed
     tiny_layers: int = 2  # tiny_random only: decoder layers (EAGLE-3 exports need >= 4)
+    tiny_head_dim: int = 16  # tiny_random only: attention head width (vLLM's CPU kernels: 64)
     # training only: none (every process holds the whole target) | fsdp (each holds 1/N of it:
     # FSDP2 over the decoder layers) | zero3 (DeepSpeed ZeRO-3, where deepspeed is installed);
     # under accelerate launch with >= 2 processes (trainer/shard.py)
@@ -120,6 +121,33 @@ def target_gguf(target: Target, given: str | Path | None = None) -> Path | None:
     return None
 
 
+def target_folder(target: Target) -> Path:
+    """``target`` as a Hugging Face folder that another program (a serving engine) can load:
+    ``target.path`` as given (a folder or hub id), the embedded SmolLM2's converted folder, or
+    a tiny random target written once under the cache, keyed by its identity."""
+    cfg = target.cfg
+    if cfg.path is not None:
+        return Path(cfg.path).expanduser() if os.path.sep in cfg.path else Path(cfg.path)
+    if cfg.name == "smollm2_135m":
+        return smollm2_dir(cfg.cache_dir)
+    import hashlib
+
+    key = hashlib.sha256(target.identity.encode()).hexdigest()[:12]
+    dest = Path(cfg.cache_dir).expanduser() / "targets" / f"tiny-random-{key}"
+    if not (dest / "config.json").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
+        model = target.model
+        model.to(torch.float32).save_pretrained(str(tmp))
+        model.to(target.dtype)
+        target.tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def saved_target_config(saved: dict[str, Any]) -> TargetConfig:
     """The TargetConfig that rebuilds the target a draft was saved for, from the ``target``
     section of its config.json (name, path and, for tiny random targets, the seed and layer
@@ -133,6 +161,8 @@ def saved_target_config(saved: dict[str, Any]) -> TargetConfig:
             cfg.seed = int(m.group(1))
         if m := re.search(r"layers=(\d+)", ident):
             cfg.tiny_layers = int(m.group(1))
+        if m := re.search(r"head_dim=(\d+)", ident):
+            cfg.tiny_head_dim = int(m.group(1))
     return cfg
 
 
@@ -424,9 +454,16 @@ def load_target(cfg: TargetConfig) -> Target:
 
         if cfg.tiny_layers < 1:
             raise TargetError(f"target.tiny_layers={cfg.tiny_layers}: must be >= 1")
-        model, tok = build_tiny_target(cfg.seed, num_layers=cfg.tiny_layers)
+        try:
+            model, tok = build_tiny_target(
+                cfg.seed, num_layers=cfg.tiny_layers, head_dim=cfg.tiny_head_dim
+            )
+        except ValueError as e:
+            raise TargetError(f"target.tiny_head_dim: {e}") from None
         model = model.to(device=device, dtype=dtype)
         layers = f", layers={cfg.tiny_layers}" if cfg.tiny_layers != 2 else ""
+        if cfg.tiny_head_dim != 16:
+            layers += f", head_dim={cfg.tiny_head_dim}"
         return Target(model, tok, f"tiny_random(seed={cfg.seed}{layers})", cfg)
     if cfg.path is not None:
         where = cfg.path

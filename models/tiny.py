@@ -42,8 +42,16 @@ def build_tiny_tokenizer():
     return tok
 
 
-def build_tiny_target(seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
-    """(model, tokenizer): a random LlamaForCausalLM whose weights depend only on ``seed``."""
+def build_tiny_target(
+    seed: int = 0, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 16
+):
+    """(model, tokenizer): a random LlamaForCausalLM whose weights depend only on ``seed``.
+    ``head_dim``: the width of an attention head (hidden_size // head_dim heads, half as many
+    KV heads); 16 by default, 64 where an engine's kernels take only common widths (vLLM's
+    CPU attention)."""
+    if head_dim < 1 or hidden_size % head_dim:
+        raise ValueError(f"head_dim={head_dim}: must divide the hidden size {hidden_size}")
+    heads = hidden_size // head_dim
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tiny_tokenizer()
@@ -52,8 +60,8 @@ def build_tiny_target(seed: int = 0, hidden_size: int = 64, num_layers: int = 2)
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,

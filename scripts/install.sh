@@ -3,11 +3,15 @@
 #   bash scripts/install.sh          # the toolkit
 #   bash scripts/install.sh dev      # the toolkit + test tools
 #   bash scripts/install.sh engine   # llama.cpp (optional serving engine), built once into the cache
+#   bash scripts/install.sh vllm     # vLLM (optional serving engine), its own environment in the cache
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "engine" ]; then
   exec bash scripts/install_engine.sh
+fi
+if [ "${1:-}" = "vllm" ]; then
+  exec bash scripts/install_vllm.sh
 fi
 
 python3 -m pip install -q torch==2.13.0          # CPU build on CPU machines; pinned

@@ -554,3 +554,32 @@ def test_tree_sizes_reads_each_nodes_outcome_off_the_output():
     scores, depth, ok = node_outcomes(rec, full)
     assert depth.tolist() == [1, 1, 2, 3, 2, 2, 4]
     assert ok.tolist() == [True, False, True, True, False, False, False]
+
+
+@pytest.mark.parametrize(
+    "draft_sampling,acceptance",
+    [("greedy", "exact"), ("greedy", "block"), ("sample", "block")],
+    ids=["argmax_drafts", "argmax_drafts_block", "sampled_drafts_block"],
+)
+def test_eagle3_chain_under_an_engines_rule_follows_the_target(
+    small_vocab_target, draft_sampling, acceptance
+):
+    """The rules serving engines run at T > 0 (vLLM: argmax drafts tested as point masses, its
+    default; block verification) are exact in the built-in decoder too: chi-square on the
+    first two tokens of an EAGLE-3 chain whose draft vocabulary leaves tokens out."""
+    target = small_vocab_target
+    torch.manual_seed(2)  # a head whose argmax the target's top 8 often hold
+    head = Eagle3Head(target, Eagle3Config(draft_vocab_size=6)).eval()
+    s = Sampling(0.9, top_k=8)
+    dec = SpeculativeDecoder(
+        target,
+        head.proposer(),
+        s,
+        gamma=2,
+        adaptive=False,
+        seed=7,
+        acceptance=acceptance,
+        draft_sampling=draft_sampling,
+    )
+    assert_first_two_tokens_follow_the_target(target, dec, [1, 2, 3], s, gen=3)
+    assert 0.02 < dec.stats.alpha < 0.98

@@ -27,7 +27,7 @@ gguf = pytest.importorskip("gguf")
 
 
 def _engine():
-    from decoding.llama_cpp import engine_dir
+    from decoding.engines.llama_cpp import engine_dir
 
     return engine_dir(required=False)
 
@@ -149,7 +149,7 @@ def test_export_of_a_run_on_a_four_layer_tiny_target(data_file, tmp_path):
 
 
 def test_missing_engine_is_one_clear_line(monkeypatch, tmp_path):
-    from decoding.llama_cpp import EngineError, engine_dir
+    from decoding.engines.llama_cpp import EngineError, engine_dir
 
     monkeypatch.setenv("SPECDRAFT_LLAMA_CPP", str(tmp_path))
     with pytest.raises(EngineError, match="install.sh engine"):
@@ -182,7 +182,7 @@ def shipped_gguf(smollm2, tmp_path_factory):
 @pytest.mark.slow
 def test_engine_serves_the_shipped_head_losslessly(smollm2, shipped_gguf):
     from data.chat import prompt_ids
-    from decoding.llama_cpp import LlamaServer, repack_works
+    from decoding.engines.llama_cpp import LlamaServer, repack_works
     from models.target import target_gguf
 
     tg = target_gguf(smollm2)
@@ -207,7 +207,7 @@ def test_engine_serves_the_shipped_head_losslessly(smollm2, shipped_gguf):
 def test_our_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
     """The same head converted by llama.cpp's own convert_hf_to_gguf.py (from our sglang
     export, with --target-model-dir) and written by us: same eagle3 keys, same tensors."""
-    from decoding.llama_cpp import engine_source
+    from decoding.engines.llama_cpp import engine_source
     from models.export import load_trained_head
     from models.shipped import shipped_draft
     from models.target import smollm2_dir
@@ -248,7 +248,7 @@ def test_our_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
 @needs_engine
 @pytest.mark.slow
 def test_eval_in_the_engine_and_its_failures(tmp_path):
-    from decoding.llama_cpp import EngineError, LlamaServer
+    from decoding.engines.llama_cpp import EngineError, LlamaServer
     from models.target import smollm2_package_dir
 
     rep = tmp_path / "r.json"
@@ -287,7 +287,7 @@ def test_repacked_layouts_are_turned_off_only_where_the_engine_crashes_with_them
     """engine_repack=auto probes llama.cpp once per model: a crash (killed by a signal) turns
     the repacked weight layouts off with one line, any other failure is an error naming the
     file, on / off are taken as given, and a server started without them says --no-repack."""
-    from decoding.llama_cpp import EngineError, LlamaServer, repack_works, resolve_repack
+    from decoding.engines.llama_cpp import EngineError, LlamaServer, repack_works, resolve_repack
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
@@ -323,7 +323,7 @@ def test_repacked_layouts_are_turned_off_only_where_the_engine_crashes_with_them
 
 
 def test_cost_fit_is_least_squares_with_nonnegative_costs():
-    from decoding.engine_eval import nonnegative_fit
+    from decoding.engines.llama_cpp_eval import nonnegative_fit
 
     rng = np.random.default_rng(0)
     A = rng.uniform(1, 50, size=(6, 2))
@@ -339,7 +339,7 @@ def test_cost_model_counts_the_draft_step_a_confidence_stop_ran():
     """With p_min > 0 a chain that stopped early ran one draft forward more than it drafted
     (the one whose token fell below p_min), and a forward with no draft ran one; at p_min 0 a
     drafted token is a draft forward."""
-    from decoding.engine_eval import CostModel
+    from decoding.engines.llama_cpp_eval import CostModel
 
     m = CostModel({1: 10.0, 2: 15.0, 3: 20.0, 4: 25.0}, plain_ms=10.0, c0=1.0, cd=2.0)
     steps = [(1, 1), (3, 3), (0, 2)]  # (accepted, drafted); n_max 3

@@ -21,7 +21,7 @@ def test_trainer_and_decoder_are_strangers():
         ("trainer.train", "decoding"),
         ("trainer.config", "decoding"),
         ("decoding.eval", "trainer"),
-        ("decoding.engine_eval", "trainer"),
+        ("decoding.engines.llama_cpp_eval", "trainer"),
     ):
         r = subprocess.run(
             [sys.executable, "-c", code, mod, other], cwd=ROOT, capture_output=True, text=True

@@ -468,3 +468,75 @@ def test_accept_rows_on_the_host_or_on_the_device_is_accept_for_every_row():
             assert outcome(on_device) == outcome(
                 verify.sampled_on_device(rule.sampling, props, logits, _streams(7))
             )
+
+
+def _simulate_block(n: int, s: Sampling, seed: int, greedy_drafts: bool, depth: int = 2):
+    """Counts (V, V) of the first two emitted tokens over ``n`` block verifications of a chain
+    of ``depth`` drafted tokens (argmax drafts as point masses, or drafts sampled from q), and
+    the mean accepted length."""
+    p1, p2, q1, q2 = _tables(0)
+    P1, P2, Q1, Q2 = warp(p1, s), warp(p2, s), warp(q1, s), warp(q2, s)
+    g = torch.Generator().manual_seed(seed)
+    counts, accepted = torch.zeros(V, V), 0
+    for _ in range(n):
+        tokens, qs, rows = [], [], [P1]
+        for i in range(depth):
+            dist = Q1 if i == 0 else Q2[tokens[-1]]
+            tokens.append(
+                int(dist.argmax())
+                if greedy_drafts
+                else int(torch.multinomial(dist, 1, generator=g))
+            )
+            qs.append(dist)
+            rows.append(P2[tokens[0]] if i == 0 else P1)  # after depth 2+: any distribution
+        q = None if greedy_drafts else torch.stack(qs)
+        v = verify.verify_block(tokens, torch.stack(rows), q, g)
+        assert v.path == list(range(len(v.path)))
+        accepted += len(v.path)
+        emitted = [tokens[i] for i in v.path] + [v.token]
+        if len(emitted) < 2:
+            emitted.append(int(torch.multinomial(P2[emitted[0]], 1, generator=g)))
+        counts[emitted[0], emitted[1]] += 1
+    return counts, accepted / n
+
+
+@pytest.mark.parametrize("greedy_drafts", [True, False], ids=["argmax_drafts", "sampled_drafts"])
+@pytest.mark.parametrize("depth", [2, 3])
+def test_block_verification_follows_the_target(greedy_drafts, depth):
+    """Block verification (vLLM's rejection_sample_method="block") is exact: the first two
+    emitted tokens follow p1 x p2, with argmax drafts (point masses) and with sampled ones."""
+    s = Sampling(1.0)
+    counts, _ = _simulate_block(6000, s, seed=depth, greedy_drafts=greedy_drafts, depth=depth)
+    p1, p2, _, _ = _tables(0)
+    expected = (warp(p1, s)[:, None] * warp(p2, s)).flatten() * counts.sum()
+    assert chisquare(counts.flatten().numpy(), expected.numpy()).pvalue > ALPHA_TEST
+
+
+def test_block_verification_accepts_at_least_as_much_as_token_by_token():
+    """In expectation block verification accepts no fewer tokens than token-by-token
+    rejection sampling of the same drafts (Sun et al.'s guarantee), here on argmax drafts."""
+    s = Sampling(1.0)
+    _, block = _simulate_block(6000, s, seed=11, greedy_drafts=True, depth=3)
+    p1, p2, q1, q2 = _tables(0)
+    P1, P2, Q1, Q2 = warp(p1, s), warp(p2, s), warp(q1, s), warp(q2, s)
+    g = torch.Generator().manual_seed(12)
+    total = 0
+    for _ in range(6000):
+        t1 = int(Q1.argmax())
+        t2 = int(Q2[t1].argmax())
+        t3 = int(Q2[t2].argmax())
+        rows = torch.stack([P1, P2[t1], P1, P1])
+        total += len(verify.verify_sampled([t1, t2, t3], [-1, 0, 1], rows, None, g).path)
+    tokenwise = total / 6000
+    assert block >= tokenwise - 0.03, (block, tokenwise)
+
+
+def test_the_block_test_notices_a_correction_drawn_from_p(monkeypatch):
+    """A block rule whose token after a rejection comes from the target's p instead of
+    norm(max(0, r_tau p - q)) is not exact, and the chi-square test above fails on it."""
+    monkeypatch.setattr(verify, "block_residual", lambda r, p, q: p)
+    s = Sampling(1.0)
+    counts, _ = _simulate_block(6000, s, seed=2, greedy_drafts=True, depth=2)
+    p1, p2, _, _ = _tables(0)
+    expected = (warp(p1, s)[:, None] * warp(p2, s)).flatten() * counts.sum()
+    assert chisquare(counts.flatten().numpy(), expected.numpy()).pvalue < ALPHA_TEST

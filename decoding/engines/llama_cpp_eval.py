@@ -27,102 +27,22 @@ from __future__ import annotations
 
 import math
 import platform
-import sys
-from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
 from models.base import DraftError
 from models.target import load_target, target_gguf
 
-from .llama_cpp import (
-    BUILD,
-    Completion,
-    EngineError,
-    LlamaServer,
-    bench_forward_ms,
-    resolve_repack,
-)
-from .report import CONVENTION
-from .settings import EvalError, bench_questions, stop_ids
+from ..report import CONVENTION
+from ..settings import EvalError, bench_questions, stop_ids
+from .base import EngineError, EngineStats, cpu_name, lossless_note, run_bench
+from .llama_cpp import BUILD, LlamaServer, bench_forward_ms, resolve_repack
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
-
-
-class EngineStats:
-    """Pooled counters of speculative requests in the engine (and of the matching plain ones)."""
-
-    def __init__(self) -> None:
-        self.tokens = self.ar_tokens = 0
-        self.ms = self.ar_ms = 0.0
-        self.drafted = self.accepted = 0
-        self.steps: list[tuple[int, int]] = []  # (accepted, drafted) per verification
-        self.plain_steps = 0  # target forwards of the speculative run that verified no draft
-        self.requests = 0
-
-    def add(self, spec: Completion, ar: Completion) -> None:
-        self.requests += 1
-        n = int(spec.timings.get("predicted_n") or len(spec.tokens))
-        self.tokens += n
-        self.ms += spec.predicted_ms
-        self.ar_tokens += int(ar.timings.get("predicted_n") or len(ar.tokens))
-        self.ar_ms += ar.predicted_ms
-        self.drafted += spec.drafted
-        self.accepted += spec.accepted
-        self.steps += spec.steps
-        # the first token comes from the prompt's forward; every other forward emits a + 1
-        self.plain_steps += max(0, (n - 1) - sum(a + 1 for a, _ in spec.steps))
-
-    @property
-    def target_calls(self) -> int:
-        return len(self.steps) + self.plain_steps
-
-    def alpha_per_position(self) -> list[float | None]:
-        depth = max((d for _, d in self.steps), default=0)
-        out = []
-        for k in range(1, depth + 1):
-            tested = sum(1 for a, d in self.steps if d >= k and a >= k - 1)
-            acc = sum(1 for a, _ in self.steps if a >= k)
-            out.append(acc / tested if tested else None)
-        return out
-
-    def row(self) -> dict[str, Any]:
-        tested = sum(min(d, a + 1) for a, d in self.steps)
-        acc = sum(a for a, _ in self.steps)
-        tps = 1000 * self.tokens / self.ms if self.ms else float("nan")
-        ar_tps = 1000 * self.ar_tokens / self.ar_ms if self.ar_ms else float("nan")
-        calls = self.target_calls
-        return {
-            # the first token of a request comes from the prompt's forward, not a verification
-            "tau": (self.tokens - self.requests) / calls if calls else float("nan"),
-            "alpha": acc / tested if tested else float("nan"),
-            "alpha_per_position": self.alpha_per_position(),
-            "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
-            "tokens_per_second": tps,
-            "ar_tokens_per_second": ar_tps,
-            "speedup": tps / ar_tps if ar_tps else float("nan"),
-            "target_calls": calls,
-            "drafting_iterations": len(self.steps),
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "new_tokens": self.tokens,
-            "ar_new_tokens": self.ar_tokens,
-            "gamma_used": {str(k): v for k, v in sorted(Counter(d for _, d in self.steps).items())},
-            "accept_length_hist": {
-                str(k): v for k, v in sorted(Counter(a for a, _ in self.steps).items())
-            },
-            "tree_iterations": 0,
-            "time_s": {
-                "total": self.ms / 1000,
-                "ar_total": self.ar_ms / 1000,
-                "other_fraction": None,
-            },
-        }
 
 
 class CostModel:
@@ -213,7 +133,7 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str]:
     if not p.exists():
         raise DraftError(f"draft={d}: no such file or folder")
     # a trained head: export it once (checked, re-imported) and cache the GGUF beside it
-    from .llama_cpp import cache_root
+    from .base import cache_root
 
     head = load_trained_head(p, target)
     if head.cfg.name not in ("eagle3", "hass"):
@@ -238,27 +158,7 @@ def _fingerprint(p: Path) -> str:
     return h.hexdigest()[:10]
 
 
-def _near_tie(plain_srv: LlamaServer, prompt, plain, spec, pos, tolerance):
-    """Log-prob gap at the first divergence, from the plain server's top log-probs there."""
-    out = plain_srv.post(
-        {
-            "prompt": [int(t) for t in prompt + plain[:pos]],
-            "n_predict": 1,
-            "temperature": 0.0,
-            "n_probs": 8,
-            "post_sampling_probs": False,
-            "cache_prompt": False,
-        }
-    )
-    probs = (out.get("completion_probabilities") or [{}])[0].get("top_logprobs") or []
-    lp = {int(c["id"]): float(c["logprob"]) for c in probs if "id" in c}
-    if spec[pos] not in lp or plain[pos] not in lp:
-        return None, False
-    gap = lp[plain[pos]] - lp[spec[pos]]
-    return gap, abs(gap) <= tolerance
-
-
-def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
+def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
 
     if cfg.max_new_tokens < 1:
         raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
@@ -310,65 +210,13 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
                 log(f"plan: n_max={n_max} (predicted {plan['predicted_speedup']:.2f}x)")
         with spec_server(n_max) as spec:
             spec.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
-            pooled, per_cat = EngineStats(), {}
-            outputs, divergences, compared = [], [], 0
-            for q in tqdm(
-                questions, desc="prompts (llama.cpp)", dynamic_ncols=True, file=sys.stderr
-            ):
-                hist = {"ar": [], "spec": []}
-                rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
-                for turn in q["turns"][: cfg.turns]:
-                    prompts, outs = {}, {}
-                    for name, srv in (("ar", plain), ("spec", spec)):
-                        msgs = hist[name] + [{"role": "user", "content": turn}]
-                        prompts[name] = prompt_ids(tok, msgs)
-                        outs[name] = srv.complete(
-                            prompts[name], cfg.max_new_tokens, **sampling, seed=cfg.seed
-                        )
-                        text = tok.decode([t for t in outs[name].tokens if t not in stop])
-                        hist[name] = msgs + [{"role": "assistant", "content": text}]
-                    for s in (pooled, per_cat.setdefault(q["category"], EngineStats())):
-                        s.add(outs["spec"], outs["ar"])
-                    a, b = outs["ar"].tokens, outs["spec"].tokens
-                    div = None
-                    if greedy and prompts["ar"] == prompts["spec"]:
-                        compared += 1
-                        if a != b:
-                            pos = next(
-                                (i for i in range(min(len(a), len(b))) if a[i] != b[i]), None
-                            )
-                            gap, near = (None, False)
-                            if pos is not None:
-                                gap, near = _near_tie(
-                                    plain, prompts["ar"], a, b, pos, cfg.engine_tie_tolerance
-                                )
-                            div = {"position": pos, "logit_gap": gap, "near_tie": near}
-                            divergences.append({"question_id": q["question_id"], **div})
-                    rec["turns"].append(
-                        {
-                            "spec_tokens": len(b),
-                            "ar_tokens": len(a),
-                            "identical": a == b,
-                            "divergence": div,
-                            "text": tok.decode(b),
-                            "engine_timings": outs["spec"].timings,
-                        }
-                    )
-                outputs.append(rec)
+            run = run_bench(plain, spec, questions, cfg, tok, stop, "llama.cpp")
+    if not run.finished:
+        raise EngineError(run.error)
+    pooled, divergences = run.pooled, run.divergences
     report = pooled.row()
     near = sum(bool(d["near_tie"]) for d in divergences)
-    if greedy:
-        note = (
-            f"{compared - len(divergences)}/{compared} outputs identical to the engine's plain greedy decoding"
-            + (
-                f"; {len(divergences)} parted, {near} at a near-tie (log-prob gap <= "
-                f"{cfg.engine_tie_tolerance}), {len(divergences) - near} real"
-                if divergences
-                else ""
-            )
-        )
-    else:
-        note = "T > 0: llama.cpp's own sampling; outputs are samples, not compared"
+    note = lossless_note(run, greedy, cfg.engine_tie_tolerance, "llama.cpp's own sampling")
     pred = (
         costs.predicted_speedup(pooled.steps, pooled.plain_steps, n_max, p_min)
         if costs
@@ -397,7 +245,7 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
             + " In llama.cpp: tokens/s from its timings (predicted_n / predicted_ms); alpha per "
             "position from its per-step 'accepted a/n draft tokens' log; draft_acceptance_rate "
             "from draft_n_accepted / draft_n.",
-            "per_category": {c: s.row() for c, s in sorted(per_cat.items())},
+            "per_category": {c: s.row() for c, s in sorted(run.per_category.items())},
             "settings": {
                 **OmegaConf.to_container(cfg, resolve=True),
                 "n_max": n_max,
@@ -409,28 +257,13 @@ def evaluate_engine(cfg: DictConfig, log=print) -> dict[str, Any]:
                 "engine_threads": plain.threads,
                 "engine_repack_used": repack,
                 "machine": platform.machine(),
-                "cpu": _cpu_name(),
+                "cpu": cpu_name(),
                 "date": datetime.now(timezone.utc).isoformat(),
             },
-            "outputs": outputs,
+            "outputs": run.outputs,
         }
     )
     return report
-
-
-def _cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    info = {}
-    for line in text.splitlines():
-        if ":" in line:
-            k, v = (s.strip() for s in line.split(":", 1))
-            info.setdefault(k, v)
-    flags = set(info.get("flags", "").split())
-    bf16 = "bf16" if flags & {"avx512_bf16", "amx_bf16"} else "no bf16"
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, {bf16})"
 
 
 def nonnegative_fit(A, y) -> tuple[float, float]:

@@ -20,9 +20,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .base import Completion, EngineError, cache_root
 
 BUILD = 11434  # the llama.cpp build scripts/install_engine.sh installs (EAGLE-3 since b9606)
 PROGRAMS = ("llama-server", "llama-bench")
@@ -30,15 +31,6 @@ INSTALL_HINT = (
     "bash scripts/install.sh engine (builds llama.cpp once, ~15-40 minutes on 2 cores), or set "
     "SPECDRAFT_LLAMA_CPP=<a llama.cpp bin dir>"
 )
-
-
-class EngineError(RuntimeError):
-    """The engine is missing, would not start, or failed; the message says which and what to
-    do."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser()
 
 
 def engine_dir(required: bool = True) -> Path | None:
@@ -134,28 +126,6 @@ def _stop_servers_on_sigterm() -> None:
             signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread
         pass
-
-
-@dataclass
-class Completion:
-    """One request's result: the new token ids and the engine's own counters."""
-
-    tokens: list[int]
-    timings: dict[str, Any]
-    # per verification step of a speculative request: (accepted, drafted) from the server log
-    steps: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def predicted_ms(self) -> float:
-        return float(self.timings.get("predicted_ms") or 0.0)
-
-    @property
-    def drafted(self) -> int:
-        return int(self.timings.get("draft_n") or 0)
-
-    @property
-    def accepted(self) -> int:
-        return int(self.timings.get("draft_n_accepted") or 0)
 
 
 STEP_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
@@ -296,6 +266,21 @@ class LlamaServer:
         out = self.post(body, timeout)
         steps = self._steps_since(start)
         return Completion(list(out.get("tokens") or []), dict(out.get("timings") or {}), steps)
+
+    def top_logprobs(self, prompt: list[int], k: int) -> dict[int, float]:
+        """The top-``k`` next-token log-probs after ``prompt`` (a request of its own)."""
+        out = self.post(
+            {
+                "prompt": [int(t) for t in prompt],
+                "n_predict": 1,
+                "temperature": 0.0,
+                "n_probs": int(k),
+                "post_sampling_probs": False,
+                "cache_prompt": False,
+            }
+        )
+        probs = (out.get("completion_probabilities") or [{}])[0].get("top_logprobs") or []
+        return {int(c["id"]): float(c["logprob"]) for c in probs if "id" in c}
 
     def post(self, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
         """One ``/completion`` request; its JSON answer."""

@@ -1,0 +1,284 @@
+"""The contract every serving engine keeps, and what the evaluator does with any of them.
+
+An engine takes token-id prompts and sampling settings and gives back the new tokens, its own
+acceptance counters and its own timings (``Completion``). ``specdraft-eval engine=<name>`` runs
+two of them, the target alone and the target with the draft, over the same prompts,
+interleaved, after a warm-up (``run_bench``); pools their counters (``EngineStats``); compares
+every T = 0 output with the plain engine's, a divergence classified as a near-tie from the
+plain engine's own top log-probs at that point (``Engine.top_logprobs``); and writes the same
+report as the built-in decoder. An engine is one module of this package with an
+``evaluate(cfg, log) -> report`` function, named in ``ENGINES`` (``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm.auto import tqdm
+
+from data.chat import prompt_ids
+
+
+class EngineError(RuntimeError):
+    """The engine is missing, would not start, or failed; the message says which and what to
+    do."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDRAFT_CACHE", "~/.cache/specdraft")).expanduser()
+
+
+@dataclass
+class Completion:
+    """One request's result: the new token ids and the engine's own counters.
+
+    ``timings``: ``predicted_n`` (tokens generated), ``predicted_ms`` (the time they took,
+    the prompt's prefill excluded), ``timed_n`` (the tokens that time covers, when not all of
+    them: vLLM times from the first token to the last), ``draft_n`` / ``draft_n_accepted``."""
+
+    tokens: list[int]
+    timings: dict[str, Any]
+    # per verification step of a speculative request: (accepted, drafted)
+    steps: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def predicted_ms(self) -> float:
+        return float(self.timings.get("predicted_ms") or 0.0)
+
+    @property
+    def drafted(self) -> int:
+        return int(self.timings.get("draft_n") or 0)
+
+    @property
+    def accepted(self) -> int:
+        return int(self.timings.get("draft_n_accepted") or 0)
+
+
+class Engine(Protocol):
+    """One model (and, for the speculative side, its draft) served by an engine."""
+
+    def complete(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ) -> Completion:
+        """Decode up to ``n_predict`` tokens after ``prompt`` (token ids, fed as they are)."""
+        ...
+
+    def top_logprobs(self, prompt: list[int], k: int) -> dict[int, float]:
+        """The model's top-``k`` next-token log-probs after ``prompt`` (outside any timing)."""
+        ...
+
+
+def steps_from_positions(drafts: int, gamma: int, accepted_per_pos: list[int]) -> list:
+    """(accepted, drafted) per verification from an engine's pooled counters: ``drafts``
+    verifications of ``gamma`` tokens each and, per position k, how many accepted it (a
+    position is accepted only after every earlier one, so the counts give the histogram)."""
+    acc = list(accepted_per_pos[:gamma]) + [0] * max(0, gamma - len(accepted_per_pos))
+    bounds = [drafts] + acc
+    steps = []
+    for a in range(gamma + 1):
+        nxt = bounds[a + 1] if a < gamma else 0
+        steps += [(a, gamma)] * max(0, bounds[a] - nxt)
+    return steps
+
+
+class EngineStats:
+    """Pooled counters of speculative requests in the engine (and of the matching plain ones)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.ar_tokens = 0
+        self.timed = self.ar_timed = 0
+        self.ms = self.ar_ms = 0.0
+        self.drafted = self.accepted = 0
+        self.steps: list[tuple[int, int]] = []  # (accepted, drafted) per verification
+        self.plain_steps = 0  # target forwards of the speculative run that verified no draft
+        self.requests = 0
+
+    def add(self, spec: Completion, ar: Completion) -> None:
+        self.requests += 1
+        n = int(spec.timings.get("predicted_n") or len(spec.tokens))
+        n_ar = int(ar.timings.get("predicted_n") or len(ar.tokens))
+        self.tokens += n
+        self.timed += int(spec.timings.get("timed_n", n))
+        self.ms += spec.predicted_ms
+        self.ar_tokens += n_ar
+        self.ar_timed += int(ar.timings.get("timed_n", n_ar))
+        self.ar_ms += ar.predicted_ms
+        self.drafted += spec.drafted
+        self.accepted += spec.accepted
+        self.steps += spec.steps
+        # the first token comes from the prompt's forward; every other forward emits a + 1
+        self.plain_steps += max(0, (n - 1) - sum(a + 1 for a, _ in spec.steps))
+
+    @property
+    def target_calls(self) -> int:
+        return len(self.steps) + self.plain_steps
+
+    def alpha_per_position(self) -> list[float | None]:
+        depth = max((d for _, d in self.steps), default=0)
+        out = []
+        for k in range(1, depth + 1):
+            tested = sum(1 for a, d in self.steps if d >= k and a >= k - 1)
+            acc = sum(1 for a, _ in self.steps if a >= k)
+            out.append(acc / tested if tested else None)
+        return out
+
+    def row(self) -> dict[str, Any]:
+        tested = sum(min(d, a + 1) for a, d in self.steps)
+        acc = sum(a for a, _ in self.steps)
+        tps = 1000 * self.timed / self.ms if self.ms else float("nan")
+        ar_tps = 1000 * self.ar_timed / self.ar_ms if self.ar_ms else float("nan")
+        calls = self.target_calls
+        return {
+            # the first token of a request comes from the prompt's forward, not a verification
+            "tau": (self.tokens - self.requests) / calls if calls else float("nan"),
+            "alpha": acc / tested if tested else float("nan"),
+            "alpha_per_position": self.alpha_per_position(),
+            "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+            "tokens_per_second": tps,
+            "ar_tokens_per_second": ar_tps,
+            "speedup": tps / ar_tps if ar_tps else float("nan"),
+            "target_calls": calls,
+            "drafting_iterations": len(self.steps),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "new_tokens": self.tokens,
+            "ar_new_tokens": self.ar_tokens,
+            "gamma_used": {str(k): v for k, v in sorted(Counter(d for _, d in self.steps).items())},
+            "accept_length_hist": {
+                str(k): v for k, v in sorted(Counter(a for a, _ in self.steps).items())
+            },
+            "tree_iterations": 0,
+            "time_s": {
+                "total": self.ms / 1000,
+                "ar_total": self.ar_ms / 1000,
+                "other_fraction": None,
+            },
+        }
+
+
+@dataclass
+class BenchRun:
+    """What ``run_bench`` measured: pooled and per-category counters, every output, and the
+    T = 0 comparison with the plain engine."""
+
+    pooled: EngineStats
+    per_category: dict[str, EngineStats]
+    outputs: list[dict[str, Any]]
+    divergences: list[dict[str, Any]]
+    compared: int
+    finished: bool = True  # False: the engine failed and the run stopped early
+    error: str | None = None
+
+
+def near_tie(plain: Engine, prompt, a, b, pos, tolerance) -> tuple[float | None, bool]:
+    """Log-prob gap at the first divergence, from the plain engine's top log-probs there."""
+    lp = plain.top_logprobs(list(prompt) + list(a[:pos]), 8)
+    if b[pos] not in lp or a[pos] not in lp:
+        return None, False
+    gap = lp[a[pos]] - lp[b[pos]]
+    return gap, abs(gap) <= tolerance
+
+
+def run_bench(
+    plain: Engine,
+    spec: Engine,
+    questions: list[dict[str, Any]],
+    cfg,
+    tok,
+    stop: set[int],
+    desc: str,
+) -> BenchRun:
+    """Every prompt (and turn) to both engines, interleaved: plain first, then speculative,
+    each turn's history its own engine's answers. An ``EngineError`` part way stops the run
+    with what finished kept (``finished`` False, ``error`` the engine's last line)."""
+    sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
+    greedy = cfg.temperature == 0
+    run = BenchRun(EngineStats(), {}, [], [], 0)
+    for q in tqdm(questions, desc=f"prompts ({desc})", dynamic_ncols=True, file=sys.stderr):
+        hist = {"ar": [], "spec": []}
+        rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
+        try:
+            for turn in q["turns"][: cfg.turns]:
+                prompts, outs = {}, {}
+                for name, eng in (("ar", plain), ("spec", spec)):
+                    msgs = hist[name] + [{"role": "user", "content": turn}]
+                    prompts[name] = prompt_ids(tok, msgs)
+                    outs[name] = eng.complete(
+                        prompts[name], cfg.max_new_tokens, **sampling, seed=cfg.seed
+                    )
+                    text = tok.decode([t for t in outs[name].tokens if t not in stop])
+                    hist[name] = msgs + [{"role": "assistant", "content": text}]
+                for s in (run.pooled, run.per_category.setdefault(q["category"], EngineStats())):
+                    s.add(outs["spec"], outs["ar"])
+                a, b = outs["ar"].tokens, outs["spec"].tokens
+                div = None
+                if greedy and prompts["ar"] == prompts["spec"]:
+                    run.compared += 1
+                    if a != b:
+                        pos = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+                        gap, near = (None, False)
+                        if pos is not None:
+                            gap, near = near_tie(
+                                plain, prompts["ar"], a, b, pos, cfg.engine_tie_tolerance
+                            )
+                        div = {"position": pos, "logit_gap": gap, "near_tie": near}
+                        run.divergences.append({"question_id": q["question_id"], **div})
+                rec["turns"].append(
+                    {
+                        "spec_tokens": len(b),
+                        "ar_tokens": len(a),
+                        "identical": a == b,
+                        "divergence": div,
+                        "text": tok.decode(b),
+                        "engine_timings": outs["spec"].timings,
+                    }
+                )
+        except EngineError as e:
+            run.finished, run.error = False, str(e)
+            if rec["turns"]:
+                run.outputs.append(rec)
+            break
+        run.outputs.append(rec)
+    return run
+
+
+def lossless_note(run: BenchRun, greedy: bool, tolerance: float, sampler: str) -> str:
+    near = sum(bool(d["near_tie"]) for d in run.divergences)
+    if not greedy:
+        return f"T > 0: {sampler}; outputs are samples, not compared"
+    n, d = run.compared, len(run.divergences)
+    return f"{n - d}/{n} outputs identical to the engine's plain greedy decoding" + (
+        f"; {d} parted, {near} at a near-tie (log-prob gap <= {tolerance}), {d - near} real"
+        if d
+        else ""
+    )
+
+
+def cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    info: dict[str, str] = {}
+    for line in text.splitlines():
+        if ":" in line:
+            k, v = (s.strip() for s in line.split(":", 1))
+            info.setdefault(k, v)
+    flags = set(info.get("flags", "").split())
+    bf16 = "bf16" if flags & {"avx512_bf16", "amx_bf16"} else "no bf16"
+    return (
+        f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model "
+        f"{info.get('model', '?')}, {bf16})"
+    )

@@ -1,0 +1,141 @@
+"""vLLM's side of the vLLM engine: a small program run by vLLM's own Python (vLLM pins its own
+torch and transformers, so it lives in an environment of its own), answering one JSON request
+per line on standard input with one JSON line on standard output.
+
+It imports the standard library and vLLM only, never specdraft. vLLM's own logs go to standard
+error (standard output is kept for the answers). Requests:
+
+    {"cmd": "init", "llm": {...LLM keyword arguments...}}
+        -> {"vllm": version, "seconds": load time}
+    {"cmd": "generate", "prompts": [[ids], ...], "params": {...SamplingParams...},
+     "metrics": true}
+        -> {"outputs": [{"tokens", "first_token_ts", "last_token_ts", "finish_reason",
+            "logprobs"}], "seconds", "spec": {"drafts", "draft_tokens", "accepted",
+            "accepted_per_pos"}}  (the spec-decode counters' increase over this request)
+    {"cmd": "hidden_states", ...}  (not served: answered with an error)
+    {"cmd": "exit"}
+
+Every failure is answered as {"error": "<type>: <message>"}; the client decides what it means.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's spec-decode counters, summed over engines."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = [int(v) for v in m.values]
+            acc = out["accepted_per_pos"]
+            acc.extend([0] * (len(vals) - len(acc)))
+            for i, v in enumerate(vals):
+                acc[i] += v
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    per = [
+        a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+        for i, a in enumerate(after["accepted_per_pos"])
+    ]
+    return {
+        **{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")},
+        "accepted_per_pos": per,
+    }
+
+
+def error_line(e: BaseException) -> str:
+    """The line of an exception's message that says what went wrong (pydantic's last line is
+    a link), cut to 400 characters."""
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    lines = [s for s in lines if not s.startswith("For further information")]
+    return (lines[-1] if lines else "")[:400]
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.llm = None
+
+    def init(self, msg: dict) -> dict:
+        import vllm
+        from vllm import LLM
+
+        t = time.perf_counter()
+        self.llm = LLM(**msg["llm"], disable_log_stats=False)
+        return {"vllm": vllm.__version__, "seconds": time.perf_counter() - t}
+
+    def generate(self, msg: dict) -> dict:
+        from vllm import SamplingParams
+
+        params = SamplingParams(**msg["params"])
+        before = spec_counters(self.llm) if msg.get("metrics", True) else None
+        t = time.perf_counter()
+        results = self.llm.generate(
+            [{"prompt_token_ids": p} for p in msg["prompts"]], params, use_tqdm=False
+        )
+        seconds = time.perf_counter() - t
+        outs = []
+        for r in results:
+            o = r.outputs[0]
+            m = r.metrics
+            lps = None
+            if o.logprobs is not None:
+                lps = [{str(k): float(v.logprob) for k, v in d.items()} for d in o.logprobs]
+            outs.append(
+                {
+                    "tokens": list(o.token_ids),
+                    "first_token_ts": getattr(m, "first_token_ts", None),
+                    "last_token_ts": getattr(m, "last_token_ts", None),
+                    "finish_reason": o.finish_reason,
+                    "logprobs": lps,
+                }
+            )
+        spec = delta(spec_counters(self.llm), before) if before is not None else None
+        return {"outputs": outs, "seconds": seconds, "spec": spec}
+
+
+def main() -> None:
+    # run as a script, this folder is first on the path: nothing of it may shadow vLLM's own
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever vLLM prints goes to standard error
+    worker = Worker()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        msg = json.loads(line)
+        cmd = msg.get("cmd")
+        if cmd == "exit":
+            answers.write(json.dumps({"bye": True}) + "\n")
+            break
+        try:
+            if cmd == "init":
+                out = worker.init(msg)
+            elif cmd == "generate":
+                out = worker.generate(msg)
+            else:
+                out = {"error": f"ValueError: unknown request {cmd!r}"}
+        except Exception as e:  # noqa: BLE001 - every failure is answered, not raised
+            traceback.print_exc()
+            out = {"error": f"{type(e).__name__}: {error_line(e)}"}
+        answers.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

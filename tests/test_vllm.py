@@ -1,0 +1,306 @@
+"""vLLM as the engine: the worker protocol and the evaluator's handling of it (always, with a
+stand-in worker), and, where vLLM is installed (`bash scripts/install.sh vllm`), every export
+format vLLM serves loaded and decoding in vLLM, and `specdraft-eval engine=vllm` on the
+embedded target with the shipped head, its acceptance beside the built-in decoder's."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_module
+
+from decoding.engines.base import EngineError, steps_from_positions
+
+
+def _vllm():
+    from decoding.engines.vllm_eval import vllm_python
+
+    return vllm_python(required=False)
+
+
+needs_vllm = pytest.mark.skipif(
+    _vllm() is None,
+    reason="vLLM is not installed: `bash scripts/install.sh vllm` puts it in an environment of "
+    "its own under the cache (a few minutes), or set SPECDRAFT_VLLM_PYTHON=<its python>",
+)
+
+
+def test_steps_from_positions_rebuild_the_accepted_lengths():
+    # 5 verifications of 3: accepted lengths 0, 1, 1, 2, 3 -> per position 4, 2, 1
+    steps = steps_from_positions(5, 3, [4, 2, 1])
+    assert sorted(a for a, _ in steps) == [0, 1, 1, 2, 3]
+    assert all(d == 3 for _, d in steps)
+    assert steps_from_positions(2, 2, []) == [(0, 2), (0, 2)]
+
+
+def test_a_format_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
+    from decoding.engines.vllm_eval import speculative_config
+
+    with pytest.raises(EngineError, match=r"a gguf export; vLLM .* serves vllm, speculators"):
+        speculative_config(tmp_path, "gguf", 3)
+
+
+def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path):
+    env_before = os.environ.get("SPECDRAFT_VLLM_PYTHON")
+    os.environ["SPECDRAFT_VLLM_PYTHON"] = str(tmp_path / "no-such-python")
+    try:
+        r = run_module(
+            "decoding.eval",
+            [
+                "engine=vllm",
+                "target=tiny_random",
+                "draft=ngram",
+                "num_prompts=1",
+                f"report={tmp_path / 'r.json'}",
+            ],
+        )
+    finally:
+        if env_before is None:
+            os.environ.pop("SPECDRAFT_VLLM_PYTHON")
+        else:
+            os.environ["SPECDRAFT_VLLM_PYTHON"] = env_before
+    assert r.returncode == 2
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert "bash scripts/install.sh vllm" in line
+    assert not (tmp_path / "r.json").exists()
+
+
+FAKE_WORKER = textwrap.dedent(
+    """
+    import json, sys, time
+    out = sys.stdout
+    served = 0
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["cmd"] == "init":
+            spec = msg["llm"].get("speculative_config")
+            out.write(json.dumps({"vllm": "0.0-fake", "seconds": 0.0}) + "\\n")
+        elif msg["cmd"] == "exit":
+            out.write(json.dumps({"bye": True}) + "\\n"); break
+        else:
+            n = msg["params"]["max_tokens"]
+            served += 1
+            if spec and served > DIE_AFTER:
+                print("RuntimeError: the fake engine ran out of memory", file=sys.stderr)
+                sys.exit(3)
+            t = time.monotonic()
+            spec_c = {"drafts": n // 2, "draft_tokens": 2 * (n // 2), "accepted": n // 2,
+                      "accepted_per_pos": [n // 2, 0]} if spec else None
+            o = {"tokens": [40 + (i % 7) for i in range(n)], "first_token_ts": t,
+                 "last_token_ts": t + 0.001 * (n - 1), "finish_reason": "length", "logprobs": None}
+            out.write(json.dumps({"outputs": [o], "seconds": 0.01, "spec": spec_c}) + "\\n")
+        out.flush()
+    """
+)
+
+
+def _fake_vllm(tmp_path: Path, die_after: int) -> Path:
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(FAKE_WORKER.replace("DIE_AFTER", str(die_after)))
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {worker}\n")
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    return py
+
+
+def _eval_with(py: Path, tmp_path: Path, *extra: str):
+    env_before = os.environ.get("SPECDRAFT_VLLM_PYTHON")
+    os.environ["SPECDRAFT_VLLM_PYTHON"] = str(py)
+    try:
+        return run_module(
+            "decoding.eval",
+            [
+                "engine=vllm",
+                "target=tiny_random",
+                "target.tiny_head_dim=64",
+                "draft=ngram",
+                "num_prompts=3",
+                "max_new_tokens=8",
+                "warmup_tokens=2",
+                "engine_compare=false",
+                f"report={tmp_path / 'r.json'}",
+                *extra,
+            ],
+            timeout=300,
+        )
+    finally:
+        if env_before is None:
+            os.environ.pop("SPECDRAFT_VLLM_PYTHON")
+        else:
+            os.environ["SPECDRAFT_VLLM_PYTHON"] = env_before
+
+
+def test_the_report_reads_the_engines_counters(tmp_path):
+    """Through a stand-in worker that speaks the protocol: tokens/s from the request's own
+    timestamps (first token to last), alpha per position from the spec-decode counters."""
+    r = _eval_with(_fake_vllm(tmp_path, die_after=99), tmp_path, "gamma=2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["finished"] is True and rep["engine"].startswith("vLLM 0.0-fake")
+    # 8 tokens, 4 verifications of 2 a request, each accepting 1: alpha 1.0 then 0.0
+    assert rep["alpha_per_position"] == [1.0, 0.0]
+    assert rep["tokens_per_second"] == pytest.approx(1000.0, rel=1e-6)  # 7 tokens in 7 ms
+    assert rep["lossless"] is True  # the stand-in answers the same tokens plain and speculative
+    assert rep["settings"]["speculative_config"]["method"] == "ngram"
+
+
+def test_an_engine_that_dies_mid_run_leaves_a_report_of_what_finished(tmp_path):
+    r = _eval_with(_fake_vllm(tmp_path, die_after=2), tmp_path)
+    assert r.returncode == 1, r.stderr[-2000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["finished"] is False
+    assert len(rep["outputs"]) == 1  # the warm-up and the first prompt were served
+    assert "ran out of memory" in rep["engine_error"]
+    assert "ran out of memory" in r.stderr
+
+
+# -- with vLLM ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_served():
+    """A 4-layer tiny random target whose heads are 64 wide (what vLLM's CPU attention
+    takes), as the HF folder vLLM loads."""
+    from models.target import TargetConfig, load_target, target_folder
+
+    t = load_target(
+        TargetConfig(name="tiny_random", tiny_layers=4, tiny_head_dim=64, dtype="float32")
+    )
+    return t, target_folder(t)
+
+
+def _head(target, method: str):
+    """A head of ``method`` for ``target`` as its method builds it (random, seeded), with a
+    chosen draft vocabulary where it has one (every even token id)."""
+    from models import METHODS
+
+    torch.manual_seed(0)
+    cls = METHODS[method]
+    cfg = cls.config_class()
+    if hasattr(cfg, "fuse_layers"):
+        cfg.fuse_layers = [1, 2, 3]
+    if hasattr(cfg, "draft_vocab_size"):
+        cfg.draft_vocab_size = 64
+    if hasattr(cfg, "mask_token_id"):
+        cfg.mask_token_id = 256  # '<|endoftext|>': the tiny tokenizer has no spare id
+    head = cls(target, cfg).eval()
+    if getattr(head, "d2t", None) is not None and getattr(cfg, "draft_vocab_size", 0) == 64:
+        with torch.no_grad():
+            head.d2t.copy_(torch.arange(64))  # draft id i -> target id 2i
+            head.t2d.zero_()
+            head.t2d[torch.arange(64) * 2] = True
+    return head
+
+
+#: (export format, method of the head exported) for every format vLLM serves
+SERVED = [
+    ("vllm", "eagle3"),
+    ("speculators", "eagle3"),
+    ("sglang", "eagle3"),
+    ("vllm", "hass"),
+    ("eagle1", "eagle1"),
+    ("medusa-vllm", "medusa1"),
+    ("dflash", "dflash"),
+    ("peagle", "peagle"),
+]
+
+
+@needs_vllm
+@pytest.mark.parametrize("fmt,method", SERVED, ids=[f"{f}-{m}" for f, m in SERVED])
+def test_vllm_serves_the_export_and_accepts_what_we_do(tiny_served, tmp_path, fmt, method):
+    """Exported, loaded by vLLM, decoding: its speculative outputs are its plain greedy ones
+    (fp32), and its acceptance per position is the built-in decoder's on the same prompts
+    with the same export read back (within 0.1: a few dozen drafts; the first draft of a
+    request differs by design: vLLM drafts after the prompt's prefill, the built-in decoder
+    verifies the prompt's last token with its first draft)."""
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.engines.vllm_eval import VLLMWorker, speculative_config
+    from models.base import DecodeSettings
+    from models.export import export, import_draft
+    from models.sampling import Sampling
+
+    target, folder = tiny_served
+    out = tmp_path / fmt
+    export(_head(target, method), fmt, out, dtype="float32", log=lambda *_: None)
+    prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
+    with VLLMWorker(folder, dtype="float32", max_model_len=256) as plain:
+        ref = [plain.complete(p, 64).tokens for p in prompts]
+    spec_cfg = speculative_config(out, fmt, 3)
+    with VLLMWorker(folder, speculative=spec_cfg, dtype="float32", max_model_len=256) as eng:
+        outs = [eng.complete(p, 64) for p in prompts]
+    assert [o.tokens for o in outs] == ref
+    drafts = sum(o.timings["drafts"] for o in outs)
+    assert drafts > 0
+    theirs = [
+        sum((o.timings["accepted_per_pos"] + [0] * 3)[k] for o in outs) / drafts for k in range(3)
+    ]
+    mine = import_draft(out, target).proposer(DecodeSettings(tree="chain"))
+    dec = SpeculativeDecoder(target, mine, Sampling(), gamma=3, adaptive=False)
+    got = [dec.generate(p, 64) for p in prompts]
+    assert got == ref
+    s = dec.stats
+    # per position, as vLLM counts: accepted there over the drafts that reached it
+    ours = [s.accepted[k + 1] / s.drafted[k + 1] for k in range(3)]
+    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.1, (theirs, ours)
+
+
+@needs_vllm
+def test_formats_vllm_refuses_are_pinned_to_its_reason(tiny_served, tmp_path):
+    """The MLP speculator layout: vLLM 0.32 no longer registers MLPSpeculatorPreTrainedModel
+    (the README's export table says so); a speculators EAGLE-3 folder passed as
+    speculators' own docs show it, {"model": DIR}, is taken for a draft model and fails, which
+    is why our export prints the line with "method": "eagle3"."""
+    from decoding.engines.vllm_eval import VLLMWorker
+    from models.export import export
+
+    target, folder = tiny_served
+    mlp = tmp_path / "mlp"
+    export(_head(target, "mlp_speculator"), "mlp_speculator", mlp, log=lambda *_: None)
+    spec = {"method": "mlp_speculator", "model": str(mlp), "num_speculative_tokens": 3}
+    with pytest.raises(EngineError, match="MLPSpeculatorPreTrainedModel'] are not supported"):
+        VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256).start()
+    sp = tmp_path / "sp"
+    export(_head(target, "eagle3"), "speculators", sp, log=lambda *_: None)
+    bare = {"model": str(sp), "num_speculative_tokens": 3}
+    with pytest.raises(EngineError, match="hidden_states"):
+        with VLLMWorker(folder, speculative=bare, dtype="float32", max_model_len=256) as w:
+            w.complete([1, 2, 3], 4)
+    assert '"method": "eagle3"' in (sp / "README.md").read_text()
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["vllm", "speculators"])
+def test_the_shipped_head_in_vllm_accepts_what_our_evaluator_predicts(tmp_path, layout):
+    """`specdraft-eval engine=vllm` on the embedded target with the shipped EAGLE-3 head, in
+    fp32: vLLM's outputs are its plain greedy ones, and its acceptance per position is the
+    built-in decoder's on the same prompts (within 0.08 on 2 x 48 tokens)."""
+    r = run_module(
+        "decoding.eval",
+        [
+            "engine=vllm",
+            "draft=smollm2-eagle3",
+            f"engine_format={layout}",
+            "target.dtype=float32",
+            "gamma=3",
+            "num_prompts=2",
+            "max_new_tokens=48",
+            "predict=false",
+            f"report={tmp_path / 'r.json'}",
+        ],
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["lossless"] is True and rep["divergences"] == 0
+    diffs = rep["ours"]["difference_per_position"]
+    assert len(diffs) == 3 and all(abs(d) <= 0.08 for d in diffs if d is not None), diffs
+    assert rep["engine_flag"] is None
+    assert "built-in decoder, same prompts and draft" in r.stdout
