@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import hydra
@@ -41,7 +42,14 @@ from decoding.batch import BatchDecoder, BatchError, check_batchable
 from decoding.decoder import NoDraft
 from decoding.runner import COMPILE_MODES
 from models.sampling import Sampling
-from models.target import GenRequest, TargetConfig, TargetError, generate_many, load_target
+from models.target import (
+    GenRequest,
+    TargetConfig,
+    TargetError,
+    describe_target,
+    generate_many,
+    load_target,
+)
 from trainer.config import DataConfig, register_configs
 
 
@@ -68,12 +76,30 @@ class PrepareConfig:
     #: static cache: CUDA graphs per row bucket on a GPU, eager on a CPU; transformers' ragged
     #: cache where the lean forward cannot run), true, false (transformers')
     compile: str = "auto"
+    #: who writes the replies: torch (the built-in batched decoder) or vllm (vLLM in its own
+    #: environment, ``bash scripts/install.sh vllm``: its batching and kernels, and on GPU
+    #: clusters its parallelism through ``engine_args``)
+    engine: str = "torch"
+    #: vLLM's own ``LLM`` arguments, e.g. engine_args.tensor_parallel_size=4 or
+    #: engine_args.data_parallel_size=8 (engine=vllm only)
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    #: engine=vllm: requests handed to vLLM per call (vLLM batches inside a call; finished
+    #: conversations are written after each, so a crash repeats at most one call's)
+    engine_chunk: int = 512
 
 
 COUNTS = ("replies", "truncated", "reply_tokens", "stopped_context", "dropped")
 
 # Settings that change the output; a resumed run must use the same ones.
-_OUTPUT_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "max_turns", "seed")
+_OUTPUT_SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_turns",
+    "seed",
+    "engine",  # engines round differently in bf16, and sample with their own streams
+)
 
 
 class PrepareError(ValueError):
@@ -117,7 +143,7 @@ def _settings(cfg: DictConfig, target_identity: str, source: str) -> dict[str, A
 
 
 # settings added after outputs were written without them: what those outputs used
-_ADDED_LATER = {"skip_records": 0}
+_ADDED_LATER = {"skip_records": 0, "engine": "torch"}
 
 
 def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
@@ -219,6 +245,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         ("max_turns", cfg.max_turns is None or cfg.max_turns >= 1, "must be >= 1"),
         ("max_minutes", cfg.max_minutes is None or cfg.max_minutes > 0, "must be > 0"),
         ("compile", str(cfg.compile).lower() in COMPILE_MODES, "use auto, true, false or fused"),
+        ("engine", cfg.engine in ("torch", "vllm"), "use torch (built in) or vllm"),
+        ("engine_chunk", cfg.engine_chunk >= 1, "must be >= 1"),
     ]:
         if not ok:
             raise PrepareError(f"{key}={cfg[key]!r}: {why}")
@@ -234,7 +262,27 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         print(report.summary(), flush=True)
     target_cfg = OmegaConf.to_object(cfg.target)
     target_cfg.device = str(state.device)  # one device per process (cuda:<local rank>)
-    target = load_target(target_cfg)
+    if cfg.engine == "vllm":
+        if world > 1:
+            raise PrepareError(
+                "engine=vllm runs in one process: vLLM parallelises itself "
+                "(engine_args.tensor_parallel_size=N, engine_args.data_parallel_size=N)"
+            )
+        from decoding.engines.base import EngineError
+        from decoding.engines.vllm_eval import vllm_python
+
+        try:  # vLLM missing: say which command installs it, before anything runs
+            vllm_python()
+        except EngineError as e:
+            raise PrepareError(f"engine=vllm: {e}") from None
+        tok, identity, folder, eos = describe_target(target_cfg)  # vLLM loads the weights
+        target = SimpleNamespace(tokenizer=tok, identity=identity, folder=folder, dtype=None)
+        target.dtype = target_cfg.dtype
+    else:
+        target = load_target(target_cfg)
+        eos = target.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos.add(target.tokenizer.eos_token_id)
     meta_file = out.parent / f"{out.name}.parts" / "settings.json"
     settings = _settings(cfg, target.identity, source)
     if rank == 0:
@@ -267,9 +315,6 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         unit="conv",
         disable=not cfg.progress,
     )
-    eos = target.model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    eos.add(target.tokenizer.eos_token_id)
     new_tokens = 0
 
     with open(part, "a", encoding="utf-8") as f:
@@ -339,6 +384,9 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
     graphs), or for a target whose cache cannot be joined (sliding-window layers) on
     ``models.target.generate_many`` (batches of one padded prefill each, the next once one has
     finished)."""
+    if cfg.engine == "vllm":
+        _generate_vllm(target, cfg, requests, eos, on_done, should_stop)
+        return
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     try:
         check_batchable(target, NoDraft())
@@ -378,6 +426,50 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
         should_stop=should_stop,
         longest=longest,
     )
+
+
+def _generate_vllm(target, cfg, requests: list[GenRequest], eos, on_done, should_stop):
+    """The replies written by vLLM (``decoding/engines/vllm_eval.py``), ``engine_chunk``
+    requests a call, each with its own seed (a resumed run draws the same samples); a
+    conversation's next turn joins a later call once its reply is back."""
+    from collections import deque
+
+    from decoding.engines.base import EngineError
+    from decoding.engines.vllm_eval import VLLMWorker
+
+    dtype = "auto" if target.dtype == "auto" else target.dtype
+    if dtype == "auto":
+        from models.target import default_dtype, resolve_device
+
+        dtype = str(default_dtype(resolve_device(cfg.target.device))).removeprefix("torch.")
+    longest = cfg.data.max_length + cfg.max_new_tokens
+    args = {"max_num_seqs": cfg.batch_size, **OmegaConf.to_container(cfg.engine_args)}
+    pending = deque(requests)
+    try:
+        with VLLMWorker(
+            target.folder, dtype=dtype, max_model_len=longest + 8, seed=cfg.seed, extra=args
+        ) as eng:
+            while pending and not (should_stop is not None and should_stop()):
+                chunk = [pending.popleft() for _ in range(min(cfg.engine_chunk, len(pending)))]
+                params = [
+                    {
+                        "max_tokens": cfg.max_new_tokens,
+                        "temperature": cfg.temperature,
+                        "top_p": cfg.top_p,
+                        "top_k": cfg.top_k,
+                        "seed": r.seed,
+                        "stop_token_ids": sorted(eos),
+                        "skip_special_tokens": False,
+                        "detokenize": False,
+                    }
+                    for r in chunk
+                ]
+                outs = eng.generate_many([r.prompt for r in chunk], params)
+                for r, o in zip(chunk, outs, strict=True):
+                    reply = [t for t in o["tokens"] if t not in eos]  # its stop token left out
+                    pending.extend(on_done(r.key, reply, o["finish_reason"] == "length"))
+    except EngineError as e:
+        raise PrepareError(f"engine=vllm: {e}") from None
 
 
 def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str, Any]:

@@ -19,7 +19,21 @@ def serve_hint(method: str, run_dir: Path) -> str:
                 "  (add --no-repack where llama.cpp crashes with its repacked weights, as b11434 did "
                 "on an AMX Xeon; specdraft-eval finds that by itself)",
                 f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",
-                f"vLLM / SGLang: specdraft-export {run_dir} --format vllm (or sglang)",
+                "serve it in vLLM (`bash scripts/install.sh vllm` installs it once):",
+                f"  specdraft-export {run_dir} --format vllm      (prints the `vllm serve` line)",
+                f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
+                f"SGLang: specdraft-export {run_dir} --format sglang",
+            ]
+        )
+    from decoding.engines.vllm_eval import FORMAT_OF_METHOD as fmt
+
+    if method in fmt:
+        return "\n".join(
+            [
+                "",
+                f"serve it in vLLM: specdraft-export {run_dir} --format {fmt[method]}      "
+                "(prints the `vllm serve` line)",
+                f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
             ]
         )
     return f"\nexport it for an engine: specdraft-export {run_dir} --format <see README, Exports>"

@@ -576,6 +576,14 @@ class ExportFormat(abc.ABC):
     weights_file: str
     description: str
     serve_hint: str = ""  # a README line: how an engine serves it
+    #: the speculative method vLLM serves this layout with (its ``speculative_config``'s
+    #: "method"), None where vLLM does not serve it; checked against vLLM in tests/test_vllm.py
+    vllm_method: str | None = None
+
+    def vllm_tokens(self, config: dict[str, Any], gamma: int) -> int:
+        """vLLM's ``num_speculative_tokens`` for a folder with this ``config``: ``gamma``
+        unless the layout fixes it (Medusa's heads, DFlash's block)."""
+        return gamma
 
     @abc.abstractmethod
     def tensors(self, draft: DraftMethod, dtype: torch.dtype) -> dict[str, torch.Tensor]: ...

@@ -70,6 +70,19 @@ def verifier_name(target: Target) -> str:
     return target.identity
 
 
+def vllm_serve_line(fmt: ExportFormat, target: Target, folder: Path, config: dict, gamma: int = 3):
+    """The ``vllm serve`` command that serves ``folder`` (a ``fmt`` export) on ``target``,
+    or None where vLLM does not serve the layout."""
+    if fmt.vllm_method is None:
+        return None
+    spec = {
+        "method": fmt.vllm_method,
+        "model": str(folder),
+        "num_speculative_tokens": fmt.vllm_tokens(config, gamma),
+    }
+    return f"vllm serve {verifier_name(target)} --speculative-config '{json.dumps(spec)}'"
+
+
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise ExportError(f"{path}: missing")
@@ -265,7 +278,8 @@ def export(
             + ")"
             + (f"; {extra}" if extra else "")
         )
-        (tmp / "README.md").write_text(_readme(fmt, draft, config, same))
+        vllm = vllm_serve_line(fmt, target, out.resolve(), config, opts.get("gamma") or 3)
+        (tmp / "README.md").write_text(_readme(fmt, draft, config, same, vllm))
         readable_by_others(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -278,7 +292,9 @@ def export(
         f"exported {fmt.description} to {out} ({size / 1e6:.1f} MB, {dtype}); checked: keys and "
         f"shapes against {target.identity}'s config; re-imported: {same['checked']}"
     )
-    return {"out": str(out), "format": fmt_name, "bytes": size, **same}
+    if vllm:
+        log(f"serve it in vLLM: {vllm}")
+    return {"out": str(out), "format": fmt_name, "bytes": size, "vllm_serve": vllm, **same}
 
 
 def readable_by_others(folder: Path) -> None:
@@ -291,7 +307,7 @@ def readable_by_others(folder: Path) -> None:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
-def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict) -> str:
+def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vllm=None) -> str:
     t = draft.target
     lines = [
         f"# {fmt.description} exported by specdraft",
@@ -303,6 +319,8 @@ def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict) -> 
         "fixed prompt",
         "",
     ]
+    if vllm:
+        lines += ["vLLM serves it with:", "", f"    {vllm}", ""]
     if fmt.serve_hint:
         lines.append(fmt.serve_hint)
     return "\n".join(lines) + "\n"

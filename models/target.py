@@ -121,6 +121,47 @@ def target_gguf(target: Target, given: str | Path | None = None) -> Path | None:
     return None
 
 
+def describe_target(cfg: TargetConfig) -> tuple[Any, str, Path, set[int]]:
+    """(tokenizer, identity, HF folder, end-of-reply token ids) of the configured target
+    without loading its weights (for an engine that loads them itself): the identity is the
+    one ``load_target`` gives. A tiny random target is built (it exists only in memory)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    if cfg.path is None and cfg.name == "tiny_random":
+        t = load_target(cfg)
+        folder = target_folder(t)
+        eos = {t.tokenizer.eos_token_id}
+        return t.tokenizer, t.identity, folder, eos
+    if cfg.path is not None:
+        where = cfg.path
+        if (os.path.sep in where or where.startswith(".")) and not Path(
+            where
+        ).expanduser().exists():
+            raise TargetError(f"target.path={where}: no such folder")
+    elif cfg.name == "smollm2_135m":
+        where = str(smollm2_dir(cfg.cache_dir))
+    else:
+        raise TargetError(
+            f"target.name={cfg.name!r} is not built in (smollm2_135m, tiny_random); "
+            "set target.path=<HF folder or hub id> for any other model"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise TargetError(f"target.path={where}: cannot load ({str(e).splitlines()[0]})") from None
+    if getattr(tok, "chat_template", None) is None:
+        raise TargetError(f"{where}: the tokenizer has no chat template")
+    eos = {tok.eos_token_id}
+    try:
+        g = GenerationConfig.from_pretrained(where).eos_token_id
+        eos |= set(g if isinstance(g, list) else [g] if g is not None else [])
+    except OSError:
+        pass
+    folder = Path(where).expanduser() if os.path.sep in where else Path(where)
+    return tok, target_identity(where, config.to_dict()), folder, eos
+
+
 def target_folder(target: Target) -> Path:
     """``target`` as a Hugging Face folder that another program (a serving engine) can load:
     ``target.path`` as given (a folder or hub id), the embedded SmolLM2's converted folder, or

@@ -40,10 +40,26 @@ def test_steps_from_positions_rebuild_the_accepted_lengths():
     assert steps_from_positions(2, 2, []) == [(0, 2), (0, 2)]
 
 
+def test_the_engine_is_flagged_where_it_accepts_far_less_than_ours_predicts():
+    """400 drafts of 3: vLLM accepting 0.02 at position 1 where ours predicts 0.45 under the
+    same rule is the engine's; 0.43 is within its noise."""
+    from decoding.engines.base import EngineStats
+    from decoding.engines.vllm_eval import engine_flag
+
+    def pooled(acc1: int) -> EngineStats:
+        st = EngineStats()
+        st.steps = steps_from_positions(400, 3, [acc1, acc1 // 3, acc1 // 9])
+        return st
+
+    ours = {"alpha_per_position": [0.45, 0.4, 0.4]}
+    assert "the engine's sampler, not the draft" in engine_flag(ours, pooled(8))
+    assert engine_flag(ours, pooled(172)) is None
+
+
 def test_a_format_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
     from decoding.engines.vllm_eval import speculative_config
 
-    with pytest.raises(EngineError, match=r"a gguf export; vLLM .* serves vllm, speculators"):
+    with pytest.raises(EngineError, match=r"a gguf export; vLLM .* serves .*speculators"):
         speculative_config(tmp_path, "gguf", 3)
 
 
@@ -207,9 +223,16 @@ SERVED = [
     ("vllm", "hass"),
     ("eagle1", "eagle1"),
     ("medusa-vllm", "medusa1"),
+    ("medusa", "medusa1"),
     ("dflash", "dflash"),
     ("peagle", "peagle"),
 ]
+
+
+def test_every_format_said_to_be_served_is_checked_in_vllm():
+    from decoding.engines.vllm_eval import served_formats
+
+    assert set(served_formats()) == {f for f, _ in SERVED}
 
 
 @needs_vllm
@@ -304,3 +327,63 @@ def test_the_shipped_head_in_vllm_accepts_what_our_evaluator_predicts(tmp_path, 
     assert len(diffs) == 3 and all(abs(d) <= 0.08 for d in diffs if d is not None), diffs
     assert rep["engine_flag"] is None
     assert "built-in decoder, same prompts and draft" in r.stdout
+
+
+def _prepare(data: Path, out: Path, engine: str, *extra: str):
+    return run_module(
+        "flow.regenerate",
+        [
+            "target=tiny_random",
+            "target.tiny_layers=4",
+            "target.tiny_head_dim=64",
+            "target.dtype=float32",
+            f"data.path={data}",
+            f"out={out}",
+            "max_new_tokens=16",
+            f"engine={engine}",
+            "progress=false",
+            *extra,
+        ],
+        timeout=600,
+    )
+
+
+def test_prepare_with_vllm_missing_says_how_to_install_it(tmp_path, data_file):
+    env_before = os.environ.get("SPECDRAFT_VLLM_PYTHON")
+    os.environ["SPECDRAFT_VLLM_PYTHON"] = str(tmp_path / "no-such-python")
+    try:
+        r = _prepare(data_file, tmp_path / "o.jsonl", "vllm")
+    finally:
+        if env_before is None:
+            os.environ.pop("SPECDRAFT_VLLM_PYTHON")
+        else:
+            os.environ["SPECDRAFT_VLLM_PYTHON"] = env_before
+    assert r.returncode == 2
+    assert "bash scripts/install.sh vllm" in r.stderr.splitlines()[-1]
+
+
+@needs_vllm
+def test_prepare_through_vllm_writes_the_targets_greedy_answers(tmp_path, data_file):
+    """`specdraft-prepare engine=vllm`: the same file as the built-in batched decoder's where
+    both are greedy in fp32 (multi-turn records turn by turn); resumed, it writes nothing new;
+    the engine is part of the settings a resumed run must keep; seeded T > 0 writes the same
+    file twice."""
+    lines = data_file.read_text().splitlines()[:10]
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    ours, theirs = tmp_path / "torch.jsonl", tmp_path / "vllm.jsonl"
+    assert _prepare(data, ours, "torch").returncode == 0
+    r = _prepare(data, theirs, "vllm")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert theirs.read_text() == ours.read_text()
+    meta = json.loads(theirs.with_name("vllm.jsonl.meta.json").read_text())
+    assert meta["settings"]["engine"] == "vllm" and meta["records"] == 10
+    assert meta["replies"] > 10  # later turns were regenerated too
+    again = _prepare(data, theirs, "vllm")
+    assert again.returncode == 0 and theirs.read_text() == ours.read_text()
+    mixed = _prepare(data, theirs, "torch")
+    assert mixed.returncode == 2 and "engine='vllm', now engine='torch'" in mixed.stderr
+    s1, s2 = tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"
+    for out in (s1, s2):
+        assert _prepare(data, out, "vllm", "temperature=1.0", "seed=3").returncode == 0
+    assert s1.read_text() == s2.read_text() != ours.read_text()

@@ -53,17 +53,14 @@ INSTALL_HINT = (
 )
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
-#: our export formats vLLM serves, and the speculative method each is served with (checked in
-#: tests/test_vllm.py; ``mlp_speculator`` is not: vLLM 0.32 dropped MLPSpeculatorPreTrainedModel)
-SERVED_FORMATS = {
-    "vllm": "eagle3",
-    "speculators": "eagle3",
-    "sglang": "eagle3",
-    "eagle1": "eagle",
-    "medusa-vllm": "medusa",
-    "dflash": "dflash",
-    "peagle": "eagle3",
-}
+def served_formats() -> dict[str, str]:
+    """Our export formats vLLM serves, and the speculative method each is served with (each
+    format's ``vllm_method``, checked against vLLM in tests/test_vllm.py)."""
+    from models import FORMATS
+
+    return {name: f.vllm_method for name, f in FORMATS.items() if f.vllm_method}
+
+
 #: the format a trained draft is exported to for vLLM, by method
 FORMAT_OF_METHOD = {
     "eagle3": "vllm",
@@ -314,18 +311,20 @@ class VLLMWorker:
         return {int(t): float(v) for t, v in lps[0].items()}
 
     def generate_many(
-        self, prompts: list[list[int]], n_predict: int, temperature: float, seed: int, **kw
-    ) -> list[list[int]]:
-        """Many prompts in one batch (vLLM schedules them); the new tokens of each."""
+        self, prompts: list[list[int]], params: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Many prompts in one call, each with its own sampling settings (``params``: vLLM
+        ``SamplingParams`` keyword arguments), scheduled by vLLM's own continuous batching;
+        per prompt its new ``tokens`` and ``finish_reason``."""
         out = self.ask(
             {
                 "cmd": "generate",
                 "prompts": [[int(t) for t in p] for p in prompts],
-                "params": self.params(n_predict, temperature, seed, 0, 1.0, **kw),
+                "params": params,
                 "metrics": False,
             }
         )
-        return [o["tokens"] for o in out["outputs"]]
+        return out["outputs"]
 
 
 # -- what vLLM serves -----------------------------------------------------------------------
@@ -335,15 +334,18 @@ def speculative_config(
     folder: Path, fmt: str, gamma: int, rule: str = "greedy_draft"
 ) -> dict[str, Any]:
     """vLLM's ``speculative_config`` for an exported draft ``folder`` in layout ``fmt``."""
-    if fmt not in SERVED_FORMATS:
+    if fmt not in served_formats():
         raise EngineError(
-            f"{folder}: a {fmt} export; vLLM {VERSION} serves {', '.join(SERVED_FORMATS)}"
+            f"{folder}: a {fmt} export; vLLM {VERSION} serves {', '.join(served_formats())}"
         )
+    from models import FORMATS
+
     draft_sampling, rejection = RULES[rule]
+    config = json.loads((Path(folder) / "config.json").read_text())
     return {
-        "method": SERVED_FORMATS[fmt],
+        "method": served_formats()[fmt],
         "model": str(folder),
-        "num_speculative_tokens": int(gamma),
+        "num_speculative_tokens": FORMATS[fmt].vllm_tokens(config, int(gamma)),
         "draft_sample_method": draft_sampling,
         "rejection_sample_method": rejection,
     }
@@ -375,21 +377,21 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
         raise DraftError(f"draft={d}: no such folder")
     fmt = detect_format(p) if (p / "config.json").is_file() else None
     if fmt is not None:
-        if fmt not in SERVED_FORMATS:
+        if fmt not in served_formats():
             raise EngineError(
                 f"draft={d}: a {fmt} export, which vLLM does not serve; vLLM {VERSION} serves "
-                f"{', '.join(SERVED_FORMATS)} (specdraft-export --format ...)"
+                f"{', '.join(served_formats())} (specdraft-export --format ...)"
             )
         folder = p
     else:
         head = load_trained_head(p, target)
         method = head.cfg.name
         fmt = cfg.engine_format or FORMAT_OF_METHOD.get(method)
-        if fmt is None or fmt not in SERVED_FORMATS:
+        if fmt is None or fmt not in served_formats():
             raise EngineError(
                 f"draft={d}: a {method} draft"
                 + (f" as --format {fmt}" if fmt else "")
-                + f"; vLLM {VERSION} serves {', '.join(SERVED_FORMATS)} "
+                + f"; vLLM {VERSION} serves {', '.join(served_formats())} "
                 f"({', '.join(sorted(FORMAT_OF_METHOD))} drafts)"
             )
         folder = cache_root() / "engine-drafts" / f"{p.resolve().name}-{_fingerprint(p)}-{fmt}"
@@ -512,7 +514,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
             "outputs": run.outputs,
         }
     )
-    if cfg.engine_compare:
+    if cfg.engine_compare and run.finished:
         report["ours"] = _ours_beside(cfg, readback, rule, pooled, log)
         report["engine_flag"] = engine_flag(report["ours"], pooled)
     return report
@@ -593,6 +595,7 @@ def _ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log)
             "draft": readback or "ngram",
             "tree": "chain",
             "adaptive": False,
+            "draft_weights": "full",  # the weights vLLM serves (int8 would move acceptance)
             "engine_compare": False,
             "draft_sampling": "greedy" if rule in ("greedy_draft", "block") else "sample",
             "acceptance": "block" if rule == "block" else "exact",

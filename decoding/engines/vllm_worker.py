@@ -7,8 +7,8 @@ error (standard output is kept for the answers). Requests:
 
     {"cmd": "init", "llm": {...LLM keyword arguments...}}
         -> {"vllm": version, "seconds": load time}
-    {"cmd": "generate", "prompts": [[ids], ...], "params": {...SamplingParams...},
-     "metrics": true}
+    {"cmd": "generate", "prompts": [[ids], ...], "params": {...SamplingParams...} or a list
+     of them (one a prompt), "metrics": true}
         -> {"outputs": [{"tokens", "first_token_ts", "last_token_ts", "finish_reason",
             "logprobs"}], "seconds", "spec": {"drafts", "draft_tokens", "accepted",
             "accepted_per_pos"}}  (the spec-decode counters' increase over this request)
@@ -82,7 +82,9 @@ class Worker:
     def generate(self, msg: dict) -> dict:
         from vllm import SamplingParams
 
-        params = SamplingParams(**msg["params"])
+        # one set of sampling settings for every prompt, or one each (a seed per request)
+        p = msg["params"]
+        params = [SamplingParams(**x) for x in p] if isinstance(p, list) else SamplingParams(**p)
         before = spec_counters(self.llm) if msg.get("metrics", True) else None
         t = time.perf_counter()
         results = self.llm.generate(

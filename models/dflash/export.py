@@ -30,10 +30,10 @@ from .model import DFlashDraft
 class SpeculatorsDFlash(ExportFormat):
     name, methods, description = "dflash", ("dflash",), "DFlash, vLLM speculators"
     weights_file = "model.safetensors"
-    serve_hint = (
-        'vLLM: `--speculative-config \'{"method": "dflash", "model": "<this dir>", '
-        '"num_speculative_tokens": <block_size - 1>}\'`'
-    )
+    vllm_method = "dflash"
+
+    def vllm_tokens(self, config: dict, gamma: int) -> int:
+        return int(config["block_size"]) - 1  # one block a draft forward
 
     def tensors(self, draft: DFlashDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         out = {k: v for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")}

@@ -312,6 +312,7 @@ class EagleFormat(ExportFormat):
 
 class SGLangEagle3(EagleFormat):
     name, methods, description = "sglang", EAGLE3_LIKE, "EAGLE-3 for SGLang"
+    vllm_method = "eagle3"
     serve_hint = (
         "SGLang: `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this dir>`"
     )
@@ -340,15 +341,9 @@ class SGLangEagle3(EagleFormat):
         )
 
 
-VLLM_HINT = (
-    'vLLM: `--speculative-config \'{"method": "eagle3", "model": "<this dir>", '
-    '"num_speculative_tokens": 3}\'`'
-)
-
-
 class VLLMEagle3(EagleFormat):
     name, methods, description = "vllm", EAGLE3_LIKE, "EAGLE-3 for vLLM"
-    serve_hint = VLLM_HINT
+    vllm_method = "eagle3"
 
     def config(self, draft, dtype, **_: Any) -> dict:
         return {
@@ -372,7 +367,9 @@ class SpeculatorsEagle3(EagleFormat):
     name, methods, description = "speculators", EAGLE3_LIKE, "EAGLE-3, vLLM speculators"
     layer_prefix = "layers.0."
     embeds = True
-    serve_hint = VLLM_HINT
+    # vLLM 0.32 needs the method spelled out for this layout: given {"model": <dir>} alone (as
+    # speculators' own docs show it) it takes the folder for a draft model and fails
+    vllm_method = "eagle3"
 
     def config(self, draft, dtype, gamma: int = 3, **_: Any) -> dict:
         base = self.base_config(draft, dtype)
@@ -428,7 +425,8 @@ class Eagle1Reference(EagleFormat):
     weights_file = "pytorch_model.bin"
     layer_prefix = "layers.0."
     embeds = True
-    serve_hint = "EAGLE reference / vLLM / SGLang EAGLE-1 loaders: point them at this dir."
+    serve_hint = "EAGLE reference / SGLang EAGLE-1 loaders: point them at this dir."
+    vllm_method = "eagle"
 
     def head_tensors(self, draft) -> dict[str, torch.Tensor]:
         if draft.cfg.input_norm:

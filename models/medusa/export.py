@@ -115,6 +115,7 @@ class MedusaReference(MedusaFormat):
     weights_file = "medusa_lm_head.safetensors"
     description = "Medusa heads (TGI, TensorRT-LLM, Medusa reference)"
     serve_hint = "TGI / TensorRT-LLM / Medusa reference: point them at this dir."
+    vllm_method = "medusa"  # vLLM maps this layout's keys onto its own
 
     def names(self, k, j, num_layers):
         if j is None:
@@ -144,7 +145,10 @@ class MedusaVLLM(MedusaFormat):
     name = "medusa-vllm"
     weights_file = "model.safetensors"
     description = "Medusa heads for vLLM"
-    serve_hint = 'vLLM: `--speculative-config \'{"method": "medusa", "model": "<this dir>"}\'`'
+    vllm_method = "medusa"
+
+    def vllm_tokens(self, config: dict, gamma: int) -> int:
+        return int(self.counts(config)[0])  # one token a head
 
     def names(self, k, j, num_layers):
         if j is None:

@@ -37,10 +37,9 @@ class MLPSpeculatorFormat(ExportFormat):
     methods = ("mlp_speculator",)
     weights_file = "model.safetensors"
     description = "MLP speculator (vLLM, TGI)"
-    serve_hint = (
-        'vLLM: `--speculative-config \'{"method": "mlp_speculator", "model": "<this dir>", '
-        '"num_speculative_tokens": <n_predict>}\'`'
-    )
+    # vLLM 0.32 no longer registers MLPSpeculatorPreTrainedModel (tests/test_vllm.py pins its
+    # message); TGI and earlier vLLM releases load this layout
+    serve_hint = "TGI, and vLLM releases that register MLPSpeculator: this dir as the model"
 
     def extra(self, draft, tmp: Path, dtype, merge: bool = False, **_: Any) -> None:
         if merge:

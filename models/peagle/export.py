@@ -26,10 +26,7 @@ from .model import PEagleHead
 
 class SpeculatorsPEagle(SpeculatorsEagle3):
     name, methods, description = "peagle", ("peagle",), "P-EAGLE, vLLM speculators"
-    serve_hint = (
-        'vLLM: `--speculative-config \'{"model": "<this dir>", "num_speculative_tokens": K}\'` '
-        "(read as eagle3 with parallel_drafting)"
-    )
+    vllm_method = "eagle3"  # vLLM reads the P-EAGLE layout as EAGLE-3 with parallel drafting
 
     def tensors(self, draft: PEagleHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         out = super().tensors(draft, dtype)
