@@ -53,6 +53,7 @@ INSTALL_HINT = (
 )
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
+
 def served_formats() -> dict[str, str]:
     """Our export formats vLLM serves, and the speculative method each is served with (each
     format's ``vllm_method``, checked against vLLM in tests/test_vllm.py)."""
