@@ -126,7 +126,7 @@ def _fake_vllm(tmp_path: Path, die_after: int) -> Path:
     return py
 
 
-def _eval_with(py: Path, tmp_path: Path, *extra: str):
+def _eval_with(py: Path, tmp_path: Path, *extra: str, predict: str = "false"):
     env_before = os.environ.get("SPECDRAFT_VLLM_PYTHON")
     os.environ["SPECDRAFT_VLLM_PYTHON"] = str(py)
     try:
@@ -141,6 +141,7 @@ def _eval_with(py: Path, tmp_path: Path, *extra: str):
                 "max_new_tokens=8",
                 "warmup_tokens=2",
                 "engine_compare=false",
+                f"predict={predict}",
                 f"report={tmp_path / 'r.json'}",
                 *extra,
             ],
@@ -156,7 +157,7 @@ def _eval_with(py: Path, tmp_path: Path, *extra: str):
 def test_the_report_reads_the_engines_counters(tmp_path):
     """Through a stand-in worker that speaks the protocol: tokens/s from the request's own
     timestamps (first token to last), alpha per position from the spec-decode counters."""
-    r = _eval_with(_fake_vllm(tmp_path, die_after=99), tmp_path, "gamma=2")
+    r = _eval_with(_fake_vllm(tmp_path, die_after=99), tmp_path, "gamma=2", predict="true")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["finished"] is True and rep["engine"].startswith("vLLM 0.0-fake")
@@ -165,6 +166,12 @@ def test_the_report_reads_the_engines_counters(tmp_path):
     assert rep["tokens_per_second"] == pytest.approx(1000.0, rel=1e-6)  # 7 tokens in 7 ms
     assert rep["lossless"] is True  # the stand-in answers the same tokens plain and speculative
     assert rep["settings"]["speculative_config"]["method"] == "ngram"
+    # the calibration prompt: 96 tokens in 95 ms a side; 48 speculative steps of 2 drafted, 1
+    # accepted: a step costs 95 / 48 plain steps; here 7 tokens a request in 4 steps
+    ratio = rep["costs"]["speculative_step_over_plain_step"]
+    assert ratio == pytest.approx(95 / 48)
+    assert rep["predicted_speedup"] == pytest.approx(1.75 / ratio)
+    assert rep["ceiling_speedup"] == pytest.approx(3 / ratio)
 
 
 def test_an_engine_that_dies_mid_run_leaves_a_report_of_what_finished(tmp_path):
