@@ -41,19 +41,21 @@ def test_steps_from_positions_rebuild_the_accepted_lengths():
 
 
 def test_the_engine_is_flagged_where_it_accepts_far_less_than_ours_predicts():
-    """400 drafts of 3: vLLM accepting 0.02 at position 1 where ours predicts 0.45 under the
-    same rule is the engine's; 0.43 is within its noise."""
+    """400 drafts of 3: an engine accepting 0.02 at position 1 where ours predicts 0.45 under
+    the same rule is the engine's, and so is one that accepts position 1 but never position 2
+    (what vLLM 0.32's CPU build does at T = 1); 0.43 is within the noise."""
     from decoding.engines.base import EngineStats
     from decoding.engines.vllm_eval import engine_flag
 
-    def pooled(acc1: int) -> EngineStats:
+    def pooled(per_pos: list[int]) -> EngineStats:
         st = EngineStats()
-        st.steps = steps_from_positions(400, 3, [acc1, acc1 // 3, acc1 // 9])
+        st.steps = steps_from_positions(400, 3, per_pos)
         return st
 
     ours = {"alpha_per_position": [0.45, 0.4, 0.4]}
-    assert "the engine's sampler, not the draft" in engine_flag(ours, pooled(8))
-    assert engine_flag(ours, pooled(172)) is None
+    assert "position 1 where" in engine_flag(ours, pooled([8, 3, 1]))
+    assert "position 2 where" in engine_flag(ours, pooled([180, 0, 0]))
+    assert engine_flag(ours, pooled([172, 70, 28])) is None
 
 
 def test_a_format_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
