@@ -132,19 +132,7 @@ def describe_target(cfg: TargetConfig) -> tuple[Any, str, Path, set[int]]:
         folder = target_folder(t)
         eos = {t.tokenizer.eos_token_id}
         return t.tokenizer, t.identity, folder, eos
-    if cfg.path is not None:
-        where = cfg.path
-        if (os.path.sep in where or where.startswith(".")) and not Path(
-            where
-        ).expanduser().exists():
-            raise TargetError(f"target.path={where}: no such folder")
-    elif cfg.name == "smollm2_135m":
-        where = str(smollm2_dir(cfg.cache_dir))
-    else:
-        raise TargetError(
-            f"target.name={cfg.name!r} is not built in (smollm2_135m, tiny_random); "
-            "set target.path=<HF folder or hub id> for any other model"
-        )
+    where = _where(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
         config = AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
@@ -484,6 +472,22 @@ def check_same_vocabulary(target_tok: Any, draft_tok: Any, where: str) -> None:
             )
 
 
+def _where(cfg: TargetConfig) -> str:
+    """The folder or hub id a (non-tiny) target loads from; TargetError where there is none."""
+    if cfg.path is not None:
+        where = cfg.path
+    elif cfg.name == "smollm2_135m":
+        where = str(smollm2_dir(cfg.cache_dir))
+    else:
+        raise TargetError(
+            f"target.name={cfg.name!r} is not built in (smollm2_135m, tiny_random); "
+            "set target.path=<HF folder or hub id> for any other model"
+        )
+    if (os.path.sep in where or where.startswith(".")) and not Path(where).expanduser().exists():
+        raise TargetError(f"target.path={where}: no such folder")
+    return where
+
+
 def load_target(cfg: TargetConfig) -> Target:
     """Load the configured target, frozen, on its device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -506,18 +510,7 @@ def load_target(cfg: TargetConfig) -> Target:
         if cfg.tiny_head_dim != 16:
             layers += f", head_dim={cfg.tiny_head_dim}"
         return Target(model, tok, f"tiny_random(seed={cfg.seed}{layers})", cfg)
-    if cfg.path is not None:
-        where = cfg.path
-    elif cfg.name == "smollm2_135m":
-        where = str(smollm2_dir(cfg.cache_dir))
-    else:
-        raise TargetError(
-            f"target.name={cfg.name!r} is not built in (smollm2_135m, tiny_random); "
-            "set target.path=<HF folder or hub id> for any other model"
-        )
-    if os.path.sep in where or where.startswith("."):
-        if not Path(where).expanduser().exists():
-            raise TargetError(f"target.path={where}: no such folder")
+    where = _where(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(

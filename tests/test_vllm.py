@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_module
+from conftest import ROOT, run_module
 
 from decoding.engines.base import EngineError, steps_from_positions
 
@@ -65,25 +66,18 @@ def test_a_format_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
         speculative_config(tmp_path, "gguf", 3)
 
 
-def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path):
-    env_before = os.environ.get("SPECDRAFT_VLLM_PYTHON")
-    os.environ["SPECDRAFT_VLLM_PYTHON"] = str(tmp_path / "no-such-python")
-    try:
-        r = run_module(
-            "decoding.eval",
-            [
-                "engine=vllm",
-                "target=tiny_random",
-                "draft=ngram",
-                "num_prompts=1",
-                f"report={tmp_path / 'r.json'}",
-            ],
-        )
-    finally:
-        if env_before is None:
-            os.environ.pop("SPECDRAFT_VLLM_PYTHON")
-        else:
-            os.environ["SPECDRAFT_VLLM_PYTHON"] = env_before
+def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    r = run_module(
+        "decoding.eval",
+        [
+            "engine=vllm",
+            "target=tiny_random",
+            "draft=ngram",
+            "num_prompts=1",
+            f"report={tmp_path / 'r.json'}",
+        ],
+    )
     assert r.returncode == 2
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert "bash scripts/install.sh vllm" in line
@@ -129,31 +123,30 @@ def _fake_vllm(tmp_path: Path, die_after: int) -> Path:
 
 
 def _eval_with(py: Path, tmp_path: Path, *extra: str, predict: str = "false"):
-    env_before = os.environ.get("SPECDRAFT_VLLM_PYTHON")
-    os.environ["SPECDRAFT_VLLM_PYTHON"] = str(py)
-    try:
-        return run_module(
+    env = {**os.environ, "SPECDRAFT_VLLM_PYTHON": str(py)}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
             "decoding.eval",
-            [
-                "engine=vllm",
-                "target=tiny_random",
-                "target.tiny_head_dim=64",
-                "draft=ngram",
-                "num_prompts=3",
-                "max_new_tokens=8",
-                "warmup_tokens=2",
-                "engine_compare=false",
-                f"predict={predict}",
-                f"report={tmp_path / 'r.json'}",
-                *extra,
-            ],
-            timeout=300,
-        )
-    finally:
-        if env_before is None:
-            os.environ.pop("SPECDRAFT_VLLM_PYTHON")
-        else:
-            os.environ["SPECDRAFT_VLLM_PYTHON"] = env_before
+            "engine=vllm",
+            "target=tiny_random",
+            "target.tiny_head_dim=64",
+            "draft=ngram",
+            "num_prompts=3",
+            "max_new_tokens=8",
+            "warmup_tokens=2",
+            "engine_compare=false",
+            f"predict={predict}",
+            f"report={tmp_path / 'r.json'}",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_report_reads_the_engines_counters(tmp_path):
@@ -357,16 +350,9 @@ def _prepare(data: Path, out: Path, engine: str, *extra: str):
     )
 
 
-def test_prepare_with_vllm_missing_says_how_to_install_it(tmp_path, data_file):
-    env_before = os.environ.get("SPECDRAFT_VLLM_PYTHON")
-    os.environ["SPECDRAFT_VLLM_PYTHON"] = str(tmp_path / "no-such-python")
-    try:
-        r = _prepare(data_file, tmp_path / "o.jsonl", "vllm")
-    finally:
-        if env_before is None:
-            os.environ.pop("SPECDRAFT_VLLM_PYTHON")
-        else:
-            os.environ["SPECDRAFT_VLLM_PYTHON"] = env_before
+def test_prepare_with_vllm_missing_says_how_to_install_it(tmp_path, data_file, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    r = _prepare(data_file, tmp_path / "o.jsonl", "vllm")
     assert r.returncode == 2
     assert "bash scripts/install.sh vllm" in r.stderr.splitlines()[-1]
 
