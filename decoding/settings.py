@@ -150,7 +150,7 @@ class EvalConfig:
     )
     engine_tie_tolerance: float = 0.5  # llama.cpp: log-prob gap that counts as a near-tie
     # vLLM: the export layout a trained EAGLE-3/HASS draft is served in (vllm | speculators;
-    # None: each method's default, decoding/engines/vllm.py), vLLM's acceptance rule at T > 0
+    # None: each method's default, decoding/engines/vllm_eval.py), vLLM's acceptance rule at T > 0
     # (greedy_draft: argmax drafts tested as one-hot, vLLM's default; exact: drafts sampled
     # from q; block: block verification), its dtype (auto: the target's), and whether the
     # built-in decoder runs the same prompts under the same rule beside it

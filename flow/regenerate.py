@@ -276,8 +276,9 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         except EngineError as e:
             raise PrepareError(f"engine=vllm: {e}") from None
         tok, identity, folder, eos = describe_target(target_cfg)  # vLLM loads the weights
-        target = SimpleNamespace(tokenizer=tok, identity=identity, folder=folder, dtype=None)
-        target.dtype = target_cfg.dtype
+        target = SimpleNamespace(
+            tokenizer=tok, identity=identity, folder=folder, dtype=target_cfg.dtype
+        )
     else:
         target = load_target(target_cfg)
         eos = target.model.generation_config.eos_token_id
@@ -437,8 +438,8 @@ def _generate_vllm(target, cfg, requests: list[GenRequest], eos, on_done, should
     from decoding.engines.base import EngineError
     from decoding.engines.vllm_eval import VLLMWorker
 
-    dtype = "auto" if target.dtype == "auto" else target.dtype
-    if dtype == "auto":
+    dtype = target.dtype
+    if dtype == "auto":  # as load_target would choose: bf16 where it is native
         from models.target import default_dtype, resolve_device
 
         dtype = str(default_dtype(resolve_device(cfg.target.device))).removeprefix("torch.")

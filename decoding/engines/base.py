@@ -25,6 +25,26 @@ from tqdm.auto import tqdm
 from data.chat import prompt_ids
 
 
+def cached_export(path: Path, head, fmt: str, log, suffix: str = "", **opts: Any) -> Path:
+    """The folder where the trained draft at ``path`` (loaded as ``head``) is exported to
+    ``fmt`` for an engine: once, checked and re-imported by ``specdraft-export``'s pipeline,
+    then cached under ``engine-drafts``, keyed by the draft's folder and its weights' names,
+    sizes and times (a retrained draft is exported again)."""
+    import hashlib
+
+    from models.export import export
+
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*.safetensors"))[:4]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = cache_root() / "engine-drafts" / f"{path.resolve().name}-{h.hexdigest()[:10]}{suffix}"
+    if not (out / "config.json").is_file():
+        log(f"exporting {path} (--format {fmt}) for the engine: {out}")
+        export(head, fmt, out, force=True, log=log, **opts)
+    return out
+
+
 class EngineError(RuntimeError):
     """The engine is missing, would not start, or failed; the message says which and what to
     do."""

@@ -39,7 +39,7 @@ from models.target import load_target, target_gguf
 
 from ..report import CONVENTION
 from ..settings import EvalError, bench_questions, stop_ids
-from .base import EngineError, EngineStats, cpu_name, lossless_note, run_bench
+from .base import EngineError, EngineStats, cached_export, cpu_name, lossless_note, run_bench
 from .llama_cpp import BUILD, LlamaServer, bench_forward_ms, resolve_repack
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
@@ -114,7 +114,7 @@ class CostModel:
 
 def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str]:
     """(spec type, draft GGUF or None, description) for ``cfg.draft``."""
-    from models.export import export, load_trained_head
+    from models.export import load_trained_head
     from models.shipped import shipped_draft
 
     d = str(cfg.draft)
@@ -132,30 +132,15 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str]:
         return "draft-eagle3", p / "draft.gguf", f"eagle3 GGUF ({p / 'draft.gguf'})"
     if not p.exists():
         raise DraftError(f"draft={d}: no such file or folder")
-    # a trained head: export it once (checked, re-imported) and cache the GGUF beside it
-    from .base import cache_root
-
+    # a trained head: export it once (checked, re-imported) and cache the GGUF
     head = load_trained_head(p, target)
     if head.cfg.name not in ("eagle3", "hass"):
         raise DraftError(
             f"draft={d}: a {head.cfg.name} draft; llama.cpp runs EAGLE-3/HASS heads "
             "(--format gguf) and n-gram speculation (draft=ngram)"
         )
-    out = cache_root() / "engine-drafts" / f"{p.resolve().name}-{_fingerprint(p)}"
-    if not (out / "draft.gguf").is_file():
-        log(f"exporting {p} to GGUF for llama.cpp: {out}")
-        export(head, "gguf", out, force=True, log=log, target_gguf_path=cfg.target_gguf)
+    out = cached_export(p, head, "gguf", log, target_gguf_path=cfg.target_gguf)
     return "draft-eagle3", out / "draft.gguf", f"{head.cfg.name} ({p}) as GGUF q8_0"
-
-
-def _fingerprint(p: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(p.rglob("*.safetensors"))[:4]:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:10]
 
 
 def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:

@@ -22,6 +22,7 @@ that predicts, the report flags the engine (``engine_flag``) rather than the dra
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from .base import (
     EngineError,
     EngineStats,
     cache_root,
+    cached_export,
     cpu_name,
     lossless_note,
     run_bench,
@@ -110,8 +112,6 @@ def _stop_all() -> None:
             p.wait()
 
 
-import atexit  # noqa: E402 - beside the set it empties
-
 atexit.register(_stop_all)
 
 
@@ -152,7 +152,7 @@ class VLLMWorker:
         }
         self.kv_cache_gib = kv_cache_gib
         self.proc: subprocess.Popen | None = None
-        self.version = None
+        self.version = self.device = None
         self.load_seconds = float("nan")
         fd, name = tempfile.mkstemp(prefix="specdraft-vllm-", suffix=".log")
         os.close(fd)
@@ -193,6 +193,7 @@ class VLLMWorker:
         threading.Thread(target=self._read, daemon=True).start()
         out = self.ask({"cmd": "init", "llm": self.llm_args}, timeout=900)
         self.version, self.load_seconds = out["vllm"], out["seconds"]
+        self.device = out.get("device", "?")  # where vLLM runs, by its own platform
 
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -357,10 +358,8 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     ``cfg.draft``: vLLM's n-gram speculation, an export folder as it is, or a trained draft
     exported once (cached) to the layout vLLM loads."""
     from models.base import DraftError
-    from models.export import detect_format, export, load_trained_head
+    from models.export import detect_format, load_trained_head
     from models.shipped import shipped_draft
-
-    from .llama_cpp_eval import _fingerprint
 
     d = str(cfg.draft)
     if d in ("none", "ar"):
@@ -395,10 +394,7 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
                 + f"; vLLM {VERSION} serves {', '.join(served_formats())} "
                 f"({', '.join(sorted(FORMAT_OF_METHOD))} drafts)"
             )
-        folder = cache_root() / "engine-drafts" / f"{p.resolve().name}-{_fingerprint(p)}-{fmt}"
-        if not (folder / "config.json").is_file():
-            log(f"exporting {p} for vLLM (--format {fmt}): {folder}")
-            export(head, fmt, folder, force=True, log=log, gamma=int(cfg.gamma))
+        folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
     return spec, f"{fmt} export ({folder})", str(folder)
 
@@ -468,7 +464,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
             spec.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
             costs = _calibrate(cfg, plain, spec, warm, sampling) if cfg.predict else None
             run = run_bench(plain, spec, questions, cfg, tok, stop, "vLLM")
-            version, threads = spec.version, spec.threads
+            version, threads, device = spec.version, spec.threads, spec.device
             last = spec.last_error() if not run.finished else None
     if not run.outputs:
         raise EngineError(run.error or "vLLM finished no prompt")
@@ -478,7 +474,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     rule = "greedy" if greedy else cfg.engine_rule
     report.update(
         {
-            "engine": f"vLLM {version} (offline LLM, {'CUDA' if _cuda(python) else 'CPU'})",
+            "engine": f"vLLM {version} (offline LLM, {device})",
             "lossless": (near == len(run.divergences)) if greedy else None,
             "divergences": len(run.divergences) if greedy else None,
             "near_tie_divergences": near if greedy else None,
@@ -559,18 +555,6 @@ def _prediction(costs: dict | None, pooled: EngineStats, gamma: int) -> dict[str
         "costs": costs,
         "draft_cost_ratio": ratio - 1.0,
     }
-
-
-def _cuda(python: Path) -> bool:
-    return python is not None and "cpu" not in _installed_kind(python)
-
-
-def _installed_kind(python: Path) -> str:
-    marker = python.parent.parent / ".ok"
-    try:
-        return marker.read_text().strip()
-    except OSError:
-        return "cpu"
 
 
 def _rule_text(rule: str) -> str:

@@ -6,7 +6,7 @@ It imports the standard library and vLLM only, never specdraft. vLLM's own logs 
 error (standard output is kept for the answers). Requests:
 
     {"cmd": "init", "llm": {...LLM keyword arguments...}}
-        -> {"vllm": version, "seconds": load time}
+        -> {"vllm": version, "seconds": load time, "device": "CPU" / "CUDA" / ...}
     {"cmd": "generate", "prompts": [[ids], ...], "params": {...SamplingParams...} or a list
      of them (one a prompt), "metrics": true}
         -> {"outputs": [{"tokens", "first_token_ts", "last_token_ts", "finish_reason",
@@ -74,10 +74,12 @@ class Worker:
     def init(self, msg: dict) -> dict:
         import vllm
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         t = time.perf_counter()
         self.llm = LLM(**msg["llm"], disable_log_stats=False)
-        return {"vllm": vllm.__version__, "seconds": time.perf_counter() - t}
+        device = str(getattr(current_platform, "device_type", "?")).upper()
+        return {"vllm": vllm.__version__, "seconds": time.perf_counter() - t, "device": device}
 
     def generate(self, msg: dict) -> dict:
         from vllm import SamplingParams
