@@ -3,7 +3,7 @@
     python scripts/bench_decode.py --drafts "smollm2-eagle3;tree=chain" \
         "smollm2-eagle3;tree=chain;lenience=0.8" "smollm2-eagle3;tree=chain;lenience=0.5" \
         "smollm2-eagle3;tree=chain;lenience=0.3" --temperatures 0 1 --out bench-lenience
-    python scripts/plot_lenience.py bench-lenience/*.json --out docs/lenience.png
+    python scripts/plot_lenience.py bench-lenience/*.json --out docs/figures/lenience.png
 
 One line per temperature: speedup over plain decoding (y) against how far the output moved
 (x): at T = 0 the share of emitted tokens that are not the target's argmax, at T > 0 the mean
