@@ -1,9 +1,11 @@
-"""One JSON for a GPU training run (``scripts/gpu_train.sh``, issue 45): the slice it
-regenerated, training throughput and model FLOP utilisation, validation acceptance before and
-after, and the MT-bench measurement of the new head.
+"""One JSON for a GPU training run (``scripts/gpu_train.sh``): the slice it regenerated,
+training throughput and model FLOP utilisation, validation acceptance before and after, and the
+MT-bench measurement of the new head; and ``lineage.json`` beside the run's ``final/``: the
+learning curves behind the new head (those of the weights it started from, then its own), so
+``scripts/plot_curves.py --lineage`` draws one curve through every run.
 
     python scripts/gpu_train_summary.py --run RUN_DIR --regen REGEN.meta.json \
-        --eval eval_chain.json --device cuda --out summary.json
+        --eval eval_chain.json --device cuda --slice slice.json --out summary.json
 
 Model FLOPs per training token (an estimate, written beside the figure): the frozen target's
 forward, 2 x its parameters, plus the head's forward and backward, 6 x its trainable
@@ -18,9 +20,12 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plot_curves
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
 
@@ -47,7 +52,8 @@ def summarise(
 ) -> dict:
     from safetensors import safe_open
 
-    rows = _rows(run / "metrics.jsonl")
+    metrics = run / "metrics.jsonl"  # none where the run stopped before its first logged step
+    rows = _rows(metrics) if metrics.is_file() else []
     run_summary = json.loads((run / "summary.json").read_text())
     target_params = run_summary.get("target_params")
     train = [r for r in rows if "tokens_per_s" in r]
@@ -114,7 +120,7 @@ def main() -> None:
     ap.add_argument("--regen", default=None)
     ap.add_argument("--eval", default=None)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--slice", default=None, help="gpu_train_pack.py's slice.json")
+    ap.add_argument("--slice", default=None, help="the slice.json gpu_train.sh writes")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     s = summarise(
@@ -127,6 +133,21 @@ def main() -> None:
     text = json.dumps(s, indent=1)
     Path(a.out).write_text(text)
     print(text)
+    write_lineage(Path(a.run), (s.get("slice") or {}).get("lineage") or [])
+
+
+def write_lineage(run: Path, before: list[list]) -> None:
+    """``run/lineage.json``: the curves of the weights the run started from, then its own
+    ``metrics.jsonl`` after their training tokens."""
+    from plot_curves import curve_end
+
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return
+    curves = [list(c) for c in before]
+    offset = curves[-1][1] + curve_end(Path(curves[-1][0])) if curves else 0.0
+    curves.append([str(metrics.resolve()), offset])
+    (run / "lineage.json").write_text(json.dumps({"curves": curves}, indent=1))
 
 
 if __name__ == "__main__":

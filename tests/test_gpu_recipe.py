@@ -1,7 +1,6 @@
-"""The GPU training recipe (issue 45: ``scripts/gpu_train_pack.py`` here, ``scripts/gpu_train.sh``
-on the lent machine, ``scripts/gpu_train_unpack.py`` here again), run end to end on the CPU with
-the tiny target: what comes back fits what a device call returns, and makes a draft that loads
-and decodes."""
+"""The GPU scripts, run end to end on the CPU with the tiny target: the training recipe
+(``scripts/gpu_train.sh``) makes a draft that loads and decodes and a summary, and the offline
+bundle (``scripts/offline_bundle.py``) goes over in parts and comes back whole."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _run(cmd, env=None, check=True):
@@ -23,35 +23,30 @@ def _run(cmd, env=None, check=True):
     return r
 
 
+TINY = {
+    "DEVICE": "cpu",
+    "TARGET": "tiny_random",
+    "TARGET_ARGS": "target.tiny_layers=4",
+    "NO_INSTALL": "1",
+    "COUNT": "12",
+    "REGEN_MIN": "0.1",
+    "REGEN_T": "1",  # the random target's greedy replies decode to nothing
+    "REGEN_BATCH": "4",
+    "TRAIN_MIN": "0.1",
+    "PROMPTS": "2",
+    "TOKENS": "8",
+    "EXTRA_TRAIN": "data.batch_size=4 data.num_proc=1 data.max_length=128 "
+    "method.draft_vocab_size=64 train.eval_every=0 train.log_every=1",
+}
+
+
 def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
-    stash, out = tmp_path / "stash", tmp_path / "out"
-    _run([sys.executable, "scripts/gpu_train_pack.py", "--count", "12", "--out", str(stash)])
-    slice_ = json.loads((stash / "slice.json").read_text())
-    assert (slice_["skip"], slice_["count"], slice_["init"]) == (0, 12, "smollm2-eagle3")
-    env = {
-        "STASH": str(stash),
-        "CARRIED": str(tmp_path / "carried"),  # not this checkout's .gpu parts, if any
-        "WORK": str(tmp_path / "work"),
-        "DEVICE": "cpu",
-        "TARGET": "tiny_random",
-        "TARGET_ARGS": "target.tiny_layers=4",
-        "INIT": "null",  # the shipped head is the embedded target's, not the tiny one's
-        "REGEN_MIN": "0.1",
-        "REGEN_T": "1",  # the random target's greedy replies decode to nothing
-        "REGEN_BATCH": "4",
-        "TRAIN_MIN": "0.1",
-        "PROMPTS": "2",
-        "TOKENS": "8",
-        "EXTRA_TRAIN": "data.batch_size=4 data.num_proc=1 data.max_length=128 "
-        "method.draft_vocab_size=64 train.eval_every=0",
-    }
-    _run(["bash", "scripts/gpu_train.sh", "run", str(out)], env)
-    files = sorted(p.name for p in out.iterdir())
-    # what a device call brings back: at most 8 files of at most 16 MiB
-    assert len(files) <= 8 and all((out / f).stat().st_size <= 16 * 2**20 for f in files)
-    assert "draft.tar.part_00" in files and "summary.json" in files
+    out = tmp_path / "gpu"
+    r = _run(["bash", "scripts/gpu_train.sh", str(out)], {**TINY, "INIT": "null"})
+    for name in ("regen.jsonl", "eval_chain.json", "summary.json", "train.log", "slice.json"):
+        assert (out / name).is_file(), name
     s = json.loads((out / "summary.json").read_text())
-    assert s["method"] == "eagle3" and s["slice"]["count"] == 12
+    assert s["method"] == "eagle3" and s["slice"]["count"] == 12 and s["slice"]["skip"] == 0
     assert s["regenerated"]["records"] >= 1
     assert s["train"]["tokens"] > 0 and s["train"]["tokens_per_s_median"] > 0
     assert s["train"]["model_flops_per_token"] == (
@@ -59,56 +54,82 @@ def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
         + 6 * s["train"]["head_trainable_params"] * s["train"]["ttt_steps"]
     )
     assert s["mt_bench_chain3_t0"]["lossless"] is True
-
-    runs = tmp_path / "runs"
-    r = _run([sys.executable, "scripts/gpu_train_unpack.py", str(out), "--dest", str(runs)])
-    final = next(runs.iterdir()) / "final"
-    assert "--skip 12 --count 12" in r.stdout
     from models.base import read_draft_config
 
-    assert read_draft_config(final)["specdraft"]["method"] == "eagle3"
-    # the learning curve: the shipped head's five CPU phases, then this run, each after the
-    # tokens of those before it; plot_curves draws it from the lineage file
-    lin = json.loads((final.parent / "lineage.json").read_text())["curves"]
-    assert [Path(p).name for p, _ in lin] == [
+    assert read_draft_config(out / "run" / "final")["specdraft"]["method"] == "eagle3"
+    # the next slice, from these weights
+    assert f"SKIP=12 COUNT=12 INIT={out}/run/final" in r.stdout
+    curves = json.loads((out / "run" / "lineage.json").read_text())["curves"]
+    assert [Path(p).name for p, _ in curves] == ["metrics.jsonl"] and curves[0][1] == 0
+
+
+def test_a_run_continues_the_learning_curve_of_the_weights_it_started_from(tmp_path):
+    """The shipped head's five CPU phases, then the new run, each after the tokens of those
+    before it; plot_curves draws the whole line from the lineage file."""
+    from gpu_train_summary import write_lineage
+    from plot_curves import lineage
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "\n".join(
+            json.dumps({"step": s, "tokens": 1000 * s, "val/alpha_pos1": 0.4 + s / 100})
+            for s in (1, 2, 3)
+        )
+    )
+    write_lineage(run, lineage(ROOT / "models" / "shipped" / "smollm2-eagle3"))
+    curves = json.loads((run / "lineage.json").read_text())["curves"]
+    assert [Path(p).name for p, _ in curves] == [
         *(f"curve_phase{i}.jsonl" for i in range(1, 6)),
         "metrics.jsonl",
     ]
-    offsets = [o for _, o in lin]
+    offsets = [o for _, o in curves]
     assert offsets[0] == 0 and all(a < b for a, b in zip(offsets, offsets[1:], strict=False))
     assert 13e6 < offsets[-1] < 14e6  # the shipped head's ~13.3M CPU training tokens
     png = tmp_path / "curves.png"
-    _run(
-        [
-            sys.executable,
-            "scripts/plot_curves.py",
-            "--lineage",
-            str(final.parent / "lineage.json"),
-            "--metric",
-            "alpha",
-            "--out",
-            str(png),
-        ]
-    )
+    _run([sys.executable, "scripts/plot_curves.py", "--lineage", str(run / "lineage.json"),
+          "--metric", "alpha", "--out", str(png)])
     assert png.stat().st_size > 10_000
 
 
-def test_the_recipe_says_what_a_call_did_not_carry(tmp_path):
-    """No prompts in the stash: one line naming the part to carry, exit 2, nothing run."""
-    out = tmp_path / "out"
-    env = {
-        "STASH": str(tmp_path / "empty"),
-        "CARRIED": str(tmp_path / "carried"),
-        "DEVICE": "cpu",
-        "TARGET": "tiny_random",
-    }
-    r = _run(["bash", "scripts/gpu_train.sh", "run", str(out)], env, check=False)
+def test_the_recipe_refuses_weights_it_cannot_start_from(tmp_path):
+    out = tmp_path / "gpu"
+    r = _run(["bash", "scripts/gpu_train.sh", str(out)], {**TINY, "INIT": str(tmp_path)},
+             check=False)
     assert r.returncode == 2
-    assert "carry .gpu/t1 (scripts/gpu_train_pack.py)" in r.stderr
-    pack = tmp_path / "pack"
-    r = _run(
-        [sys.executable, "scripts/gpu_train_pack.py", "--init", str(tmp_path), "--out", str(pack)],
-        check=False,
-    )
-    assert r.returncode != 0 and "not a saved draft" in r.stderr
-    assert not pack.exists()  # refused before anything was written
+    assert f"INIT={tmp_path}: not a saved draft" in r.stderr
+    assert not (out / "regen.jsonl").exists()  # refused before anything ran
+
+
+def test_an_offline_bundle_travels_in_parts_and_comes_back_whole(tmp_path):
+    bundle, into = tmp_path / "bundle", tmp_path / "there"
+    draft = ROOT / "models" / "shipped" / "smollm2-eagle3"
+    _run([sys.executable, "scripts/offline_bundle.py", "pack", "--out", str(bundle),
+          "--wheels", "none", "--target", "none", "--no-source", "--data-slice", "5:3",
+          "--init", str(draft), "--part-size", "8M"])
+    m = json.loads((bundle / "bundle.json").read_text())
+    parts = [p["name"] for p in m["parts"]]
+    assert len(parts) >= 3 and all(p["bytes"] <= 8 * 2**20 for p in m["parts"])
+    assert set(m["contents"]) == {"data", "init"}
+    # the first part and the manifest arrive alone: it waits, saying what is missing
+    r = _run([sys.executable, "scripts/offline_bundle.py", "unpack", str(bundle / parts[0]),
+              str(bundle / "bundle.json"), "--into", str(into)], check=False)
+    assert r.returncode == 3 and f"missing: {parts[1]}" in r.stdout
+    # a part damaged on the way is named and dropped, not unpacked
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / parts[1]).write_bytes(b"\0" * m["parts"][1]["bytes"])
+    r = _run([sys.executable, "scripts/offline_bundle.py", "unpack", str(bad), "--into",
+              str(into)], check=False)
+    assert r.returncode == 3 and "sha256 did not match" in r.stdout
+    r = _run([sys.executable, "scripts/offline_bundle.py", "unpack", *[str(bundle / p) for p in
+              parts[1:]], "--into", str(into)])
+    assert "export DATA=" in r.stdout and "COUNT=3" in r.stdout
+    prompts = (into / "content" / "data" / "prompts.jsonl").read_text().splitlines()
+    assert len(prompts) == 3
+    init = into / "content" / "init"
+    assert (init / "model.safetensors").read_bytes() == (draft / "model.safetensors").read_bytes()
+    r = _run([sys.executable, "scripts/offline_bundle.py", "pack", "--part-size", "lots",
+              "--out", str(tmp_path / "b2")], check=False)
+    assert r.returncode == 2 and "--part-size 'lots'" in r.stderr
+    assert not (tmp_path / "b2").exists()
