@@ -7,10 +7,15 @@
 #   bash scripts/compare_speculators.sh PEER_DIR WORK_DIR [THREADS]
 #   OPTIMIZER=muon bash scripts/compare_speculators.sh ...   # both trainers with Muon + AdamW
 #
-# PEER_DIR: the CPU harness for speculators (../shared/peers/speculators: extract_sharegpt.py,
-# fake_vllm_hs.py, train_cpu.py). WORK_DIR: where the venv, data, runs and reports go. The venv
+# PEER_DIR: a harness that runs speculators' trainer on a CPU (extract_sharegpt.py,
+# fake_vllm_hs.py, train_cpu.py: not part of specdraft). WORK_DIR: where the venv, data, runs and reports go. The venv
 # gets speculators==0.9.0 (which pins its own torch/transformers) and specdraft (editable, from
-# this checkout) beside it. Results: WORK_DIR/results.md; docs/benchmarks.md has the figures.
+# this checkout) beside it. Results: WORK_DIR/results.md; docs/benchmarks.md has the measured figures.
+case "${1:-}" in -h | --help)
+  sed -n '2,/^[^#]/{/^[^#]/d;s/^# \{0,1\}//;p}' "$0"
+  exit 0
+  ;;
+esac
 set -euo pipefail
 PEER=$(cd "$1" && pwd)
 WORK=$(mkdir -p "$2" && cd "$2" && pwd)

@@ -1,4 +1,5 @@
 # shellcheck shell=bash
+# (sourced by the GPU scripts, not run: `bash scripts/gpu_check.sh --help`)
 # What scripts/gpu_check.sh and scripts/gpu_train.sh share, sourced by both from the
 # repository's root: the environment check, the machine's description in the log, and capped
 # steps. Environment: DEVICE (cuda), LIMIT_SCALE (1: each step's cap in seconds is multiplied by

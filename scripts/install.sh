@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Install specdraft and what it needs, on a machine with no GPU and no network beyond PyPI.
+# Install specdraft and what it needs from the package index (PyPI; torch's CUDA build where pip picks it).
 #   bash scripts/install.sh          # the toolkit
 #   bash scripts/install.sh dev      # the toolkit + test tools
 #   bash scripts/install.sh engine   # llama.cpp (optional serving engine), built once into the cache
 #   bash scripts/install.sh vllm     # vLLM (optional serving engine), its own environment in the cache
+case "${1:-}" in -h | --help)
+  sed -n '2,/^[^#]/{/^[^#]/d;s/^# \{0,1\}//;p}' "$0"
+  exit 0
+  ;;
+esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

