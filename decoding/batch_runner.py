@@ -184,7 +184,7 @@ def verify_inputs(
     last position), and the rows' inner masks (R, n, n): a chain's is causal, a tree's each
     node's ancestors, padding sees itself. Built from lists in three tensors: a row-by-row
     build launched ~100 small tensor operations at B = 16 (part of the 1.45 ms of host work
-    per iteration beside a 4.5 ms graph step on an H100, docs/benchmarks.md part 4)."""
+    per iteration beside a 4.5 ms graph step on an H100, docs/benchmarks.md, 2026-11-27/28)."""
     n = 1 + max(len(p) for p in props)
     ids, pos, lens = [], [], []
     trees: list[tuple[int, Proposal]] = []

@@ -493,7 +493,7 @@ class GoodputPolicy:
         # prior: where the mean says drafting pays with its reading spread as a draft's is
         # (above), the first probe is due as any hopeful one. Its reading is paid once for
         # every later draft; waiting for the share of it kept an H100 at B = 16 plain for a
-        # whole run, docs/benchmarks.md (part 4)
+        # whole run, docs/benchmarks.md (the H100, 2026-11-27/28)
         if not self.seen and max(self.last_goodput[g] for g in options if g) > self.last_goodput[0]:
             hopeful = True
         if self.after_probe:  # did the probe's news make drafting pay? if not, wait longer

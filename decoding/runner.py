@@ -10,7 +10,7 @@ behind one contract (``TargetRunner``):
   every verification padded to a fixed width, and on CUDA each width captured once as a CUDA
   graph, so a step is one graph replay instead of thousands of Python-dispatched ops
   (``compile=true``; gpt-fast's and SGLang's shape). On a CPU it runs eager at exact widths
-  (compiling was measured no faster there: issue 44).
+  (compiling was measured no faster there: docs/benchmarks.md).
 
 A forward feeds the last committed token and the proposal (a chain, or a tree with its
 ancestor mask) after the ``length`` committed cache entries; ``commit`` keeps the accepted

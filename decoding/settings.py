@@ -107,7 +107,7 @@ class EvalConfig:
     # waiting requests join the batch once this many slots are free: 1 = as soon as a row
     # finishes (each join is one prefill forward and a copy of the running cache; with prefills
     # grouped by length that costs no more prefill time than joining a quarter of the batch at
-    # once, and keeps the batch fuller: docs/benchmarks.md, issue 30 part 4)
+    # once, and keeps the batch fuller: docs/benchmarks.md, 2026-11-26)
     batch_admit: int = 1
     # equal: every request asks for max_new_tokens; mixed: each asks for its own length, drawn
     # once per prompt (seeded) uniformly from [max_new_tokens / 4, max_new_tokens], as a

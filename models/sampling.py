@@ -52,7 +52,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dim (..., V) -> (...), ties to the lowest id as ``argmax``. Reads
     bf16/fp16 logits as float32 first: the same answer (the conversion is exact), but on a CPU
     torch's reduced-precision argmax is ~3x slower than the conversion and a float32 argmax
-    together (0.80 vs 0.29 ms for 9 x 49,152 bf16 logits on CPU-2, docs/benchmarks.md): a
+    together (0.80 vs 0.29 ms for 9 x 49,152 bf16 logits on a 2-core AMD EPYC, docs/benchmarks.md): a
     verification's argmax was 3% of a speculative iteration."""
     return logits.float().argmax(-1)
 

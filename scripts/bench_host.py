@@ -13,7 +13,7 @@ target (3 layers, hidden 64), whose forwards are small enough for the host's sha
                  tokens, no draft: ms of host work an iteration (wall time less the forwards
                  and prefills the decoder reports)
   drafter        the same with an EAGLE head attached and the goodput policy held at plain
-                 every iteration (as the H100 ran it, docs/benchmarks.md part 4)
+                 every iteration (as the H100 ran it, docs/benchmarks.md, 2026-11-27/28)
   batched_draft  the fixed-shape batched EAGLE chain (16 rows, a chain of 3): a proposal's
                  time less its function's (the committed pairs, the inputs' copies)
   single         the batch-1 decoder (the same loop with one row), 16 prompts x 64 tokens on

@@ -692,7 +692,7 @@ def test_a_probe_waits_until_its_reading_fits_the_share_too():
 
 
 def _probe_run(fixed: float, per: float, iters: int = 640, alpha: float = 0.42):
-    """The H100 of docs/benchmarks.md part 4 at B = 16: a graph step 4.5 ms (+0.02 ms a row
+    """The H100 of docs/benchmarks.md (2026-11-27/28) at B = 16: a graph step 4.5 ms (+0.02 ms a row
     and token), a draft step 0.42 ms, 16 rows whose 100-token prompts the drafter has not
     read (and 16 more tokens each plain step), a draft that accepts ``alpha`` a token.
     Returns the first drafting iteration (None: never) and the share of iterations that

@@ -1,4 +1,4 @@
-"""The decoder's fixed-shape path (issue 44): the lean Llama-family forward over a static cache
+"""The decoder's fixed-shape path: the lean Llama-family forward over a static cache
 gives transformers' logits and features, its cache surgery keeps the accepted path, the graph
 path's padded widths change nothing, and ``compile=`` picks and reports a runner."""
 

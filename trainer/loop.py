@@ -27,7 +27,7 @@ class LoopState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches of this epoch already consumed (this process)
-    elapsed: float = 0.0  # seconds of training so far, over all sessions of the run
+    elapsed: float = 0.0  # seconds of training so far, over every resumption of the run
     tokens: int = 0  # tokens seen by this process
     nonfinite_skipped: int = 0
     world_size: int = 1

@@ -19,7 +19,7 @@ the ``gguf`` package so that exporting needs no llama.cpp source tree:
   ``attn_q``/``attn_k`` rows are permuted the way the converter permutes every Llama's (GGUF's
   RoPE pairs adjacent dimensions, transformers' pairs halves).
 - weights in ``q8_0`` by default: on a CPU without native bf16 llama.cpp ran the q8_0 draft
-  fastest of the types tried (issue 27; docs/benchmarks.md); 1-D tensors stay float32 as the
+  fastest of the types tried (docs/benchmarks.md); 1-D tensors stay float32 as the
   converter keeps them.
 
 Reading a GGUF back (``read``) undoes all of this, so the generic export pipeline checks keys,

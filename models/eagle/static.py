@@ -316,7 +316,7 @@ class StaticEagleTree(StaticEagleChain):
         # the deepest level a proposal keeps: the graph always grows every level, and the
         # nodes below this one score -inf before the best are chosen (a shallower tree, near
         # a reply's budget, is then the same graph: drafted the eager way it took ~60 host
-        # reads, and on a GPU a tree proposal averaged 4.85 ms, docs/benchmarks.md part 4)
+        # reads, and on a GPU a tree proposal averaged 4.85 ms, docs/benchmarks.md, 2026-11-27/28)
         self.cap_t = torch.zeros((), dtype=torch.long, device=self.f_buf.device)
         self.level = tree_levels(self.top_k, self.gamma_max, self.f_buf.device)
 
