@@ -47,18 +47,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from models.base import BatchedProposer, DecodeState, Proposal, Proposer
 from models.ragged import prefill_waste
 from models.sampling import Sampling
 from models.target import GenRequest, Target
 
+from .batch_checks import BatchError, check_batchable, side_branch_refusal
 from .batch_runner import BatchRunner, choose_batch_runner
 from .costs import StepCostModel, drafting_cost
 from .policies import (
@@ -69,13 +68,9 @@ from .policies import (
     _Acceptance,
 )
 from .runner import RunnerError
-from .stats import Stats, count_iteration, depths
+from .stats import BatchStats, count_iteration, depths
 from .timing import sync
 from .verify import AcceptRule, accept_rows, samples_on_device, until_stop
-
-
-class BatchError(ValueError):
-    """Settings the batched decoder cannot serve; the message says which and why."""
 
 
 @dataclass
@@ -135,61 +130,6 @@ class _Run:
     t_start: float = 0.0  # this iteration's drafter reading (prefill), in seconds
     on_done: object = None  # a data generator's hook (``run``): finished replies go there
     longest: int = 0  # tokens (and 8 spare) the caches hold for one request
-
-
-@dataclass
-class BatchStats:
-    """A batched run: the per-row counters pooled in ``rows`` (tau, alpha... as at batch 1:
-    ``rows.target_calls`` counts row-iterations), the batch's own in ``forwards`` and the
-    seconds, and each request's tokens and latency (admission to last token)."""
-
-    rows: Stats = field(default_factory=Stats)
-    forwards: int = 0  # batched verification forwards
-    prefills: int = 0
-    probes: int = 0  # goodput's probes: drafting chosen to learn, not because it paid
-    # forwards with no request waiting (the batch drains: goodput values the last rows' time)
-    drain_forwards: int = 0
-    row_slots: int = 0  # rows summed over forwards (occupancy = row_slots / forwards)
-    verified_tokens: int = 0  # query tokens fed to verification forwards, padding included
-    batch_gamma: Counter = field(default_factory=Counter)  # the longest proposal per forward
-    wall: float = 0.0
-    requests: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
-    # each request's (seconds from its arrival to its first new token, to its last, tokens):
-    # time to first token and end-to-end latency, queueing for a slot included
-    latencies: list[tuple[float, float, int]] = field(default_factory=list)
-    idle: float = 0.0  # seconds with no request in the batch and the next yet to arrive
-    cache_columns: int = 0  # summed over forwards: columns attended (holes and padding too)
-    valid_columns: int = 0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.rows.new_tokens / self.wall if self.wall else float("nan")
-
-    @property
-    def request_tokens_per_second(self) -> float:
-        """Mean over requests of tokens / (finish - admission)."""
-        rs = [n / s for n, s in self.requests if s > 0]
-        return sum(rs) / len(rs) if rs else float("nan")
-
-    def latency_summary(self) -> dict[str, dict[str, float]]:
-        """Over the requests, in seconds: time to first token (``ttft``: arrival to the first
-        new token, waiting for a slot and the prefill included), time per output token after
-        the first (``tpot``: (latency - ttft) / (tokens - 1), vLLM's benchmark_serving
-        definition; requests of one token have none) and end-to-end ``latency``; each as
-        mean, p50, p90 and p99 (linear interpolation between order statistics)."""
-
-        def summary(xs: list[float]) -> dict[str, float]:
-            if not xs:
-                return {k: float("nan") for k in ("mean", "p50", "p90", "p99")}
-            t = torch.tensor(xs, dtype=torch.float64)
-            q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
-            return {"mean": float(t.mean()), "p50": q[0], "p90": q[1], "p99": q[2]}
-
-        return {
-            "ttft": summary([a for a, _, _ in self.latencies]),
-            "tpot": summary([(e - a) / (n - 1) for a, e, n in self.latencies if n > 1]),
-            "latency": summary([e for _, e, _ in self.latencies]),
-        }
 
 
 class BatchDecoder:
@@ -814,42 +754,3 @@ def kept_rows(feats: torch.Tensor, keeps: list[list[int]]) -> list[torch.Tensor]
     idx = torch.tensor(flat).to(feats.device, non_blocking=True)
     got = feats.reshape(R * n, *feats.shape[2:]).index_select(0, idx)
     return list(got.split([len(ks) for ks in keeps]))
-
-
-def side_branch_refusal(proposer: Proposer) -> str:
-    return (
-        f"draft {proposer.name}: adds a side branch to each verification forward "
-        "(lookahead's Jacobi window), which the batched decoder does not carry; use "
-        "batch_size=1 for it"
-    )
-
-
-def check_batchable(target: Target, proposer: Proposer) -> None:
-    """``BatchError`` for a proposer or target the batched decoder cannot serve."""
-    if type(proposer).side_branch is not Proposer.side_branch:
-        raise BatchError(side_branch_refusal(proposer))
-    if any(type(x) is not DynamicLayer for x in DynamicCache(config=target.config).layers):
-        raise BatchError(
-            f"target {target.identity}: batch_size > 1 needs full-attention cache layers "
-            "(this model has sliding-window or other layers); use batch_size=1"
-        )
-
-
-def check_batch_settings(cfg, target: Target, proposer: Proposer) -> None:
-    """One-line errors for evaluator settings the batched decoder does not serve."""
-    check_batchable(target, proposer)
-    if cfg.acceptance != "exact":
-        raise BatchError(f"acceptance={cfg.acceptance} with batch_size > 1: only exact")
-    if cfg.lenience != 1.0:
-        raise BatchError(f"lenience={cfg.lenience} with batch_size > 1: only exact (1)")
-    if cfg.stop == "disco" or cfg.traces:
-        raise BatchError("stop=disco / traces with batch_size > 1: use batch_size=1")
-    if cfg.turns != 1:
-        raise BatchError(
-            f"turns={cfg.turns} with batch_size > 1: later turns wait on earlier answers; "
-            "use turns=1"
-        )
-    if cfg.compare_hf:
-        raise BatchError(
-            "compare_hf with batch_size > 1: transformers' assisted generation decodes one sequence"
-        )

@@ -21,13 +21,14 @@ from tqdm.auto import tqdm
 from data.chat import prompt_ids
 from models.target import GenRequest
 
-from .batch import BatchDecoder, BatchError, BatchStats, check_batch_settings
+from .batch import BatchDecoder
+from .batch_checks import BatchError, check_batch_settings
 from .costs import StepCostModel
 from .decoder import NoDraft, SpeculativeDecoder
 from .policies import POLICIES
 from .report import BATCH_CONVENTION, CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
 from .runner import compile_mode
-from .stats import acceptance_where
+from .stats import BatchStats, acceptance_where
 
 
 def policies_of(cfg) -> list[str]:

@@ -32,7 +32,7 @@ from models.base import DecodeSettings, DraftError, ExportError
 from models.sampling import Sampling
 from models.target import TargetConfig, TargetError, load_target
 
-from .batch import BatchError
+from .batch_checks import BatchError
 from .batch_eval import evaluate_batched, wants_batch
 from .bench import BenchError
 from .decoder import NoDraft, SpeculativeDecoder

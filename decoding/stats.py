@@ -1,6 +1,7 @@
 """What a decoding run counts: per-position acceptance, tau, the clocks of its phases
 (``Stats``, pooled over iterations and requests, at batch 1 and batch B alike), the booking of
-one verification (``count_iteration``) and the speedup the paper's formula predicts from them.
+one verification (``count_iteration``), the speedup the paper's formula predicts from them, and
+a batched run's own counters and each request's latency (``BatchStats``).
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
 
 from models.base import Proposal
 
@@ -141,6 +144,61 @@ def predicted_speedup(
     tokens = sum(n * GammaController.expected_tokens(alpha, g) for g, n in gamma_used.items())
     cost = sum(n * ((c if g else 0.0) if parallel else g * c) + n for g, n in gamma_used.items())
     return tokens / cost
+
+
+@dataclass
+class BatchStats:
+    """A batched run: the per-row counters pooled in ``rows`` (tau, alpha... as at batch 1:
+    ``rows.target_calls`` counts row-iterations), the batch's own in ``forwards`` and the
+    seconds, and each request's tokens and latency (admission to last token)."""
+
+    rows: Stats = field(default_factory=Stats)
+    forwards: int = 0  # batched verification forwards
+    prefills: int = 0
+    probes: int = 0  # goodput's probes: drafting chosen to learn, not because it paid
+    # forwards with no request waiting (the batch drains: goodput values the last rows' time)
+    drain_forwards: int = 0
+    row_slots: int = 0  # rows summed over forwards (occupancy = row_slots / forwards)
+    verified_tokens: int = 0  # query tokens fed to verification forwards, padding included
+    batch_gamma: Counter = field(default_factory=Counter)  # the longest proposal per forward
+    wall: float = 0.0
+    requests: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
+    # each request's (seconds from its arrival to its first new token, to its last, tokens):
+    # time to first token and end-to-end latency, queueing for a slot included
+    latencies: list[tuple[float, float, int]] = field(default_factory=list)
+    idle: float = 0.0  # seconds with no request in the batch and the next yet to arrive
+    cache_columns: int = 0  # summed over forwards: columns attended (holes and padding too)
+    valid_columns: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.rows.new_tokens / self.wall if self.wall else float("nan")
+
+    @property
+    def request_tokens_per_second(self) -> float:
+        """Mean over requests of tokens / (finish - admission)."""
+        rs = [n / s for n, s in self.requests if s > 0]
+        return sum(rs) / len(rs) if rs else float("nan")
+
+    def latency_summary(self) -> dict[str, dict[str, float]]:
+        """Over the requests, in seconds: time to first token (``ttft``: arrival to the first
+        new token, waiting for a slot and the prefill included), time per output token after
+        the first (``tpot``: (latency - ttft) / (tokens - 1), vLLM's benchmark_serving
+        definition; requests of one token have none) and end-to-end ``latency``; each as
+        mean, p50, p90 and p99 (linear interpolation between order statistics)."""
+
+        def summary(xs: list[float]) -> dict[str, float]:
+            if not xs:
+                return {k: float("nan") for k in ("mean", "p50", "p90", "p99")}
+            t = torch.tensor(xs, dtype=torch.float64)
+            q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+            return {"mean": float(t.mean()), "p50": q[0], "p90": q[1], "p99": q[2]}
+
+        return {
+            "ttft": summary([a for a, _, _ in self.latencies]),
+            "tpot": summary([(e - a) / (n - 1) for a, e, n in self.latencies if n > 1]),
+            "latency": summary([e for _, e, _ in self.latencies]),
+        }
 
 
 def acceptance_where(stats: Stats, sampling) -> str:

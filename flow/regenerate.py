@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 
 from data.chat import prompt_ids
 from data.conversations import Conversation, DataError, load_conversations
-from decoding.batch import BatchDecoder, BatchError, check_batchable
+from decoding.batch import BatchDecoder
+from decoding.batch_checks import BatchError, check_batchable
 from decoding.decoder import NoDraft
 from decoding.runner import COMPILE_MODES
 from models.sampling import Sampling

@@ -97,9 +97,9 @@ def write_draft_config(
     (Path(path) / DRAFT_CONFIG).write_text(json.dumps(cfg, indent=1))
 
 
-def save_weights_draft(draft, path: str | Path, format_version: int) -> None:
+def save_weights_draft(draft, path: str | Path, format_version: int, **extra) -> None:
     """A draft folder for a module whose state dict is exactly its draft: ``model.safetensors``
-    and ``config.json`` (with its ``feature_layers``)."""
+    and ``config.json`` (with its ``feature_layers`` and any method-specific ``extra`` keys)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -107,7 +107,12 @@ def save_weights_draft(draft, path: str | Path, format_version: int) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()}
     save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
     write_draft_config(
-        path, draft.cfg, draft.target, format_version, feature_layers=list(draft.feature_layers)
+        path,
+        draft.cfg,
+        draft.target,
+        format_version,
+        feature_layers=list(draft.feature_layers),
+        **extra,
     )
 
 
@@ -496,6 +501,12 @@ class DraftMethod(nn.Module, abc.ABC):
         """Once, before training from scratch (not on resume or ``train.init_from``): settings
         chosen from the training split, e.g. EAGLE-3's draft vocabulary."""
 
+    def start_from(self, src: DraftMethod) -> None:
+        """Start from ``src``, a saved draft of the same method with the same shapes
+        (``train.init_from``): its weights, and what it chose from its training data (EAGLE-3's
+        record that its draft vocabulary was chosen)."""
+        self.load_state_dict(src.state_dict())
+
     def serving_problem(self) -> str | None:
         """Why no serving engine would load this draft once trained (one line), or None.
         Checked before training starts: a run must not train for hours into a head no engine
@@ -556,7 +567,7 @@ class DraftMethod(nn.Module, abc.ABC):
         """This draft as an export holds it, at ``dtype`` (what a serving engine runs): by
         default a copy of the module in that dtype."""
         ref = type(self)(self.target, self.cfg)
-        ref.load_state_dict(self.state_dict())
+        ref.start_from(self)
         return ref.to(self.target.device, dtype).eval()
 
     def export_checks(self) -> dict[str, DecodeSettings]:

@@ -12,11 +12,11 @@ mlp_speculator) and is registered in ``models/__init__.FORMATS``. The README has
 Every export is written to a temporary folder and checked before it is moved into place:
 expected keys present and no others, every shape derived from the *target's* config and the
 written config (never from the draft module), finite values and the format's own checks (e.g.
-EAGLE-3's ``d2t``/``t2d`` consistent and not the all-zero mapping of an untrained head); then
-the folder is read back by the format's reader (the same one ``specdraft-eval`` uses on exported
-or third-party checkpoints), and the read-back draft must give the same probe logits and the
-same proposals as the trained draft at the export's precision. Any failure is an
-``ExportError``; nothing lands at ``--out``.
+EAGLE-3's ``d2t``/``t2d`` consistent and chosen from data, not the placeholder of an untrained
+head); then the folder is read back by the format's reader (the same one ``specdraft-eval`` uses
+on exported or third-party checkpoints), and the read-back draft must give the same probe
+logits and the same proposals as the trained draft at the export's precision. Any failure is
+an ``ExportError``; nothing lands at ``--out``.
 """
 
 from __future__ import annotations

@@ -23,17 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from data.chat import prompt_ids  # noqa: E402
-from decoding.batch import BatchDecoder  # noqa: E402
-from decoding.bench import load_bench  # noqa: E402
-from decoding.decoder import NoDraft  # noqa: E402
-from decoding.drafts import load_proposer  # noqa: E402
-from models.sampling import Sampling  # noqa: E402
-from models.target import GenRequest, TargetConfig, load_target  # noqa: E402
 
 
 def row_by_row(proposer):
@@ -53,6 +43,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--bench", default="mt_bench")
     args = ap.parse_args()
+    # imported once the arguments are parsed: --help answers without loading torch
+    import torch
+
+    from data.chat import prompt_ids
+    from decoding.batch import BatchDecoder
+    from decoding.bench import load_bench
+    from decoding.decoder import NoDraft
+    from decoding.drafts import load_proposer
+    from models.sampling import Sampling
+    from models.target import GenRequest, TargetConfig, load_target
 
     torch.manual_seed(0)
     target = load_target(TargetConfig())

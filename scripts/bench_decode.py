@@ -18,13 +18,7 @@ import sys
 from datetime import date
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-import decoding.eval as ev  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -38,6 +32,12 @@ def main() -> None:
     ap.add_argument("--bench", default="mt_bench")
     ap.add_argument("--out", default="bench-decode")
     args, extra = ap.parse_known_args()
+    # imported once the arguments are parsed: --help answers without loading torch
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    import decoding.eval as ev
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

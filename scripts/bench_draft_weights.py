@@ -18,13 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from decoding.drafts import load_proposer  # noqa: E402
-from models.base import DecodeSettings, crop_cache  # noqa: E402
-from models.target import TargetConfig, load_target  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +28,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
+    # imported once the arguments are parsed: --help answers without loading torch
+    import torch
+
+    from decoding.drafts import load_proposer
+    from models.base import DecodeSettings, crop_cache
+    from models.target import TargetConfig, load_target
+
     torch.set_num_threads(args.threads)
     target = load_target(TargetConfig())
     # the same loader as specdraft-eval, once each way (an error if int8 cannot run here)

@@ -16,17 +16,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max", type=int, default=16, help="largest k")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--path", default=None, help="an HF target folder (default: the embedded one)")
+    a = ap.parse_args()
+    # imported once the arguments are parsed: --help answers without loading torch
     import torch
 
     from decoding.decoder import NoDraft, SpeculativeDecoder
     from models.sampling import Sampling
     from models.target import TargetConfig, load_target
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max", type=int, default=16, help="largest k")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--path", default=None, help="an HF target folder (default: the embedded one)")
-    a = ap.parse_args()
     t = load_target(TargetConfig(path=a.path, name="hf" if a.path else "smollm2_135m"))
     print(f"target {t.identity} on {t.device} {t.dtype}, {torch.get_num_threads()} threads")
     dec = SpeculativeDecoder(t, NoDraft(), Sampling(), gamma=0, adaptive=False, calibrate=False)

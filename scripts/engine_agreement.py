@@ -10,22 +10,23 @@ from __future__ import annotations
 import argparse
 import json
 
-from omegaconf import OmegaConf
-
-from data.chat import prompt_ids
-from decoding.decoder import SpeculativeDecoder
-from decoding.drafts import load_proposer
-from decoding.eval import EvalConfig, bench_questions
-from models.base import DecodeSettings
-from models.sampling import Sampling
-from models.target import load_target
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("report", help="a specdraft-eval engine=llama.cpp report (JSON)")
     ap.add_argument("--num", type=int, default=None, help="first N prompts (default: all)")
     a = ap.parse_args()
+    # imported once the arguments are parsed: --help answers without loading torch
+    from omegaconf import OmegaConf
+
+    from data.chat import prompt_ids
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.drafts import load_proposer
+    from decoding.eval import EvalConfig, bench_questions
+    from models.base import DecodeSettings
+    from models.sampling import Sampling
+    from models.target import load_target
+
     r = json.load(open(a.report))
     s = r["settings"]
     cfg = OmegaConf.structured(

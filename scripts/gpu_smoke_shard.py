@@ -10,18 +10,22 @@ on the unsharded target.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # no options: --help answers before torch is imported
+    import torch
+    import torch.distributed as dist
+
     from models import METHODS
     from models.eagle.config import Eagle3Config
     from models.target import TargetConfig, load_target

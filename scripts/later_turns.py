@@ -24,11 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from data.conversations import DataError, load_conversations  # noqa: E402
-from trainer.train import data_path  # noqa: E402
-
 
 def later_turns(messages: list[dict], min_chars: int, max_turn: int) -> list[tuple[int, str, str]]:
     """(turn number, user message, the dataset's reply) for user turns 2..max_turn with at
@@ -55,6 +50,12 @@ def main() -> None:
     ap.add_argument("--min-chars", type=int, default=40)
     ap.add_argument("--max-turn", type=int, default=4)
     args = ap.parse_args()
+    # imported once the arguments are parsed: --help answers without loading torch
+    from omegaconf import OmegaConf
+
+    from data.conversations import DataError, load_conversations
+    from trainer.train import data_path
+
     if args.min_chars < 0 or args.max_turn < 2:
         sys.exit("--min-chars must be >= 0 and --max-turn >= 2")
     out = Path(args.out)

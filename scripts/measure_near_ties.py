@@ -21,18 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import DynamicCache  # noqa: E402
 
-from data.chat import prompt_ids  # noqa: E402
-from decoding.bench import load_bench  # noqa: E402
-from models.target import TargetConfig, load_target  # noqa: E402
-
-
-@torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
@@ -43,6 +34,20 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=80, help="questions to skip (MT-bench's 80)")
     ap.add_argument("--target-path", default=None, help="an HF folder (default: embedded)")
     args = ap.parse_args()
+    import torch  # once the arguments are parsed: --help answers without loading torch
+
+    with torch.inference_mode():
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import DynamicCache
+
+    from data.chat import prompt_ids
+    from decoding.bench import load_bench
+    from models.target import TargetConfig, load_target
+
     tc = TargetConfig(device="cpu", dtype=args.dtype)
     if args.target_path:
         tc = TargetConfig(name="hf", path=args.target_path, device="cpu", dtype=args.dtype)

@@ -37,12 +37,13 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PLAN_KEYS = {"world_size": 1, "gpu_memory_gb": 80.0}
+USAGE = (
+    "usage: python scripts/memory_plan.py [world_size=N] [gpu_memory_gb=G] [key=value ...] [--json]"
+)
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
@@ -110,6 +111,7 @@ def compose(overrides: list[str]):
 
 def meta_target(cfg):
     """The target as a ``models.target.Target`` on the meta device, from its config alone."""
+    import torch
     from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -145,6 +147,7 @@ def meta_target(cfg):
 
 
 def plan(argv: list[str]) -> Plan:
+    import torch
     from omegaconf import OmegaConf
 
     from models import METHODS
@@ -288,6 +291,9 @@ def report(p: Plan) -> str:
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):  # before anything heavy is imported
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return
     try:
         p = plan(sys.argv[1:])
     except PlanError as e:

@@ -32,14 +32,6 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.chat import prompt_ids  # noqa: E402
-from decoding.bench import load_bench  # noqa: E402
-from decoding.decoder import NoDraft, SpeculativeDecoder  # noqa: E402
-from decoding.drafts import load_proposer  # noqa: E402
-from models.base import DecodeSettings  # noqa: E402
-from models.sampling import Sampling  # noqa: E402
-from models.target import TargetConfig, load_target  # noqa: E402
-
 
 def node_outcomes(rec, full: list[int]):
     """(scores, depths, accepted) arrays for one recorded tree: accepted when the node's path
@@ -66,6 +58,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--draft-weights", default="auto")
     args = ap.parse_args()
+    # imported once the arguments are parsed: --help answers without loading torch
+    from data.chat import prompt_ids
+    from decoding.bench import load_bench
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from decoding.drafts import load_proposer
+    from models.base import DecodeSettings
+    from models.sampling import Sampling
+    from models.target import TargetConfig, load_target
 
     target = load_target(TargetConfig())
     tok = target.tokenizer

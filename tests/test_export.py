@@ -120,9 +120,93 @@ def test_bf16_export_is_compared_at_its_own_precision(target4, tmp_path):
 
 def test_untrained_vocabulary_mapping_is_refused(target4, tmp_path):
     head = Eagle3Head(target4, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64))
-    with pytest.raises(ExportError, match="d2t is all zeros"):
+    with pytest.raises(ExportError, match="d2t is all zeros.*never chosen"):
         export(head, "sglang", tmp_path / "x", log=lambda *_: None)
     assert not (tmp_path / "x").exists() and list(tmp_path.iterdir()) == []  # no debris
+
+
+def assistant_split(vocab_size: int):
+    """A tokenised split whose assistant tokens cover every id (counts vary, so the choice is
+    a real one)."""
+    from datasets import Dataset
+
+    ids = [list(range(vocab_size)), list(range(0, vocab_size, 3))]
+    return Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * len(r) for r in ids]})
+
+
+EAGLE3_D2T_FORMATS = ["sglang", "vllm", "speculators", "gguf", "peagle"]
+
+
+@pytest.mark.parametrize("fmt", EAGLE3_D2T_FORMATS)
+def test_full_vocabulary_head_exports_its_identity_mapping(target4, tmp_path, fmt):
+    """When the draft vocabulary is the whole vocabulary, the chosen mapping is the identity
+    (d2t all zeros): saved by training and loaded back, the head exports in every format that
+    checks d2t; the same head never given its vocabulary is refused."""
+    from conftest import tiny_target_gguf
+
+    from models import METHODS
+
+    method = "peagle" if fmt == "peagle" else "eagle3"
+    cls = METHODS[method]
+    extra = {"mask_token_id": 256} if method == "peagle" else {}
+    cfg = cls.config_class(fuse_layers=[1, 2, 3], **extra)
+    head = cls(target4, cfg).eval()
+    V = target4.config.vocab_size
+    assert head.cfg.draft_vocab_size == V  # the default, capped at the vocabulary
+    opts = (
+        {"target_gguf_path": tiny_target_gguf(tmp_path / "t.gguf", target4)}
+        if fmt == "gguf"
+        else {}
+    )
+    with pytest.raises(ExportError, match="never chosen"):
+        export(head, fmt, tmp_path / "untrained", dtype="float32", log=lambda *_: None, **opts)
+    head.init_from_data(assistant_split(V), log=lambda *_: None)
+    assert not head.d2t.any()
+    head.save_draft(tmp_path / "draft")
+    trained = ex.load_trained_head(tmp_path / "draft", target4)
+    export(trained, fmt, tmp_path / fmt, dtype="float32", log=lambda *_: None, **opts)
+    assert not import_draft(tmp_path / fmt, target4).d2t.any()
+
+
+def test_the_chosen_vocabulary_survives_init_from_and_older_saves(target4, tmp_path):
+    """A head started from a saved full-vocabulary head (``train.init_from``) keeps the record
+    that its identity mapping was chosen; a draft saved before the record was kept counts as
+    chosen where its vocabulary is the whole one (the one mapping there is), and not where it
+    is a reduced one left at the placeholder."""
+    import json
+
+    cfg = Eagle3Config(fuse_layers=[1, 2, 3])
+    head = Eagle3Head(target4, cfg).eval()
+    head.init_from_data(assistant_split(target4.config.vocab_size), log=lambda *_: None)
+    head.save_draft(tmp_path / "a")
+    fresh = Eagle3Head(target4, cfg).eval()
+    fresh.start_from(Eagle3Head.load_draft(tmp_path / "a", target4))
+    export(fresh, "vllm", tmp_path / "v", dtype="float32", log=lambda *_: None)
+
+    f = tmp_path / "a" / "config.json"
+    saved = json.loads(f.read_text())
+    f.write_text(json.dumps({k: v for k, v in saved.items() if k != "draft_vocab_chosen"}))
+    assert Eagle3Head.load_draft(tmp_path / "a", target4).vocab_chosen
+    small = Eagle3Head(target4, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64))
+    small.save_draft(tmp_path / "b")
+    f = tmp_path / "b" / "config.json"
+    saved = json.loads(f.read_text())
+    assert saved["draft_vocab_chosen"] is False
+    f.write_text(json.dumps({k: v for k, v in saved.items() if k != "draft_vocab_chosen"}))
+    assert not Eagle3Head.load_draft(tmp_path / "b", target4).vocab_chosen
+
+
+def test_dflash_vocabulary_never_chosen_is_refused(target4, tmp_path):
+    """A DFlash draft over a reduced vocabulary exports once training chose its vocabulary,
+    and is refused while its mapping is the placeholder it was built with."""
+    from models.dflash import DFlashConfig, DFlashDraft
+
+    cfg = DFlashConfig(draft_vocab_size=64, mask_token_id=256, block_size=4, fuse_layers=[1, 2])
+    d = DFlashDraft(target4, cfg).eval()
+    with pytest.raises(ExportError, match="d2t is all zeros.*never chosen"):
+        export(d, "dflash", tmp_path / "x", dtype="float32", log=lambda *_: None)
+    d.init_from_data(assistant_split(target4.config.vocab_size), log=lambda *_: None)
+    export(d, "dflash", tmp_path / "y", dtype="float32", log=lambda *_: None)
 
 
 def test_wrong_keys_and_shapes_are_named(target4, tmp_path, monkeypatch):

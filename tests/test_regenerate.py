@@ -241,7 +241,7 @@ def test_a_target_whose_cache_cannot_be_joined_is_regenerated_all_the_same(
     import transformers as tr
 
     import flow.regenerate as fr
-    from decoding.batch import BatchError, check_batchable
+    from decoding.batch_checks import BatchError, check_batchable
     from decoding.decoder import NoDraft
     from models.target import Target, TargetConfig
     from models.tiny import build_tiny_tokenizer

@@ -496,7 +496,7 @@ def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
         raise DraftError(
             f"train.init_from={spec}: {folder} does not fit this run's method settings ({what})"
         )
-    method.load_state_dict(theirs)
+    method.start_from(src)
     log(f"init_from: started from the weights of {folder}")
 
 

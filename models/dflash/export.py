@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..base import ExportError, ExportFormat
-from ..eagle.export import llama_config, target_dims
+from ..eagle.export import check_vocab_chosen, llama_config, target_dims
 from ..export import cast, verifier_name
 from .config import DFlashConfig
 from .model import DFlashDraft
@@ -142,6 +142,7 @@ class SpeculatorsDFlash(ExportFormat):
             raise ExportError(f"{f}: mask_token_id={mask!r}, must be a token id in 0..{V - 1}")
         if "d2t" in tensors:
             d2t, t2d = tensors["d2t"], tensors["t2d"]
+            check_vocab_chosen(path, d2t, draft)
             ids = torch.arange(len(d2t)) + d2t
             if ids.min() < 0 or ids.max() >= V or not (ids[1:] > ids[:-1]).all():
                 raise ExportError(f"{path}: d2t maps outside 0..{V - 1} or repeats an id")
@@ -171,6 +172,7 @@ class SpeculatorsDFlash(ExportFormat):
             draft_vocab_size=int(config.get("draft_vocab_size") or V),
         )
         draft = DFlashDraft(target, cfg)
+        draft.vocab_chosen = True  # the mapping a checkpoint holds is the one it was trained with
         tensors.pop("embed_tokens.weight", None)  # ours is the target's
         lm = tensors.pop("lm_head.weight", None)
         if "d2t" not in tensors:  # the whole vocabulary

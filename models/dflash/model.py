@@ -33,10 +33,11 @@ from ..base import (
     StepOutput,
     load_weights_draft,
     metric,
+    read_draft_config,
     save_weights_draft,
 )
 from ..blocks import context_kv, layer_over_blocks, rope
-from ..eagle.model import assistant_token_counts, draft_vocab
+from ..eagle.model import VOCAB_CHOSEN, assistant_token_counts, draft_vocab, saved_vocab_chosen
 from ..losses import linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import quantize_linears
 from ..target import Target, TargetError
@@ -165,6 +166,7 @@ class DFlashDraft(DraftMethod):
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         self.t2d[:dv] = True
+        self.vocab_chosen = False  # as EAGLE-3's: only the record tells the identity apart
         object.__setattr__(self, "target", target)
 
     def init_from_data(self, train, log=print) -> None:
@@ -174,6 +176,7 @@ class DFlashDraft(DraftMethod):
         covered = counts[d2t + torch.arange(len(d2t))].sum() / counts.sum().clamp_min(1)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+        self.vocab_chosen = True
         log(
             f"dflash: draft vocabulary {len(d2t)} of {self.t2d.numel()} tokens, covering "
             f"{covered:.1%} of {int(counts.sum())} assistant tokens in the training split"
@@ -411,9 +414,15 @@ class DFlashDraft(DraftMethod):
 
     # -- save / load ---------------------------------------------------------------------
 
+    def start_from(self, src: DFlashDraft) -> None:
+        super().start_from(src)
+        self.vocab_chosen = src.vocab_chosen
+
     def save_draft(self, path: str | Path) -> None:
-        save_weights_draft(self, path, 1)
+        save_weights_draft(self, path, 1, **{VOCAB_CHOSEN: self.vocab_chosen})
 
     @classmethod
     def load_draft(cls, path: str | Path, target: Target) -> DFlashDraft:
-        return load_weights_draft(cls, path, target)
+        draft = load_weights_draft(cls, path, target)
+        draft.vocab_chosen = saved_vocab_chosen(read_draft_config(path), draft)
+        return draft

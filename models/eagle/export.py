@@ -115,6 +115,19 @@ def layer_state(head: EagleHead) -> tuple[dict[str, torch.Tensor], bool, bool]:
     return state, "self_attn.q_proj.bias" in state, "mlp.gate_proj.bias" in state
 
 
+def check_vocab_chosen(path: Path, d2t: torch.Tensor, draft) -> None:
+    """Refuse the placeholder mapping of a draft whose vocabulary was never chosen (engines
+    would load it and silently propose wrong tokens). Training records the choice
+    (``draft.vocab_chosen``), which tells it from the identity a full-vocabulary draft
+    chooses; a ``d2t`` that moves any id was chosen whatever the record."""
+    if not draft.vocab_chosen and not d2t.any():
+        raise ExportError(
+            f"{path}: d2t is all zeros and this draft's vocabulary ({len(d2t)} tokens) was "
+            "never chosen from training data; engines would load it and silently propose "
+            "wrong tokens"
+        )
+
+
 def _layer_config(config: dict) -> dict:
     return config.get("transformer_layer_config", config)
 
@@ -241,11 +254,7 @@ class EagleFormat(ExportFormat):
             raise ExportError(
                 f"{path}: d2t must be int64 and t2d bool (got {d2t.dtype}, {t2d.dtype})"
             )
-        if not d2t.any():
-            raise ExportError(
-                f"{path}: d2t is all zeros, the mapping of a head whose draft vocabulary was "
-                "never chosen; engines would load it and silently propose wrong tokens"
-            )
+        check_vocab_chosen(path, d2t, draft)
         ids = torch.arange(len(d2t)) + d2t
         V = t2d.numel()
         if ids.min() < 0 or ids.max() >= V or not (ids[1:] > ids[:-1]).all():
@@ -278,6 +287,7 @@ class EagleFormat(ExportFormat):
             for k in ("norm_before_residual", "norm_before_fc", "norm_output")
         }
         head = self.build(target, config, fuse_layers=fuse, draft_vocab_size=dv, **flags)
+        head.vocab_chosen = True  # the mapping a checkpoint holds is the one it was trained with
         tensors.pop("embed_tokens.weight", None)  # ours is the target's
         return self._load(head, tensors, "midlayer.", folder)
 

@@ -383,12 +383,15 @@ class EagleHead(DraftMethod):
 
     # -- save / load ---------------------------------------------------------------------
 
-    def save_draft(self, path: str | Path) -> None:
+    def save_draft(self, path: str | Path, **extra) -> None:
+        """The draft folder; ``extra``: keys a subclass adds to its ``config.json``."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
-        write_draft_config(path, self.cfg, self.target, 2, feature_layers=list(self.feature_layers))
+        write_draft_config(
+            path, self.cfg, self.target, 2, feature_layers=list(self.feature_layers), **extra
+        )
 
     @classmethod
     def load_draft(cls, path: str | Path, target: Target) -> EagleHead:
@@ -467,6 +470,9 @@ class Eagle3Head(EagleHead):
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         self.t2d[:dv] = True
+        # whether d2t/t2d hold a chosen vocabulary: the placeholder above is also the identity
+        # that a full-vocabulary head chooses, so only the record tells the two apart
+        self.vocab_chosen = False
         with torch.no_grad():  # start the draft head from the target's rows for its tokens
             self.lm_head.weight.copy_(target.lm_head.weight[:dv].float())
         object.__setattr__(self, "target", target)
@@ -498,6 +504,7 @@ class Eagle3Head(EagleHead):
         covered = counts[d2t + torch.arange(len(d2t))].sum() / counts.sum().clamp_min(1)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+        self.vocab_chosen = True
         with torch.no_grad():
             ids = (torch.arange(len(d2t)) + d2t).to(self.target.lm_head.weight.device)
             self.lm_head.weight.copy_(self.target.lm_head.weight[ids].float())
@@ -505,6 +512,19 @@ class Eagle3Head(EagleHead):
             f"{self.cfg.name}: draft vocabulary {len(d2t)} of {self.t2d.numel()} tokens, covering "
             f"{covered:.1%} of {int(counts.sum())} assistant tokens in the training split"
         )
+
+    def start_from(self, src: EagleHead) -> None:
+        super().start_from(src)
+        self.vocab_chosen = src.vocab_chosen
+
+    def save_draft(self, path: str | Path, **extra) -> None:
+        super().save_draft(path, **{VOCAB_CHOSEN: self.vocab_chosen}, **extra)
+
+    @classmethod
+    def load_draft(cls, path: str | Path, target: Target) -> EagleHead:
+        head = super().load_draft(path, target)
+        head.vocab_chosen = saved_vocab_chosen(read_draft_config(path), head)
+        return head
 
     # -- the head ------------------------------------------------------------------------
 
@@ -762,17 +782,41 @@ def feature_regression_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.T
     return F.smooth_l1_loss(pred.float(), target.float())
 
 
-def assistant_token_counts(split, vocab_size: int) -> torch.Tensor:
-    """How often each token id occurs on assistant (loss-mask) positions: (V,) int64.
-    ``split``: a tokenised ``datasets`` split with ``input_ids`` and ``loss_mask`` columns."""
+#: records read at a time when counting a split's assistant tokens: a few MB of token ids
+#: (records hold up to data.max_length tokens), where the whole ShareGPT split holds 22.7M
+COUNT_CHUNK_RECORDS = 1024
+
+
+def assistant_token_counts(
+    split, vocab_size: int, chunk_records: int = COUNT_CHUNK_RECORDS
+) -> torch.Tensor:
+    """How often each token id below ``vocab_size`` occurs on assistant (loss-mask) positions:
+    (V,) int64. ``split``: a tokenised ``datasets`` split with ``input_ids`` and ``loss_mask``
+    columns, read ``chunk_records`` records at a time (a running count, so memory stays that
+    of one chunk however large the split)."""
     import numpy as np
 
-    cols = split.with_format("arrow")[:]  # one Arrow table of the split's rows (indices applied)
-    ids = np.asarray(cols.column("input_ids").combine_chunks().flatten())
-    mask = np.asarray(cols.column("loss_mask").combine_chunks().flatten()).astype(bool)
-    return torch.from_numpy(
-        np.bincount(ids[mask], minlength=vocab_size)[:vocab_size].astype(np.int64)
-    )
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    rows = split.with_format("arrow", columns=["input_ids", "loss_mask"])
+    for table in rows.iter(batch_size=chunk_records):  # Arrow tables, indices applied
+        ids = np.asarray(table.column("input_ids").combine_chunks().flatten())
+        mask = np.asarray(table.column("loss_mask").combine_chunks().flatten()).astype(bool)
+        counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
+
+
+#: ``config.json`` key of a saved draft with a draft vocabulary (EAGLE-3 and the heads built on
+#: it, DFlash): whether its ``d2t``/``t2d`` were chosen from the training data
+VOCAB_CHOSEN = "draft_vocab_chosen"
+
+
+def saved_vocab_chosen(config: dict, draft) -> bool:
+    """Whether a saved draft's vocabulary mapping was chosen from data, as its ``config.json``
+    records. Drafts saved before the record: chosen if ``d2t`` moves any id (only a choice
+    does) or the draft vocabulary is the whole vocabulary (the one mapping there is)."""
+    if VOCAB_CHOSEN in config:
+        return bool(config[VOCAB_CHOSEN])
+    return bool(draft.d2t.any()) or draft.d2t.numel() == draft.t2d.numel()
 
 
 def draft_vocab(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,80 @@
+"""Every entry point answers ``--help``: each Python script in scripts/ and each console script
+of the package prints its usage and exits 0, without running anything (``-h`` is the same
+option in each; one flag keeps this file to one interpreter start per entry point)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import distribution
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+CONSOLE = sorted(
+    ep.name for ep in distribution("specdraft").entry_points if ep.group == "console_scripts"
+)
+ENTRIES = [f"scripts/{s}" for s in SCRIPTS] + CONSOLE
+
+
+def command(entry: str) -> list[str]:
+    """How a user runs ``entry``: a script with this interpreter, a console script as installed
+    beside it."""
+    if entry.startswith("scripts/"):
+        return [sys.executable, str(ROOT / entry)]
+    exe = Path(sys.executable).parent / entry
+    if not exe.exists():
+        pytest.fail(f"{entry}: not installed beside {sys.executable} (run `pip install -e .`)")
+    return [str(exe)]
+
+
+def run_help(entry: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*command(entry), "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def answers() -> dict[str, subprocess.CompletedProcess]:
+    """Every entry point asked once, one per core at a time (most of each run is imports)."""
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return dict(zip(ENTRIES, pool.map(run_help, ENTRIES), strict=True))
+
+
+def test_the_installed_console_scripts_are_pyproject_s():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert sorted(scripts) == CONSOLE, "[project.scripts] changed since `pip install -e .`"
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_help_prints_usage_and_exits_0(answers, entry):
+    r = answers[entry]
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{entry} --help: exit {r.returncode}\n{out[-2000:]}"
+    assert "usage:" in out.lower(), f"{entry} --help: no usage line\n{out[-2000:]}"
+
+
+SHELL = sorted(
+    p.name for p in (ROOT / "scripts").glob("*.sh") if p.name != "gpu_common.sh"  # sourced
+)
+
+
+@pytest.mark.parametrize("script", SHELL)
+def test_shell_scripts_print_their_header_and_run_nothing(script, tmp_path):
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / script), "--help"],
+        cwd=tmp_path,  # nothing they could write lands in the repository
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, f"{script} --help: exit {r.returncode}\n{r.stderr[-2000:]}"
+    lines = r.stdout.splitlines()
+    assert len(lines) >= 2 and not lines[0].startswith(("#", "case", "set ")), r.stdout[:500]
+    assert list(tmp_path.iterdir()) == [], "--help wrote files"
