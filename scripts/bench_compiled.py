@@ -1,4 +1,4 @@
-"""The compiled decoder's costs on this device (issue 44): what a target forward costs at each
+"""The compiled decoder's costs on this device: what a target forward costs at each
 verification width on transformers' path, the static path eager and (CUDA) its captured graphs;
 plain decoding's tokens/s on both paths beside transformers' own ``generate`` (static cache and
 ``torch.compile``, CUDA only); and a Llama-3.1-8B-shaped target with random weights built on
