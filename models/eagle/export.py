@@ -132,6 +132,13 @@ def _layer_config(config: dict) -> dict:
     return config.get("transformer_layer_config", config)
 
 
+def full_vocabulary(dv: int | None, V: int) -> bool:
+    """A draft vocabulary that is the target's whole vocabulary: its mapping is the identity,
+    which the engines' EAGLE-3 layouts leave out (vLLM registers no ``d2t`` then and refuses
+    one)."""
+    return dv is not None and dv == V
+
+
 class EagleFormat(ExportFormat):
     """What the EAGLE layouts share: one Llama decoder layer under ``layer_prefix``, FC, and
     for EAGLE-3 the draft vocabulary and its mapping."""
@@ -140,6 +147,7 @@ class EagleFormat(ExportFormat):
     weights_file = "model.safetensors"
     eagle3 = True  # an EAGLE-3 head (fused layers, draft vocabulary); False: EAGLE-1
     embeds = False  # carries the target's input embedding (frozen) for its loader
+    omits_identity = True  # a full-vocabulary head's identity d2t/t2d left out (vLLM's rule)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -177,6 +185,8 @@ class EagleFormat(ExportFormat):
             "d2t": draft.d2t.to(torch.int64),
             "t2d": draft.t2d.to(torch.bool),
         }
+        if self.omits_identity and full_vocabulary(len(draft.d2t), draft.t2d.numel()):
+            del out["d2t"], out["t2d"]
         if c.norm_before_fc:
             out["input_norm.weight"] = draft.input_norm.weight
         return out
@@ -226,6 +236,8 @@ class EagleFormat(ExportFormat):
                     "t2d": (V,),
                 }
             )
+            if self.omits_identity and full_vocabulary(dv, V):
+                del s["d2t"], s["t2d"]
             if config.get("norm_before_fc"):
                 s["input_norm.weight"] = (3 * H,)
         else:
@@ -249,6 +261,9 @@ class EagleFormat(ExportFormat):
             return
         if config.get("draft_vocab_size") != draft.cfg.draft_vocab_size:
             raise ExportError(f"{f}: draft_vocab_size={config.get('draft_vocab_size')}")
+        if "d2t" not in tensors:  # the whole vocabulary (``expected`` allowed no mapping)
+            check_vocab_chosen(path, draft.d2t, draft)
+            return
         d2t, t2d = tensors["d2t"], tensors["t2d"]
         if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
             raise ExportError(
@@ -271,11 +286,16 @@ class EagleFormat(ExportFormat):
         tensors = self.load(folder / self.weights_file, config)
         L = target.num_layers
         fuse = self.fused_layers(config) or [2, L // 2, L - 3]  # the engines' default
-        if "d2t" not in tensors:
+        V = target.config.vocab_size
+        if "d2t" not in tensors and not full_vocabulary(config.get("draft_vocab_size"), V):
             raise ExportError(
-                f"{folder / self.weights_file}: no d2t; without the draft-to-target mapping "
-                "an EAGLE-3 draft proposes the wrong tokens"
+                f"{folder / self.weights_file}: no d2t and draft_vocab_size="
+                f"{config.get('draft_vocab_size')} (the target has {V}); without the "
+                "draft-to-target mapping an EAGLE-3 draft proposes the wrong tokens"
             )
+        if "d2t" not in tensors:  # the whole vocabulary: the identity mapping
+            tensors["d2t"] = torch.zeros(V, dtype=torch.int64)
+            tensors["t2d"] = torch.ones(V, dtype=torch.bool)
         dv = config.get("draft_vocab_size") or int(tensors["d2t"].numel())
         if config.get("fc_norm"):
             raise ExportError(

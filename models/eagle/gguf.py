@@ -105,6 +105,7 @@ class GGUFEagle3(VLLMEagle3):
     default_dtype = "q8_0"
     dtypes = QUANTS
     vllm_method = None  # llama.cpp's; vLLM does not read GGUF drafts
+    omits_identity = False  # llama.cpp's converter writes d2t for every EAGLE-3 head
     serve_hint = (
         "llama.cpp: `llama-server -m <target.gguf> -md <this dir>/draft.gguf --spec-type "
         "draft-eagle3 --spec-draft-n-max 3 --spec-draft-p-min 0` (or `specdraft-eval "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -44,7 +44,7 @@ from ..base import (
     cache_kw,
     metric,
     read_draft_config,
-    write_draft_config,
+    save_weights_draft,
 )
 from ..losses import check_head_loss, head_loss, linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import Int8Linear, int8_linear, quantize_linears
@@ -385,13 +385,7 @@ class EagleHead(DraftMethod):
 
     def save_draft(self, path: str | Path, **extra) -> None:
         """The draft folder; ``extra``: keys a subclass adds to its ``config.json``."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / DRAFT_WEIGHTS), metadata={"format": "pt"})
-        write_draft_config(
-            path, self.cfg, self.target, 2, feature_layers=list(self.feature_layers), **extra
-        )
+        save_weights_draft(self, path, 2, **extra)
 
     @classmethod
     def load_draft(cls, path: str | Path, target: Target) -> EagleHead:
