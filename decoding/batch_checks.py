@@ -4,7 +4,7 @@ proposer, a target or an evaluator setting it cannot, raised where the setting e
 from __future__ import annotations
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from models.base import Proposer
 from models.target import Target
@@ -26,10 +26,15 @@ def check_batchable(target: Target, proposer: Proposer) -> None:
     """``BatchError`` for a proposer or target the batched decoder cannot serve."""
     if type(proposer).side_branch is not Proposer.side_branch:
         raise BatchError(side_branch_refusal(proposer))
-    if any(type(x) is not DynamicLayer for x in DynamicCache(config=target.config).layers):
+    odd = {
+        type(x).__name__
+        for x in DynamicCache(config=target.config).layers
+        if type(x) not in (DynamicLayer, DynamicSlidingWindowLayer)
+    }
+    if odd:
         raise BatchError(
-            f"target {target.identity}: batch_size > 1 needs full-attention cache layers "
-            "(this model has sliding-window or other layers); use batch_size=1"
+            f"target {target.identity}: batch_size > 1 needs attention cache layers (full or "
+            f"sliding-window); this model has {', '.join(sorted(odd))}; use batch_size=1"
         )
 
 

@@ -40,13 +40,14 @@ from models.lean import (
     visible_columns,
 )
 from models.ragged import (
-    additive_mask,
     causal_mask,
     join_rows,
     keep_columns,
     keep_rows,
+    layer_masks,
     left_padded,
     new_cache,
+    on,
     prefill_groups,
     prefill_in_groups,
     tidy,
@@ -326,11 +327,16 @@ class RaggedRunner(BatchRunner):
     def valid_columns(self) -> int:
         return 0 if self.valid is None else int(self.valid.sum())
 
-    def _forward(self, ids, pos, allowed: torch.Tensor, cache, **kw):
+    def _forward(self, ids, pos, allowed: torch.Tensor, cache, kpos=None, **kw):
+        """``kpos`` (R, K): the position of every key column (the window's rule reads it;
+        default: the new tokens' own, a prefill's)."""
+        mask = layer_masks(
+            self.target.config, allowed, pos, pos if kpos is None else kpos, self.target.dtype
+        )
         return self.target.forward_features(
             self.layers,
             input_ids=ids.to(self.device),
-            attention_mask=additive_mask(allowed, self.target.dtype)[:, None].to(self.device),
+            attention_mask=on(mask, self.device),
             position_ids=pos.to(self.device),
             **cache_kw(self.target.model, cache),
             use_cache=True,
@@ -366,8 +372,11 @@ class RaggedRunner(BatchRunner):
     def verify(self, ids, pos, inner):
         R, n = ids.shape
         length = self.columns
-        allowed = torch.cat([self.valid[:, None, :].expand(R, n, length).cpu(), inner], dim=2)
-        out, feats = self._forward(ids, pos, allowed, self.cache)
+        valid = self.valid.cpu()
+        allowed = torch.cat([valid[:, None, :].expand(R, n, length), inner], dim=2)
+        # a committed column's position: how many committed columns precede it in its row
+        kpos = torch.cat([valid.long().cumsum(1) - 1, pos.cpu()], dim=1)
+        out, feats = self._forward(ids, pos, allowed, self.cache, kpos=kpos)
         self._start = length
         self.valid = torch.cat([self.valid, self.valid.new_zeros(R, n)], dim=1)
         return out.logits, feats

@@ -24,9 +24,9 @@ import abc
 import torch
 from transformers import DynamicCache
 
-from models.base import Proposal, SideBranch, cache_kw, crop_cache
+from models.base import Proposal, SideBranch, cache_kw, crop_cache, rollback_cache
 from models.lean import Captured, LeanLlama, lean_support, pad_width, round_up, visible_columns
-from models.ragged import additive_mask
+from models.ragged import layer_masks, on
 from models.target import Target
 
 #: compile= values: the static path (graphs where the device has them), transformers' path, or
@@ -125,11 +125,11 @@ class HFRunner(TargetRunner):
 
     def __init__(self, target: Target, layers: tuple[int, ...]):
         super().__init__(target, layers)
-        self.cache = DynamicCache(config=target.config)
+        self.cache = rollback_cache(target.config)
         self.length = 0
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.target.config)
+        self.cache = rollback_cache(self.target.config)
         self.length = 0
 
     @torch.no_grad()
@@ -150,11 +150,11 @@ class HFRunner(TargetRunner):
         base = self.length
         n = len(lay)
         allowed = torch.cat([torch.ones(n, base, dtype=torch.bool), lay.anc], dim=1)
-        pos = torch.tensor([[base + d for d in lay.depth]], device=self.device)
+        pos = torch.tensor([[base + d for d in lay.depth]])
+        kpos = torch.cat([torch.arange(base), pos[0]])[None]
+        mask = layer_masks(self.target.config, allowed[None], pos, kpos, self.target.dtype)
         return self._run(
-            lay.tokens,
-            attention_mask=additive_mask(allowed, self.target.dtype)[None, None].to(self.device),
-            position_ids=pos,
+            lay.tokens, attention_mask=on(mask, self.device), position_ids=pos.to(self.device)
         )
 
     def commit(self, keep: list[int]) -> None:

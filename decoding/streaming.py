@@ -26,7 +26,15 @@ import time
 import torch
 from transformers import DynamicCache
 
-from models.base import DecodeState, Proposal, Proposer, cache_kw, crop_cache, draft_signals
+from models.base import (
+    DecodeState,
+    Proposal,
+    Proposer,
+    cache_kw,
+    crop_cache,
+    draft_signals,
+    rollback_cache,
+)
 from models.draft_lm import BatchedDraftLM
 from models.sampling import greedy_tokens, sample, warp
 from models.target import Target
@@ -64,7 +72,7 @@ class StreamingDraft(Proposer):
         return f"streaming self-draft (sinks {self.sinks}, window {self.window})"
 
     def start(self, state: DecodeState) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = rollback_cache(self.model.config)
         self.fed = self.cols = self.evicted = 0
         self.last_step_seconds = None
         n = len(state.ids) - 1

@@ -140,11 +140,12 @@ def _settings(cfg: DictConfig, target_identity: str, source: str) -> dict[str, A
     s["source"] = source
     s["max_length"] = cfg.data.max_length
     s["skip_records"] = cfg.data.skip_records
+    s["reasoning"] = cfg.data.reasoning
     return s
 
 
 # settings added after outputs were written without them: what those outputs used
-_ADDED_LATER = {"skip_records": 0, "engine": "torch"}
+_ADDED_LATER = {"skip_records": 0, "engine": "torch", "reasoning": "keep"}
 
 
 def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
@@ -186,7 +187,7 @@ class _Conversations:
         idx = [j for j, m in enumerate(ms) if m["role"] == "assistant"]
         if r >= len(idx) or (cfg.max_turns is not None and r >= cfg.max_turns):
             return None
-        p = prompt_ids(self.tok, ms[: idx[r]])
+        p = prompt_ids(self.tok, ms[: idx[r]], self.convs[i].tools, cfg.data.reasoning)
         if len(p) + 1 >= cfg.data.max_length:
             self.counts[i]["stopped_context"] += 1
             return None
@@ -195,7 +196,12 @@ class _Conversations:
     def take_reply(self, key, reply: list[int], truncated: bool) -> GenRequest | None:
         """Store a reply; returns the conversation's next request (None: it is finished)."""
         i, j = key
-        self.msgs[i][j]["content"] = self.tok.decode(reply, skip_special_tokens=True)
+        # the reply replaces the turn whole: its reasoning (a thinking target writes
+        # <think>...</think> first, kept as it wrote it) and any tool call are in its text
+        self.msgs[i][j] = {
+            "role": "assistant",
+            "content": self.tok.decode(reply, skip_special_tokens=True),
+        }
         self.upto[i] = j + 1
         self.round[i] += 1
         n = self.counts[i]
@@ -211,20 +217,27 @@ class _Conversations:
         if k == 0:  # not even the first reply fitted: a marker, so a resume skips it too
             n["dropped"] += 1
             return {"id": c.id, "dropped": True}, n
+        msgs = self.msgs[i][:k]
+        if c.tools or any(set(m) != {"role", "content"} for m in msgs):
+            # tool turns, tool calls or reasoning fields: the OpenAI shape keeps them
+            rec = {"id": c.id, "messages": msgs}
+            return ({**rec, "tools": c.tools} if c.tools else rec), n
         turns = [
             {
                 "from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
                 "value": m["content"],
             }
-            for m in self.msgs[i][:k]
+            for m in msgs
         ]
         return {"id": c.id, "conversations": turns}, n
 
 
-def _first_prompt_len(tok, conv: Conversation) -> int:
+def _first_prompt_len(tok, conv: Conversation, reasoning: str = "keep") -> int:
     """Tokens of the prompt that the first assistant reply answers."""
     i = next((j for j, m in enumerate(conv.messages) if m["role"] == "assistant"), None)
-    return len(prompt_ids(tok, conv.messages[:i])) if i is not None else 0
+    if i is None:
+        return 0
+    return len(prompt_ids(tok, conv.messages[:i], conv.tools, reasoning))
 
 
 def regenerate(cfg: DictConfig) -> dict[str, Any]:
@@ -296,7 +309,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     # Conversations go to processes round-robin, each process serving its share shortest
     # prompt first (rows that join the running batch together then need little padding); the
     # merged output keeps the input's order.
-    first = [_first_prompt_len(target.tokenizer, c) for c in convs]
+    first = [_first_prompt_len(target.tokenizer, c, cfg.data.reasoning) for c in convs]
     order = sorted(range(len(convs)), key=lambda i: first[i])
     mine = order[rank::world]
     part = _part_path(out, rank, world)

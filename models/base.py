@@ -70,7 +70,35 @@ class ExportError(RuntimeError):
 
 
 # The modules LoRA adapts by default (Llama-family names; any HF decoder's names work).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",  # Phi-3's fused projections
+    "gate_up_proj",
+)
+
+
+def lora_modules(model: nn.Module, names, key: str = "method.lora_target_modules") -> list[str]:
+    """The full names of ``model``'s linear layers whose last name is one of ``names``: what a
+    LoRA adapter goes on. Experts that a mixture-of-experts layer keeps as one stacked weight
+    (Qwen3-MoE, DeepSeek-V3, GPT-OSS) are not linear layers and keep their weights; the
+    attention projections and dense MLPs take the adapter. ``DraftError`` (one line) where no
+    layer matches."""
+    want = set(names)
+    found = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in want
+    ]
+    found = [n for n in found if not n.endswith("lm_head")]
+    if not found:
+        raise DraftError(f"{key}={sorted(want)}: no linear layer of the model has these names")
+    return found
 
 
 def write_draft_config(
@@ -302,6 +330,23 @@ def cache_kw(module, cache) -> dict:
             params = {}
         name = _CACHE_KW[kind] = "cache" if "cache" in params else "past_key_values"
     return {name: cache}
+
+
+def rollback_cache(config):
+    """A transformers ``DynamicCache`` for ``config`` in which a rejected draft can be rolled
+    back: its sliding-window layers (Mistral, Gemma-2/3, GPT-OSS) keep every column, as full
+    layers do (transformers' window layer drops the columns that leave the window, so it cannot
+    be cropped once the window is full). The window itself is still applied, by the attention
+    mask the model builds from the positions; logits are the same as without a cache. Other
+    layers (linear attention, ...) are left as the config makes them."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [
+        DynamicLayer() if type(x) is DynamicSlidingWindowLayer else x for x in cache.layers
+    ]
+    return cache
 
 
 def crop_cache(cache, length: int) -> None:

@@ -19,6 +19,7 @@ from .base import (
     cache_kw,
     crop_cache,
     draft_signals,
+    rollback_cache,
 )
 from .sampling import greedy_tokens, sample, warp
 from .target import Target, TargetError, check_same_vocabulary
@@ -78,7 +79,7 @@ class DraftLMProposer(Proposer):
         return BatchedDraftLM(self.model, self.vocab_size)
 
     def start(self, state: DecodeState) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = rollback_cache(self.model.config)
         self.fed = 0
         self.last_step_seconds = None
         if len(state.ids) > 1:  # prefill the prompt now, so drafting times only draft steps

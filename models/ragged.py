@@ -77,6 +77,49 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return m.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def window_layers(config) -> tuple[int | None, list[bool]]:
+    """(the window, which layers attend only within it) of a transformers config: Mistral's
+    every layer, Gemma-2/3's and GPT-OSS's sliding ones by ``layer_types``; (None, []) for a
+    model without sliding-window attention."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None, []
+    sliding = [type(x) is DynamicSlidingWindowLayer for x in DynamicCache(config=config).layers]
+    return (int(window), sliding) if any(sliding) else (None, [])
+
+
+def layer_masks(
+    config,
+    allowed: torch.Tensor,
+    qpos: torch.Tensor,
+    kpos: torch.Tensor,
+    dtype: torch.dtype,
+):
+    """The ``attention_mask`` argument of a forward with an explicit pattern: ``allowed``
+    (B, Q, K) bool (True = attend), as an additive (B, 1, Q, K) mask, with the sliding-window
+    layers' window applied from the query and key positions ``qpos`` (B, Q), ``kpos`` (B, K)
+    (a key is seen while ``q - k < window``, transformers' rule). A model mixing window and
+    full layers gets one mask per layer type, as its forward takes them."""
+    window, sliding = window_layers(config)
+    full = additive_mask(allowed, dtype)[:, None]
+    if window is None:
+        return full
+    near = (qpos[:, :, None] - kpos[:, None, :]) < window
+    windowed = additive_mask(allowed & near, dtype)[:, None]
+    if all(sliding):
+        return windowed
+    return {"full_attention": full, "sliding_attention": windowed}
+
+
+def on(mask, device):
+    """A mask from ``layer_masks`` (a tensor or one per layer type) on ``device``."""
+    if isinstance(mask, dict):
+        return {k: v.to(device) for k, v in mask.items()}
+    return mask.to(device)
+
+
 def left_padded(feeds: list[list[int]], starts: list[int]):
     """Each row's tokens ``feeds[b]`` at positions ``starts[b]..``, right-aligned in one
     (R, n) block (n >= 1: a row with nothing gets one masked query). Returns (ids, positions,
@@ -184,6 +227,11 @@ def tidy(cache: DynamicCache, valid: torch.Tensor, holes: float = 0.5, slack: in
 
 
 def new_cache(config) -> DynamicCache:
+    """A batch's cache: every attention layer a growing full layer, sliding-window ones too
+    (their window is applied by ``layer_masks``, so rows can roll back and leave holes)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
     c = DynamicCache(config=config)
-    c.layers = [_GrowingLayer() if type(x) is DynamicLayer else x for x in c.layers]
+    full = (DynamicLayer, DynamicSlidingWindowLayer)
+    c.layers = [_GrowingLayer() if type(x) in full else x for x in c.layers]
     return c

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
@@ -46,6 +47,9 @@ class TargetConfig:
     seed: int = 0  # tiny_random only: weights are a function of this seed
     tiny_layers: int = 2  # tiny_random only: decoder layers (EAGLE-3 exports need >= 4)
     tiny_head_dim: int = 16  # tiny_random only: attention head width (vLLM's CPU kernels: 64)
+    # tiny_random only: the architecture (models/families.py: llama, llama3, qwen2, qwen3,
+    # qwen3_moe, mixtral, mistral, gemma2, gemma3, phi3, gpt_oss, deepseek_v3, olmo2)
+    family: str = "llama"
     # training only: none (every process holds the whole target) | fsdp (each holds 1/N of it:
     # FSDP2 over the decoder layers) | zero3 (DeepSpeed ZeRO-3, where deepspeed is installed);
     # under accelerate launch with >= 2 processes (trainer/shard.py)
@@ -161,7 +165,9 @@ def target_folder(target: Target) -> Path:
         return smollm2_dir(cfg.cache_dir)
     import hashlib
 
-    key = hashlib.sha256(target.identity.encode()).hexdigest()[:12]
+    # keyed by what it computes too: a family's tiny config may change between versions
+    spec = json.dumps(_stable_config(target.config.to_dict()), sort_keys=True, default=str)
+    key = hashlib.sha256((target.identity + spec).encode()).hexdigest()[:12]
     dest = Path(cfg.cache_dir).expanduser() / "targets" / f"tiny-random-{key}"
     if not (dest / "config.json").exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +198,8 @@ def saved_target_config(saved: dict[str, Any]) -> TargetConfig:
             cfg.tiny_layers = int(m.group(1))
         if m := re.search(r"head_dim=(\d+)", ident):
             cfg.tiny_head_dim = int(m.group(1))
+        if m := re.search(r"family=(\w+)", ident):
+            cfg.family = m.group(1)
     return cfg
 
 
@@ -222,6 +230,41 @@ def smollm2_dir(cache_dir: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def full_attention_rope(tc: Any) -> dict[str, Any]:
+    """The target's RoPE parameters for its full-attention layers (``rope_type``,
+    ``rope_theta``, scaling fields): families with two RoPEs (Gemma-3: one per layer type)
+    keep theirs keyed by layer type; a config with none gets the default."""
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = dict(rope["full_attention"])
+    rope.setdefault("rope_theta", getattr(tc, "rope_theta", None) or 10000.0)
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+def layer_shape(tc: Any) -> dict[str, Any]:
+    """What a draft layer takes from a target config: hidden ``H``, ``heads``, ``kv`` heads,
+    ``head_dim``, MLP width ``I``, vocabulary ``V``, RMS epsilon, positions and the
+    full-attention RoPE. Not its activation or biases: the engines' EAGLE draft layer is a
+    Llama layer with a SiLU MLP and no biases (vLLM refuses Gemma's GELU there, and its layout
+    has no place for GPT-OSS's attention biases), so every draft layer is built that way."""
+    H, heads = tc.hidden_size, tc.num_attention_heads
+    act, bias = "silu", False
+    return {
+        "H": H,
+        "heads": heads,
+        "kv": getattr(tc, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(tc, "head_dim", None) or H // heads,
+        "I": tc.intermediate_size,
+        "V": tc.vocab_size,
+        "act": act,
+        "eps": getattr(tc, "rms_norm_eps", None) or 1e-6,
+        "max_pos": getattr(tc, "max_position_embeddings", None) or 4096,
+        "rope": full_attention_rope(tc),
+        "attention_bias": bool(bias),
+    }
 
 
 class Target:
@@ -278,6 +321,24 @@ class Target:
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """The target's final logit soft-capping (Gemma-2/3: ``cap * tanh(z / cap)``), None
+        where it has none."""
+        return getattr(self.config, "final_logit_softcapping", None) or None
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's LM head on hidden states (..., H) -> (..., V) float32, soft-capped as
+        the target caps its own logits. ``weight``: some rows of the head (a draft
+        vocabulary; the capping is elementwise, so rows capped alone equal the whole head's)."""
+        w = self.lm_head.weight if weight is None else weight
+        return self.cap(F.linear(h.to(w.dtype), w).float())
+
+    def cap(self, z: torch.Tensor) -> torch.Tensor:
+        """Logits soft-capped as the target caps its own (unchanged where it does not)."""
+        c = self.logit_softcap
+        return z if c is None else torch.tanh(z / c) * c
 
     @property
     def pad_token_id(self) -> int:
@@ -384,24 +445,57 @@ class Target:
 
         return hook
 
+    def draft_layer_config(
+        self, arch: str = "llama", num_layers: int = 1, attn_implementation: str | None = None
+    ):
+        """The config a draft's own decoder layers are built from: a Llama (or Qwen3, per-head
+        norms) config with the target's sizes and full-attention RoPE, whatever the target's
+        family (experts, latent attention, fused projections, sliding windows and soft-capping
+        are the target's, not its draft's: every serving engine builds EAGLE and DFlash draft
+        layers this way). For a Llama target it is the target's own layer."""
+        from transformers import LlamaConfig, Qwen3Config
+
+        d = layer_shape(self.config)
+        cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
+        cfg = cls(
+            vocab_size=d["V"],
+            hidden_size=d["H"],
+            intermediate_size=d["I"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=d["heads"],
+            num_key_value_heads=d["kv"],
+            head_dim=d["head_dim"],
+            hidden_act=d["act"],
+            max_position_embeddings=d["max_pos"],
+            rms_norm_eps=d["eps"],
+            rope_parameters=d["rope"],
+            attention_bias=d["attention_bias"],
+            tie_word_embeddings=False,
+        )
+        cfg._attn_implementation = attn_implementation or "sdpa"
+        return cfg
+
     def new_decoder_layer(
         self, layer_idx: int = 0, attn_implementation: str | None = None
     ) -> nn.Module:
-        """A freshly initialised decoder layer of the target's own architecture (the class of
-        its first layer, built from its config): no vendored modeling code. With
-        ``attn_implementation`` the layer gets its own copy of the config using that attention
-        function (one registered with transformers' ``AttentionInterface``)."""
-        import copy
+        """A freshly initialised Llama decoder layer with the target's sizes
+        (``draft_layer_config``), using ``attn_implementation`` where given (an attention
+        function registered with transformers' ``AttentionInterface``)."""
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-        layers = self.model.get_decoder().layers
-        cfg = self.model.config
-        if attn_implementation is not None:
-            cfg = copy.deepcopy(cfg)
-            cfg._attn_implementation = attn_implementation
-        return type(layers[0])(cfg, layer_idx)
+        cfg = self.draft_layer_config(attn_implementation=attn_implementation)
+        return LlamaDecoderLayer(cfg, layer_idx)
 
     def rotary_embedding(self) -> nn.Module:
-        return self.model.get_decoder().rotary_emb
+        """The rotary embedding of the draft layers (the target's full-attention RoPE), made
+        once and kept on the target's device."""
+        rot = self.__dict__.get("_draft_rotary")
+        if rot is None or next(iter(rot.buffers())).device != self.device:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            rot = LlamaRotaryEmbedding(self.draft_layer_config()).to(self.device)
+            self.__dict__["_draft_rotary"] = rot
+        return rot
 
     def truncated(self, layers: int | list[int]) -> nn.Module:
         """A standalone causal LM made of this target's embedding, some of its decoder layers,
@@ -495,13 +589,18 @@ def load_target(cfg: TargetConfig) -> Target:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.path is None and cfg.name == "tiny_random":
+        from .families import FAMILIES, family_names
         from .tiny import build_tiny_target
 
         if cfg.tiny_layers < 1:
             raise TargetError(f"target.tiny_layers={cfg.tiny_layers}: must be >= 1")
+        if cfg.family not in FAMILIES:
+            raise TargetError(
+                f"target.family={cfg.family!r}: not a known family ({family_names()})"
+            )
         try:
             model, tok = build_tiny_target(
-                cfg.seed, num_layers=cfg.tiny_layers, head_dim=cfg.tiny_head_dim
+                cfg.seed, num_layers=cfg.tiny_layers, head_dim=cfg.tiny_head_dim, family=cfg.family
             )
         except ValueError as e:
             raise TargetError(f"target.tiny_head_dim: {e}") from None
@@ -509,6 +608,8 @@ def load_target(cfg: TargetConfig) -> Target:
         layers = f", layers={cfg.tiny_layers}" if cfg.tiny_layers != 2 else ""
         if cfg.tiny_head_dim != 16:
             layers += f", head_dim={cfg.tiny_head_dim}"
+        if cfg.family != "llama":
+            layers += f", family={cfg.family}"
         return Target(model, tok, f"tiny_random(seed={cfg.seed}{layers})", cfg)
     where = _where(cfg)
     try:

@@ -73,6 +73,7 @@ class Plan:
     gpu_bytes: float
     host_bytes_at_load: float
     cache_bytes_per_million_tokens: float
+    experts: str = ""  # a mixture-of-experts target's routing, for the report
 
     @property
     def fits(self) -> bool:
@@ -146,6 +147,40 @@ def meta_target(cfg):
     return Target(model, None, f"plan:{where}", tc), where
 
 
+def _experts(c) -> tuple[int, int, int, int]:
+    """(routed experts, active per token, an expert's MLP width, shared experts) of a
+    mixture-of-experts config (Qwen3-MoE, Mixtral, GPT-OSS, DeepSeek-V3 spell them
+    differently); (0, 0, 0, 0) for a dense model."""
+    n = (
+        getattr(c, "num_experts", None)
+        or getattr(c, "num_local_experts", None)
+        or getattr(c, "n_routed_experts", None)
+        or 0
+    )
+    k = getattr(c, "num_experts_per_tok", None) or getattr(c, "experts_per_token", None) or 0
+    if not n or not k:
+        return 0, 0, 0, 0
+    width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    return int(n), int(k), int(width), int(getattr(c, "n_shared_experts", None) or 0)
+
+
+def mlp_width(c) -> int:
+    """The MLP width one token's forward works through: the dense intermediate size, or for a
+    mixture of experts the active experts' (and shared experts') widths together."""
+    n, k, width, shared = _experts(c)
+    if not n:
+        return getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    return (k + shared) * width
+
+
+def experts(c) -> str:
+    n, k, width, shared = _experts(c)
+    if not n:
+        return ""
+    extra = f" + {shared} shared" if shared else ""
+    return f"{n} experts of width {width}, {k} active per token{extra}"
+
+
 def plan(argv: list[str]) -> Plan:
     import torch
     from omegaconf import OmegaConf
@@ -168,16 +203,17 @@ def plan(argv: list[str]) -> Plan:
         raise PlanError(f"target.shard=fsdp: method {mcfg.name} trains the target's weights")
     c = target.config
     H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
-    inter = getattr(c, "intermediate_size", 4 * H)
+    inter = mlp_width(c)
     bt = DTYPE_BYTES.get(cfg.target.dtype, 2)
     B, T = cfg.data.batch_size, cfg.data.max_length
 
     from trainer.shard import outside_layers
 
     p_shared = sum(p.numel() for p in outside_layers(target.model))
-    p_layers = sum(p.numel() for p in target.model.get_decoder().layers.parameters())
+    per_layer = [sum(p.numel() for p in x.parameters()) for x in target.model.get_decoder().layers]
+    p_layers = sum(per_layer)
     p_target = p_layers + p_shared
-    p_layer = p_layers // L
+    p_layer = max(per_layer)  # fsdp gathers one layer at a time: the largest (an MoE layer)
     p_draft = sum(p.numel() for p in method.parameters() if p.requires_grad)
 
     if shard == "fsdp":
@@ -237,6 +273,7 @@ def plan(argv: list[str]) -> Plan:
         gpu_bytes=opts["gpu_memory_gb"] * GIB,
         host_bytes_at_load=p_target * bt,
         cache_bytes_per_million_tokens=feats * 1e6,
+        experts=experts(c),
     )
 
 
@@ -259,6 +296,7 @@ def report(p: Plan) -> str:
         f"  parameters: target {p.params_target / 1e9:.2f}B (decoder layers "
         f"{p.params_layers / 1e9:.2f}B, embedding/norm/head {p.params_shared / 1e9:.2f}B), "
         f"draft {p.params_draft / 1e6:.1f}M trainable",
+        *([f"  mixture of experts: {p.experts}"] if p.experts else []),
         "  per device:",
         f"    target weights, during a step   {g(p.target_weights)}"
         + (f"   (between steps {g(p.target_weights_at_rest).strip()})" if sharded else ""),

@@ -231,3 +231,24 @@ def test_validation_batches_cover_every_conversation_once(world):
         flat = [capped[i] for b in s for i in b]
         assert flat == sorted(flat, reverse=True)
     assert shards == [validation_batches(lengths, 2, r, world, cap=512) for r in range(world)]
+
+
+def test_a_later_slice_tokenises_and_its_cache_records_the_slice(tmp_path, data_file):
+    from data.dataset import prepare_tokenized
+    from models.tiny import build_tiny_tokenizer
+
+    kw = dict(
+        max_length=256,
+        val_fraction=0.0,
+        max_val_records=0,
+        max_records=5,
+        seed=0,
+        cache_root=str(tmp_path / "cache"),
+        log=lambda *_: None,
+    )
+    tok = build_tiny_tokenizer()
+    first = prepare_tokenized(str(data_file), tok, **kw)
+    later = prepare_tokenized(str(data_file), tok, skip_records=5, **kw)
+    assert set(first.train["id"]).isdisjoint(later.train["id"]) and len(later.train) == 5
+    done = json.loads((later.cache_dir / "done.json").read_text())
+    assert done["key_extra"] == ["skip=5"]

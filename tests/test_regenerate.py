@@ -231,13 +231,16 @@ def test_generate_many_should_stop_lets_rows_in_flight_finish(tiny_target):
     assert all(n == 8 for _, n in done)
 
 
-def test_a_target_whose_cache_cannot_be_joined_is_regenerated_all_the_same(
-    tmp_path, data_file, monkeypatch
+@pytest.mark.parametrize("joins", [True, False], ids=["batched", "cannot_join"])
+def test_a_sliding_window_target_is_regenerated_with_its_greedy_answers(
+    tmp_path, data_file, monkeypatch, joins
 ):
-    """A target with sliding-window layers cannot join rows into a running cache (the batched
-    decoder refuses it): specdraft-prepare then generates on transformers' own continuous
-    batching (``generate_many``: one padded batch, refilled when it has finished), and the
-    replies are still the target's greedy answers."""
+    """A target with sliding-window layers (a 16-column window, prompts longer than it): the
+    batched decoder serves it (its rows' caches keep every column and the window is applied
+    by the mask), and where a target's cache cannot join rows into a running batch,
+    specdraft-prepare generates on transformers' own continuous batching (``generate_many``:
+    one padded batch, refilled when it has finished). Either way the replies are the target's
+    greedy answers."""
     import transformers as tr
 
     import flow.regenerate as fr
@@ -265,8 +268,13 @@ def test_a_target_whose_cache_cannot_be_joined_is_regenerated_all_the_same(
         torch.manual_seed(0)
         model = tr.MistralForCausalLM(cfg).eval()
     target = Target(model, tok, "tiny-sliding", TargetConfig(name="test"))
-    with pytest.raises(BatchError, match="sliding-window"):
-        check_batchable(target, NoDraft())
+    check_batchable(target, NoDraft())  # served by the batched decoder
+    if not joins:
+
+        def refuse(*_):
+            raise BatchError("this model has LinearAttentionLayer; use batch_size=1")
+
+        monkeypatch.setattr(fr, "check_batchable", refuse)
     monkeypatch.setattr(fr, "load_target", lambda c: target)
     out = tmp_path / "regen.jsonl"
     meta = fr.regenerate(_cfg(data_file, out, max_turns=1, **{"data.max_records": 4}))

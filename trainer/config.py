@@ -34,6 +34,10 @@ class DataConfig:
     cache_features: bool = False  # compute target features once, store as safetensors shards
     feature_shard_tokens: int = 2_000_000  # tokens per feature shard
     feature_dtype: str = "bfloat16"  # storage dtype of cached features
+    # assistant turns' reasoning traces (<think>...</think> or reasoning_content): keep (the
+    # template renders them where it does) | drop (removed; a thinking template's answer-only
+    # mode, enable_thinking=False), also for the prompts regeneration feeds the target
+    reasoning: str = "keep"
 
 
 @dataclass

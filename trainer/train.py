@@ -298,6 +298,7 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
             max_val_records=cfg.data.max_val_records,
             max_records=cfg.data.max_records,
             skip_records=cfg.data.skip_records,
+            reasoning=cfg.data.reasoning,
             seed=cfg.train.seed,
             cache_root=cfg.data.cache_dir,
             num_proc=cfg.data.num_proc,

@@ -13,7 +13,7 @@ class DFlashConfig:
     num_layers: int = 2
     #: the draft layers' architecture: qwen3 (Qwen3 decoder layers with the target's sizes, as
     #: every DFlash head and speculators/vLLM's DFlash loaders have them, whatever the
-    #: target) or target (the target's own decoder layer class; no engine loads that)
+    #: target) or target (Llama decoder layers with the target's sizes; no engine loads that)
     layer_arch: str = "qwen3"
     #: slots per block: [last accepted token, mask x (block_size - 1)]; one forward drafts
     #: block_size - 1 tokens (speculators' default 8, the released heads 16)

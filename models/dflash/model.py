@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..base import (
     DecodeSettings,
@@ -40,7 +41,7 @@ from ..blocks import context_kv, layer_over_blocks, rope
 from ..eagle.model import VOCAB_CHOSEN, assistant_token_counts, draft_vocab, saved_vocab_chosen
 from ..losses import linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import quantize_linears
-from ..target import Target, TargetError
+from ..target import Target, TargetError, layer_shape
 from .config import DFlashConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -76,27 +77,7 @@ def sample_anchors(
 def qwen3_layer_config(target: Target, num_layers: int):
     """A Qwen3 config with the target's sizes and RoPE (the draft layers read positions as the
     target does): what DFlash's draft layers are built from and what an export declares."""
-    from transformers import Qwen3Config
-
-    tc = target.config
-    H, heads = tc.hidden_size, tc.num_attention_heads
-    rope = dict(getattr(tc, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
-    return Qwen3Config(
-        vocab_size=tc.vocab_size,
-        hidden_size=H,
-        intermediate_size=tc.intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or H // heads,
-        hidden_act=getattr(tc, "hidden_act", "silu"),
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 4096),
-        rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        attention_bias=bool(getattr(tc, "attention_bias", False)),
-        tie_word_embeddings=False,
-    )
+    return target.draft_layer_config("qwen3", num_layers)
 
 
 class DFlashDraft(DraftMethod):
@@ -152,8 +133,8 @@ class DFlashDraft(DraftMethod):
         # the fused layers, then the target's final (normed) state for the soft labels
         self.feature_layers = (*fuse, -1)
         self.fc = nn.Linear(len(fuse) * H, H, bias=False)
-        norm_cls = type(target.model.get_decoder().norm)
-        eps = getattr(target.config, "rms_norm_eps", 1e-6)
+        norm_cls = LlamaRMSNorm  # the engines' draft norm, whatever the target's (Gemma: 1 + w)
+        eps = layer_shape(target.config)["eps"]
         self.hidden_norm = norm_cls(H, eps=eps)
         if cfg.layer_arch == "qwen3":
             from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
@@ -208,8 +189,7 @@ class DFlashDraft(DraftMethod):
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The draft's logits over its vocabulary (..., H) -> (..., Vd), float32."""
-        w = self.lm_rows()
-        return F.linear(self.norm(h).to(w.dtype), w).float()
+        return self.target.logits(self.norm(h), self.lm_rows())
 
     def to_target_vocab(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Values over the draft vocabulary (..., Vd) laid out over the target's (..., V)."""
@@ -218,8 +198,7 @@ class DFlashDraft(DraftMethod):
 
     def target_logits(self, f_final: torch.Tensor, draft_only: bool) -> torch.Tensor:
         """Target LM head on its final hidden states (N, H) -> (N, Vd or V), float32."""
-        w = self.lm_rows() if draft_only else self.target.lm_head.weight
-        return F.linear(f_final.to(w.dtype), w).float()
+        return self.target.logits(f_final, self.lm_rows() if draft_only else None)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """The fused context (..., N+1, H) features -> (..., H): hidden_norm(fc(concat))."""
@@ -321,9 +300,15 @@ class DFlashDraft(DraftMethod):
             del t_logits
         w = slot_weights(self.cfg.block_size, self.cfg.decay).to(h.device)[k - 1]
         hs = h[b, a, k]
-        loss, rows, arg = linear_soft_cross_entropy(
-            self.norm(hs), self.lm_rows(), t_prob, torch.arange(n, device=h.device), w / w.sum()
-        )
+        r = torch.arange(n, device=h.device)
+        if self.target.logit_softcap is None:  # the frozen LM head rows and the soft CE, fused
+            loss, rows, arg = linear_soft_cross_entropy(
+                self.norm(hs), self.lm_rows(), t_prob, r, w / w.sum()
+            )
+        else:  # a capped head goes unfused
+            z = self.draft_logits(hs)
+            per_row = -(t_prob * z.log_softmax(-1)).sum(-1)
+            loss, rows, arg = (per_row * (w / w.sum())).sum(), per_row.detach(), z.argmax(-1)
         hit = (arg == t_arg).float()
         for s in range(1, min(self.cfg.block_size, 6)):
             m = k == s

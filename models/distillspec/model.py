@@ -27,7 +27,6 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -36,6 +35,7 @@ from ..base import (
     DraftError,
     DraftMethod,
     StepOutput,
+    lora_modules,
     metric,
     read_draft_config,
     write_draft_config,
@@ -83,7 +83,7 @@ class DistillSpecStudent(DraftMethod):
                     r=cfg.lora_r,
                     lora_alpha=cfg.lora_alpha,
                     lora_dropout=cfg.lora_dropout,
-                    target_modules=list(cfg.lora_target_modules),
+                    target_modules=lora_modules(student, cfg.lora_target_modules),
                     bias="none",
                 ),
             )
@@ -106,8 +106,7 @@ class DistillSpecStudent(DraftMethod):
         return self._lm().get_output_embeddings()(h).float()
 
     def teacher_logits(self, f: torch.Tensor) -> torch.Tensor:
-        w = self.target.lm_head.weight
-        return F.linear(f.to(w.dtype), w).float()
+        return self.target.logits(f)
 
     # -- training ----------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import torch
 
 from ..base import ExportError, ExportFormat
 from ..export import cast, load_tensors, verifier_name
+from ..target import layer_shape
 from .config import Eagle1Config, Eagle3Config
 from .model import Eagle3Head, EagleHead
 
@@ -49,16 +50,8 @@ LAYER_KEYS = (
 
 
 def target_dims(tc: Any) -> dict[str, int]:
-    H = tc.hidden_size
-    heads = tc.num_attention_heads
-    return {
-        "H": H,
-        "head_dim": getattr(tc, "head_dim", None) or H // heads,
-        "heads": heads,
-        "kv": getattr(tc, "num_key_value_heads", None) or heads,
-        "I": tc.intermediate_size,
-        "V": tc.vocab_size,
-    }
+    d = layer_shape(tc)
+    return {k: d[k] for k in ("H", "head_dim", "heads", "kv", "I", "V")}
 
 
 def llama_config(target, dtype: torch.dtype) -> dict[str, Any]:
@@ -66,9 +59,9 @@ def llama_config(target, dtype: torch.dtype) -> dict[str, Any]:
     build their draft layer from). Rope settings are written in both the old (``rope_theta``,
     ``rope_scaling``) and the new (``rope_parameters``) spelling, for old and new loaders."""
     tc = target.config
-    d = target_dims(tc)
-    rope = dict(getattr(tc, "rope_parameters", None) or {})
-    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+    d = layer_shape(tc)
+    rope = d["rope"]
+    theta = rope["rope_theta"]
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
     if scaling and scaling.get("rope_type", "default") == "default":
         scaling = None
@@ -81,13 +74,13 @@ def llama_config(target, dtype: torch.dtype) -> dict[str, Any]:
         "num_key_value_heads": d["kv"],
         "head_dim": d["head_dim"],
         "num_hidden_layers": 1,
-        "hidden_act": getattr(tc, "hidden_act", "silu"),
-        "max_position_embeddings": getattr(tc, "max_position_embeddings", 4096),
-        "rms_norm_eps": getattr(tc, "rms_norm_eps", 1e-6),
+        "hidden_act": d["act"],
+        "max_position_embeddings": d["max_pos"],
+        "rms_norm_eps": d["eps"],
         "rope_theta": theta,
         "rope_scaling": scaling,
         "rope_parameters": {"rope_theta": theta, **(scaling or {"rope_type": "default"})},
-        "attention_bias": bool(getattr(tc, "attention_bias", False)),
+        "attention_bias": d["attention_bias"],
         "mlp_bias": bool(getattr(tc, "mlp_bias", False)),
         "vocab_size": d["V"],
         "tie_word_embeddings": False,

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..base import (
     DRAFT_WEIGHTS,
@@ -49,7 +50,7 @@ from ..base import (
 from ..losses import check_head_loss, head_loss, linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import Int8Linear, int8_linear, quantize_linears
 from ..sampling import Sampling
-from ..target import Target
+from ..target import Target, layer_shape
 from .config import Eagle1Config, Eagle3Config
 from .proposer import EagleProposer, EagleTreeProposer
 
@@ -182,9 +183,8 @@ class EagleHead(DraftMethod):
         int8 copy of it once ``quantize_for_decoding`` made one)."""
         lm = self.__dict__.get("_draft_lm_head")
         if lm is not None:
-            return lm(h).float()
-        w = self.target.lm_head.weight
-        return F.linear(h.to(w.dtype), w).float()
+            return self.target.cap(lm(h).float())
+        return self.target.logits(h)
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The draft's logits over the target's vocabulary, (..., H) -> (..., V) float32."""
@@ -289,7 +289,8 @@ class EagleHead(DraftMethod):
                 t_logits = self.logits(f_next)
                 t_prob, t_arg = t_logits.softmax(-1), t_logits.argmax(-1)
                 del t_logits
-            if self.cfg.loss == "ce":  # the frozen LM head and the soft CE, fused
+            if self.cfg.loss == "ce" and self.target.logit_softcap is None:
+                # the frozen LM head and the soft CE, fused (a capped head goes unfused)
                 w = self.target.lm_head.weight
                 rows_n = torch.arange(n, device=p_hat.device)
                 cls, _, d_arg = linear_soft_cross_entropy(p_hat.to(w.dtype), w, t_prob, rows_n)
@@ -453,8 +454,8 @@ class Eagle3Head(EagleHead):
         for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; hidden]
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
-        norm_cls = type(target.model.get_decoder().norm)
-        eps = getattr(target.config, "rms_norm_eps", 1e-6)
+        norm_cls = LlamaRMSNorm  # the engines' draft norm, whatever the target's (Gemma: 1 + w)
+        eps = layer_shape(target.config)["eps"]
         layer.hidden_norm = norm_cls(H, eps=eps)
         self.norm = norm_cls(H, eps=eps)
         if cfg.norm_before_fc:
@@ -585,9 +586,7 @@ class Eagle3Head(EagleHead):
         """Target LM head on its final hidden states (N, H): over the draft vocabulary
         (N, draft_vocab) or the whole vocabulary (N, V), float32."""
         w = self.target.lm_head.weight
-        if draft_only:
-            w = w[self.t2d]
-        return F.linear(f_final.to(w.dtype), w).float()
+        return self.target.logits(f_final, w[self.t2d] if draft_only else None)
 
     # -- training ------------------------------------------------------------------------
 

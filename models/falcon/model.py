@@ -55,7 +55,7 @@ from ..base import (
     save_weights_draft,
 )
 from ..blocks import context_kv, layer_over_blocks, rope
-from ..losses import linear_soft_cross_entropy
+from ..losses import linear_soft_cross_entropy, soft_cross_entropy_probs
 from ..target import Target
 from .config import FalconConfig
 
@@ -136,8 +136,7 @@ class FalconHead(DraftMethod):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Target LM head on features (..., H) -> (..., V), float32."""
-        w = self.target.lm_head.weight
-        return F.linear(h.to(w.dtype), w).float()
+        return self.target.logits(h)
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor:
         c = self.cfg.lm_head_chunk
@@ -251,9 +250,13 @@ class FalconHead(DraftMethod):
             p = t_logits.softmax(-1).mul_(self.cfg.kl_share)
             p[torch.arange(n, device=p.device), x_next] += 1.0 - self.cfg.kl_share
             del t_logits
-        cls, _, d_arg = linear_soft_cross_entropy(
-            h.to(w.dtype), w, p, torch.arange(n, device=h.device)
-        )
+        if self.target.logit_softcap is None:  # the frozen LM head and the soft CE, fused
+            cls, _, d_arg = linear_soft_cross_entropy(
+                h.to(w.dtype), w, p, torch.arange(n, device=h.device)
+            )
+        else:  # a capped head goes unfused
+            d_logits = self.logits(h)
+            cls, d_arg = soft_cross_entropy_probs(d_logits, p), d_logits.argmax(-1)
         metrics[f"loss_reg{tag}"] = metric(reg.detach() * n, n)
         metrics[f"loss_cls{tag}"] = metric(cls.detach() * n, n)
         metrics[f"acc{tag}"] = metric((d_arg == t_arg).float().sum(), n)

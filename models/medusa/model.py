@@ -40,6 +40,7 @@ from ..base import (
     DraftError,
     DraftMethod,
     StepOutput,
+    lora_modules,
     metric,
     read_draft_config,
     write_draft_config,
@@ -109,8 +110,7 @@ class MedusaHeads(DraftMethod):
         return self.heads[k](h.to(w.dtype)).float()
 
     def target_logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.target.lm_head.weight
-        return F.linear(h.to(w.dtype), w).float()
+        return self.target.logits(h)
 
     def hidden(
         self, batch: dict[str, torch.Tensor], teacher: bool = True
@@ -320,13 +320,19 @@ class Medusa2Heads(MedusaHeads):
                 r=cfg.lora_r,
                 lora_alpha=cfg.lora_alpha,
                 lora_dropout=cfg.lora_dropout,
-                target_modules=list(cfg.lora_target_modules),
+                target_modules=lora_modules(target.model, cfg.lora_target_modules),
                 bias="none",
             )
             try:
                 peft_model = get_peft_model(target.model, lora)
             except ValueError as e:
-                raise DraftError(f"method.lora_target_modules: {e}") from None
+                hint = (
+                    f"; peft maps this {target.config.model_type} target's MLP names onto its "
+                    "stacked experts, whose adapter takes none: set method.lora_dropout=0"
+                    if "lora_dropout" in str(e)
+                    else ""
+                )
+                raise DraftError(f"method.lora_target_modules: {e}{hint}") from None
         else:  # a trained draft, for decoding: merge the adapter so the verifier runs at
             # full speed (``original()`` unmerges again while it is active)
             peft_model = PeftModel.from_pretrained(target.model, str(adapter), is_trainable=False)

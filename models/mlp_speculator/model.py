@@ -136,8 +136,7 @@ class MLPSpeculator(DraftMethod):
         return F.linear(state.to(w.dtype), w).float()
 
     def target_logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.target.lm_head.weight
-        return F.linear(h.to(w.dtype), w).float()
+        return self.target.logits(h)
 
     def _states(self, batch: dict[str, torch.Tensor]):
         """Teacher-forced stage states (n_predict of (B, T, D)): at position t stage i reads

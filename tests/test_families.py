@@ -1,0 +1,312 @@
+"""The model families people train drafts for (``models/families.py``), each end to end on a tiny
+random target of its architecture: every method trains a few steps, decodes losslessly through
+the one decoder, and exports to each of its formats and reads back; per family once, EAGLE-3
+with chains and trees, batched, at T > 0, on the static path where the family has one, and in
+vLLM where vLLM serves EAGLE-3 for the architecture.
+
+Where ``SPECDRAFT_FAMILY_MATRIX`` names a file, each test appends the cells it measured to it
+(one JSON line per cell: family, method, column, value); ``scripts/family_matrix.py`` runs
+these tests that way and writes the table in docs/families.md from the cells."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose, tiny_overrides, tiny_target_gguf
+from test_methods import SMALL
+
+from models import FORMATS, METHODS
+from models.families import FAMILIES
+
+#: the families of the matrix (the default, Llama, is every other test's target)
+NAMES = [f for f in FAMILIES if f != "llama"]
+#: settings a family needs for a method, each with why (the cell says so)
+NEEDS = {
+    ("deepseek_v3", "medusa2"): (
+        ["method.lora_dropout=0"],
+        "peft adapts the stacked experts, which take no LoRA dropout",
+    ),
+}
+PROMPT = list(range(40, 60))
+NEW = 40  # 20 + 40 tokens: past the sliding windows (24 columns)
+
+
+def record(family: str, method: str, column: str, value: str) -> None:
+    path = os.environ.get("SPECDRAFT_FAMILY_MATRIX")
+    if path:
+        line = {"family": family, "method": method, "column": column, "value": value}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def family_target(family: str, **kw):
+    from models.target import TargetConfig, load_target
+
+    return load_target(
+        TargetConfig(
+            name="tiny_random", device="cpu", dtype="float32", tiny_layers=4, family=family, **kw
+        )
+    )
+
+
+def train(family: str, method: str, data_file: Path, run_dir: Path) -> None:
+    from trainer.train import run
+
+    over = tiny_overrides(data_file, run_dir, **{"train.max_steps": 3, "method": method})
+    over += [
+        "target.device=cpu",
+        "target.dtype=float32",
+        "target.tiny_layers=4",
+        f"target.family={family}",
+    ]
+    run(compose(over + SMALL[method] + NEEDS.get((family, method), ([], ""))[0]))
+
+
+def plain_greedy(target, prompt=PROMPT, n=NEW) -> list[int]:
+    from decoding.decoder import NoDraft, SpeculativeDecoder
+    from models.sampling import Sampling
+
+    return SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(prompt, n)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("family", NAMES)
+def test_each_method_trains_decodes_and_exports_on_each_family(family, method, data_file, tmp_path):
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.drafts import load_proposer
+    from models.base import DecodeSettings
+    from models.export import export, import_draft, proposals
+    from models.sampling import Sampling
+
+    run_dir = tmp_path / "run"
+    train(family, method, data_file, run_dir)
+    need = NEEDS.get((family, method), (None, ""))[1]
+    record(family, method, "trains", f"Y ({need})" if need else "Y")
+
+    target = family_target(family)
+    prop, _ = load_proposer(str(run_dir), target, tree=DecodeSettings())
+    ref = plain_greedy(target)
+    dec = SpeculativeDecoder(target, prop, Sampling(), gamma=prop.tree_depth or 3, adaptive=False)
+    assert dec.generate(PROMPT, NEW) == ref, f"{family}/{method}: speculative != plain greedy"
+    assert dec.stats.draft_calls > 0
+    record(family, method, "exact", "Y")
+
+    trained = METHODS[method].load_draft(run_dir / "final", family_target(family))
+    done = []
+    for f in [f for f, fmt in FORMATS.items() if method in fmt.methods]:
+        out = tmp_path / f"export-{f}"
+        opts = {"target_gguf_path": tiny_target_gguf(tmp_path / "t.gguf", target)}
+        export(
+            trained,
+            f,
+            out,
+            dtype="float32",
+            merge=trained.changes_target() is not None,
+            log=lambda *_: None,
+            **(opts if f == "gguf" else {}),
+        )
+        back = import_draft(out, trained.target)
+        a, b = proposals(trained.export_view(torch.float32), PROMPT), proposals(back, PROMPT)
+        a.pop("logits"), b.pop("logits")
+        assert a == b, f"{family}/{method} -> {f}: proposals differ after the round trip"
+        done.append(f)
+    record(family, method, "exports", ", ".join(done))
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_eagle3_chains_trees_batches_and_samples_exactly_on_each_family(
+    family, data_file, tmp_path
+):
+    """Once per family, an EAGLE-3 head trained a few steps: greedy chains and EAGLE-2 trees
+    give the target's greedy output; a batch of ragged rows gives each row's batch-1 output
+    (rollback and holes on the windowed layers' cache); at T = 1 every token is chosen from the
+    target's own distribution (the rows the decoder sampled from equal a fresh forward's over
+    the sequence it produced: the acceptance rule's exactness is family-blind and tested in
+    tests/test_verify.py); and the static path where the family has one."""
+    from decoding.batch import BatchDecoder
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.drafts import load_proposer
+    from models.base import DecodeSettings
+    from models.lean import lean_support
+    from models.sampling import Sampling
+    from models.target import GenRequest
+
+    run_dir = tmp_path / "run"
+    train(family, "eagle3", data_file, run_dir)
+    target = family_target(family)
+    ref = plain_greedy(target)
+    tree = DecodeSettings(tree="dynamic", depth=3, top_k=3, total_tokens=8)
+    for how, settings in (("chain", DecodeSettings(tree="chain")), ("tree", tree)):
+        prop, _ = load_proposer(str(run_dir), target, tree=settings)
+        dec = SpeculativeDecoder(target, prop, Sampling(), gamma=3, adaptive=False)
+        assert dec.generate(PROMPT, NEW) == ref, f"{family}: {how} != plain greedy"
+    record(family, "eagle3", "trees", "Y")
+
+    prompts = [PROMPT, list(range(70, 75)), list(range(30, 62))]
+    refs = [plain_greedy(target, p) for p in prompts]
+    prop, _ = load_proposer(str(run_dir), target, tree=DecodeSettings(tree="chain"))
+    bdec = BatchDecoder(target, prop, Sampling(), batch_size=3, gamma=3, compile="false")
+    out = bdec.run([GenRequest(i, p) for i, p in enumerate(prompts)], NEW)
+    assert [out[i] for i in range(3)] == refs, f"{family}: batched rows != their greedy output"
+    record(family, "eagle3", "batched", "Y")
+
+    s = Sampling(temperature=1.0)
+    for how, settings in (("chain", DecodeSettings(tree="chain")), ("tree", tree)):
+        prop, _ = load_proposer(str(run_dir), target, tree=settings)
+        dec = SpeculativeDecoder(
+            target, prop, s, gamma=3, adaptive=False, record_logits=True, compile="false"
+        )
+        torch.manual_seed(0)
+        got = dec.generate(PROMPT, 24)
+        used = torch.stack([r.float().cpu() for r in dec.last_logits])
+        with torch.no_grad():
+            full = target.model(torch.tensor([PROMPT + got])).logits[0].float()
+        fresh = full[len(PROMPT) - 1 : len(PROMPT) - 1 + len(got)]
+        torch.testing.assert_close(used, fresh, atol=2e-4, rtol=1e-4, msg=f"{family} {how}")
+    record(family, "eagle3", "sampling", "Y")
+
+    why = lean_support(target.model)
+    if why is None:
+        prop, _ = load_proposer(str(run_dir), target, tree=DecodeSettings(tree="chain"))
+        dec = SpeculativeDecoder(target, prop, Sampling(), gamma=3, adaptive=False, compile="true")
+        assert dec.runner.kind != "transformers"
+        assert dec.generate(PROMPT, NEW) == ref, f"{family}: static path != plain greedy"
+    record(family, "eagle3", "static", "Y" if why is None else f"falls back: {why}")
+
+
+def test_medusa2_on_stacked_experts_says_what_to_set(data_file, tmp_path):
+    """DeepSeek-V3's MLP names are also its stacked experts' for peft, whose LoRA takes no
+    dropout: the default refused in one line that says what to set."""
+    from trainer.train import run
+
+    over = tiny_overrides(
+        data_file, tmp_path / "run", **{"train.max_steps": 1, "method": "medusa2"}
+    )
+    over += ["target.device=cpu", "target.tiny_layers=4", "target.family=deepseek_v3"]
+    with pytest.raises(Exception, match="set method.lora_dropout=0") as e:
+        run(compose(over + SMALL["medusa2"]))
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_family_is_refused_before_anything_loads():
+    from models.target import TargetError
+
+    with pytest.raises(TargetError, match=r"target.family='bloom': not a known family \(llama"):
+        family_target("bloom")
+
+
+def test_draft_layers_take_the_targets_sizes_not_its_architecture():
+    """Experts, latent attention, fused projections, windows: a draft layer of any family is
+    the Llama layer every engine builds EAGLE heads from, with the target's sizes; norms are
+    plain RMS norms (Gemma's 1 + w would load as w in an engine)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    from models.eagle import Eagle3Config, Eagle3Head
+
+    for family in ("gemma2", "phi3", "deepseek_v3", "qwen3_moe"):
+        t = family_target(family)
+        head = Eagle3Head(t, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64))
+        assert type(head.midlayer) is LlamaDecoderLayer
+        assert type(head.norm) is LlamaRMSNorm
+        assert head.midlayer.self_attn.o_proj.in_features == (
+            t.config.num_attention_heads * t.draft_layer_config().head_dim
+        )
+
+
+def test_soft_capped_heads_cap_wherever_the_draft_reads_the_targets_head():
+    """Gemma-2 caps its logits (30 tanh(z / 30)): the target's head read by a draft (EAGLE-1,
+    Medusa's teacher, DFlash's rows, ...) gives the capped logits the target's own forward
+    gives; the embedding the draft reads is the scaled one the first layer reads."""
+    t = family_target("gemma2")
+    assert t.logit_softcap == 30.0
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = t.model(ids, output_hidden_states=True)
+        assert torch.allclose(t.logits(out.hidden_states[-1]), out.logits, atol=1e-5)
+        rows = t.lm_head.weight[:10]
+        assert torch.allclose(
+            t.logits(out.hidden_states[-1], rows), out.logits[..., :10], atol=1e-5
+        )
+        assert torch.allclose(t.embed_tokens(ids), out.hidden_states[0])
+    assert out.logits.abs().max() <= 30.0
+
+
+# -- in vLLM ----------------------------------------------------------------------------------
+
+#: what vLLM 0.32 (its CPU build) does with a tiny target of each family and our EAGLE-3
+#: export for it: None where it serves the head, else the start of its own error message
+VLLM = {
+    "llama3": None,
+    "qwen2": None,
+    "qwen3": None,
+    "qwen3_moe": None,
+    "mixtral": "Model does not support EAGLE3 interface",
+    "mistral": None,
+    "gemma2": "Model does not support EAGLE3 interface",
+    "gemma3": "Model does not support EAGLE3 interface",
+    "phi3": None,
+    "gpt_oss": None,
+    "deepseek_v3": "No common block size",
+    "olmo2": None,
+}
+
+
+def test_the_vllm_expectations_name_every_family():
+    assert set(VLLM) == set(NAMES)
+
+
+@pytest.mark.skipif(
+    __import__("decoding.engines.vllm_eval", fromlist=["x"]).vllm_python(required=False) is None,
+    reason="vLLM is not installed: `bash scripts/install.sh vllm` puts it in an environment of "
+    "its own under the cache (a few minutes), or set SPECDRAFT_VLLM_PYTHON=<its python>",
+)
+@pytest.mark.parametrize("family", NAMES)
+def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_path):
+    """vLLM loads the tiny target (heads 64 wide, what its CPU attention takes) and our
+    EAGLE-3 export, and decodes: its speculative output is the target's greedy output (up to
+    the first end of reply, where vLLM stops) and its acceptance per position is ours within
+    0.1. Where vLLM does not serve EAGLE-3 for the architecture, its own message is pinned."""
+    from test_vllm import _head
+
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.engines.base import EngineError
+    from decoding.engines.vllm_eval import VLLMWorker, speculative_config
+    from models.base import DecodeSettings
+    from models.export import export, import_draft
+    from models.sampling import Sampling
+    from models.target import target_folder
+
+    target = family_target(family, tiny_head_dim=64)
+    folder = target_folder(target)
+    out = tmp_path / "vllm"
+    export(_head(target, "eagle3"), "vllm", out, dtype="float32", log=lambda *_: None)
+    prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
+    spec = speculative_config(out, "vllm", 3)
+    eos = {target.tokenizer.eos_token_id}
+    if VLLM[family] is not None:
+        with pytest.raises(EngineError, match=VLLM[family]) as e:
+            with VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256) as w:
+                w.complete(prompts[0], 8)
+        why = str(e.value).split("(log:")[0].removeprefix("vLLM: ").strip()
+        record(family, "eagle3", "vllm", f"no: {why}")
+        return
+    with VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256) as eng:
+        outs = [eng.complete(p, 64) for p in prompts]
+    mine = import_draft(out, target).proposer(DecodeSettings(tree="chain"))
+    dec = SpeculativeDecoder(target, mine, Sampling(), gamma=3, adaptive=False)
+    got = [[t for t in dec.generate(p, 64, stop_ids=eos) if t not in eos] for p in prompts]
+    theirs_tokens = [[t for t in o.tokens if t not in eos] for o in outs]
+    assert theirs_tokens == got, f"{family}: vLLM's speculative output != the target's greedy"
+    drafts = sum(o.timings["drafts"] for o in outs)
+    assert drafts > 0
+    theirs = [
+        sum((o.timings["accepted_per_pos"] + [0] * 3)[k] for o in outs) / drafts for k in range(3)
+    ]
+    s = dec.stats
+    ours = [s.accepted[k + 1] / max(s.drafted[k + 1], 1) for k in range(3)]
+    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.1, (theirs, ours)
+    record(family, "eagle3", "vllm", f"Y (alpha {theirs[0]:.2f} vs ours {ours[0]:.2f})")
