@@ -582,9 +582,33 @@ def _where(cfg: TargetConfig) -> str:
     return where
 
 
+#: what a draft reads from a target's config (``layer_shape``, feature indices)
+NEEDED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def check_target_config(config: Any, where: str) -> None:
+    """``TargetError`` (one line, naming the field) for a config a draft cannot be built
+    against: a model without a decoder's sizes (an encoder-decoder, a vision tower, a
+    multimodal wrapper whose text model is the one to pass), read before the weights load."""
+    missing = [k for k in NEEDED_CONFIG if getattr(config, k, None) is None]
+    if not missing and getattr(config, "is_encoder_decoder", False):
+        missing = ["decoder-only architecture (it is an encoder-decoder)"]
+    if missing:
+        kind = getattr(config, "model_type", "?")
+        hint = (
+            "; this is a multimodal config: pass its language model"
+            if getattr(config, "text_config", None) is not None
+            else ""
+        )
+        raise TargetError(
+            f"target.path={where}: its config ({kind}) has no {', '.join(missing)}, which a "
+            f"draft takes its sizes and hidden states from{hint}"
+        )
+
+
 def load_target(cfg: TargetConfig) -> Target:
     """Load the configured target, frozen, on its device and dtype."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -614,6 +638,9 @@ def load_target(cfg: TargetConfig) -> Target:
     where = _where(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+        check_target_config(
+            AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code), where
+        )  # before any weight is read
         model = AutoModelForCausalLM.from_pretrained(
             where,
             dtype=dtype,

@@ -31,8 +31,8 @@ QWEN3_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
     "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}'
     "{%- else %}{%- if messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}{%- endif %}"
     "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
@@ -63,8 +63,8 @@ QWEN3_TEMPLATE = (
     "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
     "{%- if (loop.first and content) or (not loop.first) %}{{- '\n' }}{%- endif %}"
     "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '<tool_call>\n{\"name\": \"' }}{{- tool_call.name }}"
-    "{{- '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\n{"name": "\' }}{{- tool_call.name }}'
+    '{{- \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
     "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\n</tool_call>' }}{%- endfor %}{%- endif %}"

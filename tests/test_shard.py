@@ -308,3 +308,31 @@ def test_a_feature_cache_build_interrupted_per_rank_resumes_with_another_world_s
 def _one(ds, i):
     ids = torch.tensor(ds[i]["input_ids"])[None]
     return ids, torch.ones_like(ids)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_mixture_of_experts_target_sharded_trains_like_one_process(family, data_file, tmp_path):
+    """Qwen3-MoE (routed experts in every layer) and DeepSeek-V3 (a dense first layer, then
+    shared and routed experts, latent attention), each layer's stacked experts sharded by
+    FSDP2 over 2 processes with online features: about half the weights a process, and the
+    loss curve of one process with the whole target."""
+    common = {
+        **COMMON,
+        "train.max_steps": 4,
+        "train.eval_every": 4,
+        "target.family": family,
+        "method.draft_vocab_size": 64,
+        "method.fuse_layers": "[1,2,3]",
+        "data.max_length": 128,
+    }
+    one = tmp_path / "one"
+    run(compose(tiny_overrides(data_file, one, **{**common, "train.grad_accum": 2})))
+    two = tmp_path / "two"
+    r = accelerate_launch(2, tiny_overrides(data_file, two, **{**common, "target.shard": "fsdp"}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    sh = json.loads((two / "summary.json").read_text())["target_shard"]
+    for b in sh["bytes_per_rank"]:
+        assert abs(b / sh["full_bytes"] - 0.5) <= 0.05, sh
+    a, b = _curve(one), _curve(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert _rel_diff(a, b) <= 1e-4, (a, b)
