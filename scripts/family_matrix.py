@@ -113,10 +113,12 @@ def render(cells: list[dict], failed: list[str], when: str, where: str, command:
         "the family has one, else the one-line reason it falls back to transformers' forward; "
         "vLLM serves our EAGLE-3 export for the tiny target (heads 64 wide) with its "
         "speculative output equal to the target's greedy one and acceptance per position "
-        "within 0.1 of ours, else vLLM's own message. The tiny heads are random, so acceptance "
-        "is near 0 in both engines: what this column checks is that vLLM loads and serves the "
-        "head exactly; agreement on acceptance is measured on the embedded target "
-        "(docs/results.md).",
+        "within 0.1 of ours (per position, vLLM's vs ours), else vLLM's own message. The head "
+        "drafts the target's logit lens (its last fused state through the target's final norm "
+        "and LM head, the layer adding nothing): acceptance is high where a tiny target repeats "
+        "itself and near 0 where it does not, so this column checks that vLLM loads and serves "
+        "the head exactly and counts acceptance as we do; how well a trained head drafts is "
+        "measured on the embedded target (docs/results.md).",
         "",
         "| family | trees | batched | T = 1 | static path | vLLM |",
         "|---|---|---|---|---|---|",
