@@ -117,8 +117,10 @@ def render(cells: list[dict], failed: list[str], when: str, where: str, command:
         "drafts the target's logit lens (its last fused state through the target's final norm "
         "and LM head, the layer adding nothing): acceptance is high where a tiny target repeats "
         "itself and near 0 where it does not, so this column checks that vLLM loads and serves "
-        "the head exactly and counts acceptance as we do; how well a trained head drafts is "
-        "measured on the embedded target (docs/results.md).",
+        "the head exactly and counts acceptance as we do (vLLM counts a little higher where "
+        "acceptance is high: it drafts a request's first tokens after the prompt's prefill, "
+        "where the built-in decoder verifies the prompt's last token with its first draft); "
+        "how well a trained head drafts is measured on the embedded target (docs/results.md).",
         "",
         "| family | trees | batched | T = 1 | static path | vLLM |",
         "|---|---|---|---|---|---|",
