@@ -7,7 +7,7 @@ config value, also stored in every saved draft) to its module class (its config 
 and serving-layout checkpoints through ``FORMATS``.
 """
 
-from . import dflash, distillspec, eagle, falcon, hass, medusa, mlp_speculator, peagle
+from . import dflash, distillspec, dspark, eagle, falcon, hass, medusa, mlp_speculator, peagle
 from .base import DraftMethod, ExportFormat
 from .dflash import export as dflash_export
 from .eagle import export as eagle_export
@@ -24,6 +24,7 @@ METHODS: dict[str, type[DraftMethod]] = {
     "distillspec": distillspec.DistillSpecStudent,
     "mlp_speculator": mlp_speculator.MLPSpeculator,
     "dflash": dflash.DFlashDraft,
+    "dspark": dspark.DSparkDraft,
     "peagle": peagle.PEagleHead,
     "falcon": falcon.FalconHead,
 }

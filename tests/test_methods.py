@@ -31,6 +31,14 @@ SMALL = {
         "method.num_layers=1",
         "method.fuse_layers=[1,3]",
     ],
+    "dspark": [
+        "method.draft_vocab_size=64",
+        "method.mask_token_id=5",
+        "method.block_size=4",
+        "method.num_layers=1",
+        "method.fuse_layers=[1,3]",
+        "method.markov_rank=8",
+    ],
     "peagle": [
         "method.draft_vocab_size=64",
         "method.fuse_layers=[1,2,3]",

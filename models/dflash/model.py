@@ -41,6 +41,7 @@ from ..blocks import context_kv, layer_over_blocks, rope
 from ..eagle.model import VOCAB_CHOSEN, assistant_token_counts, draft_vocab, saved_vocab_chosen
 from ..losses import linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import quantize_linears
+from ..sampling import sample, warp
 from ..target import Target, TargetError, layer_shape
 from .config import DFlashConfig
 
@@ -191,6 +192,69 @@ class DFlashDraft(DraftMethod):
         """The draft's logits over its vocabulary (..., H) -> (..., Vd), float32."""
         return self.target.logits(self.norm(h), self.lm_rows())
 
+    #: whether a slot's logits depend on the token drafted before it (DSpark's Markov head):
+    #: then slots are scored one after another, each from the token chosen before it
+    sequential = False
+
+    def slot_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary of slots (..., H) whose previous tokens (target
+        ids) are ``prev`` (...): DFlash's slots do not read them."""
+        return self.draft_logits(h)
+
+    def extra_loss(self, hs, prev, hit) -> tuple[torch.Tensor | None, dict]:
+        """A subclass's own training term over the labelled slots (states ``hs`` (n, H), their
+        previous tokens ``prev`` (n,), whether each slot's argmax is the target's ``hit``
+        (n,)), and its metrics; DFlash has none."""
+        return None, {}
+
+    @torch.no_grad()
+    def pick(self, h: torch.Tensor, prev: torch.Tensor, ks: list[int], sampling, generators):
+        """Draft the first ``ks[r]`` slots of each row: h (R, K, H) slot states, prev (R,) the
+        token before slot 1. Returns per row (target ids, their distributions over the target
+        vocabulary (k, V) at T > 0 else None). Slots are independent here; a ``sequential``
+        draft scores slot i from the token chosen at slot i - 1."""
+        R, K = h.shape[:2]
+        if self.sequential:
+            cols, qs, last = [], [], prev
+            for i in range(K):
+                z = self.slot_logits(h[:, i], last)  # (R, Vd)
+                j, q = self._choose(z, sampling, generators, [ks[r] > i for r in range(R)])
+                cols.append(j)
+                qs.append(q)
+                last = j + self.d2t[j]
+            j = torch.stack(cols, 1)  # (R, K)
+            q_own = None if qs[0] is None else torch.stack(qs, 1)
+        else:
+            z = self.draft_logits(h)  # (R, K, Vd)
+            if sampling.greedy:
+                j, q_own = z.argmax(-1), None
+            else:  # each row draws its own slots only (its stream stays its batch-1 one)
+                q_own = warp(z, sampling)
+                j = torch.zeros(R, K, dtype=torch.long, device=z.device)
+                for r in range(R):
+                    for i in range(ks[r]):
+                        j[r, i] = sample(q_own[r, i], generators[r])
+        ids = (j + self.d2t[j]).tolist()
+        out = []
+        for r in range(R):
+            k = ks[r]
+            q = None if q_own is None or k == 0 else self.to_target_vocab(q_own[r, :k])
+            out.append((ids[r][:k], q))
+        return out
+
+    def _choose(self, z: torch.Tensor, sampling, generators, draw: list[bool]):
+        """One slot for every row: (draft ids (R,), their warped distributions (R, Vd) at
+        T > 0 else None); a row not to ``draw`` takes no sample (its stream stays its batch-1
+        one) and gets the argmax as a placeholder."""
+        if sampling.greedy:
+            return z.argmax(-1), None
+        q = warp(z, sampling)
+        j = z.argmax(-1)
+        for r, g in enumerate(generators):
+            if draw[r]:
+                j[r] = sample(q[r], g)
+        return j, q
+
     def to_target_vocab(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Values over the draft vocabulary (..., Vd) laid out over the target's (..., V)."""
         out = x.new_full((*x.shape[:-1], self.t2d.numel()), fill)
@@ -301,7 +365,12 @@ class DFlashDraft(DraftMethod):
         w = slot_weights(self.cfg.block_size, self.cfg.decay).to(h.device)[k - 1]
         hs = h[b, a, k]
         r = torch.arange(n, device=h.device)
-        if self.target.logit_softcap is None:  # the frozen LM head rows and the soft CE, fused
+        prev = ids[b, p]  # the token before each slot's (the data's: teacher forcing)
+        if self.sequential:  # logits that read the previous token: unfused
+            z = self.slot_logits(hs, prev)
+            per_row = -(t_prob * z.log_softmax(-1)).sum(-1)
+            loss, rows, arg = (per_row * (w / w.sum())).sum(), per_row.detach(), z.argmax(-1)
+        elif self.target.logit_softcap is None:  # the frozen LM head rows and the soft CE, fused
             loss, rows, arg = linear_soft_cross_entropy(
                 self.norm(hs), self.lm_rows(), t_prob, r, w / w.sum()
             )
@@ -310,6 +379,10 @@ class DFlashDraft(DraftMethod):
             per_row = -(t_prob * z.log_softmax(-1)).sum(-1)
             loss, rows, arg = (per_row * (w / w.sum())).sum(), per_row.detach(), z.argmax(-1)
         hit = (arg == t_arg).float()
+        extra, more = self.extra_loss(hs, prev, hit)
+        if extra is not None:
+            loss = loss + extra
+        metrics.update(more)
         for s in range(1, min(self.cfg.block_size, 6)):
             m = k == s
             metrics[f"acc_slot{s}"] = metric(hit[m].sum(), m.sum())
@@ -344,22 +417,25 @@ class DFlashDraft(DraftMethod):
             anc, val = order[:, i : i + c], valid[:, i : i + c]
             h = self.run_blocks(f, ids, attn, anc)
             agree_so_far = val.clone()
+            last = ids.gather(1, anc)  # the token before slot 1; then the draft's own
             for j in range(1, K + 1):
                 p = anc + j - 1
                 ok = val & (p < T)
                 ok &= pred_ok.gather(1, p.clamp(max=T - 1))
                 rows = ok.nonzero(as_tuple=True)
                 agree = torch.zeros_like(ok)
+                mine = self.slot_logits(h[:, :, j], last).argmax(-1)  # (B, A)
+                last = mine + self.d2t[mine]
                 if rows[0].numel():
                     hs = h[:, :, j][rows]
-                    d = self.draft_logits(hs).argmax(-1)
-                    d = d + self.d2t[d]
+                    d = last[rows]
                     fin = f[rows[0], p[rows], -1]
                     t = self.target_logits(fin, draft_only=False).argmax(-1)
                     agree[rows] = d == t
                     if j == 1:
                         ce = soft_cross_entropy(
-                            self.draft_logits(hs), self.target_logits(fin, draft_only=True)
+                            self.slot_logits(hs, ids.gather(1, anc)[rows]),
+                            self.target_logits(fin, draft_only=True),
                         )
                         out["loss_cls"] += metric(ce * len(hs), len(hs))
                 cond = ok & agree_so_far

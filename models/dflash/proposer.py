@@ -10,7 +10,6 @@ import torch
 
 from ..base import BatchedProposer, DecodeState, Proposal, Proposer
 from ..ragged import join_rows, keep_rows, new_cache, tidy
-from ..sampling import sample, warp
 
 if TYPE_CHECKING:
     from .model import DFlashDraft
@@ -80,17 +79,9 @@ class DFlashProposer(Proposer):
         tok[0, 0, 0] = state.ids[-1]
         pos = torch.arange(n - 1, n - 1 + S, device=dev)[None, None]
         h = d.blocks(d.embed(tok), pos, self.kv, None)
-        logits = d.draft_logits(h[0, 0, 1 : k + 1])  # (k, Vd)
+        prev = torch.tensor([state.ids[-1]], device=dev)
+        ((tokens, q),) = d.pick(h[:, 0, 1 : k + 1], prev, [k], state.sampling, [state.generator])
         self.draft_calls += 1
-        if state.sampling.greedy:
-            j = logits.argmax(-1)
-            tokens = (j + d.d2t[j]).tolist()
-            q = None
-        else:
-            q_own = warp(logits, state.sampling)
-            js = [sample(q_own[i], state.generator) for i in range(k)]
-            tokens = [j + int(d.d2t[j]) for j in js]
-            q = d.to_target_vocab(q_own)
         self.last_step_seconds = time.perf_counter() - t0
         return Proposal.chain(tokens, q)
 
@@ -171,19 +162,15 @@ class BatchedDFlash(BatchedProposer):
         pos = (start[:, None] + torch.arange(S, device=dev))[:, None]
         kv = [(layer.keys, layer.values) for layer in self.cache.layers]
         h = d.blocks(d.embed(tok), pos, kv, self.valid[:, None, :])
-        logits = d.draft_logits(h[:, 0, 1 : top + 1])  # (R, top, Vd)
         self.draft_calls += 1
-        if states[0].sampling.greedy:
-            j = logits.argmax(-1)
-            ids = (j + d.d2t[j]).tolist()
-            props = [Proposal.chain(ids[b][: ks[b]]) for b in range(R)]
-        else:
-            q_own = warp(logits, states[0].sampling)
-            props = []
-            for b in range(R):
-                js = [sample(q_own[b, i], states[b].generator) for i in range(ks[b])]
-                q = d.to_target_vocab(q_own[b, : ks[b]]) if js else None
-                props.append(Proposal.chain([j + int(d.d2t[j]) for j in js], q))
+        picked = d.pick(
+            h[:, 0, 1 : top + 1],
+            tok[:, 0, 0],
+            ks,
+            states[0].sampling,
+            [s.generator for s in states],
+        )
+        props = [Proposal.chain(t, q) for t, q in picked]
         # one block forward drafts every row; a long catch-up is not what it costs
         self.last_step_seconds = time.perf_counter() - t0 if max(news) <= 8 else None
         return props
