@@ -29,6 +29,7 @@ class DFlashProposer(Proposer):
 
     def __init__(self, draft: DFlashDraft):
         self.draft = self.method = draft.eval()
+        self.name = draft.cfg.name  # dflash, or a method built on it (dspark)
         self.feature_layers = tuple(draft.feature_layers)
         self.draft_calls = 0
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
