@@ -19,6 +19,7 @@ does for earlier turns.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .conversations import THINK_CLOSE, THINK_OPEN, DataError, Message
@@ -142,7 +143,7 @@ def assistant_char_spans(
         # where the reply starts: after the generation prompt, or where the rendering of this
         # turn first differs from it (a thinking template's answer-only prompt ends in an
         # empty think block that a turn with tool calls and no reasoning does not have)
-        start = common_prefix(before, text)
+        start = len(os.path.commonprefix([before, text]))
         if start < len(before):  # diverged inside a word: back to the header's end
             while start > prev and not (text[start - 1].isspace() or text[start - 1] == ">"):
                 start -= 1
@@ -177,21 +178,6 @@ def assistant_char_spans(
         if m["role"] == "tool" and m["content"].strip() and m["content"].strip() not in text:
             raise TemplateSkip("template_drops_tool_results")
     return text, spans
-
-
-def common_prefix(a: str, b: str) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def tokenize_conversation(

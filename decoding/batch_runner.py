@@ -51,6 +51,7 @@ from models.ragged import (
     prefill_groups,
     prefill_in_groups,
     tidy,
+    window_layers,
 )
 from models.target import Target
 
@@ -310,6 +311,7 @@ class RaggedRunner(BatchRunner):
     ):
         super().__init__(target, layers)
         self.waste, self.views = waste, reads_prefill_cache
+        self.windows = window_layers(target.config)  # for every explicit mask
         self.reset()
 
     def reset(self) -> None:
@@ -330,9 +332,8 @@ class RaggedRunner(BatchRunner):
     def _forward(self, ids, pos, allowed: torch.Tensor, cache, kpos=None, **kw):
         """``kpos`` (R, K): the position of every key column (the window's rule reads it;
         default: the new tokens' own, a prefill's)."""
-        mask = layer_masks(
-            self.target.config, allowed, pos, pos if kpos is None else kpos, self.target.dtype
-        )
+        kpos = pos if kpos is None else kpos
+        mask = layer_masks(self.windows, allowed, pos, kpos, self.target.dtype)
         return self.target.forward_features(
             self.layers,
             input_ids=ids.to(self.device),

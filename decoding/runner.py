@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from models.base import Proposal, SideBranch, cache_kw, crop_cache, rollback_cache
 from models.lean import Captured, LeanLlama, lean_support, pad_width, round_up, visible_columns
-from models.ragged import layer_masks, on
+from models.ragged import layer_masks, on, window_layers
 from models.target import Target
 
 #: compile= values: the static path (graphs where the device has them), transformers' path, or
@@ -127,6 +127,7 @@ class HFRunner(TargetRunner):
         super().__init__(target, layers)
         self.cache = rollback_cache(target.config)
         self.length = 0
+        self.windows = window_layers(target.config)  # for a tree's explicit mask
 
     def reset(self) -> None:
         self.cache = rollback_cache(self.target.config)
@@ -152,7 +153,7 @@ class HFRunner(TargetRunner):
         allowed = torch.cat([torch.ones(n, base, dtype=torch.bool), lay.anc], dim=1)
         pos = torch.tensor([[base + d for d in lay.depth]])
         kpos = torch.cat([torch.arange(base), pos[0]])[None]
-        mask = layer_masks(self.target.config, allowed[None], pos, kpos, self.target.dtype)
+        mask = layer_masks(self.windows, allowed[None], pos, kpos, self.target.dtype)
         return self._run(
             lay.tokens, attention_mask=on(mask, self.device), position_ids=pos.to(self.device)
         )

@@ -91,7 +91,7 @@ def window_layers(config) -> tuple[int | None, list[bool]]:
 
 
 def layer_masks(
-    config,
+    windows: tuple[int | None, list[bool]],
     allowed: torch.Tensor,
     qpos: torch.Tensor,
     kpos: torch.Tensor,
@@ -99,10 +99,11 @@ def layer_masks(
 ):
     """The ``attention_mask`` argument of a forward with an explicit pattern: ``allowed``
     (B, Q, K) bool (True = attend), as an additive (B, 1, Q, K) mask, with the sliding-window
-    layers' window applied from the query and key positions ``qpos`` (B, Q), ``kpos`` (B, K)
-    (a key is seen while ``q - k < window``, transformers' rule). A model mixing window and
-    full layers gets one mask per layer type, as its forward takes them."""
-    window, sliding = window_layers(config)
+    layers' window (``windows``: ``window_layers(config)``, taken once per target) applied from
+    the query and key positions ``qpos`` (B, Q), ``kpos`` (B, K) (a key is seen while
+    ``q - k < window``, transformers' rule). A model mixing window and full layers gets one
+    mask per layer type, as its forward takes them."""
+    window, sliding = windows
     full = additive_mask(allowed, dtype)[:, None]
     if window is None:
         return full

@@ -251,7 +251,6 @@ def layer_shape(tc: Any) -> dict[str, Any]:
     Llama layer with a SiLU MLP and no biases (vLLM refuses Gemma's GELU there, and its layout
     has no place for GPT-OSS's attention biases), so every draft layer is built that way."""
     H, heads = tc.hidden_size, tc.num_attention_heads
-    act, bias = "silu", False
     return {
         "H": H,
         "heads": heads,
@@ -259,11 +258,11 @@ def layer_shape(tc: Any) -> dict[str, Any]:
         "head_dim": getattr(tc, "head_dim", None) or H // heads,
         "I": tc.intermediate_size,
         "V": tc.vocab_size,
-        "act": act,
+        "act": "silu",
         "eps": getattr(tc, "rms_norm_eps", None) or 1e-6,
         "max_pos": getattr(tc, "max_position_embeddings", None) or 4096,
         "rope": full_attention_rope(tc),
-        "attention_bias": bool(bias),
+        "attention_bias": False,
     }
 
 

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -26,19 +25,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def machine() -> str:
-    """The CPU's name (with its family and model number where the name is generic, as on
-    cloud machines) and core count."""
-    name, fields = platform.processor() or platform.machine(), {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            fields.setdefault(k.strip(), v.strip())
-    except OSError:
-        pass
-    name = fields.get("model name", name)
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']} model {fields['model']})"
-    return f"{name}, {os.cpu_count()} cores"
+    """The CPU (name, family and model, native bf16 or not) and its core count."""
+    from decoding.engines.base import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def run_tests(cells: Path, extra: list[str]) -> tuple[int, list[str]]:

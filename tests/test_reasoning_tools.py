@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_data import masked_spans
 
 from data.chat import assistant_char_spans, prompt_ids, tokenize_conversation
 from data.conversations import load_conversations, normalise_record
@@ -58,16 +59,7 @@ def masked(tok, record, reasoning="keep") -> list[str]:
     """The loss mask as the texts of its runs of masked tokens, token by token decoded."""
     msgs = normalise_record(record)
     enc = tokenize_conversation(tok, msgs, 4096, record.get("tools"), reasoning)
-    runs, cur = [], []
-    for t, m in zip(enc["input_ids"], enc["loss_mask"], strict=True):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(tok.decode(cur))
-            cur = []
-    if cur:
-        runs.append(tok.decode(cur))
-    return runs
+    return masked_spans(tok, enc["input_ids"], enc["loss_mask"])
 
 
 def test_a_think_block_or_a_reasoning_field_is_kept_apart_from_the_answer():

@@ -214,7 +214,9 @@ class DFlashDraft(DraftMethod):
         vocabulary (k, V) at T > 0 else None). Slots are independent here; a ``sequential``
         draft scores slot i from the token chosen at slot i - 1."""
         R, K = h.shape[:2]
-        if self.sequential:
+        if sampling.greedy and not self.sequential:  # every slot at once
+            j, q_own = self.draft_logits(h).argmax(-1), None
+        else:  # slot by slot, each row drawing its own slots only (its batch-1 stream)
             cols, qs, last = [], [], prev
             for i in range(K):
                 z = self.slot_logits(h[:, i], last)  # (R, Vd)
@@ -224,16 +226,6 @@ class DFlashDraft(DraftMethod):
                 last = j + self.d2t[j]
             j = torch.stack(cols, 1)  # (R, K)
             q_own = None if qs[0] is None else torch.stack(qs, 1)
-        else:
-            z = self.draft_logits(h)  # (R, K, Vd)
-            if sampling.greedy:
-                j, q_own = z.argmax(-1), None
-            else:  # each row draws its own slots only (its stream stays its batch-1 one)
-                q_own = warp(z, sampling)
-                j = torch.zeros(R, K, dtype=torch.long, device=z.device)
-                for r in range(R):
-                    for i in range(ks[r]):
-                        j[r, i] = sample(q_own[r, i], generators[r])
         ids = (j + self.d2t[j]).tolist()
         out = []
         for r in range(R):
@@ -366,16 +358,13 @@ class DFlashDraft(DraftMethod):
         hs = h[b, a, k]
         r = torch.arange(n, device=h.device)
         prev = ids[b, p]  # the token before each slot's (the data's: teacher forcing)
-        if self.sequential:  # logits that read the previous token: unfused
-            z = self.slot_logits(hs, prev)
-            per_row = -(t_prob * z.log_softmax(-1)).sum(-1)
-            loss, rows, arg = (per_row * (w / w.sum())).sum(), per_row.detach(), z.argmax(-1)
-        elif self.target.logit_softcap is None:  # the frozen LM head rows and the soft CE, fused
+        if not self.sequential and self.target.logit_softcap is None:
+            # the frozen LM head rows and the soft CE, fused
             loss, rows, arg = linear_soft_cross_entropy(
                 self.norm(hs), self.lm_rows(), t_prob, r, w / w.sum()
             )
-        else:  # a capped head goes unfused
-            z = self.draft_logits(hs)
+        else:  # logits that read the previous token, or a capped head: unfused
+            z = self.slot_logits(hs, prev)
             per_row = -(t_prob * z.log_softmax(-1)).sum(-1)
             loss, rows, arg = (per_row * (w / w.sum())).sum(), per_row.detach(), z.argmax(-1)
         hit = (arg == t_arg).float()
@@ -417,7 +406,7 @@ class DFlashDraft(DraftMethod):
             anc, val = order[:, i : i + c], valid[:, i : i + c]
             h = self.run_blocks(f, ids, attn, anc)
             agree_so_far = val.clone()
-            last = ids.gather(1, anc)  # the token before slot 1; then the draft's own
+            first = last = ids.gather(1, anc)  # the token before slot 1; then the draft's own
             for j in range(1, K + 1):
                 p = anc + j - 1
                 ok = val & (p < T)
@@ -434,7 +423,7 @@ class DFlashDraft(DraftMethod):
                     agree[rows] = d == t
                     if j == 1:
                         ce = soft_cross_entropy(
-                            self.slot_logits(hs, ids.gather(1, anc)[rows]),
+                            self.slot_logits(hs, first[rows]),
                             self.target_logits(fin, draft_only=True),
                         )
                         out["loss_cls"] += metric(ce * len(hs), len(hs))
