@@ -44,6 +44,8 @@ def policies_of(cfg) -> list[str]:
         return list(cfg.batch_policies)
     if cfg.stop == "goodput":
         return ["goodput"]
+    if cfg.stop == "confidence":  # the draft's confidence head sizes each row's chain
+        return ["fixed"]
     return ["adaptive" if cfg.adaptive else "fixed"]
 
 

@@ -61,6 +61,21 @@ from .settings import EvalConfig, EvalError, bench_questions, stop_ids, validate
 from .stats import Stats, acceptance_where
 
 
+def confidence_stop(proposer, cfg) -> str:
+    """Turn on a draft's confidence schedule (``stop=confidence``); what the report says of it."""
+    method = proposer.method
+    use = getattr(method, "confidence_stop", None)
+    if use is None:
+        raise EvalError(
+            f"stop=confidence: draft={cfg.draft} has no confidence head (DSpark drafts do)"
+        )
+    try:
+        use(cfg.confidence_threshold)
+    except DraftError as e:
+        raise EvalError(f"stop=confidence: {e}") from None
+    return f", confidence stop (running product >= {cfg.confidence_threshold})"
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from .engines import ENGINES
 
@@ -110,6 +125,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
         tok = target.tokenizer
         stop = stop_ids(cfg, tok)
+        if cfg.stop == "confidence":
+            draft_desc += confidence_stop(proposer, cfg)
         try:
             report = evaluate_batched(cfg, target, proposer, draft_desc, questions, sampling, stop)
         except BatchError as e:
@@ -135,6 +152,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.stop == "disco":
         stop_rule = load_stop_rule(cfg.disco, cfg.draft, proposer)
         draft_desc += f", DISCO stop ({stop_rule.describe()})"
+    if cfg.stop == "confidence":
+        draft_desc += confidence_stop(proposer, cfg)
     traces: list | None = [] if cfg.traces else None
     method = proposer.method  # the trained draft behind it, if any
     changed = method.changes_target() if method is not None else None
@@ -162,7 +181,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             sampling,
             gamma=tree_depth or cfg.gamma,
             # a learned stop rule replaces the gamma controller: it drafts up to gamma tokens
-            adaptive=cfg.adaptive and stop_rule is None,
+            adaptive=cfg.adaptive and stop_rule is None and cfg.stop != "confidence",
             seed=cfg.seed,
             acceptance=cfg.acceptance,
             draft_sampling=cfg.draft_sampling,

@@ -86,8 +86,13 @@ class EvalConfig:
     # <draft folder>/disco) predicts a rejection
     # stop=goodput (SmartSpec): one speculation length per iteration for the whole batch, the
     # one that maximises expected accepted tokens / predicted step time (decoding/batch.py)
+    # stop=confidence (DSpark): draft the block and verify its slots while the confidence
+    # head's running product of acceptance estimates is at least confidence_threshold (a slot
+    # is worth verifying when the chance that it and every slot before it are accepted pays for
+    # its share of the verification forward)
     stop: str = "gamma"
     disco: str | None = None
+    confidence_threshold: float = 0.2
     # the serving regime (decoding/batch.py): B requests decoded together with continuous
     # batching, plain and speculative at the same B; batch_sizes sweeps (e.g. [1,4,16]) and
     # batch_policies compares fixed (gamma), adaptive (today's controller per request) and
@@ -225,7 +230,10 @@ def validate(cfg: DictConfig) -> None:
         check_mode(cfg.draft_weights)  # here too: drafts without weights (ngram...) never read it
     except ValueError as e:
         raise EvalError(str(e)) from None
-    if cfg.stop not in ("gamma", "disco", "goodput"):
+    if cfg.stop not in ("gamma", "disco", "goodput", "confidence"):
         raise EvalError(
-            f"stop={cfg.stop!r}: use gamma (the gamma controller), disco or goodput (SmartSpec)"
+            f"stop={cfg.stop!r}: use gamma (the gamma controller), disco, goodput (SmartSpec) "
+            "or confidence (a DSpark draft's confidence head)"
         )
+    if not 0 <= cfg.confidence_threshold <= 1:
+        raise EvalError(f"confidence_threshold={cfg.confidence_threshold}: must be in [0, 1]")

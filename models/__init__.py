@@ -10,6 +10,7 @@ and serving-layout checkpoints through ``FORMATS``.
 from . import dflash, distillspec, dspark, eagle, falcon, hass, medusa, mlp_speculator, peagle
 from .base import DraftMethod, ExportFormat
 from .dflash import export as dflash_export
+from .dspark import export as dspark_export
 from .eagle import export as eagle_export
 from .medusa import export as medusa_export
 from .mlp_speculator import export as mlp_speculator_export
@@ -24,6 +25,7 @@ METHODS: dict[str, type[DraftMethod]] = {
     "distillspec": distillspec.DistillSpecStudent,
     "mlp_speculator": mlp_speculator.MLPSpeculator,
     "dflash": dflash.DFlashDraft,
+    "domino": dflash.DominoDraft,
     "dspark": dspark.DSparkDraft,
     "peagle": peagle.PEagleHead,
     "falcon": falcon.FalconHead,
@@ -33,6 +35,7 @@ FORMATS: dict[str, ExportFormat] = {
     for f in (
         *eagle_export.FORMATS,
         *dflash_export.FORMATS,
+        *dspark_export.FORMATS,
         *medusa_export.FORMATS,
         *mlp_speculator_export.FORMATS,
         *peagle_export.FORMATS,

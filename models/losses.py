@@ -1,13 +1,26 @@
 """Losses a draft head can train with against the target's distribution, chosen per method by
-``method.loss`` (EAGLE-1, EAGLE-3, Medusa):
+``method.loss`` (EAGLE-1, EAGLE-3, HASS, P-EAGLE, Medusa, the MLP speculator, DFlash, DSpark,
+Domino):
 
 - ``ce``: soft cross-entropy -sum_x p(x) log q(x), the heads' default (EAGLE, Medusa-2's
   self-distillation); minimised at q = p, with gradients everywhere.
 - ``tvd``: total variation 0.5 sum_x |p(x) - q(x)| = 1 - sum_x min(p(x), q(x)), one minus
   the probability that speculative sampling at T = 1 accepts a token drawn from q: the
   acceptance rate itself, DistillSpec's best divergence on the embedded target.
+- ``lk_alpha`` and ``lk_lambda``: the LK losses (arXiv 2602.23881), written on the expected
+  acceptance a = sum_x min(p(x), q(x)) of each row. ``lk_alpha`` is -mean log a (the
+  acceptance's log-likelihood: it pushes hardest where a row accepts least); ``lk_lambda``
+  mixes the soft CE and 1 - mean a with a weight that decays as the acceptance grows,
+  w = scale * exp(-decay * mean a) (detached): CE's gradients early, the acceptance itself
+  once the head is close. Defaults scale = decay = 1, as SpecForge's.
+- ``dpace`` (block and chain drafters, ``dpace_weights``): D-PACE (arXiv 2605.18810) weights
+  each draft position's CE by the acceptance length it can still earn: the sum, over the
+  positions from it to the block's end, of the product of the (smoothed, detached)
+  acceptances up to each; at smoothing 0 these are exactly the derivatives of the expected
+  accepted length with respect to each position's log-acceptance.
 
-Pure functions of logits (N, V) and teacher probabilities (N, V), mean over rows, float32.
+Pure functions of logits (N, V) and teacher probabilities (N, V), mean over rows (or weighted
+by ``weights`` (N,) summing to 1), float32.
 """
 
 from __future__ import annotations
@@ -17,7 +30,12 @@ import torch.nn.functional as F
 
 from .base import DraftError
 
-HEAD_LOSSES = ("ce", "tvd")
+HEAD_LOSSES = ("ce", "tvd", "lk_alpha", "lk_lambda")
+#: the LK-lambda mixing weight: scale * exp(-decay * mean acceptance)
+LK_KL_SCALE, LK_KL_DECAY = 1.0, 1.0
+#: D-PACE's smoothing: position k's acceptance enters the prefix product as
+#: (1 - DPACE_ALPHA) * a_k + DPACE_ALPHA (its paper's and SpecForge's 0.5)
+DPACE_ALPHA = 0.5
 
 
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -128,23 +146,87 @@ def total_variation_probs(
     return 0.5 * (teacher_probs.float() - q).abs().sum(-1).mean()
 
 
-def head_loss(kind: str, student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+def _mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return x.mean() if weights is None else (x * weights).sum()
+
+
+def acceptance_probs(student_logits: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
+    """sum_x min(p(x), q(x)) per row (N,), float32, q = softmax(student): the probability that
+    speculative sampling at T = 1 accepts the row's drafted token."""
+    q = student_logits.float().softmax(-1)
+    return torch.minimum(teacher_probs.float(), q).sum(-1)
+
+
+def lk_loss(
+    kind: str, ce: torch.Tensor, accept: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The LK losses from per-row soft CE ``ce`` (N,) and acceptance ``accept`` (N,):
+    ``lk_alpha`` = -mean log a; ``lk_lambda`` = w CE + (1 - w)(1 - mean a), w = LK_KL_SCALE *
+    exp(-LK_KL_DECAY * mean a) detached. A row with a = 0 adds nothing to ``lk_alpha`` (its
+    log has no gradient to give), as the reference's."""
+    if kind == "lk_alpha":
+        safe = accept.clamp_min(torch.finfo(torch.float32).tiny)
+        return -_mean(torch.where(accept > 0, safe.log(), torch.zeros_like(safe)), weights)
+    if kind == "lk_lambda":
+        a = _mean(accept, weights)
+        w = LK_KL_SCALE * torch.exp(-LK_KL_DECAY * a.detach())
+        return w * _mean(ce, weights) + (1 - w) * (1 - a)
+    raise ValueError(f"method.loss={kind!r}: not an LK loss (lk_alpha, lk_lambda)")
+
+
+def head_loss(
+    kind: str,
+    student_logits: torch.Tensor,
+    teacher_probs: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``method.loss`` named ``kind`` of logits (N, V) against teacher rows (N, V), the
+    mean over rows or their ``weights`` (N,) summing to 1."""
     if kind == "ce":
-        return soft_cross_entropy_probs(student_logits, teacher_probs)
+        if weights is None:
+            return soft_cross_entropy_probs(student_logits, teacher_probs)
+        ce = -(teacher_probs.float() * student_logits.float().log_softmax(-1)).sum(-1)
+        return (ce * weights).sum()
     if kind == "tvd":
-        return total_variation_probs(student_logits, teacher_probs)
+        if weights is None:
+            return total_variation_probs(student_logits, teacher_probs)
+        return 1.0 - _mean(acceptance_probs(student_logits, teacher_probs), weights)
+    if kind in ("lk_alpha", "lk_lambda"):
+        ce = -(teacher_probs.float() * student_logits.float().log_softmax(-1)).sum(-1)
+        return lk_loss(kind, ce, acceptance_probs(student_logits, teacher_probs), weights)
     raise ValueError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
 
 
 def hard_label_loss(kind: str, student_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``head_loss`` against one-hot targets (a head trained on the data's tokens): ``ce`` is
-    cross-entropy, ``tvd`` is 1 - q(label), without building the (N, V) one-hot rows."""
+    cross-entropy, ``tvd`` is 1 - q(label), the LK losses read a = q(label), without building
+    the (N, V) one-hot rows."""
     if kind == "ce":
         return F.cross_entropy(student_logits.float(), labels)
+    logq = student_logits.float().log_softmax(-1).gather(-1, labels[:, None])[:, 0]
     if kind == "tvd":
-        q = student_logits.float().softmax(-1)
-        return 1.0 - q.gather(-1, labels[:, None]).mean()
+        return 1.0 - logq.exp().mean()
+    if kind in ("lk_alpha", "lk_lambda"):
+        return lk_loss(kind, -logq, logq.exp())
     raise ValueError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
+
+
+def dpace_weights(
+    accept: torch.Tensor, valid: torch.Tensor, alpha: float = DPACE_ALPHA
+) -> torch.Tensor:
+    """D-PACE's position weights (N, K) for N blocks (or chains) of K draft positions, from each
+    position's acceptance ``accept`` (N, K) in [0, 1] and whether it is labelled ``valid``
+    (N, K) bool: with s_k = (1 - alpha) a_k + alpha (1 where not valid) and P_j = prod_{i<=j}
+    s_i, w_k = sum_{j >= k, valid} P_j, zero where not valid; detached. At alpha = 0, w_k is
+    d E[accepted length] / d log a_k with E = sum_j P_j."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"D-PACE smoothing alpha={alpha}: must be in [0, 1]")
+    with torch.no_grad():
+        v = valid.to(accept.dtype)
+        s = torch.where(valid, (1.0 - alpha) * accept + alpha, torch.ones_like(accept))
+        prefix = s.cumprod(-1)
+        suffix = (prefix * v).flip(-1).cumsum(-1).flip(-1)
+        return suffix * v
 
 
 def top_k_distillation(
@@ -161,10 +243,11 @@ def top_k_distillation(
     return -(p * logq).sum(-1).mean()
 
 
-def check_head_loss(kind: str) -> str:
-    """``kind`` if it names a head loss, else a one-line error naming ``method.loss``."""
-    if kind not in HEAD_LOSSES:
-        raise DraftError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES)}")
+def check_head_loss(kind: str, extra: tuple[str, ...] = ()) -> str:
+    """``kind`` if it names a head loss (or one of a method's ``extra`` ones, as a block
+    drafter's ``dpace``), else a one-line error naming ``method.loss``."""
+    if kind not in HEAD_LOSSES + extra:
+        raise DraftError(f"method.loss={kind!r}: use one of {', '.join(HEAD_LOSSES + extra)}")
     return kind
 
 

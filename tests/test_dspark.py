@@ -54,7 +54,7 @@ def test_each_slot_reads_the_token_drafted_before_it(tiny_target):
         )
         prev, want = ids[0, n - 1 : n], []
         for i in range(1, 5):
-            j = d.slot_logits(h[0, :, i], prev).argmax(-1)
+            j = d.slot_logits(h[0, :, i], d.prefix_states(prev), i).argmax(-1)
             prev = j + d.d2t[j]
             want.append(int(prev))
         independent = d.draft_logits(h[0, 0, 1:]).argmax(-1)
@@ -79,10 +79,16 @@ def test_an_untrained_markov_head_drafts_as_its_dflash_backbone(tiny_target):
     assert ds.got == df.got
 
 
-@pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.9, top_k=8)], ids=["T1", "T0.9-k8"])
-def test_sampled_dspark_blocks_follow_the_target(small_vocab_target, s):
+@pytest.mark.parametrize(
+    "s,threshold",
+    [(Sampling(1.0), None), (Sampling(0.9, top_k=8), None), (Sampling(1.0), 0.3)],
+    ids=["T1", "T0.9-k8", "T1-confidence-stop"],
+)
+def test_sampled_dspark_blocks_follow_the_target(small_vocab_target, s, threshold):
     """Chi-square on the first two tokens (false-alarm rate 1e-3): slot 2 is drawn from a
-    distribution that depends on slot 1's draw, and the verifier is handed exactly that one."""
+    distribution that depends on slot 1's draw, and the verifier is handed exactly that one;
+    with the confidence schedule on, whether slot i is proposed depends on the draws before it,
+    and the output is still the target's."""
     from decoding.decoder import SpeculativeDecoder
 
     d = DSparkDraft(
@@ -94,9 +100,16 @@ def test_sampled_dspark_blocks_follow_the_target(small_vocab_target, s):
     lively(d, 3)
     with torch.no_grad():
         d.markov_head.markov_w2.weight.normal_(0, 3.0)
+        if threshold is not None:  # estimates that vary with the previous token
+            g = torch.Generator().manual_seed(11)
+            d.confidence.weight.copy_(torch.randn(d.confidence.weight.shape, generator=g) * 0.3)
+            d.confidence.bias.fill_(1.0)  # around 0.7 a slot: 1 to 3 slots proposed
+    d.confidence_stop(threshold)
     dec = SpeculativeDecoder(small_vocab_target, d.proposer(), s, gamma=3, adaptive=False, seed=5)
     assert_first_two_tokens_follow_the_target(small_vocab_target, dec, [1, 2, 3], s, gen=3)
     assert 0.02 < dec.stats.alpha < 0.98
+    if threshold is not None:  # the schedule varied the chain's length
+        assert len([g for g, n in dec.stats.gamma_used.items() if n]) >= 2
 
 
 def test_the_batched_decoder_drafts_what_batch_one_does(tiny_target):
@@ -165,3 +178,70 @@ def test_bad_settings_are_one_line_errors(tiny_target):
         DSparkDraft(tiny_target, DSparkConfig(**{**SMALL, "markov_rank": 0}))
     with pytest.raises(DraftError, match="method.confidence_weight=-1"):
         DSparkDraft(tiny_target, DSparkConfig(**{**SMALL, "confidence_weight": -1.0}))
+
+
+def test_the_confidence_schedule_proposes_the_slots_it_trusts(tiny_target):
+    """stop=confidence: a block's slots are proposed while the running product of the
+    confidence head's estimates stays >= the threshold, a leading run of the block drafted
+    without it; a threshold above the first slot's estimate proposes nothing."""
+    import math
+
+    d = lively(DSparkDraft(tiny_target, DSparkConfig(**SMALL)), 1)
+    with torch.no_grad():  # every slot's estimate 0.6: running products .6 .36 .216 .13
+        d.confidence.weight.zero_()
+        d.confidence.bias.fill_(math.log(0.6 / 0.4))
+
+    def proposal(threshold):
+        d.confidence_stop(threshold)
+        _, _, state = _state(tiny_target)
+        p = d.proposer()
+        p.start(state)
+        return p.propose(state, 4).tokens
+
+    full = proposal(None)
+    assert len(full) == 4
+    assert proposal(0.2) == full[:3]
+    assert proposal(0.5) == full[:1]
+    assert proposal(0.7) == []
+    d.confidence_stop(None)
+
+
+def test_decoding_with_the_confidence_schedule_is_lossless(tiny_target):
+    """The schedule reads only the draft's own outputs: greedy speculative decoding with it
+    is the target's greedy output, at batch 1 and in the batched decoder."""
+    from decoding.batch import BatchDecoder
+    from decoding.decoder import SpeculativeDecoder
+    from models.target import GenRequest
+
+    d = lively(DSparkDraft(tiny_target, DSparkConfig(**SMALL)), 5)
+    d.confidence_stop(0.3)
+    prompts = [list(range(40, 60)), list(range(70, 76))]
+    plain = SpeculativeDecoder(tiny_target, d.proposer(), Sampling(), gamma=0, adaptive=False)
+    ref = [plain.generate(p, 20) for p in prompts]
+    one = SpeculativeDecoder(tiny_target, d.proposer(), Sampling(), gamma=4, adaptive=False)
+    assert [one.generate(p, 20) for p in prompts] == ref
+    bdec = BatchDecoder(
+        tiny_target, d.proposer(), Sampling(), batch_size=2, gamma=4, compile="false"
+    )
+    out = bdec.run([GenRequest(i, p) for i, p in enumerate(prompts)], 20)
+    assert [out[i] for i in range(2)] == ref
+    d.confidence_stop(None)
+
+
+def test_stop_confidence_needs_a_confidence_head(tiny_target):
+    from omegaconf import OmegaConf
+
+    from decoding.eval import EvalError, confidence_stop
+
+    cfg = OmegaConf.create({"draft": "runs/x", "confidence_threshold": 0.2})
+    dflash = DFlashDraft(
+        tiny_target, DFlashConfig(**{k: v for k, v in SMALL.items() if k != "markov_rank"})
+    )
+    with pytest.raises(EvalError, match="draft=runs/x has no confidence head"):
+        confidence_stop(dflash.proposer(), cfg)
+    headless = DSparkDraft(tiny_target, DSparkConfig(**SMALL, confidence_head=False))
+    with pytest.raises(EvalError, match="without a confidence head"):
+        confidence_stop(headless.proposer(), cfg)
+    d = DSparkDraft(tiny_target, DSparkConfig(**SMALL))
+    assert "confidence stop" in confidence_stop(d.proposer(), cfg)
+    assert d.stop_threshold == 0.2

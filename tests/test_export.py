@@ -112,6 +112,49 @@ def test_speculators_layout_variants_round_trip(target4, tmp_path):
         export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_eagle3_1_round_trips_where_vllm_reads_it(target4, tmp_path, fmt):
+    """EAGLE 3.1 (a norm per fused layer, normed outputs fed forward) exports to both vLLM
+    layouts with its flags and fc_norm.{0,1,2}, reads back identically, and differs from the
+    head without the norms; the layouts no engine reads them from refuse in one line."""
+    flags = {"fc_norm": True, "norm_output": True}
+    head = eagle3(target4, **flags)
+    with torch.no_grad():
+        for i, n in enumerate(head.fc_norm):
+            n.weight.mul_(1.0 + 0.5 * i)  # distinct, so a swapped or dropped norm shows
+    out = tmp_path / fmt
+    export(head, fmt, out, dtype="float32", log=lambda *_: None)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= names
+    back = import_draft(out, target4)
+    assert back.cfg.fc_norm and back.cfg.norm_output
+    prompt = ex.default_prompt(target4)
+    a, b = ex.proposals(head, prompt), ex.proposals(back, prompt)
+    assert torch.equal(a.pop("logits"), b.pop("logits")) and a == b
+    plain = eagle3(target4, norm_output=True)
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if "fc_norm" not in k})
+    assert not torch.equal(
+        ex.proposals(plain, prompt)["logits"], ex.proposals(head, prompt)["logits"]
+    )
+    with pytest.raises(ExportError, match="fc_norm=True.*--format vllm or --format speculators"):
+        export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
+
+
+def test_eagle3_1_fused_state_ignores_each_layers_scale(target4):
+    """With a norm per fused layer, scaling one layer's features (the drift EAGLE 3.1 fixes)
+    leaves the fused state as it was; without, it moves it."""
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(5, 4, target4.hidden_size, generator=g)
+    scaled = f.clone()
+    scaled[:, 2] *= 40.0
+    h31, h3 = eagle3(target4, fc_norm=True), eagle3(target4)
+    with torch.no_grad():
+        assert torch.allclose(h31.initial_hidden(f), h31.initial_hidden(scaled), atol=1e-4)
+        assert not torch.allclose(h3.initial_hidden(f), h3.initial_hidden(scaled), atol=1e-2)
+
+
 def test_bf16_export_is_compared_at_its_own_precision(target4, tmp_path):
     export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
     w = load_file(str(tmp_path / "v" / "model.safetensors"))

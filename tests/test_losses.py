@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 
 from models.eagle import feature_regression_loss, position_mask
 from models.losses import (
+    HEAD_LOSSES,
+    acceptance_probs,
+    dpace_weights,
     hard_label_loss,
     head_loss,
     linear_soft_cross_entropy,
@@ -214,10 +217,10 @@ def test_top_k_distillation_is_soft_ce_on_the_teachers_top_k(t, data):
 def test_hard_label_loss_is_head_loss_against_one_hot_rows():
     s, labels = torch.randn(5, 9), torch.randint(0, 9, (5,))
     one_hot = torch.zeros(5, 9).scatter(1, labels[:, None], 1.0)
-    for kind in ("ce", "tvd"):
+    for kind in HEAD_LOSSES:
         assert torch.allclose(
-            hard_label_loss(kind, s, labels), head_loss(kind, s, one_hot), atol=1e-6
-        )
+            hard_label_loss(kind, s, labels), head_loss(kind, s, one_hot), atol=1e-5
+        ), kind
     with pytest.raises(ValueError, match="method.loss='kl'"):
         hard_label_loss("kl", s, labels)
 
@@ -260,3 +263,83 @@ def test_position_mask_requires_every_read_and_predicted_token_be_assistant():
     assert m1.tolist() == [[True, True, True, False, False]]
     # step 2 at start s reads x_{s+1..s+2}, predicts x_{s+3}: s = 0, 1
     assert m2.tolist() == [[True, True, False, False, False]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(logit_rows, st.data())
+def test_lk_losses_are_zero_or_smallest_at_q_equals_p_and_weights_average_rows(t, data):
+    p = t.softmax(-1)
+    s = t + torch.tensor(
+        data.draw(st.lists(st.floats(-3, 3), min_size=t.shape[1], max_size=t.shape[1])),
+        dtype=t.dtype,
+    )
+    a = acceptance_probs(s, p)
+    assert ((a >= -1e-6) & (a <= 1 + 1e-6)).all()
+    # LK-alpha: -mean log a, zero exactly where the draft is the target
+    assert torch.allclose(head_loss("lk_alpha", s, p), -a.clamp_min(1e-30).log().mean(), atol=1e-5)
+    assert head_loss("lk_alpha", t, p) < 1e-5
+    assert head_loss("lk_alpha", s, p) >= -1e-6
+    # LK-lambda lies between its two terms, with the weight exp(-mean a)
+    ce, tv = head_loss("ce", s, p), 1 - a.mean()
+    lam = head_loss("lk_lambda", s, p)
+    w = torch.exp(-a.mean())
+    assert torch.allclose(lam, w * ce + (1 - w) * tv, atol=1e-5)
+    assert min(ce, tv) - 1e-5 <= lam <= max(ce, tv) + 1e-5
+    # uniform weights are the plain mean, for every loss
+    n = t.shape[0]
+    for kind in HEAD_LOSSES:
+        assert torch.allclose(
+            head_loss(kind, s, p, torch.full((n,), 1.0 / n)), head_loss(kind, s, p), atol=1e-5
+        ), kind
+
+
+def test_lk_alpha_pushes_hardest_on_the_row_that_accepts_least():
+    p = torch.tensor([[0.9, 0.1], [0.9, 0.1]])
+    s = torch.tensor([[2.0, 0.0], [-2.0, 0.0]], requires_grad=True)  # row 2 accepts less
+    head_loss("lk_alpha", s, p).backward()
+    g = s.grad.abs().sum(-1)
+    assert g[1] > g[0]
+
+
+accept_blocks = st.integers(1, 4).flatmap(
+    lambda n: st.integers(1, 7).flatmap(
+        lambda k: st.tuples(
+            st.lists(st.floats(0, 1), min_size=n * k, max_size=n * k),
+            st.lists(st.booleans(), min_size=n * k, max_size=n * k),
+        ).map(
+            lambda xs: (
+                torch.tensor(xs[0], dtype=torch.float64).reshape(n, k),
+                torch.tensor(xs[1]).reshape(n, k),
+            )
+        )
+    )
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(accept_blocks, st.floats(0, 1))
+def test_dpace_weights_are_the_acceptance_length_still_to_earn(blocks, alpha):
+    a, valid = blocks
+    w = dpace_weights(a, valid, alpha)
+    assert not w.requires_grad
+    assert (w[~valid] == 0).all()
+    # non-increasing along the block over its labelled positions: a later position can only
+    # earn what the earlier ones let through
+    for r in range(a.shape[0]):
+        ws = w[r][valid[r]]
+        assert (ws[1:] <= ws[:-1] + 1e-9).all()
+    # alpha = 1: every labelled position counts fully, w_k = labelled positions from k on
+    ones = dpace_weights(a, valid, 1.0)
+    count = valid.double().flip(-1).cumsum(-1).flip(-1) * valid
+    assert torch.allclose(ones, count)
+    # alpha = 0: the derivatives of the expected accepted length sum_j prod_{i<=j} a_i
+    # (unlabelled positions pass through) with respect to each log a_k
+    la = a.clamp_min(1e-6).log().requires_grad_(True)
+    s = torch.where(valid, la.exp(), torch.ones_like(la))
+    (s.cumprod(-1) * valid).sum().backward()
+    assert torch.allclose(dpace_weights(a.clamp_min(1e-6), valid, 0.0), la.grad * valid, atol=1e-9)
+
+
+def test_dpace_refuses_a_smoothing_outside_0_1():
+    with pytest.raises(ValueError, match="alpha=1.5"):
+        dpace_weights(torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), 1.5)

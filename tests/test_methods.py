@@ -31,6 +31,15 @@ SMALL = {
         "method.num_layers=1",
         "method.fuse_layers=[1,3]",
     ],
+    "domino": [
+        "method.draft_vocab_size=64",
+        "method.mask_token_id=5",
+        "method.block_size=4",
+        "method.num_layers=1",
+        "method.fuse_layers=[1,3]",
+        "method.gru_hidden=16",
+        "method.correction_dim=8",
+    ],
     "dspark": [
         "method.draft_vocab_size=64",
         "method.mask_token_id=5",

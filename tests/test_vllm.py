@@ -200,8 +200,9 @@ def _head(target, method: str):
     from models import METHODS
 
     torch.manual_seed(0)
+    method, flags = VARIANTS.get(method, (method, {}))
     cls = METHODS[method]
-    cfg = cls.config_class()
+    cfg = cls.config_class(**flags)
     if hasattr(cfg, "fuse_layers"):
         cfg.fuse_layers = [1, 2, 3]
     if hasattr(cfg, "draft_vocab_size"):
@@ -217,10 +218,15 @@ def _head(target, method: str):
     return head
 
 
+#: a method's variants as options of its config: (method, options)
+VARIANTS = {"eagle3_1": ("eagle3", {"fc_norm": True, "norm_output": True})}
+
 #: (export format, method of the head exported) for every format vLLM serves
 SERVED = [
     ("vllm", "eagle3"),
     ("speculators", "eagle3"),
+    ("vllm", "eagle3_1"),
+    ("speculators", "eagle3_1"),
     ("sglang", "eagle3"),
     ("vllm", "hass"),
     ("eagle1", "eagle1"),
@@ -231,10 +237,14 @@ SERVED = [
 ]
 
 
+#: formats vLLM serves on GPUs only, with the reason its CPU build gives (pinned below)
+GPU_ONLY = {"dspark": "Model Runner V1 does not support: dspark speculative decoding"}
+
+
 def test_every_format_said_to_be_served_is_checked_in_vllm():
     from decoding.engines.vllm_eval import served_formats
 
-    assert set(served_formats()) == {f for f, _ in SERVED}
+    assert set(served_formats()) == {f for f, _ in SERVED} | set(GPU_ONLY)
 
 
 @needs_vllm
@@ -298,6 +308,27 @@ def test_formats_vllm_refuses_are_pinned_to_its_reason(tiny_served, tmp_path):
         with VLLMWorker(folder, speculative=bare, dtype="float32", max_model_len=256) as w:
             w.complete([1, 2, 3], 4)
     assert '"method": "eagle3"' in (sp / "README.md").read_text()
+
+
+@needs_vllm
+@pytest.mark.parametrize("fmt", sorted(GPU_ONLY))
+def test_formats_vllm_serves_on_gpus_only_are_refused_by_the_cpu_build(tiny_served, tmp_path, fmt):
+    """DSpark lives in vLLM's V2 GPU model runner; the CPU build runs the V1 runner, which
+    refuses the method by name (V2 needs Triton). The export is checked by reading it back;
+    the folder's README says where vLLM serves it."""
+    from decoding.engines.vllm_eval import VLLMWorker, speculative_config
+    from models.export import export
+
+    target, folder = tiny_served
+    out = tmp_path / fmt
+    head = _head(target, fmt)
+    export(head, fmt, out, dtype="float32", log=lambda *_: None)
+    spec = speculative_config(out, fmt, 3)
+    assert spec["method"] == fmt and spec["num_speculative_tokens"] == head.cfg.block_size - 1
+    with pytest.raises(EngineError, match=GPU_ONLY[fmt]):
+        with VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256) as w:
+            w.complete([1, 2, 3], 4)
+    assert "V2 GPU model runner" in (out / "README.md").read_text()
 
 
 @needs_vllm

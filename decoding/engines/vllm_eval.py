@@ -72,6 +72,7 @@ FORMAT_OF_METHOD = {
     "medusa1": "medusa-vllm",
     "medusa2": "medusa-vllm",
     "dflash": "dflash",
+    "dspark": "dspark",
     "peagle": "peagle",
 }
 #: vLLM's acceptance rules, by our name: (draft_sample_method, rejection_sample_method)

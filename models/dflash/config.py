@@ -35,5 +35,28 @@ class DFlashConfig:
     #: the frozen target LM head's rows the draft scores (the most frequent assistant tokens of
     #: the training split); None: a quarter of the target's vocabulary, as EAGLE-3's
     draft_vocab_size: int | None = None
+    #: the loss of each slot against the target (models/losses.py): ce | tvd | lk_alpha |
+    #: lk_lambda (each slot weighted by ``decay``), or dpace (D-PACE: each slot weighted by the
+    #: acceptance length still to earn from it, ``decay`` unused)
+    loss: str = "ce"
+    #: Domino's logit correction (arXiv 2605.29707): none, or gru: a GRU over the target
+    #: embeddings of the block's tokens so far (slot 0 = the last accepted token, then the
+    #: drafted ones) and an MLP of [slot state; GRU state] adding logits over the draft
+    #: vocabulary, so a slot reads the tokens drafted before it
+    correction: str = "none"
+    #: the GRU's width and the MLP's inner width (Domino's 1024 and 256 at hidden size 4096)
+    gru_hidden: int = 256
+    correction_dim: int = 128
+    #: the first slot (1-based) the correction applies to: Domino leaves slot 1 (its
+    #: ``pure_draft_prefix_len`` 1) to the backbone alone
+    corrected_from: int = 2
     val_positions: int = 5
     lm_head_chunk: int = 2048
+
+
+@dataclass
+class DominoConfig(DFlashConfig):
+    """Domino: DFlash with its GRU logit correction (``method=domino`` selects this)."""
+
+    name: str = "domino"
+    correction: str = "gru"

@@ -36,6 +36,12 @@ class SpeculatorsDFlash(ExportFormat):
         return int(config["block_size"]) - 1  # one block a draft forward
 
     def tensors(self, draft: DFlashDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        if draft.cfg.correction != "none":
+            raise ExportError(
+                f"--format {self.name}: this draft has Domino's GRU logit correction "
+                f"(method.correction={draft.cfg.correction}), which the layout has no place "
+                "for (vLLM serves no Domino draft); use the saved draft in the built-in decoder"
+            )
         out = {k: v for k, v in draft.state_dict().items() if k not in ("d2t", "t2d")}
         out["embed_tokens.weight"] = draft.target.embed_tokens.weight
         out["lm_head.weight"] = draft.lm_rows()
@@ -171,7 +177,13 @@ class SpeculatorsDFlash(ExportFormat):
             mask_token_id=config.get("mask_token_id"),
             draft_vocab_size=int(config.get("draft_vocab_size") or V),
         )
-        draft = DFlashDraft(target, cfg)
+        return self._fill(DFlashDraft(target, cfg), tensors, folder, "DFlash")
+
+    def _fill(self, draft: DFlashDraft, tensors: dict, folder: Path, what: str) -> DFlashDraft:
+        """``draft`` with the folder's ``tensors`` loaded (the target's embedding dropped, its
+        LM head rows checked to be the target's own)."""
+        target, cfg = draft.target, draft.cfg
+        V = target.config.vocab_size
         draft.vocab_chosen = True  # the mapping a checkpoint holds is the one it was trained with
         tensors.pop("embed_tokens.weight", None)  # ours is the target's
         lm = tensors.pop("lm_head.weight", None)
@@ -183,7 +195,7 @@ class SpeculatorsDFlash(ExportFormat):
         missing, unexpected = draft.load_state_dict(tensors, strict=False)
         if missing or unexpected:
             raise ExportError(
-                f"{folder}: weights do not fit a DFlash draft for {target.identity} "
+                f"{folder}: weights do not fit a {what} draft for {target.identity} "
                 f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
             )
         if lm is not None:  # this draft scores with the target's rows: a trained head cannot load

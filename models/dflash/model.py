@@ -11,8 +11,14 @@ p + k, so one forward drafts B - 1 tokens.
 
 Training: random anchors on assistant positions, every block of a batch in one masked pass;
 slot k's cross-entropy against the target's distribution at p + k - 1 (soft) or its argmax
-(hard), weighted exp(-(k - 1) / decay). The draft scores a reduced vocabulary: the frozen
-target LM head's rows for the most frequent assistant tokens (``d2t``/``t2d`` as EAGLE-3's).
+(hard), weighted exp(-(k - 1) / decay), or another ``method.loss`` (the LK losses; D-PACE's
+acceptance-length weights). The draft scores a reduced vocabulary: the frozen target LM head's
+rows for the most frequent assistant tokens (``d2t``/``t2d`` as EAGLE-3's).
+
+Domino (``method=domino``, ``method.correction=gru``): a GRU over the block's tokens so far and
+a small MLP add a correction to each slot's logits from ``corrected_from`` on, so slot k reads
+the tokens chosen at slots 0..k-1 and a block is drafted slot after slot (``sequential``), at
+the cost of a GRU step per slot. DSpark (``models/dspark``) is the same shape with a Markov head.
 
 Sections: attention, module, training, evaluation, decoding, save/load.
 """
@@ -39,11 +45,18 @@ from ..base import (
 )
 from ..blocks import context_kv, layer_over_blocks, rope
 from ..eagle.model import VOCAB_CHOSEN, assistant_token_counts, draft_vocab, saved_vocab_chosen
-from ..losses import linear_soft_cross_entropy, soft_cross_entropy
+from ..losses import (
+    acceptance_probs,
+    check_head_loss,
+    dpace_weights,
+    head_loss,
+    linear_soft_cross_entropy,
+    soft_cross_entropy,
+)
 from ..quant import quantize_linears
 from ..sampling import sample, warp
 from ..target import Target, TargetError, layer_shape
-from .config import DFlashConfig
+from .config import DFlashConfig, DominoConfig
 
 # ---------------------------------------------------------------------------------------------
 # Training helpers
@@ -81,6 +94,36 @@ def qwen3_layer_config(target: Target, num_layers: int):
     return target.draft_layer_config("qwen3", num_layers)
 
 
+class GRUCorrection(nn.Module):
+    """Domino's logit correction: ``prefix_gru`` (H -> G, no biases) over the target embeddings
+    of a block's tokens, and ``embed_proj`` = Linear(H + G -> E), SiLU, Linear(E -> Vd) of
+    [normed slot state; GRU state], added to the slot's logits. The last projection starts at
+    zero: an untrained correction drafts as the DFlash backbone does."""
+
+    def __init__(self, hidden: int, draft_vocab: int, gru_hidden: int, dim: int):
+        super().__init__()
+        self.prefix_gru = nn.GRU(hidden, gru_hidden, num_layers=1, batch_first=True, bias=False)
+        self.embed_proj = nn.Sequential(
+            nn.Linear(hidden + gru_hidden, dim, bias=False),
+            nn.SiLU(),
+            nn.Linear(dim, draft_vocab, bias=False),
+        )
+        nn.init.zeros_(self.embed_proj[2].weight)
+
+    def states(self, embeds: torch.Tensor) -> torch.Tensor:
+        """(..., n, H) embeddings of a block's first n tokens -> (..., n, G) the GRU's state
+        after each."""
+        w = self.prefix_gru.weight_ih_l0
+        lead = embeds.shape[:-2]
+        x = embeds.reshape(-1, *embeds.shape[-2:]).to(w.dtype)
+        out, _ = self.prefix_gru(x)
+        return out.reshape(*lead, *out.shape[-2:])
+
+    def forward(self, hn: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        w = self.embed_proj[0].weight
+        return self.embed_proj(torch.cat([hn.to(w.dtype), g.to(w.dtype)], -1)).float()
+
+
 class DFlashDraft(DraftMethod):
     """``fc`` + ``hidden_norm`` over the fused features, ``layers`` (the target's decoder
     layer class), a final ``norm``; the target's embedding and LM head by reference. Parameter
@@ -107,6 +150,18 @@ class DFlashDraft(DraftMethod):
             raise DraftError(f"method.layer_arch={cfg.layer_arch!r}: use qwen3 or target")
         if cfg.targets not in ("soft", "hard"):
             raise DraftError(f"method.targets={cfg.targets!r}: use soft or hard")
+        check_head_loss(cfg.loss, ("dpace",))
+        if cfg.correction not in ("none", "gru"):
+            raise DraftError(
+                f"method.correction={cfg.correction!r}: use none (DFlash) or gru (Domino)"
+            )
+        if cfg.correction == "gru" and min(cfg.gru_hidden, cfg.correction_dim) < 1:
+            raise DraftError(
+                f"method.gru_hidden={cfg.gru_hidden}, method.correction_dim="
+                f"{cfg.correction_dim}: both must be >= 1"
+            )
+        if not 1 <= cfg.corrected_from:
+            raise DraftError(f"method.corrected_from={cfg.corrected_from}: slots start at 1")
         if cfg.fuse_layers is None:  # 5 spaced uniformly over 1..L-3 (fewer on tiny targets)
             hi = max(1, L - 3)
             fuse = sorted({round(1 + i * (hi - 1) / 4) for i in range(5)})
@@ -145,6 +200,8 @@ class DFlashDraft(DraftMethod):
         else:
             self.layers = nn.ModuleList(target.new_decoder_layer(i) for i in range(cfg.num_layers))
         self.norm = norm_cls(H, eps=eps)
+        if cfg.correction == "gru":
+            self.correction = GRUCorrection(H, dv, cfg.gru_hidden, cfg.correction_dim)
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         self.t2d[:dv] = True
@@ -192,18 +249,35 @@ class DFlashDraft(DraftMethod):
         """The draft's logits over its vocabulary (..., H) -> (..., Vd), float32."""
         return self.target.logits(self.norm(h), self.lm_rows())
 
-    #: whether a slot's logits depend on the token drafted before it (DSpark's Markov head):
-    #: then slots are scored one after another, each from the token chosen before it
-    sequential = False
+    @property
+    def sequential(self) -> bool:
+        """Whether a slot's logits read the tokens drafted before it in its block (Domino's
+        correction, DSpark's Markov head): then slots are chosen one after another."""
+        return self.cfg.correction != "none"
 
-    def slot_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary of slots (..., H) whose previous tokens (target
-        ids) are ``prev`` (...): DFlash's slots do not read them."""
-        return self.draft_logits(h)
+    def prefix_states(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """What each slot reads of the tokens before it: ``tokens`` (..., n) target ids of a
+        block's slots 0..n-1 (slot 0: the last accepted token) -> (..., n, C), entry i read by
+        slot i + 1 (causal: it depends on tokens 0..i only); None when slots read none."""
+        if self.cfg.correction == "gru":
+            return self.correction.states(self.embed(tokens))
+        return None
 
-    def extra_loss(self, hs, prev, hit) -> tuple[torch.Tensor | None, dict]:
+    def slot_logits(
+        self, h: torch.Tensor, state: torch.Tensor | None, slot: int | torch.Tensor
+    ) -> torch.Tensor:
+        """Logits over the draft vocabulary (..., Vd) of slots ``slot`` (1-based; an int or
+        (...)) with states (..., H) and ``prefix_states`` entries ``state`` (..., C)."""
+        z = self.draft_logits(h)
+        if self.cfg.correction == "gru":
+            c = self.correction(self.norm(h), state)
+            on = torch.as_tensor(slot, device=z.device) >= self.cfg.corrected_from
+            z = z + c * on[..., None].to(c.dtype) if on.dim() else (z + c if on else z)
+        return z
+
+    def extra_loss(self, hs, state, hit) -> tuple[torch.Tensor | None, dict]:
         """A subclass's own training term over the labelled slots (states ``hs`` (n, H), their
-        previous tokens ``prev`` (n,), whether each slot's argmax is the target's ``hit``
+        ``prefix_states`` entries (n, C), whether each slot's argmax is the target's ``hit``
         (n,)), and its metrics; DFlash has none."""
         return None, {}
 
@@ -217,15 +291,17 @@ class DFlashDraft(DraftMethod):
         if sampling.greedy and not self.sequential:  # every slot at once
             j, q_own = self.draft_logits(h).argmax(-1), None
         else:  # slot by slot, each row drawing its own slots only (its batch-1 stream)
-            cols, qs, last = [], [], prev
+            cols, qs, toks = [], [], prev[:, None]
             for i in range(K):
-                z = self.slot_logits(h[:, i], last)  # (R, Vd)
+                st = self.prefix_states(toks)
+                z = self.slot_logits(h[:, i], None if st is None else st[:, -1], i + 1)
                 j, q = self._choose(z, sampling, generators, [ks[r] > i for r in range(R)])
                 cols.append(j)
                 qs.append(q)
-                last = j + self.d2t[j]
+                toks = torch.cat([toks, (j + self.d2t[j])[:, None]], 1)
             j = torch.stack(cols, 1)  # (R, K)
             q_own = None if qs[0] is None else torch.stack(qs, 1)
+        ks = self.confident_lengths(h, prev, j, ks)
         ids = (j + self.d2t[j]).tolist()
         out = []
         for r in range(R):
@@ -233,6 +309,12 @@ class DFlashDraft(DraftMethod):
             q = None if q_own is None or k == 0 else self.to_target_vocab(q_own[r, :k])
             out.append((ids[r][:k], q))
         return out
+
+    def confident_lengths(self, h, prev, j, ks: list[int]) -> list[int]:
+        """How many of each row's drafted slots to propose: ``ks`` as asked, unless a
+        confidence schedule is on (DSpark's ``confidence_stop``). h (R, K, H) slot states,
+        prev (R,) the token before slot 1, j (R, K) the draft ids chosen."""
+        return ks
 
     def _choose(self, z: torch.Tensor, sampling, generators, draw: list[bool]):
         """One slot for every row: (draft ids (R,), their warped distributions (R, Vd) at
@@ -334,6 +416,18 @@ class DFlashDraft(DraftMethod):
         b, a, kk = ok.nonzero(as_tuple=True)
         return b, a, kk + 1, p[b, a, kk]
 
+    def _dpace(self, ce, accept, b, a, k) -> torch.Tensor:
+        """D-PACE over the labelled slots (rows (b, a, k) of their blocks): each slot's CE
+        weighted by the acceptance length still to earn from it (``dpace_weights``), summed
+        over a block's slots, averaged over blocks."""
+        A, K = int(a.max()) + 1, self.cfg.block_size - 1
+        blk = b * A + a
+        grid = accept.new_zeros(int(blk.max()) + 1, K)
+        ok = torch.zeros_like(grid, dtype=torch.bool)
+        grid[blk, k - 1], ok[blk, k - 1] = accept, True
+        w = dpace_weights(grid, ok)[blk, k - 1]
+        return (ce * w).sum() / ok.any(-1).sum()
+
     def forward(self, batch: dict[str, torch.Tensor]) -> StepOutput:
         f = batch["features"]
         ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
@@ -357,18 +451,28 @@ class DFlashDraft(DraftMethod):
         w = slot_weights(self.cfg.block_size, self.cfg.decay).to(h.device)[k - 1]
         hs = h[b, a, k]
         r = torch.arange(n, device=h.device)
-        prev = ids[b, p]  # the token before each slot's (the data's: teacher forcing)
-        if not self.sequential and self.target.logit_softcap is None:
+        state = None
+        if self.sequential:  # what each slot reads of the block's tokens before it (the data's)
+            S, T = self.cfg.block_size, ids.shape[1]
+            pos = (anchors[..., None] + torch.arange(S - 1, device=h.device)).clamp(max=T - 1)
+            st = self.prefix_states(ids.gather(1, pos.flatten(1)).view_as(pos))
+            state = None if st is None else st[b, a, k - 1]
+        kind = self.cfg.loss
+        if kind == "ce" and not self.sequential and self.target.logit_softcap is None:
             # the frozen LM head rows and the soft CE, fused
             loss, rows, arg = linear_soft_cross_entropy(
                 self.norm(hs), self.lm_rows(), t_prob, r, w / w.sum()
             )
-        else:  # logits that read the previous token, or a capped head: unfused
-            z = self.slot_logits(hs, prev)
+        else:  # another loss, logits that read earlier slots, or a capped head: unfused
+            z = self.slot_logits(hs, state, k)
             per_row = -(t_prob * z.log_softmax(-1)).sum(-1)
-            loss, rows, arg = (per_row * (w / w.sum())).sum(), per_row.detach(), z.argmax(-1)
+            if kind == "dpace":
+                loss = self._dpace(per_row, acceptance_probs(z.detach(), t_prob), b, a, k)
+            else:
+                loss = head_loss(kind, z, t_prob, w / w.sum())
+            rows, arg = per_row.detach(), z.argmax(-1)
         hit = (arg == t_arg).float()
-        extra, more = self.extra_loss(hs, prev, hit)
+        extra, more = self.extra_loss(hs, state, hit)
         if extra is not None:
             loss = loss + extra
         metrics.update(more)
@@ -406,27 +510,31 @@ class DFlashDraft(DraftMethod):
             anc, val = order[:, i : i + c], valid[:, i : i + c]
             h = self.run_blocks(f, ids, attn, anc)
             agree_so_far = val.clone()
-            first = last = ids.gather(1, anc)  # the token before slot 1; then the draft's own
+            toks = ids.gather(1, anc)[..., None]  # slot 0; then the draft's own tokens
             for j in range(1, K + 1):
                 p = anc + j - 1
                 ok = val & (p < T)
                 ok &= pred_ok.gather(1, p.clamp(max=T - 1))
                 rows = ok.nonzero(as_tuple=True)
                 agree = torch.zeros_like(ok)
-                mine = self.slot_logits(h[:, :, j], last).argmax(-1)  # (B, A)
+                st = self.prefix_states(toks)
+                state = None if st is None else st[..., -1, :]
+                mine = self.slot_logits(h[:, :, j], state, j).argmax(-1)  # (B, A)
                 last = mine + self.d2t[mine]
                 if rows[0].numel():
-                    hs = h[:, :, j][rows]
                     d = last[rows]
                     fin = f[rows[0], p[rows], -1]
                     t = self.target_logits(fin, draft_only=False).argmax(-1)
                     agree[rows] = d == t
                     if j == 1:
                         ce = soft_cross_entropy(
-                            self.slot_logits(hs, first[rows]),
+                            self.slot_logits(
+                                h[:, :, 1][rows], None if state is None else state[rows], 1
+                            ),
                             self.target_logits(fin, draft_only=True),
                         )
-                        out["loss_cls"] += metric(ce * len(hs), len(hs))
+                        out["loss_cls"] += metric(ce * len(fin), len(fin))
+                toks = torch.cat([toks, last[..., None]], -1)
                 cond = ok & agree_so_far
                 out[f"top1_pos{j}"] += metric(agree[ok].float().sum(), ok.sum())
                 out[f"alpha_pos{j}"] += metric(agree[cond].float().sum(), cond.sum())
@@ -476,3 +584,10 @@ class DFlashDraft(DraftMethod):
         draft = load_weights_draft(cls, path, target)
         draft.vocab_chosen = saved_vocab_chosen(read_draft_config(path), draft)
         return draft
+
+
+class DominoDraft(DFlashDraft):
+    """Domino (``method=domino``): DFlash with the GRU logit correction on, its own name in
+    saved drafts; everything else is DFlash's."""
+
+    config_class = DominoConfig

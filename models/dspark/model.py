@@ -42,9 +42,17 @@ class MarkovHead(nn.Module):
 
 class DSparkDraft(DFlashDraft):
     config_class = DSparkConfig
-    sequential = True
+    sequential = True  # every slot reads the token drafted before it
+    #: the confidence schedule (``stop=confidence``): None (off), or the least running product
+    #: of the slots' acceptance estimates a proposed slot may have
+    stop_threshold: float | None = None
 
     def __init__(self, target: Target, cfg: DSparkConfig):
+        if cfg.correction != "none":
+            raise DraftError(
+                f"method.correction={cfg.correction!r}: DSpark's slots read the previous token "
+                "through its Markov head; Domino's GRU correction is method=domino"
+            )
         super().__init__(target, cfg)
         if cfg.markov_rank < 1:
             raise DraftError(f"method.markov_rank={cfg.markov_rank}: must be >= 1")
@@ -56,23 +64,47 @@ class DSparkDraft(DFlashDraft):
             width = H + (cfg.markov_rank if cfg.confidence_with_markov else 0)
             self.confidence = nn.Linear(width, 1, bias=True)
 
-    def slot_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """The backbone's logits plus the Markov bias of the previous token (target ids)."""
-        e = self.markov_head.embed(prev.to(self.markov_head.markov_w1.weight.device))
-        return self.draft_logits(h) + self.markov_head.bias(e)
+    def prefix_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Each token's Markov embedding (..., n, r): slot i + 1 reads token i's."""
+        return self.markov_head.embed(tokens.to(self.markov_head.markov_w1.weight.device))
 
-    def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """Slots (..., H) with previous tokens (...) -> the logit of their acceptance (...)."""
+    def slot_logits(self, h: torch.Tensor, state: torch.Tensor, slot=None) -> torch.Tensor:
+        """The backbone's logits plus the Markov bias of the previous token's embedding."""
+        return self.draft_logits(h) + self.markov_head.bias(state)
+
+    def confidence_logits(self, h: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Slots (..., H) with their previous tokens' Markov embeddings (..., r) -> the logit
+        of their acceptance (...)."""
         x = self.norm(h)
         if self.cfg.confidence_with_markov:
-            x = torch.cat([x, self.markov_head.embed(prev).to(x.dtype)], -1)
+            x = torch.cat([x, state.to(x.dtype)], -1)
         w = self.confidence.weight
         return self.confidence(x.to(w.dtype)).squeeze(-1).float()
 
-    def extra_loss(self, hs, prev, hit):
+    def confidence_stop(self, threshold: float | None) -> None:
+        """Propose each block's slots only while the product of their estimated acceptance
+        probabilities (given the slots before them accepted) stays >= ``threshold``; None: off.
+        A stop that reads only the draft's own outputs keeps decoding exact."""
+        if threshold is not None and not self.cfg.confidence_head:
+            raise DraftError(
+                "this DSpark draft was trained without a confidence head "
+                "(method.confidence_head=false)"
+            )
+        self.stop_threshold = threshold
+
+    def confident_lengths(self, h, prev, j, ks):
+        if self.stop_threshold is None:
+            return ks
+        toks = j + self.d2t[j]  # (R, K) target ids
+        before = torch.cat([prev[:, None].to(toks.device), toks[:, :-1]], 1)
+        c = torch.sigmoid(self.confidence_logits(h, self.prefix_states(before)))
+        keep = (c.cumprod(-1) >= self.stop_threshold).sum(-1).tolist()  # a leading run
+        return [min(k, m) for k, m in zip(ks, keep, strict=True)]
+
+    def extra_loss(self, hs, state, hit):
         if not self.cfg.confidence_head:
             return None, {}
-        z = self.confidence_logits(hs, prev)
+        z = self.confidence_logits(hs, state)
         bce = F.binary_cross_entropy_with_logits(z, hit)
         with torch.no_grad():
             called = ((z > 0).float() == hit).float().sum()

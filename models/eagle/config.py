@@ -37,3 +37,7 @@ class Eagle3Config:
     norm_before_fc: bool = False  # an RMSNorm (``input_norm``) over the 3H concatenation
     norm_before_residual: bool = False  # the residual stream is hidden_norm(h), not h
     norm_output: bool = False  # the next step (and the LM head) read norm(h)
+    # EAGLE 3.1 ("attention drift"; SpecForge's EAGLE3.1 recipe, vLLM's and speculators'
+    # ``fc_norm``): an RMSNorm per fused layer (``fc_norm.{0,1,2}``) before FC, so no layer's
+    # scale dominates the fused state. ``method=eagle3_1`` sets it with ``norm_output``.
+    fc_norm: bool = False

@@ -141,6 +141,9 @@ class EagleFormat(ExportFormat):
     eagle3 = True  # an EAGLE-3 head (fused layers, draft vocabulary); False: EAGLE-1
     embeds = False  # carries the target's input embedding (frozen) for its loader
     omits_identity = True  # a full-vocabulary head's identity d2t/t2d left out (vLLM's rule)
+    #: the layout variants (``Eagle3Config`` flags) this layout's loaders read; a head using
+    #: another is refused, since an engine would silently compute something else
+    layout_flags: tuple[str, ...] = ()
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -165,11 +168,12 @@ class EagleFormat(ExportFormat):
                 f"fused layers {fuse}: serving engines need three distinct layers >= 1 "
                 "(they capture each once, from the first decoder layer's output on)"
             )
-        if (c.norm_before_fc or c.norm_output) and self.name != "speculators":
+        used = [f for f in ("norm_before_fc", "norm_output", "fc_norm") if getattr(c, f, False)]
+        if any(f not in self.layout_flags for f in used):
             raise ExportError(
-                f"--format {self.name}: this head uses speculators' layout variants "
-                f"(norm_before_fc={c.norm_before_fc}, norm_output={c.norm_output}), which "
-                f"{self.description} cannot express; export it with --format speculators"
+                f"--format {self.name}: this head uses the layout variants "
+                f"{', '.join(f'{f}=True' for f in used)}, which {self.description} cannot "
+                "express; export it with --format vllm or --format speculators (vLLM reads them)"
             )
         out = {
             "fc.weight": draft.fc.weight,
@@ -182,6 +186,9 @@ class EagleFormat(ExportFormat):
             del out["d2t"], out["t2d"]
         if c.norm_before_fc:
             out["input_norm.weight"] = draft.input_norm.weight
+        if getattr(c, "fc_norm", False):
+            for i, norm in enumerate(draft.fc_norm):
+                out[f"fc_norm.{i}.weight"] = norm.weight
         return out
 
     def base_config(self, draft, dtype) -> dict[str, Any]:
@@ -233,6 +240,8 @@ class EagleFormat(ExportFormat):
                 del s["d2t"], s["t2d"]
             if config.get("norm_before_fc"):
                 s["input_norm.weight"] = (3 * H,)
+            if config.get("fc_norm"):
+                s.update({f"fc_norm.{i}.weight": (H,) for i in range(3)})
         else:
             s.update({"fc.weight": (H, 2 * H), "fc.bias": (H,)})
         if self.embeds:
@@ -290,14 +299,9 @@ class EagleFormat(ExportFormat):
             tensors["d2t"] = torch.zeros(V, dtype=torch.int64)
             tensors["t2d"] = torch.ones(V, dtype=torch.bool)
         dv = config.get("draft_vocab_size") or int(tensors["d2t"].numel())
-        if config.get("fc_norm"):
-            raise ExportError(
-                f"{folder / 'config.json'}: fc_norm=true (a norm per fused layer) is a "
-                "speculators layout this importer does not read"
-            )
         flags = {
             k: bool(config.get(k, False))
-            for k in ("norm_before_residual", "norm_before_fc", "norm_output")
+            for k in ("norm_before_residual", "norm_before_fc", "norm_output", "fc_norm")
         }
         head = self.build(target, config, fuse_layers=fuse, draft_vocab_size=dv, **flags)
         head.vocab_chosen = True  # the mapping a checkpoint holds is the one it was trained with
@@ -367,15 +371,22 @@ class SGLangEagle3(EagleFormat):
 class VLLMEagle3(EagleFormat):
     name, methods, description = "vllm", EAGLE3_LIKE, "EAGLE-3 for vLLM"
     vllm_method = "eagle3"
+    # vLLM's LlamaForCausalLMEagle3 reads each from the config (EAGLE 3.1's fc_norm too)
+    layout_flags = ("norm_before_fc", "norm_output", "fc_norm")
 
     def config(self, draft, dtype, **_: Any) -> dict:
-        return {
+        c = draft.cfg
+        out = {
             **self.base_config(draft, dtype),
             "architectures": ["LlamaForCausalLMEagle3"],
-            "draft_vocab_size": draft.cfg.draft_vocab_size,
-            "eagle_aux_hidden_state_layer_ids": list(draft.cfg.fuse_layers),
-            "norm_before_residual": draft.cfg.norm_before_residual,
+            "draft_vocab_size": c.draft_vocab_size,
+            "eagle_aux_hidden_state_layer_ids": list(c.fuse_layers),
+            "norm_before_residual": c.norm_before_residual,
         }
+        for f in self.layout_flags:  # written only where set: the plain layout stays as it was
+            if getattr(c, f, False):
+                out[f] = True
+        return out
 
     def detect(self, folder: Path, config: dict) -> bool:
         archs = config.get("architectures") or []
@@ -388,6 +399,7 @@ class VLLMEagle3(EagleFormat):
 
 class SpeculatorsEagle3(EagleFormat):
     name, methods, description = "speculators", EAGLE3_LIKE, "EAGLE-3, vLLM speculators"
+    layout_flags = ("norm_before_fc", "norm_output", "fc_norm")
     layer_prefix = "layers.0."
     embeds = True
     # vLLM 0.32 needs the method spelled out for this layout: given {"model": <dir>} alone (as
@@ -425,7 +437,7 @@ class SpeculatorsEagle3(EagleFormat):
             "norm_before_residual": c.norm_before_residual,
             "norm_before_fc": c.norm_before_fc,
             "norm_output": c.norm_output,
-            "fc_norm": False,
+            "fc_norm": c.fc_norm,
             "embed_requires_grad": False,
             "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": list(c.fuse_layers),

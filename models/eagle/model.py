@@ -460,6 +460,8 @@ class Eagle3Head(EagleHead):
         self.norm = norm_cls(H, eps=eps)
         if cfg.norm_before_fc:
             self.input_norm = norm_cls(3 * H, eps=eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(norm_cls(H, eps=eps) for _ in range(3))
         self.lm_head = nn.Linear(H, dv, bias=False)
         # Identity mapping until init_from_data picks the frequent tokens (or a load fills it).
         self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
@@ -524,10 +526,12 @@ class Eagle3Head(EagleHead):
     # -- the head ------------------------------------------------------------------------
 
     def initial_hidden(self, features: torch.Tensor) -> torch.Tensor:
-        f = features[..., :3, :].to(self._compute_dtype()).flatten(-2)
-        if self.cfg.norm_before_fc:
-            f = self.input_norm(f)
-        return self.fc(f)
+        f = features[..., :3, :].to(self._compute_dtype())
+        if self.cfg.norm_before_fc:  # one norm over the concatenation (speculators')
+            f = self.input_norm(f.flatten(-2)).unflatten(-1, f.shape[-2:])
+        if self.cfg.fc_norm:  # one per fused layer (EAGLE 3.1), after it as vLLM applies them
+            f = torch.stack([norm(f[..., i, :]) for i, norm in enumerate(self.fc_norm)], -2)
+        return self.fc(f.flatten(-2))
 
     def step(self, h, token_embeds, position_ids, mask, cache=None, ttt=None):
         """One pass: h, token_embeds (B, Q, H) -> the head's hidden state (B, Q, H), pre-norm
