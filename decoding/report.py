@@ -34,6 +34,17 @@ CONVENTION = (
 NEAR_TIE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
 
 
+def adaptive_chain(r: dict) -> bool:
+    """Whether the gamma controller sized the report's chains (not an engine's run, nor a stop
+    rule that replaces it)."""
+    st = r["settings"]
+    return (
+        bool(st["adaptive"])
+        and not r.get("engine")
+        and st.get("stop") not in ("disco", "confidence")
+    )
+
+
 def classify_divergence(
     plain: list[int], spec: list[int], plain_logits: list[torch.Tensor], tolerance: float
 ) -> dict[str, Any] | None:
@@ -153,8 +164,7 @@ def print_report(r: dict[str, Any], out=print) -> None:
             "trees verified whole"
             + (" (drafted while they pay: adaptive)" if r["settings"]["adaptive"] else "")
             if r.get("tree_iterations")
-            else f"gamma<={r['settings']['gamma']}"
-            f"{' (adaptive)' if r['settings']['adaptive'] and not r.get('engine') else ''}"
+            else f"gamma<={r['settings']['gamma']}{' (adaptive)' if adaptive_chain(r) else ''}"
         )
     )
     head = f"{'category':<16}{'tau':>6}{'alpha':>7}  {'alpha by position':<28}{'tok/s':>7}{'AR tok/s':>9}{'speedup':>8}"

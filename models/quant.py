@@ -65,6 +65,12 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
+def input_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a linear layer computes in, int8 (``Int8Linear``) or not: what to cast its
+    input to."""
+    return layer.dtype if isinstance(layer, Int8Linear) else layer.weight.dtype
+
+
 def _kernel_ok(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether torch's int8 kernel handles this shape: CPU only, and in reduced precision the
     reduction length must be a multiple of 16 (torch 2.13's bf16 kernel crashes or returns wrong

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Drafters side by side at an equal training budget on one data file (best: the target's own
 # answers, `specdraft-prepare`), every step run alone on the machine: train each for MINUTES
-# of wall clock (validation excluded), plot their validation agreement against training
+# of wall clock (validation excluded) or EPOCHS passes over the data, whichever ends first
+# (EPOCHS=1: the faster drafters see the same tokens as each other, the slower ones fewer in
+# the same minutes; a large EPOCHS makes the minutes alone the budget), plot their validation agreement against training
 # tokens, decode MT-bench with each at a fixed chain length in the built-in decoder, and
 # measure inside vLLM the ones vLLM serves (its acceptance per position beside ours).
 #
@@ -11,7 +13,7 @@
 #   dpace=dflash_smollm2_20min,method.loss=dpace   eagle3_1=eagle3_smollm2_20min,method=eagle3_1
 # Default entries: DSpark, Domino, DFlash, P-EAGLE, EAGLE-3 and HASS with the
 # <method>_smollm2_20min recipes (batch 4 x <= 512 tokens, lr 3e-4, warm-up 20, cosine decay
-# over the budget). Environment: MINUTES (9), PROMPTS (6), TOKENS (64), GAMMA (4: drafted
+# over the budget). Environment: MINUTES (9), EPOCHS (1), PROMPTS (6), TOKENS (64), GAMMA (4: drafted
 # tokens an iteration, adaptive off, so every drafter drafts the same), VLLM (1: measure in vLLM
 # where it serves the draft and is installed; 0: skip), SKIP_TRAIN=1 (reuse OUT/runs).
 # Writes OUT/runs/<label>/, OUT/curves.png, OUT/decode/ (bench_decode's table and reports),
@@ -42,6 +44,7 @@ for e in "${ENTRIES[@]}"; do
   labels+=("$label") runs+=("$OUT/runs/$label")
   if [ "${SKIP_TRAIN:-0}" != 1 ]; then
     run specdraft-train "experiment=$exp" "data.path=$DATA" "train.max_minutes=$MINUTES" \
+      "train.epochs=${EPOCHS:-1}" \
       train.eval_every=15 data.val_fraction=0.05 data.max_val_records=48 \
       "output_dir=$OUT/runs/$label" train.progress=false "${extra[@]}"
   fi

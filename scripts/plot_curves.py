@@ -8,7 +8,8 @@ far, so a resumed run's curve continues where it stopped; a RUN may also name a 
 ``.jsonl`` file itself) and plots ``val/top1_pos{k}``
 (``--metric top1``: agreement with the target's argmax at draft position k) or
 ``val/alpha_pos{k}`` (``--metric alpha``: the same given positions 1..k-1 agreed, EAGLE's
-n-alpha) for k = 1..positions, one colour per position, one line style per run.
+n-alpha) for k = 1..positions, one colour per position, one line style per run (with more
+runs than line styles: one colour per run, one line style per position).
 
 ``--offsets`` adds training tokens seen before a run started: a run started from another's
 weights (``train.init_from``) counts its tokens from zero, and its offset places it after the
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--title", default=None)
     ap.add_argument("--offsets", nargs="*", type=float, help="training tokens before each run")
     ap.add_argument("--same-style", action="store_true", help="one line style for every run")
+    ap.add_argument("--ymax", type=float, default=1.0, help="top of the y axis (default 1)")
     args = ap.parse_args()
     if args.lineage is not None:
         curves_ = json.loads(args.lineage.read_text())["curves"]
@@ -98,6 +100,7 @@ def main() -> None:
 
     labels = args.labels or [r.name for r in args.runs]
     styles = ["-", "--", ":", "-."]
+    by_run = len(args.runs) > len(styles) and not args.same_style  # colours tell runs apart
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for i, (run, label, off) in enumerate(zip(args.runs, labels, offsets, strict=True)):
         if off:
@@ -110,8 +113,10 @@ def main() -> None:
             ax.plot(
                 [(x + off) / 1e6 for x in xs],
                 ys,
-                styles[0 if args.same_style else i % len(styles)],
-                color=f"C{k - 1}",
+                styles[
+                    (k - 1) % len(styles) if by_run else 0 if args.same_style else i % len(styles)
+                ],
+                color=f"C{i % 10}" if by_run else f"C{k - 1}",
                 marker="o" if len(pts) < 30 else None,
                 ms=3,
                 label=(f"position {k}" if i == 0 else "_nolegend_")
@@ -121,7 +126,7 @@ def main() -> None:
     ax.set_xlabel("training tokens (millions)")
     what = "top-1 agreement" if args.metric == "top1" else "acceptance given earlier positions"
     ax.set_ylabel(f"validation {what}")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, args.ymax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(args.title or f"validation {what} by draft position", fontsize=10)

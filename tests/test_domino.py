@@ -251,3 +251,28 @@ def test_bad_settings_are_one_line_errors(tiny_target):
     small = {k: v for k, v in SMALL.items() if k not in ("gru_hidden", "correction_dim")}
     with pytest.raises(DraftError, match="method=domino"):
         DSparkDraft(tiny_target, DSparkConfig(**small, correction="gru"))
+
+
+@pytest.mark.parametrize("cls,cfg", [(DominoDraft, DominoConfig), (DSparkDraft, DSparkConfig)])
+def test_int8_draft_weights_draft_a_block(tiny_target, cls, cfg):
+    """``draft_weights=int8`` (the default for a bf16 draft on a CPU) replaces every linear of
+    the draft, the correction's and the Markov and confidence heads' too: the block still
+    drafts, with the confidence schedule on where there is one."""
+    extra = {"markov_rank": 8} if cls is DSparkDraft else {}
+    small = {
+        k: v
+        for k, v in SMALL.items()
+        if cls is DominoDraft or k not in ("gru_hidden", "correction_dim")
+    }
+    d = (
+        _loud(lively(cls(tiny_target, cfg(**small, **extra)), 1), 3.0)
+        if cls is DominoDraft
+        else lively(cls(tiny_target, cfg(**small, **extra)), 1)
+    )
+    assert d.quantize_for_decoding("int8") > 0
+    if cls is DSparkDraft:
+        d.confidence_stop(0.0)
+    _, _, state = _state(tiny_target)
+    p = d.proposer()
+    p.start(state)
+    assert len(p.propose(state, 4).tokens) == 4

@@ -327,7 +327,7 @@ def test_resume_with_another_process_count_mid_epoch_says_what_is_supported(data
     [
         (
             ["method=medusa9"],
-            "method=medusa9: no such method (choose from dflash, distillspec, dspark, eagle1, eagle3",
+            "method=medusa9: no such method (choose from dflash, distillspec, domino, dspark, eagle1, eagle3, eagle3_1",
         ),
         (["target=llama_huge"], "target=llama_huge: no such target"),
         (["-m", "method=eagle1,nope"], "method=nope: no such method"),

@@ -53,7 +53,7 @@ from ..losses import (
     linear_soft_cross_entropy,
     soft_cross_entropy,
 )
-from ..quant import quantize_linears
+from ..quant import input_dtype, quantize_linears
 from ..sampling import sample, warp
 from ..target import Target, TargetError, layer_shape
 from .config import DFlashConfig, DominoConfig
@@ -120,8 +120,8 @@ class GRUCorrection(nn.Module):
         return out.reshape(*lead, *out.shape[-2:])
 
     def forward(self, hn: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        w = self.embed_proj[0].weight
-        return self.embed_proj(torch.cat([hn.to(w.dtype), g.to(w.dtype)], -1)).float()
+        dt = input_dtype(self.embed_proj[0])
+        return self.embed_proj(torch.cat([hn.to(dt), g.to(dt)], -1)).float()
 
 
 class DFlashDraft(DraftMethod):

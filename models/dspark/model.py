@@ -18,6 +18,7 @@ from torch import nn
 
 from ..base import DraftError, metric
 from ..dflash.model import DFlashDraft
+from ..quant import input_dtype
 from ..target import Target
 from .config import DSparkConfig
 
@@ -37,7 +38,7 @@ class MarkovHead(nn.Module):
         return self.markov_w1(prev)
 
     def bias(self, e: torch.Tensor) -> torch.Tensor:
-        return self.markov_w2(e.to(self.markov_w2.weight.dtype)).float()
+        return self.markov_w2(e.to(input_dtype(self.markov_w2))).float()
 
 
 class DSparkDraft(DFlashDraft):
@@ -78,8 +79,7 @@ class DSparkDraft(DFlashDraft):
         x = self.norm(h)
         if self.cfg.confidence_with_markov:
             x = torch.cat([x, state.to(x.dtype)], -1)
-        w = self.confidence.weight
-        return self.confidence(x.to(w.dtype)).squeeze(-1).float()
+        return self.confidence(x.to(input_dtype(self.confidence))).squeeze(-1).float()
 
     def confidence_stop(self, threshold: float | None) -> None:
         """Propose each block's slots only while the product of their estimated acceptance

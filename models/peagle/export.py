@@ -35,10 +35,12 @@ class SpeculatorsPEagle(SpeculatorsEagle3):
 
     def config(self, draft: PEagleHead, dtype: torch.dtype, gamma: int | None = None, **_: Any):
         k = draft.cfg.ttt_steps
-        if gamma is not None and gamma != k:
+        # the layout records K; vLLM may serve fewer (num_speculative_tokens <= K), so a
+        # smaller gamma (the one an engine evaluation serves with) exports the same folder
+        if gamma is not None and gamma > k:
             raise ExportError(
-                f"--gamma {gamma}: a P-EAGLE head drafts K = {k} tokens per forward (its "
-                "ttt_steps); vLLM's num_speculative_tokens may be lower at serving time"
+                f"--gamma {gamma}: a P-EAGLE head drafts at most K = {k} tokens per forward "
+                "(its ttt_steps); train it with method.ttt_steps >= the tokens you will serve"
             )
         cfg = super().config(draft, dtype, gamma=k)
         cfg["architectures"] = ["PEagleSpeculator"]
