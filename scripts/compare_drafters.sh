@@ -18,6 +18,11 @@
 # where it serves the draft and is installed; 0: skip), SKIP_TRAIN=1 (reuse OUT/runs).
 # Writes OUT/runs/<label>/, OUT/curves.png, OUT/decode/ (bench_decode's table and reports),
 # OUT/vllm-<label>.json and OUT/compare.log (every command and its output).
+case "${1:-}" in -h | --help)
+  sed -n '2,/^[^#]/{/^[^#]/d;s/^# \{0,1\}//;p}' "$0"
+  exit 0
+  ;;
+esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DATA:?set DATA to a conversations file (best: the answers of the target itself, specdraft-prepare)}"
