@@ -14,8 +14,10 @@ import pytest
 import torch
 from conftest import assert_first_two_tokens_follow_the_target
 from test_dflash import lively
+from test_dspark import SMALL as DSPARK_SMALL
+from test_dspark import _state
 
-from models.base import DecodeSettings, DecodeState, DraftError
+from models.base import DecodeSettings, DraftError
 from models.dflash import DFlashConfig, DFlashDraft, DominoConfig, DominoDraft
 from models.dspark import DSparkConfig, DSparkDraft
 from models.losses import acceptance_probs, dpace_weights
@@ -34,16 +36,6 @@ SMALL = dict(
 @pytest.fixture(scope="module")
 def small_vocab_target():
     return conftest.small_vocab_target(4)
-
-
-def _state(target, n=14, seed=2):
-    ids = torch.randint(20, 250, (1, 30), generator=torch.Generator().manual_seed(seed))
-    feats = target.features(ids, torch.ones_like(ids), (1, 2, -1))
-    return (
-        ids,
-        feats,
-        DecodeState(ids[0, :n].tolist(), feats[0, : n - 1], Sampling(), None, ids.device),
-    )
 
 
 def _loud(d: DominoDraft, scale: float) -> DominoDraft:
@@ -248,30 +240,21 @@ def test_bad_settings_are_one_line_errors(tiny_target):
         DominoDraft(tiny_target, DominoConfig(**{**SMALL, "gru_hidden": 0}))
     with pytest.raises(DraftError, match="method.loss='kl': use one of ce, tvd, lk_alpha"):
         DFlashDraft(tiny_target, DFlashConfig(**{**SMALL, "loss": "kl"}))
-    small = {k: v for k, v in SMALL.items() if k not in ("gru_hidden", "correction_dim")}
     with pytest.raises(DraftError, match="method=domino"):
-        DSparkDraft(tiny_target, DSparkConfig(**small, correction="gru"))
+        DSparkDraft(tiny_target, DSparkConfig(**DSPARK_SMALL, correction="gru"))
 
 
-@pytest.mark.parametrize("cls,cfg", [(DominoDraft, DominoConfig), (DSparkDraft, DSparkConfig)])
-def test_int8_draft_weights_draft_a_block(tiny_target, cls, cfg):
+@pytest.mark.parametrize("method", ["domino", "dspark"])
+def test_int8_draft_weights_draft_a_block(tiny_target, method):
     """``draft_weights=int8`` (the default for a bf16 draft on a CPU) replaces every linear of
     the draft, the correction's and the Markov and confidence heads' too: the block still
     drafts, with the confidence schedule on where there is one."""
-    extra = {"markov_rank": 8} if cls is DSparkDraft else {}
-    small = {
-        k: v
-        for k, v in SMALL.items()
-        if cls is DominoDraft or k not in ("gru_hidden", "correction_dim")
-    }
-    d = (
-        _loud(lively(cls(tiny_target, cfg(**small, **extra)), 1), 3.0)
-        if cls is DominoDraft
-        else lively(cls(tiny_target, cfg(**small, **extra)), 1)
-    )
-    assert d.quantize_for_decoding("int8") > 0
-    if cls is DSparkDraft:
+    if method == "domino":
+        d = _loud(lively(DominoDraft(tiny_target, DominoConfig(**SMALL)), 1), 3.0)
+    else:
+        d = lively(DSparkDraft(tiny_target, DSparkConfig(**DSPARK_SMALL)), 1)
         d.confidence_stop(0.0)
+    assert d.quantize_for_decoding("int8") > 0
     _, _, state = _state(tiny_target)
     p = d.proposer()
     p.start(state)
