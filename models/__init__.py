@@ -10,7 +10,9 @@ and serving-layout checkpoints through ``FORMATS``.
 from . import dflash, distillspec, dspark, eagle, falcon, hass, medusa, mlp_speculator, peagle
 from .base import DraftMethod, ExportFormat
 from .dflash import export as dflash_export
+from .dflash import gguf as dflash_gguf
 from .dspark import export as dspark_export
+from .dspark import gguf as dspark_gguf
 from .eagle import export as eagle_export
 from .medusa import export as medusa_export
 from .mlp_speculator import export as mlp_speculator_export
@@ -36,6 +38,8 @@ FORMATS: dict[str, ExportFormat] = {
         *eagle_export.FORMATS,
         *dflash_export.FORMATS,
         *dspark_export.FORMATS,
+        *dflash_gguf.FORMATS,
+        *dspark_gguf.FORMATS,
         *medusa_export.FORMATS,
         *mlp_speculator_export.FORMATS,
         *peagle_export.FORMATS,

@@ -632,6 +632,9 @@ class ExportFormat(abc.ABC):
     weights_file: str
     description: str
     serve_hint: str = ""  # a README line: how an engine serves it
+    #: the ``--format`` name this layout also answers to, for the methods it exports (every
+    #: llama.cpp layout answers to ``gguf``, the EAGLE-3 one's own name)
+    family: str | None = None
     #: the speculative method vLLM serves this layout with (its ``speculative_config``'s
     #: "method"), None where vLLM does not serve it; checked against vLLM in tests/test_vllm.py
     vllm_method: str | None = None

@@ -230,6 +230,20 @@ def default_prompt(target: Target) -> list[int]:
 # The pipeline
 
 
+def resolve_format(fmt_name: str, method: str) -> str:
+    """The layout ``--format fmt_name`` means for a ``method`` draft: the format of that name,
+    or, where it does not export the method, the one of its family that does (``gguf`` is
+    EAGLE-3's GGUF, and DFlash's and DSpark's for those drafts)."""
+    if fmt_name not in formats():
+        raise ExportError(f"--format {fmt_name}: choose one of {sorted(formats())}")
+    if method in formats()[fmt_name].methods:
+        return fmt_name
+    for name, f in formats().items():
+        if f.family == fmt_name and method in f.methods:
+            return name
+    return fmt_name
+
+
 def export(
     draft: DraftMethod,
     fmt_name: str,
@@ -242,8 +256,7 @@ def export(
     """Write ``draft`` in ``fmt_name`` to ``out``, checked and re-imported first (see module
     docstring). Returns a summary. ``out`` is replaced only with ``force``. ``opts`` go to the
     format (``gamma``: speculators' speculative_tokens; ``merge``: Medusa-2's merged base)."""
-    if fmt_name not in formats():
-        raise ExportError(f"--format {fmt_name}: choose one of {sorted(formats())}")
+    fmt_name = resolve_format(fmt_name, draft.cfg.name)
     fmt = formats()[fmt_name]
     if draft.cfg.name not in fmt.methods:
         raise ExportError(
@@ -388,13 +401,13 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         head = load_trained_head(a.draft)
-        out = a.out or str(Path(a.draft) / f"export-{a.format}")
-        opts = {"target_gguf_path": a.target_gguf} if a.format == "gguf" else {}
-        if a.target_gguf and a.format != "gguf":
+        fmt = resolve_format(a.format, head.cfg.name)
+        out = a.out or str(Path(a.draft) / f"export-{fmt}")
+        is_gguf = "gguf" in (fmt, formats()[fmt].family)
+        opts = {"target_gguf_path": a.target_gguf} if is_gguf else {}
+        if a.target_gguf and not is_gguf:
             raise ExportError("--target-gguf is for --format gguf")
-        export(
-            head, a.format, out, dtype=a.dtype, force=a.force, gamma=a.gamma, merge=a.merge, **opts
-        )
+        export(head, fmt, out, dtype=a.dtype, force=a.force, gamma=a.gamma, merge=a.merge, **opts)
     except (ExportError, DraftError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

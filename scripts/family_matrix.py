@@ -91,6 +91,12 @@ def render(cells: list[dict], failed: list[str], when: str, where: str, command:
                 cell = "no: " + ", ".join(missing) if cells else ""
             row.append(cell)
         out.append("| " + " | ".join(row) + " |")
+    refused = [(f, m, got[(f, m, "refused")]) for f in names for m in methods
+               if (f, m, "refused") in got]  # fmt: skip
+    if refused:
+        out += ["", "Formats refused by name, where the family's layers do not fit the layout "
+                "(the other formats of the method export and read back):", ""]  # fmt: skip
+        out += [f"- `{f}` / `{m}`: {r}" for f, m, r in refused]
     out += [
         "",
         "## EAGLE-3 on each family, once",

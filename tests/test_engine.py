@@ -350,3 +350,180 @@ def test_cost_model_counts_the_draft_step_a_confidence_stop_ran():
     # the forward without a draft ran one draft forward
     at6 = at0 + 2 + 2 + 2
     assert m.predicted_speedup(steps, 1, n_max=3, p_min=0.6) == pytest.approx(tokens * 10 / at6)
+
+
+# -- DFlash and DSpark as llama.cpp ``dflash`` GGUFs ------------------------------------------
+
+
+def block_draft(target, method: str, **kw):
+    """A DFlash (or DSpark) draft with non-trivial weights and a chosen reduced vocabulary
+    (draft token i is target token 3i; the whole vocabulary at ``draft_vocab_size`` = V)."""
+    from models.dflash import DFlashConfig, DFlashDraft
+    from models.dspark import DSparkConfig, DSparkDraft
+
+    cls, cfg = (DSparkDraft, DSparkConfig) if method == "dspark" else (DFlashDraft, DFlashConfig)
+    dv = kw.pop("draft_vocab_size", 64)
+    settings = dict(draft_vocab_size=dv, mask_token_id=7, block_size=4, fuse_layers=[1, 2, 3])
+    if method == "dspark":
+        settings["markov_rank"] = 32
+    d = cls(target, cfg(**{**settings, **kw}))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        if dv < target.config.vocab_size:
+            d.d2t.copy_(torch.arange(dv) * 2)
+            d.t2d.zero_()
+            d.t2d[torch.arange(dv) * 3] = True
+    d.vocab_chosen = True
+    return d.eval()
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("dtype", ["float32", "q8_0"])
+def test_dflash_family_gguf_export_round_trips(target4, tmp_path, method, dtype):
+    from decoding.engines.llama_cpp_eval import gguf_kind
+
+    tg = tiny_target_gguf(tmp_path / "target.gguf", target4)
+    d = block_draft(target4, method)
+    out = tmp_path / "g"
+    # --format gguf means the dflash layout for these drafts
+    s = export(d, "gguf", out, dtype=dtype, log=lambda *_: None, target_gguf_path=tg)
+    assert s["format"] == f"gguf-{method}" and detect_format(out) == f"gguf-{method}"
+    r = gguf.GGUFReader(str(out / "draft.gguf"))
+    f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("tokenizer.ggml.t")}
+    assert f["general.architecture"] == "dflash"
+    assert f["dflash.target_layers"] == [1, 2, 3]  # hidden_states indices = layer inputs
+    assert f["dflash.block_size"] == 4 and f["dflash.block_count"] == d.cfg.num_layers
+    assert f["dflash.attention.causal"] is False
+    assert f["tokenizer.ggml.mask_token_id"] == 7
+    t = {x.name: x for x in r.tensors}
+    assert "token_embd.weight" not in t  # the engine embeds with the target's own table
+    assert np.array(t["d2t"].data).tolist() == (torch.arange(64) * 3).tolist()
+    assert tuple(int(n) for n in t["output.weight"].shape) == (target4.config.hidden_size, 64)
+    assert {"fc.weight", "enc.output_norm.weight", "blk.0.attn_q_norm.weight"} <= set(t)
+    T = gguf.GGMLQuantizationType
+    assert t["blk.0.attn_q.weight"].tensor_type == (T.F32 if dtype == "float32" else T.Q8_0)
+    if method == "dspark":
+        assert f["dflash.sample_from_anchor"] is False and f["dflash.has_confidence_head"]
+        assert {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight"} <= set(t)
+    else:
+        assert not any(n.startswith(("markov", "conf")) for n in t)
+    assert gguf_kind(out / "draft.gguf") == (f"draft-{method}", 4)
+    back = import_draft(out, target4)
+    assert type(back) is type(d) and back.cfg.fuse_layers == [1, 2, 3]
+    prompt = ex.default_prompt(target4)
+    a, b = ex.proposals(d, prompt), ex.proposals(back, prompt)
+    la, lb = a.pop("logits"), b.pop("logits")
+    if dtype == "float32":
+        assert torch.equal(la, lb) and a == b
+    else:  # q8_0 rounds the weights: close (the export's own check: equal to the rounded draft)
+        f = torch.isfinite(la)
+        assert (la[f] - lb[f]).abs().max() < 0.05 * la[f].abs().max()
+
+
+def test_dflash_family_gguf_refusals_and_omissions(target4, tmp_path):
+    tg = tiny_target_gguf(tmp_path / "target.gguf", target4)
+    quiet = dict(log=lambda *_: None, dtype="float32")
+    with pytest.raises(ExportError, match="--target-gguf"):
+        export(block_draft(target4, "dflash"), "gguf", tmp_path / "a", **quiet)
+    with pytest.raises(ExportError, match="Qwen3 layers.*layer_arch=target"):
+        export(block_draft(target4, "dflash", layer_arch="target"), "gguf", tmp_path / "b",
+               target_gguf_path=tg, **quiet)  # fmt: skip
+    with pytest.raises(ExportError, match="exports dflash drafts; this is dspark"):
+        export(block_draft(target4, "dspark"), "gguf-dflash", tmp_path / "c",
+               target_gguf_path=tg, **quiet)  # fmt: skip
+    assert not any((tmp_path / n).exists() for n in "abc")
+    # a confidence head without the Markov input has no place in llama.cpp's: left out, said
+    d = block_draft(target4, "dspark", confidence_with_markov=False)
+    lines = []
+    export(d, "gguf", tmp_path / "d", target_gguf_path=tg, log=lines.append, dtype="float32")
+    assert "confidence head left out" in lines[-1]
+    r = gguf.GGUFReader(str(tmp_path / "d" / "draft.gguf"))
+    assert not any(t.name.startswith("conf_proj") for t in r.tensors)
+    assert r.fields["dflash.has_confidence_head"].contents() is False
+    # a full-vocabulary draft scores with the target's own head: no output, no d2t
+    full = block_draft(target4, "dflash", draft_vocab_size=target4.config.vocab_size)
+    export(full, "gguf", tmp_path / "e", target_gguf_path=tg, **quiet)
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "e" / "draft.gguf")).tensors}
+    assert "output.weight" not in names and "d2t" not in names
+    assert import_draft(tmp_path / "e", target4).cfg.draft_vocab_size == target4.config.vocab_size
+
+
+@needs_engine
+@pytest.mark.slow
+def test_our_dspark_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py on our vLLM DSpark export, and our GGUF of the same
+    draft: the same dflash keys and tensors (the converter also copies the target's
+    token_embd, which we leave to the target)."""
+    from decoding.engines.llama_cpp import engine_source
+    from models.target import smollm2_dir
+
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
+    src = engine_source()
+    if src is None:
+        pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
+    d = block_draft(smollm2, "dspark", draft_vocab_size=4096, block_size=5,
+                    fuse_layers=[1, 10, 20], mask_token_id=2)  # fmt: skip
+    export(d, "dspark", tmp_path / "vl", dtype="float32", log=lambda *_: None)
+    export(d, "gguf", tmp_path / "ours", dtype="float32", log=lambda *_: None)
+    theirs = tmp_path / "theirs.gguf"
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(tmp_path / "vl"),
+         "--target-model-dir", str(smollm2_dir("~/.cache/specdraft")), "--outtype", "f32",
+         "--outfile", str(theirs)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = gguf.GGUFReader(str(tmp_path / "ours" / "draft.gguf"))
+    b = gguf.GGUFReader(str(theirs))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert set(tb) - set(ta) == {"token_embd.weight"} and set(ta) <= set(tb)
+    for n in ta:
+        assert ta[n].tensor_type == tb[n].tensor_type, n
+        assert np.array_equal(np.array(ta[n].data), np.array(tb[n].data)), n
+    keys = [
+        k
+        for k in b.fields
+        if k.startswith("dflash.") or k in ("general.architecture", "tokenizer.ggml.mask_token_id")
+    ]
+    differ = [
+        k for k in keys if k not in a.fields or a.fields[k].contents() != b.fields[k].contents()
+    ]
+    assert not differ, {
+        k: (a.fields[k].contents() if k in a.fields else None, b.fields[k].contents())
+        for k in differ
+    }
+
+
+@needs_engine
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_engine_serves_dflash_family_drafts_losslessly(smollm2, tmp_path, method):
+    """llama.cpp loads our DFlash / DSpark GGUF for the embedded target, runs its trained
+    block (n_max = block_size - 1 drafts a step) and decodes exactly what it decodes alone."""
+    from data.chat import prompt_ids
+    from decoding.engines.llama_cpp import LlamaServer, repack_works
+    from decoding.engines.llama_cpp_eval import gguf_kind
+    from models.target import target_gguf
+
+    d = block_draft(smollm2, method, draft_vocab_size=4096, block_size=5,
+                    fuse_layers=[1, 10, 20], mask_token_id=2)  # fmt: skip
+    export(d, "gguf", tmp_path / "g", log=lambda *_: None)
+    draft = tmp_path / "g" / "draft.gguf"
+    spec_type, block = gguf_kind(draft)
+    assert (spec_type, block) == (f"draft-{method}", 5)
+    tg = target_gguf(smollm2)
+    ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Name three colours."}])
+    rp = repack_works(tg)
+    with (
+        LlamaServer(tg, repack=rp) as plain,
+        LlamaServer(tg, draft, spec_type=spec_type, n_max=block - 1, repack=rp) as spec,
+    ):
+        a = plain.complete(ids, 32)
+        b = spec.complete(ids, 32)
+    assert a.tokens == b.tokens and len(a.tokens) > 10
+    assert b.drafted > 0, b.timings  # the draft ran
+    assert sum(x for x, _ in b.steps) == b.accepted
+    assert max(n for _, n in b.steps) == block - 1  # the whole trained block

@@ -20,6 +20,7 @@ from conftest import compose, tiny_overrides, tiny_target_gguf
 from test_methods import SMALL
 
 from models import FORMATS, METHODS
+from models.base import ExportError
 from models.families import FAMILIES
 
 #: the families of the matrix (the default, Llama, is every other test's target)
@@ -102,15 +103,22 @@ def test_each_method_trains_decodes_and_exports_on_each_family(family, method, d
     for f in [f for f, fmt in FORMATS.items() if method in fmt.methods]:
         out = tmp_path / f"export-{f}"
         opts = {"target_gguf_path": tiny_target_gguf(tmp_path / "t.gguf", target)}
-        export(
-            trained,
-            f,
-            out,
-            dtype="float32",
-            merge=trained.changes_target() is not None,
-            log=lambda *_: None,
-            **(opts if f == "gguf" else {}),
-        )
+        gguf = "gguf" in (f, FORMATS[f].family)
+        try:
+            export(
+                trained,
+                f,
+                out,
+                dtype="float32",
+                merge=trained.changes_target() is not None,
+                log=lambda *_: None,
+                **(opts if gguf else {}),
+            )
+        except ExportError as e:
+            # llama.cpp's layouts cannot hold every family's layers (biases): refused by name
+            assert gguf and "llama.cpp" in str(e) and "\n" not in str(e), str(e)
+            record(family, method, "refused", f"{f}: {e}")
+            continue
         back = import_draft(out, trained.target)
         a, b = proposals(trained.export_view(torch.float32), PROMPT), proposals(back, PROMPT)
         a.pop("logits"), b.pop("logits")

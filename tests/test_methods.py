@@ -159,7 +159,7 @@ def test_method_trains_saves_reloads_decodes_and_exports(name, data_file, tmp_pa
         merge = trained.changes_target() is not None
         opts = (
             {"target_gguf_path": tiny_target_gguf(tmp_path / "t.gguf", target4)}
-            if f == "gguf"
+            if "gguf" in (f, FORMATS[f].family)
             else {}
         )
         export(trained, f, out, dtype="float32", merge=merge, log=lambda *_: None, **opts)

@@ -13,8 +13,12 @@ that point (asked again, outside the timings).
 
 The draft: ``draft=ngram`` is llama.cpp's own n-gram speculation (``engine_ngram``, default
 ``ngram-simple``, ``gamma`` its draft length); an EAGLE-3/HASS run, saved draft or shipped name
-is exported to GGUF on the fly (``specdraft-export --format gguf``, cached); a folder holding ``draft.gguf`` or a
-``.gguf`` file is used as it is.
+is exported to GGUF on the fly (``specdraft-export --format gguf``, cached), and so is a
+DFlash or DSpark draft (llama.cpp's ``draft-dflash`` / ``draft-dspark``, chosen as llama.cpp
+chooses, from the GGUF); a folder holding ``draft.gguf`` or a ``.gguf`` file is used as it is.
+A DFlash-family block in llama.cpp has ``n_max + 1`` tokens: ``gamma`` is held to the trained
+block's ``block_size - 1`` (a smaller gamma runs a shorter block than the draft was trained on,
+and says so).
 
 Predicted speedup: from the engine's own costs, measured apart from the evaluation (the
 target's forward over k tokens with ``llama-bench``; the draft's cost per iteration and per
@@ -112,9 +116,10 @@ class CostModel:
         }
 
 
-def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str]:
-    """(spec type, draft GGUF or None, description) for ``cfg.draft``."""
-    from models.export import load_trained_head
+def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, int | None]:
+    """(spec type, draft GGUF or None, description, the draft's block size or None) for
+    ``cfg.draft``."""
+    from models.export import load_trained_head, resolve_format
     from models.shipped import shipped_draft
 
     d = str(cfg.draft)
@@ -124,23 +129,54 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str]:
         kind = cfg.engine_ngram
         if kind not in NGRAM_TYPES:
             raise EngineError(f"engine_ngram={kind!r}: use one of {', '.join(NGRAM_TYPES)}")
-        return kind, None, f"llama.cpp {kind} (n-gram speculation, no model)"
+        return kind, None, f"llama.cpp {kind} (n-gram speculation, no model)", None
     p = shipped_draft(d) or Path(d).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return "draft-eagle3", p, f"eagle3 GGUF ({p})"
+        return _described(p, p)
     if (p / "draft.gguf").is_file():
-        return "draft-eagle3", p / "draft.gguf", f"eagle3 GGUF ({p / 'draft.gguf'})"
+        return _described(p / "draft.gguf", p / "draft.gguf")
     if not p.exists():
         raise DraftError(f"draft={d}: no such file or folder")
     # a trained head: export it once (checked, re-imported) and cache the GGUF
     head = load_trained_head(p, target)
-    if head.cfg.name not in ("eagle3", "hass"):
+    fmt = resolve_format("gguf", head.cfg.name)
+    if head.cfg.name not in ("eagle3", "hass") and fmt == "gguf":
         raise DraftError(
-            f"draft={d}: a {head.cfg.name} draft; llama.cpp runs EAGLE-3/HASS heads "
-            "(--format gguf) and n-gram speculation (draft=ngram)"
+            f"draft={d}: a {head.cfg.name} draft; llama.cpp runs EAGLE-3/HASS, DFlash and "
+            "DSpark drafts (--format gguf) and n-gram speculation (draft=ngram)"
         )
-    out = cached_export(p, head, "gguf", log, target_gguf_path=cfg.target_gguf)
-    return "draft-eagle3", out / "draft.gguf", f"{head.cfg.name} ({p}) as GGUF q8_0"
+    suffix = "" if fmt == "gguf" else f"-{fmt}"
+    out = cached_export(p, head, fmt, log, suffix, target_gguf_path=cfg.target_gguf)
+    kind, block = gguf_kind(out / "draft.gguf")
+    return kind, out / "draft.gguf", f"{head.cfg.name} ({p}) as GGUF q8_0", block
+
+
+def _described(path: Path, shown: Path) -> tuple[str, Path, str, int | None]:
+    kind, block = gguf_kind(path)
+    return kind, path, f"{kind.removeprefix('draft-')} GGUF ({shown})", block
+
+
+def gguf_kind(path: Path) -> tuple[str, int | None]:
+    """(llama-server's --spec-type, block size or None) of the draft GGUF at ``path``: from
+    its architecture (eagle3 or dflash) and, for dflash, whether it holds DSpark's Markov
+    head (as llama.cpp itself decides)."""
+    from models.gguf import field, gguf_module
+
+    try:
+        r = gguf_module().GGUFReader(str(path))
+    except Exception as e:
+        raise DraftError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+    arch = field(r, "general.architecture")
+    if arch == "eagle3":
+        return "draft-eagle3", None
+    if arch == "dflash":
+        dspark = any(t.name == "markov_w1.weight" for t in r.tensors)
+        return ("draft-dspark" if dspark else "draft-dflash"), int(
+            field(r, "dflash.block_size") or 16
+        )
+    raise DraftError(
+        f"{path}: general.architecture={arch!r}; llama.cpp drafts are eagle3 or dflash GGUFs"
+    )
 
 
 def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
@@ -161,7 +197,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
             f"engine=llama.cpp serves the target from a GGUF: set target_gguf=<file> for "
             f"{target.identity} (convert it with llama.cpp's convert_hf_to_gguf.py)"
         )
-    spec_type, draft, desc = _draft_gguf(cfg, target, log)
+    spec_type, draft, desc, block = _draft_gguf(cfg, target, log)
     repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
     questions = bench_questions(cfg)
     threads = cfg.engine_threads or None
@@ -169,6 +205,14 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
     greedy = cfg.temperature == 0
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     n_max, p_min = int(cfg.gamma), float(cfg.p_min)
+    if block is not None:  # a DFlash block in llama.cpp is [last token, mask x n_max]
+        if n_max != block - 1:
+            log(
+                f"gamma={n_max}: llama.cpp runs a DFlash-family block of n_max + 1 tokens; "
+                f"n_max = {block - 1} runs the block of {block} the draft was trained on"
+                + (" (clamped)" if n_max > block - 1 else " (a shorter block than trained)")
+            )
+        n_max = min(n_max, block - 1)
     warm = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
 
     def spec_server(n: int, p: float | None = None) -> LlamaServer:
@@ -191,7 +235,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
                 cfg, plain, spec_server, tgt_gguf, warm, plain.threads, log, repack
             )
             if cfg.plan:
-                n_max = plan["n_max"]
+                n_max = plan["n_max"] if block is None else min(plan["n_max"], block - 1)
                 log(f"plan: n_max={n_max} (predicted {plan['predicted_speedup']:.2f}x)")
         with spec_server(n_max) as spec:
             spec.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)

@@ -1,0 +1,228 @@
+"""What every GGUF draft layout shares (``models/eagle/gguf.py``: EAGLE-3 / HASS;
+``models/dflash/gguf.py``: DFlash and DSpark): the ``gguf`` package, the tensor types a
+``--dtype`` stores, the rounding a stored tensor goes through, the target GGUF a draft takes its
+tokenizer from, and reading fields back.
+
+A GGUF draft is written directly with the ``gguf`` package (no llama.cpp source tree is needed
+to export); ``tests/test_engine.py`` compares each layout with what llama.cpp's own
+``convert_hf_to_gguf.py`` writes for the same head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import ExportError
+from .target import TargetError, target_gguf
+
+# what --dtype means for a GGUF draft: the type of its 2-D weights
+QUANTS = ("q8_0", "float16", "bfloat16", "float32")
+FILE_TYPE = {"float32": 0, "float16": 1, "q8_0": 7, "bfloat16": 32}  # llama_ftype
+
+
+def gguf_module():
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ExportError("--format gguf needs the gguf package: pip install gguf") from None
+    return gguf
+
+
+def qtype(gguf, quant: str, arr: np.ndarray):
+    """The GGML type a tensor is stored in: 1-D tensors float32 (as the converter keeps norms),
+    2-D weights in ``quant`` (q8_0 needs rows that are whole 32-value blocks)."""
+    T = gguf.GGMLQuantizationType
+    if arr.ndim < 2:
+        return T.F32
+    if quant == "q8_0":
+        return T.Q8_0 if arr.shape[-1] % 32 == 0 else T.F16
+    return {"float32": T.F32, "float16": T.F16, "bfloat16": T.BF16}[quant]
+
+
+def round_trip(t: torch.Tensor, gguf, qt) -> torch.Tensor:
+    """``t`` as the engine holds it after storing it as ``qt`` (float32)."""
+    a = t.detach().float().cpu().numpy()
+    q = gguf.quants.quantize(a, qt)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(q, qt)))
+
+
+def add_weight(w, gguf, name: str, t: torch.Tensor, quant: str) -> None:
+    """Store ``t`` under ``name`` in the type ``quant`` gives it (``qtype``)."""
+    arr = t.detach().float().cpu().numpy()
+    qt = qtype(gguf, quant, arr)
+    if qt == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, arr)
+    else:
+        w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+
+
+def read_weight(gguf, t) -> torch.Tensor:
+    """A GGUF tensor as float32 in torch's shape (GGUF lists ne0 first)."""
+    shape = tuple(int(n) for n in reversed(t.shape))
+    arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+    return torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+
+
+def rounded_state(draft, names: dict[str, torch.Tensor], quant: str) -> dict[str, torch.Tensor]:
+    """``names`` (state-dict name -> float32 tensor) rounded as ``add_weight`` stores them."""
+    gguf = gguf_module()
+    out = {}
+    for name, p in names.items():
+        if p.ndim < 2 or not p.is_floating_point():
+            continue
+        qt = qtype(gguf, quant, p.numpy())
+        if qt != gguf.GGMLQuantizationType.F32:
+            out[name] = round_trip(p, gguf, qt)
+    return out
+
+
+def field(r, key: str):
+    f = r.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def open_gguf(path: Path, arch: str):
+    """A GGUF reader for ``path``, which must hold a ``general.architecture = arch`` model."""
+    gguf = gguf_module()
+    if not path.exists():
+        raise ExportError(f"{path}: missing")
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ExportError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+    got = field(r, "general.architecture")
+    if got != arch:
+        raise ExportError(f"{path}: general.architecture={got!r}, expected {arch!r}")
+    return r
+
+
+def target_source(draft, given) -> Path:
+    """The target's GGUF (the file llama.cpp serves as the target), which a GGUF draft copies
+    its tokenizer from."""
+    try:
+        src = target_gguf(draft.target, given)
+    except TargetError as e:
+        raise ExportError(str(e)) from None
+    if src is None:
+        raise ExportError(
+            f"--format gguf copies the tokenizer from the target's own GGUF (the file "
+            f"llama.cpp serves as the target); pass --target-gguf <file> for "
+            f"{draft.target.identity} (an HF target converts with llama.cpp's "
+            "convert_hf_to_gguf.py)"
+        )
+    return src
+
+
+def check_target_gguf(r, path: Path, tc) -> None:
+    """The target GGUF must be the target the head was trained for (same shape)."""
+    arch = field(r, "general.architecture")
+    for key, want in (
+        ("embedding_length", tc.hidden_size),
+        ("block_count", tc.num_hidden_layers),
+    ):
+        got = field(r, f"{arch}.{key}")
+        if got is not None and int(got) != int(want):
+            raise ExportError(
+                f"{path}: {arch}.{key}={got}, but the head's target has {want}: this GGUF is "
+                "not the target the head was trained for"
+            )
+    toks = r.fields.get("tokenizer.ggml.tokens")
+    if toks is None:
+        raise ExportError(f"{path}: holds no tokenizer (tokenizer.ggml.tokens)")
+    if len(toks.data) != tc.vocab_size:
+        raise ExportError(
+            f"{path}: its tokenizer has {len(toks.data)} tokens, the head's target {tc.vocab_size}"
+        )
+
+
+def copy_tokenizer(r, w, gguf, skip: tuple[str, ...] = ()) -> None:
+    """Every ``tokenizer.*`` key of the target's GGUF (but ``skip``), with its type, into the
+    draft's."""
+    VT = gguf.GGUFValueType
+    for key, f in r.fields.items():
+        if not key.startswith("tokenizer.") or key in skip:
+            continue
+        vtype = VT(f.types[0])
+        if vtype == VT.ARRAY:
+            w.add_key_value(key, f.contents(), VT.ARRAY, sub_type=VT(f.types[-1]))
+        else:
+            w.add_key_value(key, f.contents(), vtype)
+
+
+def target_hparams(tc) -> dict[str, Any]:
+    """The attention and RoPE settings of the target's config that a draft layer shares."""
+    heads = tc.num_attention_heads
+    H = tc.hidden_size
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    return {
+        "heads": heads,
+        "kv": getattr(tc, "num_key_value_heads", None) or heads,
+        "H": H,
+        "head_dim": getattr(tc, "head_dim", None) or H // heads,
+        "theta": float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
+        "eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
+        "context": int(getattr(tc, "max_position_embeddings", 8192)),
+    }
+
+
+def rope_factors(tc) -> torch.Tensor | None:
+    """``rope_freqs.weight`` for a target with Llama-3 RoPE scaling (the divisor of each
+    frequency, as llama.cpp's converter computes it for Llama targets and its eagle3 and
+    dflash drafts read it), None for plain RoPE; other scalings are refused by name."""
+    import math
+
+    rope = dict(getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ExportError(
+            f"the target's RoPE scaling is {kind!r}: specdraft writes llama.cpp GGUF drafts "
+            "with plain or Llama-3 RoPE only (llama.cpp's convert_hf_to_gguf.py converts a "
+            "vLLM export)"
+        )
+    hp = target_hparams(tc)
+    dim, base = hp["head_dim"], hp["theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope.get("original_max_position_embeddings", 8192))
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+class GGUFDraftFormat:
+    """The storage half of a GGUF layout, mixed in before the safetensors layout it is built
+    on (whose ``tensors`` names it maps): one ``draft.gguf``, weights rounded from float32 to
+    ``--dtype`` (q8_0 by default), a small ``config.json`` beside it naming the target GGUF."""
+
+    weights_file = "draft.gguf"
+    default_dtype = "q8_0"
+    dtypes = QUANTS
+    vllm_method = None  # llama.cpp's; vLLM does not read GGUF drafts
+
+    def torch_dtype(self, dtype: str) -> torch.dtype:
+        # ``save`` stores the types itself, from float32; llama.cpp computes in float32
+        return torch.float32
+
+    def detect(self, folder: Path, config: dict) -> bool:
+        return (folder / self.weights_file).exists() and config.get("format") == self.name
+
+    def readme_lines(self, draft, config: dict) -> list[str]:
+        return [
+            *super().readme_lines(draft, config),
+            f"- llama.cpp target: `{config['target_gguf']}` (the tokenizer was copied from it)",
+        ]
