@@ -527,3 +527,37 @@ def test_engine_serves_dflash_family_drafts_losslessly(smollm2, tmp_path, method
     assert b.drafted > 0, b.timings  # the draft ran
     assert sum(x for x, _ in b.steps) == b.accepted
     assert max(n for _, n in b.steps) == block - 1  # the whole trained block
+
+
+@needs_engine
+@pytest.mark.slow
+def test_engine_serves_a_distillspec_student_as_a_draft_model(smollm2, tmp_path):
+    """A DistillSpec student (the target's first layers) converted by llama.cpp's own
+    converter and served as a standalone draft model (draft-simple): exact, and it drafts."""
+    from data.chat import prompt_ids
+    from decoding.engines.llama_cpp import LlamaServer, engine_source, repack_works
+    from decoding.engines.llama_cpp_eval import gguf_kind, student_gguf
+    from models.distillspec import DistillSpecConfig, DistillSpecStudent
+    from models.target import target_gguf
+
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
+    if engine_source() is None:
+        pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
+    student = DistillSpecStudent(smollm2, DistillSpecConfig(num_layers=4)).eval()
+    run = tmp_path / "run"
+    student.save_draft(run)
+    draft = student_gguf(run, student, log=lambda *_: None)
+    assert gguf_kind(draft) == ("draft-simple", None)
+    assert student_gguf(run, student, log=lambda *_: None) == draft  # cached
+    tg = target_gguf(smollm2)
+    ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Count from one to ten."}])
+    rp = repack_works(tg)
+    with (
+        LlamaServer(tg, repack=rp) as plain,
+        LlamaServer(tg, draft, spec_type="draft-simple", n_max=3, repack=rp) as spec,
+    ):
+        a = plain.complete(ids, 32)
+        b = spec.complete(ids, 32)
+    assert a.tokens == b.tokens and len(a.tokens) > 10
+    assert b.drafted > 0 and b.accepted > 0, b.timings  # the target's own first layers agree
+    assert sum(x for x, _ in b.steps) == b.accepted

@@ -64,6 +64,32 @@ def engine_source() -> Path | None:
     return None
 
 
+def convert_hf(hf_dir: Path, out: Path, outtype: str = "q8_0", log=print) -> Path:
+    """``hf_dir`` (a Hugging Face causal LM folder with its tokenizer) as a GGUF at ``out``,
+    converted by llama.cpp's own ``convert_hf_to_gguf.py`` from the cached build's source tree
+    (a standalone draft model, e.g. a DistillSpec student, is served this way)."""
+    import sys
+
+    src = engine_source()
+    if src is None:
+        raise EngineError(f"llama.cpp's converter is not in the cache: {INSTALL_HINT}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    log(f"converting {hf_dir} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf.py")
+    r = subprocess.run(
+        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
+         "--outfile", str(tmp)],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )  # fmt: skip
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise EngineError(f"llama.cpp's converter failed on {hf_dir}: {last}")
+    os.replace(tmp, out)
+    return out
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

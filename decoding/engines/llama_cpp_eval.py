@@ -15,7 +15,9 @@ The draft: ``draft=ngram`` is llama.cpp's own n-gram speculation (``engine_ngram
 ``ngram-simple``, ``gamma`` its draft length); an EAGLE-3/HASS run, saved draft or shipped name
 is exported to GGUF on the fly (``specdraft-export --format gguf``, cached), and so is a
 DFlash or DSpark draft (llama.cpp's ``draft-dflash`` / ``draft-dspark``, chosen as llama.cpp
-chooses, from the GGUF); a folder holding ``draft.gguf`` or a ``.gguf`` file is used as it is.
+chooses, from the GGUF); a DistillSpec run's student is converted with llama.cpp's own
+``convert_hf_to_gguf.py`` (q8_0, cached) and served as a standalone draft model
+(``draft-simple``); a folder holding ``draft.gguf`` or a ``.gguf`` file is used as it is.
 A DFlash-family block in llama.cpp has ``n_max + 1`` tokens: ``gamma`` is held to the trained
 block's ``block_size - 1`` (a smaller gamma runs a shorter block than the draft was trained on,
 and says so).
@@ -139,6 +141,13 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, in
         raise DraftError(f"draft={d}: no such file or folder")
     # a trained head: export it once (checked, re-imported) and cache the GGUF
     head = load_trained_head(p, target)
+    if head.cfg.name == "distillspec":  # a standalone draft LM: llama.cpp's draft-simple
+        return (
+            "draft-simple",
+            student_gguf(p, head, log),
+            f"distillspec student ({p}) as GGUF q8_0",
+            None,
+        )
     fmt = resolve_format("gguf", head.cfg.name)
     if head.cfg.name not in ("eagle3", "hass") and fmt == "gguf":
         raise DraftError(
@@ -151,6 +160,31 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, in
     return kind, out / "draft.gguf", f"{head.cfg.name} ({p}) as GGUF q8_0", block
 
 
+def student_gguf(path: Path, head, log) -> Path:
+    """A DistillSpec run's student as a GGUF (llama.cpp's converter, q8_0), once, cached under
+    ``engine-drafts`` and keyed like ``cached_export``."""
+    import hashlib
+    import tempfile
+
+    from models.distillspec.model import STUDENT_DIR
+
+    from .base import cache_root
+    from .llama_cpp import convert_hf
+
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*.safetensors"))[:4]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = cache_root() / "engine-drafts" / f"{path.resolve().name}-{h.hexdigest()[:10]}-student"
+    gguf = out / "draft.gguf"
+    if gguf.is_file():
+        return gguf
+    with tempfile.TemporaryDirectory() as tmp:
+        head.save_draft(tmp)  # the merged student and the target's tokenizer
+        convert_hf(Path(tmp) / STUDENT_DIR, gguf, "q8_0", log)
+    return gguf
+
+
 def _described(path: Path, shown: Path) -> tuple[str, Path, str, int | None]:
     kind, block = gguf_kind(path)
     return kind, path, f"{kind.removeprefix('draft-')} GGUF ({shown})", block
@@ -158,8 +192,8 @@ def _described(path: Path, shown: Path) -> tuple[str, Path, str, int | None]:
 
 def gguf_kind(path: Path) -> tuple[str, int | None]:
     """(llama-server's --spec-type, block size or None) of the draft GGUF at ``path``: from
-    its architecture (eagle3 or dflash) and, for dflash, whether it holds DSpark's Markov
-    head (as llama.cpp itself decides)."""
+    its architecture (eagle3, dflash, or any language model: a standalone draft) and, for
+    dflash, whether it holds DSpark's Markov head (as llama.cpp itself decides)."""
     from models.gguf import field, gguf_module
 
     try:
@@ -174,8 +208,11 @@ def gguf_kind(path: Path) -> tuple[str, int | None]:
         return ("draft-dspark" if dspark else "draft-dflash"), int(
             field(r, "dflash.block_size") or 16
         )
+    if arch and "tokenizer.ggml.tokens" in r.fields:  # a whole LM: a standalone draft model
+        return "draft-simple", None
     raise DraftError(
-        f"{path}: general.architecture={arch!r}; llama.cpp drafts are eagle3 or dflash GGUFs"
+        f"{path}: general.architecture={arch!r} and no tokenizer: not a draft llama.cpp serves "
+        "(eagle3 or dflash GGUFs, or a language model with its tokenizer)"
     )
 
 
