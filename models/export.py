@@ -259,9 +259,17 @@ def export(
     fmt_name = resolve_format(fmt_name, draft.cfg.name)
     fmt = formats()[fmt_name]
     if draft.cfg.name not in fmt.methods:
+        kin = [m for f in formats().values() if fmt_name in (f.name, f.family) for m in f.methods]
+        hint = (
+            " (a DistillSpec student is an ordinary model in <draft>/student: engines serve it "
+            "as a draft model, and specdraft-eval engine=llama.cpp converts it itself)"
+            if draft.cfg.name == "distillspec"
+            else ""
+        )
+        kin = list(dict.fromkeys(kin))
+        which = " or ".join([", ".join(kin[:-1]), kin[-1]] if len(kin) > 1 else kin)
         raise ExportError(
-            f"--format {fmt_name} exports {' or '.join(fmt.methods)} drafts; this is "
-            f"{draft.cfg.name}"
+            f"--format {fmt_name} exports {which} drafts; this is {draft.cfg.name}{hint}"
         )
     dtype = dtype or fmt.default_dtype
     if dtype not in fmt.dtypes:

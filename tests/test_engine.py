@@ -1,6 +1,7 @@
-"""llama.cpp as the engine: GGUF export of EAGLE-3 heads (always) and, where llama.cpp is
-installed (`bash scripts/install.sh engine`), the engine loading and decoding our drafts, our
-GGUF against llama.cpp's own converter, and `specdraft-eval engine=llama.cpp`."""
+"""llama.cpp as the engine: GGUF export of EAGLE-3, DFlash and DSpark drafts (always) and,
+where llama.cpp is installed (`bash scripts/install.sh engine`), the engine loading and
+decoding our drafts (DistillSpec students too, as draft models), our GGUFs against llama.cpp's
+own converter, and `specdraft-eval engine=llama.cpp`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from conftest import run_module, tiny_target_gguf
 
 from models import export as ex
+from models.base import DraftError
 from models.eagle import Eagle3Config, Eagle3Head
 from models.eagle.gguf import permute, unpermute
 from models.export import ExportError, detect_format, export, import_draft
@@ -433,7 +435,13 @@ def test_dflash_family_gguf_refusals_and_omissions(target4, tmp_path):
     with pytest.raises(ExportError, match="exports dflash drafts; this is dspark"):
         export(block_draft(target4, "dspark"), "gguf-dflash", tmp_path / "c",
                target_gguf_path=tg, **quiet)  # fmt: skip
-    assert not any((tmp_path / n).exists() for n in "abc")
+    from models.distillspec import DistillSpecConfig, DistillSpecStudent
+
+    student = DistillSpecStudent(target4, DistillSpecConfig(num_layers=1))
+    with pytest.raises(ExportError, match=r"eagle3, hass, dflash or dspark drafts; this is "
+                       r"distillspec \(a DistillSpec student is an ordinary model"):  # fmt: skip
+        export(student, "gguf", tmp_path / "s", target_gguf_path=tg, **quiet)
+    assert not any((tmp_path / n).exists() for n in "abcs")
     # a confidence head without the Markov input has no place in llama.cpp's: left out, said
     d = block_draft(target4, "dspark", confidence_with_markov=False)
     lines = []
@@ -561,3 +569,26 @@ def test_engine_serves_a_distillspec_student_as_a_draft_model(smollm2, tmp_path)
     assert a.tokens == b.tokens and len(a.tokens) > 10
     assert b.drafted > 0 and b.accepted > 0, b.timings  # the target's own first layers agree
     assert sum(x for x, _ in b.steps) == b.accepted
+
+
+def test_the_spec_type_comes_from_the_gguf(target4, tmp_path):
+    """As llama.cpp decides: eagle3 -> draft-eagle3; dflash -> draft-dflash, or draft-dspark
+    with a Markov head (with the block size); any LM with a tokenizer -> draft-simple; else a
+    one-line refusal."""
+    from decoding.engines.llama_cpp_eval import gguf_kind
+
+    tg = tiny_target_gguf(tmp_path / "target.gguf", target4)
+    assert gguf_kind(tg) == ("draft-simple", None)  # a whole LM (here: its shape and tokenizer)
+    export(head3(target4), "gguf", tmp_path / "e", log=lambda *_: None, target_gguf_path=tg)
+    assert gguf_kind(tmp_path / "e" / "draft.gguf") == ("draft-eagle3", None)
+    bare = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(bare), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(DraftError, match="no tokenizer: not a draft llama.cpp serves"):
+        gguf_kind(bare)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(DraftError, match="not a readable GGUF"):
+        gguf_kind(tmp_path / "junk.gguf")
