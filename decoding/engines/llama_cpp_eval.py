@@ -152,7 +152,8 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, in
     if head.cfg.name not in ("eagle3", "hass") and fmt == "gguf":
         raise DraftError(
             f"draft={d}: a {head.cfg.name} draft; llama.cpp runs EAGLE-3/HASS, DFlash and "
-            "DSpark drafts (--format gguf) and n-gram speculation (draft=ngram)"
+            "DSpark drafts (--format gguf), DistillSpec students (as draft models) and n-gram "
+            "speculation (draft=ngram)"
         )
     suffix = "" if fmt == "gguf" else f"-{fmt}"
     out = cached_export(p, head, fmt, log, suffix, target_gguf_path=cfg.target_gguf)
