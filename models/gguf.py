@@ -10,6 +10,7 @@ to export); ``tests/test_engine.py`` compares each layout with what llama.cpp's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,93 @@ def rope_factors(tc) -> torch.Tensor | None:
     return torch.tensor(out, dtype=torch.float32)
 
 
+def vocab_maps(path: Path, t, V: int) -> dict[str, torch.Tensor]:
+    """A GGUF's ``d2t`` (absolute target ids) as our ``d2t`` (offsets) and ``t2d`` (mask)."""
+    ids = torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(-1)
+    if ids.numel() and (ids.min() < 0 or ids.max() >= V):
+        raise ExportError(f"{path}: d2t holds target ids outside 0..{V - 1}")
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
+
+
+def write_draft_gguf(
+    path: Path,
+    arch: str,
+    draft,
+    target_gguf_path: str | Path,
+    quant: str,
+    num_layers: int,
+    keys: Callable[[Any], None],
+    weights: dict[str, torch.Tensor],
+    token_ids: dict[str, int] | None = None,
+) -> None:
+    """One draft GGUF: the hyper-parameters every llama.cpp draft reads (the target's sizes,
+    RoPE and norm epsilon, ``num_layers`` blocks), the architecture's own ``keys(w)``, the
+    target's tokenizer copied from its GGUF (checked to be the draft's target), its
+    ``token_ids`` keys set to the draft's (uint32), ``rope_freqs`` where the target's RoPE is scaled, and
+    ``weights`` (GGUF name -> tensor; ``d2t`` as our offsets, stored as absolute int64 ids)."""
+    gguf = gguf_module()
+    tc = draft.target.config
+    src_path = Path(target_gguf_path)
+    src = gguf.GGUFReader(str(src_path))
+    check_target_gguf(src, src_path, tc)
+    hp = target_hparams(tc)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(f"specdraft {draft.cfg.name} draft for {draft.target.identity}")
+    w.add_context_length(hp["context"])
+    w.add_embedding_length(hp["H"])
+    w.add_block_count(num_layers)
+    w.add_feed_forward_length(tc.intermediate_size)
+    w.add_head_count(hp["heads"])
+    w.add_head_count_kv(hp["kv"])
+    w.add_rope_freq_base(hp["theta"])
+    w.add_layer_norm_rms_eps(hp["eps"])
+    w.add_key_length(hp["head_dim"])
+    w.add_value_length(hp["head_dim"])
+    w.add_file_type(FILE_TYPE[quant])
+    keys(w)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    token_ids = token_ids or {}
+    copy_tokenizer(src, w, gguf, skip=tuple(token_ids))
+    for key, value in token_ids.items():
+        w.add_uint32(key, int(value))
+    if (factors := rope_factors(tc)) is not None:
+        w.add_tensor("rope_freqs.weight", factors.numpy())
+    for name, t in weights.items():
+        if name == "d2t":
+            ids = t.to(torch.int64) + torch.arange(t.numel())  # offsets -> absolute ids
+            w.add_tensor("d2t", ids.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
+        else:
+            add_weight(w, gguf, name, t, quant)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def read_draft_gguf(
+    path: Path, r, V: int, to_hf: Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None]
+) -> dict[str, torch.Tensor]:
+    """The draft GGUF's tensors (reader ``r``) under our names: ``to_hf(gguf name, float32
+    tensor)`` gives (name, tensor), or None for a tensor the layout has no place for;
+    ``d2t`` as offsets and ``t2d`` rebuilt; ``rope_freqs`` (the target's RoPE) left out."""
+    gguf = gguf_module()
+    out: dict[str, torch.Tensor] = {}
+    for t in r.tensors:
+        if t.name == "d2t":
+            out.update(vocab_maps(path, t, V))
+            continue
+        if t.name == "rope_freqs.weight":
+            continue
+        got = to_hf(t.name, read_weight(gguf, t))
+        if got is None:
+            raise ExportError(f"{path}: unexpected tensor {t.name}")
+        out[got[0]] = got[1]
+    return out
+
+
 class GGUFDraftFormat:
     """The storage half of a GGUF layout, mixed in before the safetensors layout it is built
     on (whose ``tensors`` names it maps): one ``draft.gguf``, weights rounded from float32 to
@@ -217,6 +305,20 @@ class GGUFDraftFormat:
     def torch_dtype(self, dtype: str) -> torch.dtype:
         # ``save`` stores the types itself, from float32; llama.cpp computes in float32
         return torch.float32
+
+    def stored_weights(self, draft, ref) -> dict[str, torch.Tensor]:
+        """The float tensors of ``ref`` (the export view) that the GGUF stores, by its state
+        names: all of them by default."""
+        return {k: v.float().cpu() for k, v in ref.state_dict().items() if k not in ("d2t", "t2d")}
+
+    def reference(self, draft, quant: str):
+        """The trained draft with every weight rounded as ``save`` stores it: what the engine
+        (and ``read``) holds."""
+        ref = draft.export_view(torch.float32)
+        state = ref.state_dict()
+        state.update(rounded_state(draft, self.stored_weights(draft, ref), quant))
+        ref.load_state_dict(state)
+        return ref.eval()
 
     def detect(self, folder: Path, config: dict) -> bool:
         return (folder / self.weights_file).exists() and config.get("format") == self.name

@@ -6,10 +6,8 @@ own converter, and `specdraft-eval engine=llama.cpp`."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -209,35 +207,42 @@ def test_engine_serves_the_shipped_head_losslessly(smollm2, shipped_gguf):
 def test_our_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
     """The same head converted by llama.cpp's own convert_hf_to_gguf.py (from our sglang
     export, with --target-model-dir) and written by us: same eagle3 keys, same tensors."""
-    from decoding.engines.llama_cpp import engine_source
     from models.export import load_trained_head
     from models.shipped import shipped_draft
-    from models.target import smollm2_dir
 
-    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
-    src = engine_source()
-    if src is None:
-        pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
     head = load_trained_head(shipped_draft("smollm2-eagle3"), smollm2)
     export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
     export(head, "gguf", tmp_path / "ours", dtype="float32", log=lambda *_: None)
-    theirs = tmp_path / "theirs.gguf"
-    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
-        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(tmp_path / "sg"),
-         "--target-model-dir", str(smollm2_dir("~/.cache/specdraft")), "--outtype", "f32",
-         "--outfile", str(theirs)],
-        capture_output=True, text=True, env=env, timeout=600,
+    assert_as_llama_cpp_converts(tmp_path / "sg", tmp_path / "ours" / "draft.gguf", "eagle3.")
+
+
+def assert_as_llama_cpp_converts(hf_export: Path, ours: Path, prefix: str, only_theirs=()):
+    """llama.cpp's own converter (``--target-model-dir``: the embedded target) on
+    ``hf_export`` writes what we wrote in ``ours``: the same tensors, byte for byte (but
+    ``only_theirs``, which only the converter writes), and the same ``prefix`` keys, the
+    architecture and the mask token."""
+    from decoding.engines.llama_cpp import convert_hf, engine_source
+    from models.target import smollm2_dir
+
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
+    if engine_source() is None:
+        pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
+    theirs = convert_hf(
+        hf_export, ours.parent.parent / "theirs.gguf", "f32", log=lambda *_: None,
+        extra=("--target-model-dir", str(smollm2_dir("~/.cache/specdraft"))),
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    a = gguf.GGUFReader(str(tmp_path / "ours" / "draft.gguf"))
+    a = gguf.GGUFReader(str(ours))
     b = gguf.GGUFReader(str(theirs))
     ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
-    assert set(ta) == set(tb)
+    assert set(tb) - set(ta) == set(only_theirs) and set(ta) <= set(tb)
     for n in ta:
         assert ta[n].tensor_type == tb[n].tensor_type, n
         assert np.array_equal(np.array(ta[n].data), np.array(tb[n].data)), n
-    keys = [k for k in b.fields if k.startswith("eagle3.") or k == "general.architecture"]
+    keys = [
+        k
+        for k in b.fields
+        if k.startswith(prefix) or k in ("general.architecture", "tokenizer.ggml.mask_token_id")
+    ]
     differ = [
         k for k in keys if k not in a.fields or a.fields[k].contents() != b.fields[k].contents()
     ]
@@ -464,45 +469,13 @@ def test_our_dspark_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
     """llama.cpp's convert_hf_to_gguf.py on our vLLM DSpark export, and our GGUF of the same
     draft: the same dflash keys and tensors (the converter also copies the target's
     token_embd, which we leave to the target)."""
-    from decoding.engines.llama_cpp import engine_source
-    from models.target import smollm2_dir
-
-    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
-    src = engine_source()
-    if src is None:
-        pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
     d = block_draft(smollm2, "dspark", draft_vocab_size=4096, block_size=5,
                     fuse_layers=[1, 10, 20], mask_token_id=2)  # fmt: skip
     export(d, "dspark", tmp_path / "vl", dtype="float32", log=lambda *_: None)
     export(d, "gguf", tmp_path / "ours", dtype="float32", log=lambda *_: None)
-    theirs = tmp_path / "theirs.gguf"
-    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(
-        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(tmp_path / "vl"),
-         "--target-model-dir", str(smollm2_dir("~/.cache/specdraft")), "--outtype", "f32",
-         "--outfile", str(theirs)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    a = gguf.GGUFReader(str(tmp_path / "ours" / "draft.gguf"))
-    b = gguf.GGUFReader(str(theirs))
-    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
-    assert set(tb) - set(ta) == {"token_embd.weight"} and set(ta) <= set(tb)
-    for n in ta:
-        assert ta[n].tensor_type == tb[n].tensor_type, n
-        assert np.array_equal(np.array(ta[n].data), np.array(tb[n].data)), n
-    keys = [
-        k
-        for k in b.fields
-        if k.startswith("dflash.") or k in ("general.architecture", "tokenizer.ggml.mask_token_id")
-    ]
-    differ = [
-        k for k in keys if k not in a.fields or a.fields[k].contents() != b.fields[k].contents()
-    ]
-    assert not differ, {
-        k: (a.fields[k].contents() if k in a.fields else None, b.fields[k].contents())
-        for k in differ
-    }
+    assert_as_llama_cpp_converts(
+        tmp_path / "vl", tmp_path / "ours" / "draft.gguf", "dflash.", {"token_embd.weight"}
+    )
 
 
 @needs_engine

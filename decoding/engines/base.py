@@ -30,19 +30,26 @@ def cached_export(path: Path, head, fmt: str, log, suffix: str = "", **opts: Any
     ``fmt`` for an engine: once, checked and re-imported by ``specdraft-export``'s pipeline,
     then cached under ``engine-drafts``, keyed by the draft's folder and its weights' names,
     sizes and times (a retrained draft is exported again)."""
-    import hashlib
-
     from models.export import export
+
+    out = engine_draft_dir(path, suffix)
+    if not (out / "config.json").is_file():
+        log(f"exporting {path} (--format {fmt}) for the engine: {out}")
+        export(head, fmt, out, force=True, log=log, **opts)
+    return out
+
+
+def engine_draft_dir(path: Path, suffix: str = "") -> Path:
+    """The cache folder for what an engine serves of the trained draft at ``path``, keyed by
+    the draft's folder and its weights' names, sizes and times (a retrained draft gets a new
+    one)."""
+    import hashlib
 
     h = hashlib.sha256()
     for f in sorted(path.rglob("*.safetensors"))[:4]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    out = cache_root() / "engine-drafts" / f"{path.resolve().name}-{h.hexdigest()[:10]}{suffix}"
-    if not (out / "config.json").is_file():
-        log(f"exporting {path} (--format {fmt}) for the engine: {out}")
-        export(head, fmt, out, force=True, log=log, **opts)
-    return out
+    return cache_root() / "engine-drafts" / f"{path.resolve().name}-{h.hexdigest()[:10]}{suffix}"
 
 
 class EngineError(RuntimeError):

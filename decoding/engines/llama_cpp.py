@@ -64,10 +64,13 @@ def engine_source() -> Path | None:
     return None
 
 
-def convert_hf(hf_dir: Path, out: Path, outtype: str = "q8_0", log=print) -> Path:
+def convert_hf(
+    hf_dir: Path, out: Path, outtype: str = "q8_0", log=print, extra: tuple[str, ...] = ()
+) -> Path:
     """``hf_dir`` (a Hugging Face causal LM folder with its tokenizer) as a GGUF at ``out``,
     converted by llama.cpp's own ``convert_hf_to_gguf.py`` from the cached build's source tree
-    (a standalone draft model, e.g. a DistillSpec student, is served this way)."""
+    (a standalone draft model, e.g. a DistillSpec student, is served this way); ``extra``: more
+    converter arguments (``--target-model-dir <dir>`` for a draft head's layout)."""
     import sys
 
     src = engine_source()
@@ -79,7 +82,7 @@ def convert_hf(hf_dir: Path, out: Path, outtype: str = "q8_0", log=print) -> Pat
     log(f"converting {hf_dir} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf.py")
     r = subprocess.run(
         [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
-         "--outfile", str(tmp)],
+         "--outfile", str(tmp), *extra],
         capture_output=True, text=True, env=env, timeout=1800,
     )  # fmt: skip
     if r.returncode != 0:

@@ -121,7 +121,7 @@ class CostModel:
 def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, int | None]:
     """(spec type, draft GGUF or None, description, the draft's block size or None) for
     ``cfg.draft``."""
-    from models.export import load_trained_head, resolve_format
+    from models.export import formats, load_trained_head, resolve_format
     from models.shipped import shipped_draft
 
     d = str(cfg.draft)
@@ -149,7 +149,7 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, in
             None,
         )
     fmt = resolve_format("gguf", head.cfg.name)
-    if head.cfg.name not in ("eagle3", "hass") and fmt == "gguf":
+    if head.cfg.name not in formats()[fmt].methods:
         raise DraftError(
             f"draft={d}: a {head.cfg.name} draft; llama.cpp runs EAGLE-3/HASS, DFlash and "
             "DSpark drafts (--format gguf), DistillSpec students (as draft models) and n-gram "
@@ -163,21 +163,15 @@ def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, in
 
 def student_gguf(path: Path, head, log) -> Path:
     """A DistillSpec run's student as a GGUF (llama.cpp's converter, q8_0), once, cached under
-    ``engine-drafts`` and keyed like ``cached_export``."""
-    import hashlib
+    ``engine-drafts`` (``engine_draft_dir``)."""
     import tempfile
 
     from models.distillspec.model import STUDENT_DIR
 
-    from .base import cache_root
+    from .base import engine_draft_dir
     from .llama_cpp import convert_hf
 
-    h = hashlib.sha256()
-    for f in sorted(path.rglob("*.safetensors"))[:4]:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    out = cache_root() / "engine-drafts" / f"{path.resolve().name}-{h.hexdigest()[:10]}-student"
-    gguf = out / "draft.gguf"
+    gguf = engine_draft_dir(path, "-student") / "draft.gguf"
     if gguf.is_file():
         return gguf
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,21 +44,14 @@ from typing import Any
 import torch
 
 from ..base import ExportError
-from ..eagle.gguf import vocab_maps
 from ..gguf import (
-    FILE_TYPE,
     GGUFDraftFormat,
-    add_weight,
-    check_target_gguf,
-    copy_tokenizer,
     field,
-    gguf_module,
     open_gguf,
-    read_weight,
+    read_draft_gguf,
     rope_factors,
-    rounded_state,
-    target_hparams,
     target_source,
+    write_draft_gguf,
 )
 from .export import SpeculatorsDFlash
 
@@ -174,65 +167,30 @@ class DFlashGGUF(GGUFDraftFormat):
         """Keys a subclass adds."""
 
     def save(self, tmp: Path, tensors: dict[str, torch.Tensor], config: dict, draft, quant: str):
-        gguf = gguf_module()
-        c, tc = draft.cfg, draft.target.config
-        src_path = Path(config["target_gguf"])
-        src = gguf.GGUFReader(str(src_path))
-        check_target_gguf(src, src_path, tc)
-        hp = target_hparams(tc)
-        w = gguf.GGUFWriter(str(tmp / self.weights_file), ARCH)
-        w.add_type(gguf.GGUFType.MODEL)
-        w.add_name(f"specdraft {c.name} draft for {draft.target.identity}")
-        w.add_context_length(hp["context"])
-        w.add_embedding_length(hp["H"])
-        w.add_block_count(c.num_layers)
-        w.add_feed_forward_length(tc.intermediate_size)
-        w.add_head_count(hp["heads"])
-        w.add_head_count_kv(hp["kv"])
-        w.add_rope_freq_base(hp["theta"])
-        w.add_layer_norm_rms_eps(hp["eps"])
-        w.add_key_length(hp["head_dim"])
-        w.add_value_length(hp["head_dim"])
-        w.add_file_type(FILE_TYPE[quant])
-        w.add_uint32(f"{ARCH}.block_size", int(c.block_size))
-        w.add_array(f"{ARCH}.target_layers", [int(i) for i in c.fuse_layers])
-        w.add_bool(f"{ARCH}.attention.causal", False)
-        scale = getattr(draft.target.embed_tokens, "embed_scale", None)  # Gemma's sqrt(H)
-        if scale is not None and float(scale) != 1.0:
-            w.add_float32(f"{ARCH}.embedding_scale", float(scale))
-        self.gguf_keys(w, draft)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        copy_tokenizer(src, w, gguf, skip=(MASK_KEY,))
-        w.add_uint32(MASK_KEY, int(c.mask_token_id))
-        full = c.draft_vocab_size == tc.vocab_size
-        if (factors := rope_factors(tc)) is not None:
-            w.add_tensor("rope_freqs.weight", factors.numpy())
+        c = draft.cfg
+        full = c.draft_vocab_size == draft.target.config.vocab_size
+        weights: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             if name in ("t2d", "embed_tokens.weight") or (full and name == "lm_head.weight"):
                 continue
-            if name == "d2t":
-                ids = t.to(torch.int64) + torch.arange(t.numel())  # offsets -> absolute ids
-                w.add_tensor("d2t", ids.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
-                continue
-            g = gguf_name(name, self.extra_names)
+            g = "d2t" if name == "d2t" else gguf_name(name, self.extra_names)
             if g is None:
                 raise ExportError(f"{name}: no place for it in llama.cpp's dflash layout")
-            add_weight(w, gguf, g, t, quant)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+            weights[g] = t
 
-    def reference(self, draft, quant: str):
-        """The trained draft with its weights rounded as ``save`` stores them (the LM head rows
-        are the target's, stored rounded; the read-back scores with the target's own, as the
-        trained draft does)."""
-        ref = draft.export_view(torch.float32)
-        state = ref.state_dict()
-        named = {k: v.float().cpu() for k, v in state.items() if k not in ("d2t", "t2d")}
-        state.update(rounded_state(draft, named, quant))
-        ref.load_state_dict(state)
-        return ref.eval()
+        def keys(w):
+            w.add_uint32(f"{ARCH}.block_size", int(c.block_size))
+            w.add_array(f"{ARCH}.target_layers", [int(i) for i in c.fuse_layers])
+            w.add_bool(f"{ARCH}.attention.causal", False)
+            scale = getattr(draft.target.embed_tokens, "embed_scale", None)  # Gemma's sqrt(H)
+            if scale is not None and float(scale) != 1.0:
+                w.add_float32(f"{ARCH}.embedding_scale", float(scale))
+            self.gguf_keys(w, draft)
+
+        write_draft_gguf(
+            tmp / self.weights_file, ARCH, draft, config["target_gguf"], quant, c.num_layers,
+            keys, weights, token_ids={MASK_KEY: c.mask_token_id},
+        )  # fmt: skip
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -240,20 +198,13 @@ class DFlashGGUF(GGUFDraftFormat):
         """The GGUF's tensors under their HF names, dequantized to float32, ``d2t`` as
         offsets and ``t2d`` rebuilt."""
         r = open_gguf(path, ARCH)
-        gguf = gguf_module()
         V = len(r.fields["tokenizer.ggml.tokens"].data)
-        out: dict[str, torch.Tensor] = {}
-        for t in r.tensors:
-            if t.name == "d2t":
-                out.update(vocab_maps(path, t, V))
-                continue
-            if t.name == "rope_freqs.weight":  # the target's RoPE scaling, not the draft's
-                continue
-            name = hf_name(t.name, self.extra_names)
-            if name is None:
-                raise ExportError(f"{path}: unexpected tensor {t.name}")
-            out[name] = read_weight(gguf, t)
-        return out
+
+        def to_hf(name: str, x: torch.Tensor):
+            hf = hf_name(name, self.extra_names)
+            return None if hf is None else (hf, x)
+
+        return read_draft_gguf(path, r, V, to_hf)
 
     def gguf_settings(self, folder: Path) -> dict[str, Any]:
         """The settings the GGUF holds, by our names."""

@@ -33,24 +33,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..base import ExportError
 from ..gguf import (
-    FILE_TYPE,
     GGUFDraftFormat,
-    add_weight,
-    check_target_gguf,
-    copy_tokenizer,
     field,
-    gguf_module,
     open_gguf,
-    read_weight,
+    read_draft_gguf,
     rope_factors,
-    rounded_state,
     target_hparams,
     target_source,
+    write_draft_gguf,
 )
 from .export import EAGLE3_LIKE, VLLMEagle3, layer_state
 
@@ -131,69 +125,39 @@ class GGUFEagle3(GGUFDraftFormat, VLLMEagle3):
         }
 
     def save(self, tmp: Path, tensors: dict[str, torch.Tensor], config: dict, draft, quant: str):
-        gguf = gguf_module()
-        tc = draft.target.config
-        src_path = Path(config["target_gguf"])
-        src = gguf.GGUFReader(str(src_path))
-        check_target_gguf(src, src_path, tc)
-        hp = target_hparams(tc)
-        heads, kv, hd = hp["heads"], hp["kv"], hp["head_dim"]
-        w = gguf.GGUFWriter(str(tmp / self.weights_file), "eagle3")
-        w.add_type(gguf.GGUFType.MODEL)
-        w.add_name(f"specdraft {draft.cfg.name} draft for {draft.target.identity}")
-        w.add_context_length(hp["context"])
-        w.add_embedding_length(hp["H"])
-        w.add_block_count(1)
-        w.add_feed_forward_length(tc.intermediate_size)
-        w.add_head_count(heads)
-        w.add_head_count_kv(kv)
-        w.add_rope_freq_base(hp["theta"])
-        w.add_layer_norm_rms_eps(hp["eps"])
-        w.add_file_type(FILE_TYPE[quant])
-        w.add_vocab_size(tc.vocab_size)
-        w.add_rope_dimension_count(hd)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
-        w.add_array("eagle3.target_layers", [int(i) for i in draft.cfg.fuse_layers])
-        w.add_uint32("eagle3.target_hidden_size", hp["H"])
-        w.add_bool("eagle3.norm_before_residual", bool(draft.cfg.norm_before_residual))
-        w.add_bool("eagle3.norm_before_fc", False)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        copy_tokenizer(src, w, gguf)
-        if (factors := rope_factors(tc)) is not None:
-            w.add_tensor("rope_freqs.weight", factors.numpy())
+        hp = target_hparams(draft.target.config)
+        weights: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
-            if name == "t2d":
-                continue
-            if name == "d2t":
-                ids = t.to(torch.int64) + torch.arange(t.numel())  # offsets -> absolute ids
-                w.add_tensor("d2t", ids.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
+            if name in ("d2t", "t2d"):
+                if name == "d2t":
+                    weights["d2t"] = t
                 continue
             if name not in NAMES:
                 raise ExportError(f"{name}: no place for it in llama.cpp's eagle3 layout")
             if name.endswith("q_proj.weight"):
-                t = permute(t, heads)
+                t = permute(t, hp["heads"])
             elif name.endswith("k_proj.weight"):
-                t = permute(t, kv)
-            add_weight(w, gguf, NAMES[name], t, quant)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+                t = permute(t, hp["kv"])
+            weights[NAMES[name]] = t
 
-    def reference(self, draft, quant: str):
-        """The trained head with every weight rounded as ``save`` stores it: what the engine
-        (and ``read``) holds."""
-        ref = draft.export_view(torch.float32)
-        state = ref.state_dict()
+        def keys(w):
+            w.add_vocab_size(draft.target.config.vocab_size)
+            w.add_rope_dimension_count(hp["head_dim"])
+            w.add_array("eagle3.target_layers", [int(i) for i in draft.cfg.fuse_layers])
+            w.add_uint32("eagle3.target_hidden_size", hp["H"])
+            w.add_bool("eagle3.norm_before_residual", bool(draft.cfg.norm_before_residual))
+            w.add_bool("eagle3.norm_before_fc", False)
+
+        write_draft_gguf(
+            tmp / self.weights_file, "eagle3", draft, config["target_gguf"], quant, 1, keys, weights
+        )
+
+    def stored_weights(self, draft, ref) -> dict[str, torch.Tensor]:
         # blocks of a quantized type run along a row, and the q/k permutation only reorders
         # rows: rounding before or after it is the same
-        named = {
+        return {
             k: v for k, v in self.tensors(draft, torch.float32).items() if k not in ("d2t", "t2d")
         }
-        state.update(rounded_state(draft, named, quant))
-        ref.load_state_dict(state)
-        return ref.eval()
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -203,25 +167,19 @@ class GGUFEagle3(GGUFDraftFormat, VLLMEagle3):
         r = open_gguf(path, "eagle3")
         heads = int(field(r, "eagle3.attention.head_count"))
         kv = int(field(r, "eagle3.attention.head_count_kv") or heads)
-        V = int(field(r, "eagle3.vocab_size"))
         back = {v: k for k, v in NAMES.items()}
-        out: dict[str, torch.Tensor] = {}
-        for t in r.tensors:
-            if t.name == "d2t":
-                out.update(vocab_maps(path, t, V))
-                continue
-            if t.name == "rope_freqs.weight":  # the target's RoPE scaling, not the head's
-                continue
-            if t.name not in back:
-                raise ExportError(f"{path}: unexpected tensor {t.name}")
-            x = read_weight(gguf_module(), t)
-            name = back[t.name]
-            if name.endswith("q_proj.weight"):
+
+        def to_hf(name: str, x: torch.Tensor):
+            if name not in back:
+                return None
+            hf = back[name]
+            if hf.endswith("q_proj.weight"):
                 x = unpermute(x, heads)
-            elif name.endswith("k_proj.weight"):
+            elif hf.endswith("k_proj.weight"):
                 x = unpermute(x, kv)
-            out[name] = x
-        return out
+            return hf, x
+
+        return read_draft_gguf(path, r, int(field(r, "eagle3.vocab_size")), to_hf)
 
     def read_config(self, folder: Path) -> dict[str, Any]:
         """The settings the GGUF itself holds, in the vLLM config's words (what ``expected``,
@@ -240,13 +198,3 @@ class GGUFEagle3(GGUFDraftFormat, VLLMEagle3):
             "attention_bias": False,
             "mlp_bias": False,
         }
-
-
-def vocab_maps(path: Path, t, V: int) -> dict[str, torch.Tensor]:
-    """A GGUF's ``d2t`` (absolute target ids) as our ``d2t`` (offsets) and ``t2d`` (mask)."""
-    ids = torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(-1)
-    if ids.numel() and (ids.min() < 0 or ids.max() >= V):
-        raise ExportError(f"{path}: d2t holds target ids outside 0..{V - 1}")
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
