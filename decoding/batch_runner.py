@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache
 
-from models.base import Proposal, cache_kw
+from models.base import Proposal, cache_kw, keep_last
 from models.lean import (
     CacheFull,
     Captured,
@@ -357,7 +357,7 @@ class RaggedRunner(BatchRunner):
             n = ids.shape[1]
             allowed = causal_mask(torch.zeros(len(fed), 0, dtype=torch.bool), real)
             cache = new_cache(self.target.config)
-            _, h = self._forward(ids, pos, allowed, cache, logits_to_keep=1)
+            _, h = self._forward(ids, pos, allowed, cache, logits_to_keep=keep_last(n, self.device))
             for j, (i, f) in enumerate(zip(g, fed, strict=True)):
                 if h is not None and f:
                     feats[i] = h[j, n - len(f) :]

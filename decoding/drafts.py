@@ -214,3 +214,71 @@ def _hf_draft(spec: str, target: Target):
 def draft_model_of(proposer) -> torch.nn.Module | None:
     """The HF model behind a draft-LM proposer (for transformers' assisted generation)."""
     return proposer.model if isinstance(proposer, DraftLMProposer) else None
+
+
+def standalone_lm(spec: str, target: Target) -> tuple[Path, str] | None:
+    """(HF folder, description) when ``draft=spec`` names a standalone draft language model,
+    which serving engines load as a draft model: a DistillSpec run or saved draft (its
+    merged ``student/``), or a causal LM folder with the target's tokenizer. None for
+    anything else (heads, exports, n-gram drafts). Refused in one line: an LM whose
+    vocabulary is not the target's, a DistillSpec draft without its student. A hub id is
+    fetched (or read from the hub's cache) into a local folder."""
+    from models.distillspec.model import STUDENT_DIR
+
+    if spec in ("none", "ar", "ngram", "pld", "lookahead", "streaming") or spec.startswith(
+        "truncate:"
+    ):
+        return None
+    path = shipped_draft(spec) or Path(spec).expanduser()
+    if not path.exists():
+        if _looks_like_a_path(spec) or spec.count("/") != 1:
+            return None  # the caller says what is missing
+        path = _hub_folder(spec)
+    if not path.is_dir():
+        return None
+    draft_dir = resolve_draft_dir(path)
+    if draft_dir is not None:
+        if read_draft_config(draft_dir)["specdraft"].get("method") != "distillspec":
+            return None
+        student = draft_dir / STUDENT_DIR
+        if not (student / "config.json").is_file():
+            raise DraftError(
+                f"{draft_dir}: a DistillSpec draft without its student ({STUDENT_DIR}/)"
+            )
+        return student, f"distillspec student ({draft_dir})"
+    if detect_format(path) is not None or not (path / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError:
+        raise DraftError(f"{path / 'config.json'}: not valid JSON") from None
+    if not any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
+        return None
+    from transformers import AutoTokenizer
+
+    from models.target import TargetError, check_same_vocabulary
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise DraftError(
+            f"draft={spec}: no tokenizer in {path} ({str(e).splitlines()[0]})"
+        ) from None
+    try:
+        check_same_vocabulary(target.tokenizer, tok, f"draft={spec}")
+    except TargetError as e:
+        raise DraftError(str(e)) from None
+    return path, f"draft LM ({spec})"
+
+
+def _hub_folder(repo_id: str) -> Path:
+    """A hub model's local snapshot (downloaded, or from the hub's cache offline)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id))
+    except Exception as e:  # offline, gated, missing: one line
+        raise DraftError(
+            f"draft={repo_id}: no such folder, and not on the hub here ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None

@@ -33,6 +33,7 @@ from models.base import (
     cache_kw,
     crop_cache,
     draft_signals,
+    keep_last,
     rollback_cache,
 )
 from models.draft_lm import BatchedDraftLM
@@ -119,7 +120,7 @@ class StreamingDraft(Proposer):
             position_ids=pos,
             **cache_kw(self.model, self.cache),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep_last(len(tokens), device),
         ).logits[0, -1]
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ from .base import (
     cache_kw,
     crop_cache,
     draft_signals,
+    keep_last,
     rollback_cache,
 )
 from .sampling import greedy_tokens, sample, warp
@@ -91,7 +92,10 @@ class DraftLMProposer(Proposer):
         self.draft_calls += 1
         ids = torch.tensor([tokens], device=device)
         logits = self.model(
-            input_ids=ids, **cache_kw(self.model, self.cache), use_cache=True, logits_to_keep=1
+            input_ids=ids,
+            **cache_kw(self.model, self.cache),
+            use_cache=True,
+            logits_to_keep=keep_last(len(tokens), device),
         ).logits[0, -1]
         return _fit_vocab(logits, self.vocab_size)
 
@@ -182,7 +186,7 @@ class BatchedDraftLM(BatchedProposer):
             position_ids=pos.to(device),
             **cache_kw(self.model, cache),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep_last(ids.shape[1], device),
         )
         self.draft_calls += 1
         logits = _fit_vocab(out.logits[:, -1], self.vocab_size)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from .base import cache_kw
+from .base import cache_kw, keep_last
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -769,7 +769,7 @@ def generate_many(
             position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
             **cache_kw(model, cache),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep_last(ids.shape[1], dev),
         )
         logits = out.logits[:, -1].float()
         rows = [

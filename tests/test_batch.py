@@ -103,6 +103,40 @@ def test_the_decoding_floor_reads_in_one_sitting():
     assert not long, f"decoding/ modules over 800 lines: {long}"
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["batch1", "batched"])
+def test_draft_lm_feeds_hand_the_lm_head_one_contiguous_row(tiny_target, batched):
+    """A draft LM fed several tokens (a catch-up after a verification, several rows) asks for
+    the last position's logits only. Asked by a slice (``logits_to_keep=1``) the LM head reads
+    a non-contiguous view, and PyTorch's matmul then copies the head's whole weight on every
+    call (10x a draft step for a 150k-token vocabulary on a CPU); ``keep_last`` hands it a
+    contiguous row instead (the streaming self-draft feeds through the same helper).
+    Checked where it matters: multi-token feeds, batch 1 and batched."""
+    model, _ = build_tiny_target(seed=3)
+    prop = DraftLMProposer(model.to(DEVICE).eval())
+    head = prop.model.get_output_embeddings()
+    seen: list[tuple[int, bool]] = []
+    hook = head.register_forward_pre_hook(
+        lambda _m, args: seen.append((args[0].shape[-2], _dense(args[0])))
+    )
+    try:
+        if batched:
+            _run(tiny_target, prop, b=3, gamma=3)
+        else:
+            dec = SpeculativeDecoder(tiny_target, prop, Sampling(), gamma=3, adaptive=False)
+            for p in _prompts()[:3]:
+                dec.generate(p, N_NEW)
+    finally:
+        hook.remove()
+    assert seen and all(rows == 1 for rows, _ in seen), seen  # the last position only
+    assert all(ok for _, ok in seen), [s for s in seen if not s[1]][:5]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Laid out as a fresh tensor of its shape (``is_contiguous`` ignores the strides of size-1
+    dimensions; matmul's choice between one product and a batched one does not)."""
+    return t.stride() == torch.empty(t.shape, device="meta").stride()
+
+
 @pytest.mark.parametrize(
     "name", ["none", "ngram", "draft_lm", "self", "eagle", "eagle_tree", "medusa"]
 )

@@ -389,7 +389,7 @@ def block_draft(target, method: str, **kw):
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
 @pytest.mark.parametrize("dtype", ["float32", "q8_0"])
 def test_dflash_family_gguf_export_round_trips(target4, tmp_path, method, dtype):
-    from decoding.engines.llama_cpp_eval import gguf_kind
+    from decoding.engines.llama_cpp_drafts import gguf_kind
 
     tg = tiny_target_gguf(tmp_path / "target.gguf", target4)
     d = block_draft(target4, method)
@@ -486,7 +486,7 @@ def test_engine_serves_dflash_family_drafts_losslessly(smollm2, tmp_path, method
     block (n_max = block_size - 1 drafts a step) and decodes exactly what it decodes alone."""
     from data.chat import prompt_ids
     from decoding.engines.llama_cpp import LlamaServer, repack_works
-    from decoding.engines.llama_cpp_eval import gguf_kind
+    from decoding.engines.llama_cpp_drafts import gguf_kind
     from models.target import target_gguf
 
     d = block_draft(smollm2, method, draft_vocab_size=4096, block_size=5,
@@ -514,10 +514,13 @@ def test_engine_serves_dflash_family_drafts_losslessly(smollm2, tmp_path, method
 @pytest.mark.slow
 def test_engine_serves_a_distillspec_student_as_a_draft_model(smollm2, tmp_path):
     """A DistillSpec student (the target's first layers) converted by llama.cpp's own
-    converter and served as a standalone draft model (draft-simple): exact, and it drafts."""
+    converter and served as a standalone draft model (draft-simple): exact, and it drafts. The
+    student's folder named directly is the same draft model (one conversion, cached)."""
+    from omegaconf import OmegaConf
+
     from data.chat import prompt_ids
     from decoding.engines.llama_cpp import LlamaServer, engine_source, repack_works
-    from decoding.engines.llama_cpp_eval import gguf_kind, student_gguf
+    from decoding.engines.llama_cpp_drafts import draft_gguf, gguf_kind
     from models.distillspec import DistillSpecConfig, DistillSpecStudent
     from models.target import target_gguf
 
@@ -526,10 +529,18 @@ def test_engine_serves_a_distillspec_student_as_a_draft_model(smollm2, tmp_path)
         pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
     student = DistillSpecStudent(smollm2, DistillSpecConfig(num_layers=4)).eval()
     run = tmp_path / "run"
-    student.save_draft(run)
-    draft = student_gguf(run, student, log=lambda *_: None)
+    student.save_draft(run / "final")
+
+    def resolve(d):
+        cfg = OmegaConf.create(
+            {"draft": str(d), "engine_ngram": "ngram-simple", "target_gguf": None}
+        )
+        return draft_gguf(cfg, smollm2, log=lambda *_: None)
+
+    kind, draft, desc, block = resolve(run)
+    assert (kind, block) == ("draft-simple", None) and "distillspec student" in desc
     assert gguf_kind(draft) == ("draft-simple", None)
-    assert student_gguf(run, student, log=lambda *_: None) == draft  # cached
+    assert resolve(run / "final" / "student")[1] == draft  # the same folder: cached
     tg = target_gguf(smollm2)
     ids = prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Count from one to ten."}])
     rp = repack_works(tg)
@@ -548,7 +559,7 @@ def test_the_spec_type_comes_from_the_gguf(target4, tmp_path):
     """As llama.cpp decides: eagle3 -> draft-eagle3; dflash -> draft-dflash, or draft-dspark
     with a Markov head (with the block size); any LM with a tokenizer -> draft-simple; else a
     one-line refusal."""
-    from decoding.engines.llama_cpp_eval import gguf_kind
+    from decoding.engines.llama_cpp_drafts import gguf_kind
 
     tg = tiny_target_gguf(tmp_path / "target.gguf", target4)
     assert gguf_kind(tg) == ("draft-simple", None)  # a whole LM (here: its shape and tokenizer)

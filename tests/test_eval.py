@@ -172,6 +172,37 @@ def test_unknown_checkpoint_kind_and_other_vocabulary(tmp_path, tiny_target):
         load_proposer("truncate:x", tiny_target)
 
 
+def test_standalone_draft_lms_are_found_for_the_engines(tmp_path, tiny_target):
+    """What engines serve as a draft model: a DistillSpec run's merged student, or a causal LM
+    folder with the target's tokenizer; heads, exports and n-gram drafts are not; a student
+    missing from its draft and an LM of another vocabulary are refused in one line."""
+    from decoding.drafts import standalone_lm
+    from models.distillspec import DistillSpecConfig, DistillSpecStudent
+    from models.eagle import Eagle3Config, Eagle3Head
+    from models.tiny import build_tiny_target
+
+    run = tmp_path / "run"
+    DistillSpecStudent(tiny_target, DistillSpecConfig(num_layers=1)).save_draft(run / "final")
+    folder, desc = standalone_lm(str(run), tiny_target)
+    assert folder == run / "final" / "student" and desc.startswith("distillspec student")
+    assert standalone_lm(str(folder), tiny_target) == (folder, f"draft LM ({folder})")
+    head = Eagle3Head(tiny_target, Eagle3Config(fuse_layers=[0, 1, 1]))
+    head.save_draft(tmp_path / "e3")
+    for spec in (str(tmp_path / "e3"), "ngram", "truncate:1", str(tmp_path / "missing")):
+        assert standalone_lm(spec, tiny_target) is None, spec
+    model, tok = build_tiny_target(seed=3)
+    tok.add_tokens(["<extra>"])
+    model.save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
+    with pytest.raises(DraftError, match=r"differs from the target's at id 259"):
+        standalone_lm(str(tmp_path / "other"), tiny_target)
+    import shutil
+
+    shutil.rmtree(folder)
+    with pytest.raises(DraftError, match="a DistillSpec draft without its student"):
+        standalone_lm(str(run), tiny_target)
+
+
 def test_eval_config_composes_and_rejects_typos():
     from conftest import CONF
     from hydra import compose, initialize_config_dir

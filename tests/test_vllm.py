@@ -287,6 +287,52 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(tiny_served, tmp_path, fm
 
 
 @needs_vllm
+def test_vllm_serves_a_distillspec_student_as_a_draft_model(tiny_served, tmp_path):
+    """`draft=<a DistillSpec run>` for engine=vllm: its merged student, served with vLLM's
+    ``draft_model`` method (no export: the student is an ordinary causal LM with the target's
+    tokenizer). Its speculative outputs are its plain greedy ones, and its acceptance per
+    position is the built-in decoder's with the same student (within 0.1)."""
+    from omegaconf import OmegaConf
+
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.drafts import load_proposer
+    from decoding.engines.vllm_eval import VLLMWorker, vllm_draft
+    from models.distillspec import DistillSpecConfig, DistillSpecStudent
+    from models.sampling import Sampling
+
+    target, folder = tiny_served
+    torch.manual_seed(0)
+    student = DistillSpecStudent(target, DistillSpecConfig(num_layers=1)).eval()
+    with torch.no_grad():  # a student that agrees with the target about half the time
+        for name, w in student.merged().named_parameters():
+            if "layers.0" in name and w.dim() == 2:
+                w.add_(torch.randn_like(w) * 0.02)
+    run = tmp_path / "run"
+    student.save_draft(run / "final")
+    cfg = OmegaConf.create({"draft": str(run), "gamma": 3, "engine_rule": "greedy_draft"})
+    spec_cfg, desc, readback = vllm_draft(cfg, target, log=lambda *_: None)
+    assert spec_cfg["method"] == "draft_model" and readback == str(run / "final" / "student")
+    assert "distillspec student" in desc
+    prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
+    with VLLMWorker(folder, dtype="float32", max_model_len=256) as plain:
+        ref = [plain.complete(p, 64).tokens for p in prompts]
+    with VLLMWorker(folder, speculative=spec_cfg, dtype="float32", max_model_len=256) as eng:
+        outs = [eng.complete(p, 64) for p in prompts]
+    assert [o.tokens for o in outs] == ref
+    drafts = sum(o.timings["drafts"] for o in outs)
+    theirs = [
+        sum((o.timings["accepted_per_pos"] + [0] * 3)[k] for o in outs) / drafts for k in range(3)
+    ]
+    prop, _ = load_proposer(readback, target)
+    dec = SpeculativeDecoder(target, prop, Sampling(), gamma=3, adaptive=False)
+    assert [dec.generate(p, 64) for p in prompts] == ref
+    s = dec.stats
+    ours = [s.accepted[k + 1] / s.drafted[k + 1] for k in range(3)]
+    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.1, (theirs, ours)
+    assert 0.2 < min(ours) and max(ours) < 0.9, ours  # accepted and rejected drafts both
+
+
+@needs_vllm
 def test_formats_vllm_refuses_are_pinned_to_its_reason(tiny_served, tmp_path):
     """The MLP speculator layout: vLLM 0.32 no longer registers MLPSpeculatorPreTrainedModel
     (the README's export table says so); a speculators EAGLE-3 folder passed as

@@ -11,14 +11,9 @@ draft tokens``), which gives alpha per position with the built-in decoder's conv
 greedy output, a divergence classified as a near-tie from the plain server's top-2 log-probs at
 that point (asked again, outside the timings).
 
-The draft: ``draft=ngram`` is llama.cpp's own n-gram speculation (``engine_ngram``, default
-``ngram-simple``, ``gamma`` its draft length); an EAGLE-3/HASS run, saved draft or shipped name
-is exported to GGUF on the fly (``specdraft-export --format gguf``, cached), and so is a
-DFlash or DSpark draft (llama.cpp's ``draft-dflash`` / ``draft-dspark``, chosen as llama.cpp
-chooses, from the GGUF); a DistillSpec run's student is converted with llama.cpp's own
-``convert_hf_to_gguf.py`` (q8_0, cached) and served as a standalone draft model
-(``draft-simple``); a folder holding ``draft.gguf`` or a ``.gguf`` file is used as it is.
-A DFlash-family block in llama.cpp has ``n_max + 1`` tokens: ``gamma`` is held to the trained
+The draft (``llama_cpp_drafts``): llama.cpp's n-gram speculation, a head exported to GGUF
+on the fly, a draft language model converted by llama.cpp's own converter, or a GGUF as it
+is; ``gamma`` is the draft length. A DFlash-family block in llama.cpp has ``n_max + 1`` tokens: ``gamma`` is held to the trained
 block's ``block_size - 1`` (a smaller gamma runs a shorter block than the draft was trained on,
 and says so).
 
@@ -34,21 +29,18 @@ from __future__ import annotations
 import math
 import platform
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from data.chat import prompt_ids
-from models.base import DraftError
 from models.target import load_target, target_gguf
 
 from ..report import CONVENTION
 from ..settings import EvalError, bench_questions, stop_ids
-from .base import EngineError, EngineStats, cached_export, cpu_name, lossless_note, run_bench
+from .base import EngineError, EngineStats, cpu_name, lossless_note, run_bench
 from .llama_cpp import BUILD, LlamaServer, bench_forward_ms, resolve_repack
-
-NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+from .llama_cpp_drafts import draft_gguf
 
 
 class CostModel:
@@ -118,99 +110,6 @@ class CostModel:
         }
 
 
-def _draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, int | None]:
-    """(spec type, draft GGUF or None, description, the draft's block size or None) for
-    ``cfg.draft``."""
-    from models.export import formats, load_trained_head, resolve_format
-    from models.shipped import shipped_draft
-
-    d = str(cfg.draft)
-    if d in ("none", "ar"):
-        raise EngineError("engine=llama.cpp compares a draft with plain decoding: set draft=")
-    if d in ("ngram", "pld"):
-        kind = cfg.engine_ngram
-        if kind not in NGRAM_TYPES:
-            raise EngineError(f"engine_ngram={kind!r}: use one of {', '.join(NGRAM_TYPES)}")
-        return kind, None, f"llama.cpp {kind} (n-gram speculation, no model)", None
-    p = shipped_draft(d) or Path(d).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        return _described(p, p)
-    if (p / "draft.gguf").is_file():
-        return _described(p / "draft.gguf", p / "draft.gguf")
-    if not p.exists():
-        raise DraftError(f"draft={d}: no such file or folder")
-    # a trained head: export it once (checked, re-imported) and cache the GGUF
-    head = load_trained_head(p, target)
-    if head.cfg.name == "distillspec":  # a standalone draft LM: llama.cpp's draft-simple
-        return (
-            "draft-simple",
-            student_gguf(p, head, log),
-            f"distillspec student ({p}) as GGUF q8_0",
-            None,
-        )
-    fmt = resolve_format("gguf", head.cfg.name)
-    if head.cfg.name not in formats()[fmt].methods:
-        raise DraftError(
-            f"draft={d}: a {head.cfg.name} draft; llama.cpp runs EAGLE-3/HASS, DFlash and "
-            "DSpark drafts (--format gguf), DistillSpec students (as draft models) and n-gram "
-            "speculation (draft=ngram)"
-        )
-    suffix = "" if fmt == "gguf" else f"-{fmt}"
-    out = cached_export(p, head, fmt, log, suffix, target_gguf_path=cfg.target_gguf)
-    kind, block = gguf_kind(out / "draft.gguf")
-    return kind, out / "draft.gguf", f"{head.cfg.name} ({p}) as GGUF q8_0", block
-
-
-def student_gguf(path: Path, head, log) -> Path:
-    """A DistillSpec run's student as a GGUF (llama.cpp's converter, q8_0), once, cached under
-    ``engine-drafts`` (``engine_draft_dir``)."""
-    import tempfile
-
-    from models.distillspec.model import STUDENT_DIR
-
-    from .base import engine_draft_dir
-    from .llama_cpp import convert_hf
-
-    gguf = engine_draft_dir(path, "-student") / "draft.gguf"
-    if gguf.is_file():
-        return gguf
-    with tempfile.TemporaryDirectory() as tmp:
-        head.save_draft(tmp)  # the merged student and the target's tokenizer
-        convert_hf(Path(tmp) / STUDENT_DIR, gguf, "q8_0", log)
-    return gguf
-
-
-def _described(path: Path, shown: Path) -> tuple[str, Path, str, int | None]:
-    kind, block = gguf_kind(path)
-    return kind, path, f"{kind.removeprefix('draft-')} GGUF ({shown})", block
-
-
-def gguf_kind(path: Path) -> tuple[str, int | None]:
-    """(llama-server's --spec-type, block size or None) of the draft GGUF at ``path``: from
-    its architecture (eagle3, dflash, or any language model: a standalone draft) and, for
-    dflash, whether it holds DSpark's Markov head (as llama.cpp itself decides)."""
-    from models.gguf import field, gguf_module
-
-    try:
-        r = gguf_module().GGUFReader(str(path))
-    except Exception as e:
-        raise DraftError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
-    arch = field(r, "general.architecture")
-    if arch == "eagle3":
-        return "draft-eagle3", None
-    if arch == "dflash":
-        dspark = any(t.name == "markov_w1.weight" for t in r.tensors)
-        return ("draft-dspark" if dspark else "draft-dflash"), int(
-            field(r, "dflash.block_size") or 16
-        )
-    if arch and "tokenizer.ggml.tokens" in r.fields:  # a whole LM: a standalone draft model
-        return "draft-simple", None
-    raise DraftError(
-        f"{path}: general.architecture={arch!r} and no tokenizer: not a draft llama.cpp serves "
-        "(eagle3 or dflash GGUFs, or a language model with its tokenizer)"
-    )
-
-
 def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
 
     if cfg.max_new_tokens < 1:
@@ -229,7 +128,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
             f"engine=llama.cpp serves the target from a GGUF: set target_gguf=<file> for "
             f"{target.identity} (convert it with llama.cpp's convert_hf_to_gguf.py)"
         )
-    spec_type, draft, desc, block = _draft_gguf(cfg, target, log)
+    spec_type, draft, desc, block = draft_gguf(cfg, target, log)
     repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
     questions = bench_questions(cfg)
     threads = cfg.engine_threads or None

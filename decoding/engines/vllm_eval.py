@@ -356,11 +356,14 @@ def speculative_config(
 
 def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     """(speculative_config, description, folder our decoder reads back or None) for
-    ``cfg.draft``: vLLM's n-gram speculation, an export folder as it is, or a trained draft
-    exported once (cached) to the layout vLLM loads."""
+    ``cfg.draft``: vLLM's n-gram speculation, a draft language model (a DistillSpec run's
+    student, any causal LM with the target's tokenizer: vLLM's ``draft_model``), an export
+    folder as it is, or a trained draft exported once (cached) to the layout vLLM loads."""
     from models.base import DraftError
     from models.export import detect_format, load_trained_head
     from models.shipped import shipped_draft
+
+    from ..drafts import standalone_lm
 
     d = str(cfg.draft)
     if d in ("none", "ar"):
@@ -373,6 +376,18 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
             "prompt_lookup_min": 1,
         }
         return spec, f"vLLM ngram (prompt lookup, n <= {cfg.ngram_max})", None
+    lm = standalone_lm(d, target)
+    if lm is not None:  # a draft language model: vLLM's draft_model method
+        folder, desc = lm
+        draft_sampling, rejection = RULES[cfg.engine_rule]
+        spec = {
+            "method": "draft_model",
+            "model": str(folder),
+            "num_speculative_tokens": int(cfg.gamma),
+            "draft_sample_method": draft_sampling,
+            "rejection_sample_method": rejection,
+        }
+        return spec, desc, str(folder)
     p = shipped_draft(d) or Path(d).expanduser()
     if not p.exists():
         raise DraftError(f"draft={d}: no such folder")
@@ -393,7 +408,8 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
                 f"draft={d}: a {method} draft"
                 + (f" as --format {fmt}" if fmt else "")
                 + f"; vLLM {VERSION} serves {', '.join(served_formats())} "
-                f"({', '.join(sorted(FORMAT_OF_METHOD))} drafts)"
+                f"({', '.join(sorted(FORMAT_OF_METHOD))} drafts, and draft language models: "
+                "DistillSpec students, any causal LM with the target's tokenizer)"
             )
         folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
