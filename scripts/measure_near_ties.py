@@ -46,6 +46,7 @@ def measure(args: argparse.Namespace) -> None:
 
     from data.chat import prompt_ids
     from decoding.bench import load_bench
+    from models.base import cache_kw
     from models.target import TargetConfig, load_target
 
     tc = TargetConfig(device="cpu", dtype=args.dtype)
@@ -61,7 +62,7 @@ def measure(args: argparse.Namespace) -> None:
     for qi, q in enumerate(qs):
         prompt = prompt_ids(tok, [{"role": "user", "content": q["turns"][0]}])
         cache = DynamicCache(config=model.config)
-        out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([prompt]), **cache_kw(model, cache), use_cache=True)
         pre_logits = out.logits[0, -1].float()
         seq, ref = [], []  # the greedy tokens and the logits that chose them (1-token forwards)
         logits = pre_logits
@@ -70,17 +71,17 @@ def measure(args: argparse.Namespace) -> None:
             seq.append(t)
             if t == tok.eos_token_id:
                 break
-            out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            out = model(torch.tensor([[t]]), **cache_kw(model, cache), use_cache=True)
             logits = out.logits[0, -1].float()
             ref.append(logits)
         # ref[i] = logits after seq[:i+1]; chunked: feed seq in blocks of k after the prefill
         for k in args.ks:
             cache = DynamicCache(config=model.config)
-            model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)  # same prefill
+            model(torch.tensor([prompt]), **cache_kw(model, cache), use_cache=True)  # same prefill
             got = []
             for s in range(0, len(ref), k):
                 block = seq[s : s + min(k, len(ref) - s)]
-                out = model(torch.tensor([block]), past_key_values=cache, use_cache=True)
+                out = model(torch.tensor([block]), **cache_kw(model, cache), use_cache=True)
                 got.extend(out.logits[0].float())
             st = stats[k]
             for i, (a, b) in enumerate(zip(ref, got, strict=True)):

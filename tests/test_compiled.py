@@ -17,7 +17,7 @@ from decoding.runner import (
     StaticRunner,
     choose_runner,
 )
-from models.base import Proposal
+from models.base import Proposal, cache_kw
 from models.lean import LeanLlama, StaticKV, lean_support, visible_columns
 from models.sampling import Sampling
 from models.target import Target, TargetConfig
@@ -94,7 +94,7 @@ def test_lean_forward_gives_transformers_logits_step_by_step(kind):
     ids = PROMPT[:12]
     cache = DynamicCache(config=model.config)
     out = model(
-        torch.tensor([ids]), past_key_values=cache, use_cache=True, output_hidden_states=True
+        torch.tensor([ids]), **cache_kw(model, cache), use_cache=True, output_hidden_states=True
     )
     got, feats = _lean_logits(lean, ids, 0, states=(1, 2, 3))
     torch.testing.assert_close(got[0], out.logits[0], atol=1e-5, rtol=1e-5)
@@ -102,7 +102,7 @@ def test_lean_forward_gives_transformers_logits_step_by_step(kind):
         torch.testing.assert_close(feats[0, :, i], out.hidden_states[j][0], atol=1e-5, rtol=1e-5)
     base = len(ids)
     for step in ([5], [6, 7, 8], [9]):
-        ref = model(torch.tensor([step]), past_key_values=cache, use_cache=True).logits[0]
+        ref = model(torch.tensor([step]), **cache_kw(model, cache), use_cache=True).logits[0]
         got, _ = _lean_logits(lean, step, base)
         torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
         base += len(step)
@@ -116,11 +116,11 @@ def test_lean_forward_on_the_embedded_target_within_bf16_rounding(smollm2_target
     t = smollm2_target
     ids = torch.randint(0, t.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=t.config)
-    ref = t.model(ids[:, :40], past_key_values=cache, use_cache=True).logits[0]
+    ref = t.model(ids[:, :40], **cache_kw(t.model, cache), use_cache=True).logits[0]
     lean = LeanLlama(t.model, max_len=128)
     got, _ = _lean_logits(lean, ids[0, :40].tolist(), 0)
     assert torch.equal(got[0], ref)
-    ref2 = t.model(ids[:, 40:], past_key_values=cache, use_cache=True).logits[0].float()
+    ref2 = t.model(ids[:, 40:], **cache_kw(t.model, cache), use_cache=True).logits[0].float()
     got2 = _lean_logits(lean, ids[0, 40:].tolist(), 40)[0][0].float()
     assert (got2 - ref2).abs().max() < 1.0  # bf16: logits of ~20 carry ~0.1 of rounding
     assert torch.equal(got2.argmax(-1), ref2.argmax(-1))

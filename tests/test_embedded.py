@@ -12,6 +12,7 @@ from conftest import CONVERSATION, ROOT, compose, read_metrics
 
 from data.chat import tokenize_conversation
 from data.conversations import normalise_record
+from models.base import cache_kw
 
 pytestmark = pytest.mark.slow
 
@@ -156,11 +157,13 @@ def test_forward_features_are_the_hidden_states_transformers_gives(smollm2, tiny
         assert t._captured is None
         # with a cache, a step at a time, as the decoders call it
         c1, c2 = DynamicCache(), DynamicCache()
-        t.forward_features((2, -1), input_ids=ids[:, :8], past_key_values=c1, use_cache=True)
-        t.model(input_ids=ids[:, :8], past_key_values=c2, use_cache=True)
-        _, f = t.forward_features((2, -1), input_ids=ids[:, 8:], past_key_values=c1, use_cache=True)
+        t.forward_features((2, -1), input_ids=ids[:, :8], **cache_kw(t.model, c1), use_cache=True)
+        t.model(input_ids=ids[:, :8], **cache_kw(t.model, c2), use_cache=True)
+        _, f = t.forward_features(
+            (2, -1), input_ids=ids[:, 8:], **cache_kw(t.model, c1), use_cache=True
+        )
         hs = t.model(
-            input_ids=ids[:, 8:], past_key_values=c2, use_cache=True, output_hidden_states=True
+            input_ids=ids[:, 8:], **cache_kw(t.model, c2), use_cache=True, output_hidden_states=True
         ).hidden_states
         assert torch.equal(f, torch.stack([hs[2], hs[n]], dim=2))
         # the training features: the decoder alone, with a padding mask
