@@ -39,6 +39,9 @@ from .decoder import NoDraft
 from .lookahead import LookaheadProposer
 from .proposers import DraftLMProposer, NGramProposer
 
+#: ``draft=`` values that name no model (``truncate:N`` is the target's own layers)
+NO_MODEL = ("none", "ar", "ngram", "pld", "lookahead", "streaming")
+
 #: the evaluator settings a draft's saved ``decode`` section may set (and that, given on the
 #: command line, turn it off)
 DECODE_KEYS = ("tree", "depth", "top_k", "total_tokens", "min_prob", "gamma", "adaptive")
@@ -86,10 +89,7 @@ def load_proposer(
     lookahead decoding's (window W, n-gram size N, guesses G); ``streaming``: the streaming
     self-draft's (sinks, window)."""
     tree = tree or DecodeSettings()
-    if tree.tree not in ("auto", "chain") and (
-        spec in ("none", "ar", "ngram", "pld", "lookahead", "streaming")
-        or spec.startswith("truncate:")
-    ):
+    if tree.tree not in ("auto", "chain") and (spec in NO_MODEL or spec.startswith("truncate:")):
         raise DraftError(f"draft={spec}: tree={tree.tree} needs a trained draft (EAGLE or Medusa)")
     if spec in ("none", "ar"):
         return NoDraft(), "none (plain autoregressive decoding)"
@@ -225,9 +225,7 @@ def standalone_lm(spec: str, target: Target) -> tuple[Path, str] | None:
     fetched (or read from the hub's cache) into a local folder."""
     from models.distillspec.model import STUDENT_DIR
 
-    if spec in ("none", "ar", "ngram", "pld", "lookahead", "streaming") or spec.startswith(
-        "truncate:"
-    ):
+    if spec in NO_MODEL or spec.startswith("truncate:"):
         return None
     path = shipped_draft(spec) or Path(spec).expanduser()
     if not path.exists():

@@ -343,12 +343,19 @@ def speculative_config(
         )
     from models import FORMATS
 
-    draft_sampling, rejection = RULES[rule]
     config = json.loads((Path(folder) / "config.json").read_text())
+    n = FORMATS[fmt].vllm_tokens(config, int(gamma))
+    return _speculative(served_formats()[fmt], folder, n, rule)
+
+
+def _speculative(method: str, model: str | Path, n: int, rule: str) -> dict[str, Any]:
+    """vLLM's ``speculative_config``: ``method`` drafting ``n`` tokens with ``model``, under
+    the acceptance rule ``rule`` (``RULES``)."""
+    draft_sampling, rejection = RULES[rule]
     return {
-        "method": served_formats()[fmt],
-        "model": str(folder),
-        "num_speculative_tokens": FORMATS[fmt].vllm_tokens(config, int(gamma)),
+        "method": method,
+        "model": str(model),
+        "num_speculative_tokens": int(n),
         "draft_sample_method": draft_sampling,
         "rejection_sample_method": rejection,
     }
@@ -379,15 +386,7 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     lm = standalone_lm(d, target)
     if lm is not None:  # a draft language model: vLLM's draft_model method
         folder, desc = lm
-        draft_sampling, rejection = RULES[cfg.engine_rule]
-        spec = {
-            "method": "draft_model",
-            "model": str(folder),
-            "num_speculative_tokens": int(cfg.gamma),
-            "draft_sample_method": draft_sampling,
-            "rejection_sample_method": rejection,
-        }
-        return spec, desc, str(folder)
+        return _speculative("draft_model", folder, cfg.gamma, cfg.engine_rule), desc, str(folder)
     p = shipped_draft(d) or Path(d).expanduser()
     if not p.exists():
         raise DraftError(f"draft={d}: no such folder")
