@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError, ExportError
-from models.sampling import Sampling
 from models.target import TargetConfig, TargetError, load_target
 
 from .batch_checks import BatchError
@@ -57,7 +56,7 @@ from .report import (
     stats_row,
 )
 from .runner import compile_mode
-from .settings import EvalConfig, EvalError, bench_questions, stop_ids, validate
+from .settings import EvalConfig, EvalError, bench_questions, sampling_of, stop_ids, validate
 from .stats import Stats, acceptance_where
 
 
@@ -122,7 +121,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 "draft_sampling=greedy and acceptance=block are measured at batch 1 "
                 "(batch_size=1); the batched evaluation runs exact sampled drafts"
             )
-        sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
+        sampling = sampling_of(cfg)
         tok = target.tokenizer
         stop = stop_ids(cfg, tok)
         if cfg.stop == "confidence":
@@ -157,7 +156,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     traces: list | None = [] if cfg.traces else None
     method = proposer.method  # the trained draft behind it, if any
     changed = method.changes_target() if method is not None else None
-    sampling = Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
+    sampling = sampling_of(cfg)
     try:
         ar = SpeculativeDecoder(
             target,
@@ -421,7 +420,7 @@ def _hf_assisted(target, proposer, questions, cfg, stop, report) -> dict[str, An
     ours = SpeculativeDecoder(
         target,
         proposer,
-        Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p),
+        sampling_of(cfg),
         gamma=cfg.gamma,
         adaptive=cfg.adaptive,
         seed=cfg.seed,

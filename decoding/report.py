@@ -229,6 +229,21 @@ def print_report(r: dict[str, Any], out=print) -> None:
                 + f"; engine minus ours: {diff}; its speedup {f(o['speedup'])} over its own "
                 f"plain decoding ({f(o['ar_tokens_per_second'], 1)} tok/s)"
             )
+        sc = r.get("sample_check")
+        if sc:
+            out(
+                "sample check (T > 0, decoding/sample_check.py): z of argmax hits / of log p, "
+                f"speculative {sc['spec']['z_argmax']:+.1f} / {sc['spec']['z_logp']:+.1f} over "
+                f"{sc['spec']['tokens']} tokens, plain {sc['plain']['z_argmax']:+.1f} / "
+                f"{sc['plain']['z_logp']:+.1f} over {sc['plain']['tokens']}: "
+                + (
+                    f"SAMPLER FLAGGED: {sc['flag']}"
+                    if sc["flag"]
+                    else f"consistent with the target's distribution (|z| <= {sc['z_flag']:g})"
+                )
+            )
+        for line in r.get("engine_repairs") or []:
+            out(f"engine repaired before loading: {line} (engine_repair=false to serve it as is)")
         if r.get("engine_flag"):
             out(f"ENGINE FLAGGED: {r['engine_flag']}")
         if r.get("finished") is False:

@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from models.quant import check_mode
+from models.sampling import Sampling
 from models.target import TargetConfig
 
 from .bench import load_bench
@@ -163,6 +164,10 @@ class EvalConfig:
     engine_rule: str = "greedy_draft"
     engine_dtype: str = "auto"
     engine_compare: bool = True
+    # vLLM: repair the build's known defects before loading, each found by a check and named in
+    # the report (today one: the CPU build's expand kernel, which breaks acceptance at T > 0;
+    # decoding/engines/vllm_worker.py). false serves the build exactly as installed.
+    engine_repair: bool = True
     predict: bool = True  # llama.cpp: measure the engine's costs and predict the speedup
     plan: bool = False  # llama.cpp: pick n_max (<= plan_max) from those costs first
     plan_max: int = 6
@@ -185,6 +190,11 @@ def bench_questions(cfg: DictConfig) -> list[dict[str, Any]]:
         split_seed=cfg.split_seed,
         max_val_records=cfg.max_val_records,
     )
+
+
+def sampling_of(cfg: DictConfig) -> Sampling:
+    """The decoding settings an evaluation samples and verifies under."""
+    return Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
 
 
 def stop_ids(cfg: DictConfig, tok) -> set[int]:

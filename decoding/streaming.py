@@ -32,12 +32,10 @@ from models.base import (
     Proposer,
     cache_kw,
     crop_cache,
-    draft_signals,
     keep_last,
     rollback_cache,
 )
-from models.draft_lm import BatchedDraftLM
-from models.sampling import greedy_tokens, sample, warp
+from models.draft_lm import BatchedDraftLM, chain_from
 from models.target import Target
 
 
@@ -134,27 +132,12 @@ class StreamingDraft(Proposer):
             times.append(time.perf_counter() - t)
         self.fed = len(state.ids)
         self.cols = self.cache.get_seq_length()
-        tokens, qs, sigs = [], [], []
-        for i in range(gamma):
-            if state.sampling.greedy:
-                x = int(greedy_tokens(logits))
-            else:
-                q = warp(logits, state.sampling)
-                x = sample(q, state.generator)
-                qs.append(q)
-            tokens.append(x)
-            if state.signals:
-                sigs.append(draft_signals(logits, x, i + 1))
-                if state.stop is not None and state.stop(sigs[-1]):
-                    break
-            if i < gamma - 1:
-                t = time.perf_counter()
-                logits = self._feed([x], self.fed + i, state.device)
-                times.append(time.perf_counter() - t)
-        self.last_step_seconds = sum(times) / len(times) if times else None
-        return Proposal.chain(
-            tokens, torch.stack(qs) if qs else None, signals=torch.stack(sigs) if sigs else None
+        fed = self.fed
+        prop = chain_from(
+            state, gamma, logits, lambda x, i: self._feed([x], fed + i, state.device), times
         )
+        self.last_step_seconds = sum(times) / len(times) if times else None
+        return prop
 
     def rollback(self, state: DecodeState, n_accepted: int) -> None:
         held = self.cache.get_seq_length()

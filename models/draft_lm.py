@@ -109,29 +109,9 @@ class DraftLMProposer(Proposer):
         if n_feed <= 2 or gamma == 1 and n_feed <= 4:
             times.append(time.perf_counter() - t)
         self.fed = len(state.ids)
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        sigs: list[torch.Tensor] = []
-        for i in range(gamma):
-            if state.sampling.greedy:
-                x = int(greedy_tokens(logits))
-            else:
-                q = warp(logits, state.sampling)
-                x = sample(q, state.generator)
-                qs.append(q)
-            tokens.append(x)
-            if state.signals:  # acceptance traces / a learned stop rule (DISCO)
-                sigs.append(draft_signals(logits, x, i + 1))
-                if state.stop is not None and state.stop(sigs[-1]):
-                    break
-            if i < gamma - 1:
-                t = time.perf_counter()
-                logits = self._step([x], state.device)
-                times.append(time.perf_counter() - t)
+        prop = chain_from(state, gamma, logits, lambda x, i: self._step([x], state.device), times)
         self.last_step_seconds = sum(times) / len(times) if times else None
-        return Proposal.chain(
-            tokens, torch.stack(qs) if qs else None, signals=torch.stack(sigs) if sigs else None
-        )
+        return prop
 
     def rollback(self, state: DecodeState, n_accepted: int) -> None:
         # The cache holds the old committed tokens plus the drafted tokens fed after them; the
@@ -140,6 +120,36 @@ class DraftLMProposer(Proposer):
         keep = min(held, self.fed + n_accepted)
         crop_cache(self.cache, keep)
         self.fed = keep
+
+
+def chain_from(state: DecodeState, gamma: int, logits: torch.Tensor, step, times: list) -> Proposal:
+    """Up to ``gamma`` tokens drafted one at a time from ``logits`` (the draft's next-token
+    logits): the argmax at T = 0, else a draw from q (kept for the test), a learned stop rule
+    (DISCO) read after each where the decoder asks for signals. ``step(x, i)`` feeds the i-th
+    drafted token and returns the next logits; its seconds are appended to ``times``. Shared
+    by every drafter that is a causal LM fed token by token."""
+    tokens: list[int] = []
+    qs: list[torch.Tensor] = []
+    sigs: list[torch.Tensor] = []
+    for i in range(gamma):
+        if state.sampling.greedy:
+            x = int(greedy_tokens(logits))
+        else:
+            q = warp(logits, state.sampling)
+            x = sample(q, state.generator)
+            qs.append(q)
+        tokens.append(x)
+        if state.signals:  # acceptance traces / a learned stop rule (DISCO)
+            sigs.append(draft_signals(logits, x, i + 1))
+            if state.stop is not None and state.stop(sigs[-1]):
+                break
+        if i < gamma - 1:
+            t = time.perf_counter()
+            logits = step(x, i)
+            times.append(time.perf_counter() - t)
+    return Proposal.chain(
+        tokens, torch.stack(qs) if qs else None, signals=torch.stack(sigs) if sigs else None
+    )
 
 
 def _fit_vocab(logits: torch.Tensor, v: int | None) -> torch.Tensor:

@@ -5,10 +5,16 @@ for every draft, model-free ones included (where exact speculative sampling acce
 less at T = 1, not nearly nothing). Run it with the Python of vLLM's environment:
 
     ~/.cache/specdraft/vllm-0.32.0/bin/python scripts/vllm_sampling_check.py \\
-        --model <HF folder> [--draft <EAGLE-3 folder>] [--prompts 10] [--tokens 128]
+        --model <HF folder> [--draft <EAGLE-3 folder>] [--prompts 10] [--tokens 128] [--repair]
 
 Without --draft it uses vLLM's n-gram (prompt lookup) speculation, so nothing of specdraft is
 involved. Prints vLLM's own spec-decode counters: drafts, draft tokens, accepted per position.
+
+It first says whether the build's CPU expand kernel (which spreads each request's temperature,
+top-k and top-p over its draft positions) writes its output: vLLM 0.32's CPU build does not
+(vLLM issue 55005), and that alone makes acceptance collapse at T > 0. ``--repair`` replaces
+it with an exact torch version before loading (what ``specdraft-eval engine=vllm`` does by
+default, from decoding/engines/vllm_worker.py, which imports vLLM and nothing of specdraft).
 """
 
 from __future__ import annotations
@@ -42,6 +48,35 @@ def counters(llm) -> dict:
     return out
 
 
+def _worker_module():
+    """decoding/engines/vllm_worker.py, loaded by its path (it imports vLLM only)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "decoding" / "engines" / "vllm_worker.py"
+    spec = importlib.util.spec_from_file_location("specdraft_vllm_worker", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def expand_kernel_state(worker) -> str:
+    """Whether this build's CPU expand kernel writes a float32 output (without changing it)."""
+    try:
+        from vllm.utils import cpu_triton_utils as cpu_tl
+    except ImportError:
+        return "expand kernel: Triton's (not a CPU build)"
+    impl = cpu_tl._expand_kernel_impl
+    wrong = worker.repair_cpu_expand() is not None
+    cpu_tl._expand_kernel_impl = impl  # the check only: put the build's own back
+    return (
+        "expand kernel: WRONG, per-token temperatures are never written (vLLM issue 55005); "
+        "--repair replaces it"
+        if wrong
+        else "expand kernel: right"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the target: an HF folder or hub id")
@@ -50,11 +85,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--repair", action="store_true", help="replace a CPU expand kernel found wrong first"
+    )
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import vllm
     from vllm import LLM, SamplingParams
+
+    worker = _worker_module()
+    if a.repair:
+        print(worker.repair_cpu_expand() or "the expand kernel is right: nothing repaired")
+    else:
+        print(expand_kernel_state(worker))
 
     spec = (
         {"method": "eagle3", "model": a.draft, "num_speculative_tokens": a.gamma}

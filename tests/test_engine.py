@@ -290,6 +290,28 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
     assert out.stdout.strip() == "", "a llama-server was left running"
 
 
+@pytest.mark.slow
+def test_at_t1_the_engines_samples_are_checked_against_the_target(tmp_path):
+    """`engine=llama.cpp temperature=1`: every output of both servers is scored by the target,
+    and llama.cpp's samples, plain and speculative, are the target's (|z| <= 4 on both
+    statistics: the Q4_1 GGUF and the built-in target share their weights)."""
+    rep = tmp_path / "r.json"
+    r = run_module(
+        "decoding.eval",
+        ["engine=llama.cpp", "draft=smollm2-eagle3", "num_prompts=6", "max_new_tokens=64",
+         "gamma=3", "temperature=1", "predict=false", f"report={rep}"],
+        900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(rep.read_text())
+    check = rep["sample_check"]
+    assert check["flag"] is None, check
+    assert check["spec"]["tokens"] > 200 and check["plain"]["tokens"] > 200
+    for side in ("spec", "plain"):
+        assert abs(check[side]["z_argmax"]) <= 4 and abs(check[side]["z_logp"]) <= 4, check
+    assert "sample check (T > 0" in r.stdout
+
+
 def test_repacked_layouts_are_turned_off_only_where_the_engine_crashes_with_them(tmp_path):
     """engine_repack=auto probes llama.cpp once per model: a crash (killed by a signal) turns
     the repacked weight layouts off with one line, any other failure is an error naming the

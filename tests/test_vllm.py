@@ -408,6 +408,49 @@ def test_the_shipped_head_in_vllm_accepts_what_our_evaluator_predicts(tmp_path, 
     assert "built-in decoder, same prompts and draft" in r.stdout
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_at_t1_vllms_samples_are_the_targets_and_a_broken_sampler_is_caught(tmp_path):
+    """`specdraft-eval engine=vllm temperature=1` with the shipped head: the worker repairs the
+    CPU build's expand kernel where it is wrong (its per-token temperatures were never
+    written), the speculative samples then pass the sample check and the second draft
+    position accepts; served as installed, a build with that defect is caught by the check
+    and blamed on its speculative sampler, its plain samples being the target's."""
+
+    def run(repair: bool) -> dict:
+        out = tmp_path / f"r-{repair}.json"
+        r = run_module(
+            "decoding.eval",
+            [
+                "engine=vllm",
+                "draft=smollm2-eagle3",
+                "gamma=3",
+                "temperature=1",
+                "num_prompts=6",
+                "max_new_tokens=64",
+                "predict=false",
+                "engine_compare=false",
+                f"engine_repair={str(repair).lower()}",
+                f"report={out}",
+            ],
+            timeout=900,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "sample check (T > 0" in r.stdout
+        return json.loads(out.read_text())
+
+    rep = run(True)
+    assert rep["sample_check"]["flag"] is None, rep["sample_check"]
+    assert rep["sample_check"]["spec"]["tokens"] > 200
+    assert rep["alpha_per_position"][1] and rep["alpha_per_position"][1] > 0.05
+    if not rep["engine_repairs"]:
+        pytest.skip("this vLLM build's expand kernel is right: nothing to repair")
+    assert "expand kernel" in rep["engine_repairs"][0]
+    broken = run(False)
+    assert broken["engine_repairs"] == []
+    assert "speculative sampler" in (broken["sample_check"]["flag"] or ""), broken["sample_check"]
+
+
 def _prepare(data: Path, out: Path, engine: str, *extra: str):
     return run_module(
         "flow.regenerate",

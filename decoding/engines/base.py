@@ -207,6 +207,11 @@ class BenchRun:
     compared: int
     finished: bool = True  # False: the engine failed and the run stopped early
     error: str | None = None
+    # T > 0: (prompt ids, sampled ids) of every turn, plain ("ar") and speculative ("spec"),
+    # for decoding.sample_check
+    samples: dict[str, list[tuple[list[int], list[int]]]] = field(
+        default_factory=lambda: {"ar": [], "spec": []}
+    )
 
 
 def near_tie(plain: Engine, prompt, a, b, pos, tolerance) -> tuple[float | None, bool]:
@@ -250,6 +255,9 @@ def run_bench(
                 for s in (run.pooled, run.per_category.setdefault(q["category"], EngineStats())):
                     s.add(outs["spec"], outs["ar"])
                 a, b = outs["ar"].tokens, outs["spec"].tokens
+                if not greedy:
+                    for name in ("ar", "spec"):
+                        run.samples[name].append((prompts[name], list(outs[name].tokens)))
                 div = None
                 if greedy and prompts["ar"] == prompts["spec"]:
                     run.compared += 1

@@ -37,7 +37,8 @@ from data.chat import prompt_ids
 from models.target import load_target, target_gguf
 
 from ..report import CONVENTION
-from ..settings import EvalError, bench_questions, stop_ids
+from ..sample_check import check_run
+from ..settings import EvalError, bench_questions, sampling_of, stop_ids
 from .base import EngineError, EngineStats, cpu_name, lossless_note, run_bench
 from .llama_cpp import BUILD, LlamaServer, bench_forward_ms, resolve_repack
 from .llama_cpp_drafts import draft_gguf
@@ -223,6 +224,8 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
             "outputs": run.outputs,
         }
     )
+    if not greedy:
+        report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
     return report
 
 

@@ -135,8 +135,12 @@ class VLLMWorker:
         kv_cache_gib: int = 1,
         python: Path | None = None,
         extra: dict[str, Any] | None = None,
+        repair: bool = True,
     ):
         self.python = python or vllm_python()
+        # repair the build's known defects before loading (vllm_worker.repair_cpu_expand);
+        # what was repaired is in self.repairs, one line each
+        self.repair, self.repairs = bool(repair), []
         self.model, self.speculative = str(model), speculative
         self.gamma = int((speculative or {}).get("num_speculative_tokens") or 0)
         # all cores, unless this process was told otherwise (a test worker's one thread)
@@ -192,8 +196,9 @@ class VLLMWorker:
         _RUNNING.add(self.proc)
         self._answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        out = self.ask({"cmd": "init", "llm": self.llm_args}, timeout=900)
+        out = self.ask({"cmd": "init", "llm": self.llm_args, "repair": self.repair}, timeout=900)
         self.version, self.load_seconds = out["vllm"], out["seconds"]
+        self.repairs = list(out.get("repairs") or [])
         self.device = out.get("device", "?")  # where vLLM runs, by its own platform
 
     def _read(self) -> None:
@@ -445,7 +450,8 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     from models.target import load_target, target_folder
 
     from ..report import CONVENTION
-    from ..settings import bench_questions, stop_ids
+    from ..sample_check import check_run
+    from ..settings import bench_questions, sampling_of, stop_ids
 
     _validate(cfg)
     python = vllm_python()
@@ -472,6 +478,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
         "seed": cfg.seed,
         "threads": cfg.engine_threads or None,
         "python": python,
+        "repair": cfg.engine_repair,
     }
     log(f"vLLM: {model_dir} in {dtype}, plain and with {desc}")
     with VLLMWorker(model_dir, **common) as plain:
@@ -481,6 +488,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
             costs = _calibrate(cfg, plain, spec, warm, sampling) if cfg.predict else None
             run = run_bench(plain, spec, questions, cfg, tok, stop, "vLLM")
             version, threads, device = spec.version, spec.threads, spec.device
+            repairs = spec.repairs
             last = spec.last_error() if not run.finished else None
     if not run.outputs:
         raise EngineError(run.error or "vLLM finished no prompt")
@@ -502,6 +510,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
             "verifier_changed": None,
             "finished": run.finished,
             "engine_error": run.error,
+            "engine_repairs": repairs,
             "engine_last_log_line": last,
             **_prediction(costs, pooled, int(cfg.gamma)),
             "convention": CONVENTION
@@ -527,6 +536,8 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
             "outputs": run.outputs,
         }
     )
+    if not greedy:
+        report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
     if cfg.engine_compare and run.finished:
         report["ours"] = _ours_beside(cfg, readback, rule, pooled, log)
         report["engine_flag"] = engine_flag(report["ours"], pooled)
@@ -640,7 +651,7 @@ def engine_flag(ours: dict, pooled: EngineStats) -> str | None:
             return (
                 f"the engine accepts {t:.2f} at draft position {k + 1} where the built-in "
                 f"decoder predicts {m:.2f} under the same rule ({n} tests): the engine's "
-                "sampler, not the draft (docs/benchmarks.md, vLLM on both ends, has a "
-                "reproduction to report)"
+                "sampler, not the draft (docs/serving.md: the sample check, and the CPU "
+                "build's repaired defect)"
             )
     return None

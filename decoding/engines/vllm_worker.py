@@ -5,8 +5,9 @@ per line on standard input with one JSON line on standard output.
 It imports the standard library and vLLM only, never specdraft. vLLM's own logs go to standard
 error (standard output is kept for the answers). Requests:
 
-    {"cmd": "init", "llm": {...LLM keyword arguments...}}
-        -> {"vllm": version, "seconds": load time, "device": "CPU" / "CUDA" / ...}
+    {"cmd": "init", "llm": {...LLM keyword arguments...}, "repair": true}
+        -> {"vllm": version, "seconds": load time, "device": "CPU" / "CUDA" / ...,
+            "repairs": [one line per defect of the build found and repaired before loading]}
     {"cmd": "generate", "prompts": [[ids], ...], "params": {...SamplingParams...} or a list
      of them (one a prompt), "metrics": true}
         -> {"outputs": [{"tokens", "first_token_ts", "last_token_ts", "finish_reason",
@@ -67,6 +68,57 @@ def error_line(e: BaseException) -> str:
     return (lines[-1] if lines else "")[:400]
 
 
+def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """vLLM's ``expand_kernel`` in torch, for any dtype: request i's value (``replace_from``
+    read as ``replace_to``) written over its tokens, ``cu_num_tokens[i-1]:cu_num_tokens[i]``."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    to = torch.tensor(replace_to, dtype=input_val.dtype, device=input_val.device)
+    vals = torch.where(input_val == replace_from, to, input_val)
+    n = int(cu[-1]) if len(cu) else 0
+    output[:n].copy_(torch.repeat_interleave(vals, counts).to(output.dtype))
+
+
+#: what the repair below says in the report
+EXPAND_REPAIR = (
+    "vLLM's CPU expand kernel wrote its per-token temperature / top-k / top-p into a copy and "
+    "left the sampler's buffer unwritten (vLLM issue 55005): replaced by an exact torch version"
+)
+
+
+def repair_cpu_expand() -> str | None:
+    """vLLM's CPU builds stand a C++ kernel in for the Triton ``expand_kernel`` that spreads each
+    request's temperature, top-k and top-p over its draft positions before the rejection
+    sampler. Its wrapper hands the int64-only kernel an int64 *copy* of the float32 / int32
+    output and never copies it back, so at T > 0 the verifier divides the target's logits by
+    uninitialised memory: acceptance collapses (vLLM 0.32's CPU build: 0 of 344 tests at the
+    second draft position). Checked on a small case first; replaced only where it is wrong, so
+    a build that has it right (a GPU build, a fixed CPU build) runs as it is. Returns the
+    report's line, or None where nothing was repaired."""
+    import torch
+
+    try:
+        from vllm.utils import cpu_triton_utils as cpu_tl
+    except ImportError:
+        return None  # not a CPU build: Triton's kernel runs
+    impl = getattr(cpu_tl, "_expand_kernel_impl", None)
+    if impl is None:
+        return None
+    out = torch.full((3,), -1.0)
+    try:
+        import vllm._C  # noqa: F401  (the CPU build's kernels)
+
+        impl(out, torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 0.0, 1.0)
+    except Exception:  # noqa: BLE001 - a kernel that cannot run here is replaced too
+        pass
+    if out.tolist() == [0.5, 0.5, 2.0]:
+        return None
+    cpu_tl._expand_kernel_impl = _expand  # read when the platform registers its kernels
+    return EXPAND_REPAIR
+
+
 class Worker:
     def __init__(self) -> None:
         self.llm = None
@@ -76,10 +128,16 @@ class Worker:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        repairs = [r for r in [repair_cpu_expand()] if r] if msg.get("repair", True) else []
         t = time.perf_counter()
         self.llm = LLM(**msg["llm"], disable_log_stats=False)
         device = str(getattr(current_platform, "device_type", "?")).upper()
-        return {"vllm": vllm.__version__, "seconds": time.perf_counter() - t, "device": device}
+        return {
+            "vllm": vllm.__version__,
+            "seconds": time.perf_counter() - t,
+            "device": device,
+            "repairs": repairs,
+        }
 
     def generate(self, msg: dict) -> dict:
         from vllm import SamplingParams
