@@ -56,6 +56,7 @@ from .report import (
     stats_row,
 )
 from .runner import compile_mode
+from .sample_check import check_run
 from .settings import EvalConfig, EvalError, bench_questions, sampling_of, stop_ids, validate
 from .stats import Stats, acceptance_where
 
@@ -213,6 +214,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         traces.clear()
     per_cat: dict[str, dict[str, Stats]] = defaultdict(lambda: {"spec": Stats(), "ar": Stats()})
     outputs, n_turns, divergences, compared = [], 0, [], 0
+    samples: dict[str, list] = {"ar": [], "spec": []}  # T > 0: for the sample check
     for q in tqdm(questions, desc="prompts", dynamic_ncols=True, file=sys.stderr):
         histories = {"ar": [], "spec": []}
         rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
@@ -226,6 +228,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 text = tok.decode([t for t in new if t not in stop])
                 histories[name] = msgs + [{"role": "assistant", "content": text}]
                 outs[name] = new
+                if not sampling.greedy:
+                    samples[name].append((prompts[name], list(new)))
             n_turns += 1
             same = outs["ar"] == outs["spec"]
             div = None
@@ -357,6 +361,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "outputs": outputs,
         }
     )
+    if not sampling.greedy:
+        # the same audit as an engine's samples get (decoding/sample_check.py): exact rules
+        # pass it, typical acceptance and lenience < 1 are meant to fail it
+        report["sample_check"] = check_run(target, samples, sampling)
     if traces is not None:
         report["traces"] = write_traces(cfg.traces, traces, report, draft_desc)
     if changed and cfg.compare_original:

@@ -229,19 +229,6 @@ def print_report(r: dict[str, Any], out=print) -> None:
                 + f"; engine minus ours: {diff}; its speedup {f(o['speedup'])} over its own "
                 f"plain decoding ({f(o['ar_tokens_per_second'], 1)} tok/s)"
             )
-        sc = r.get("sample_check")
-        if sc:
-            out(
-                "sample check (T > 0, decoding/sample_check.py): z of argmax hits / of log p, "
-                f"speculative {sc['spec']['z_argmax']:+.1f} / {sc['spec']['z_logp']:+.1f} over "
-                f"{sc['spec']['tokens']} tokens, plain {sc['plain']['z_argmax']:+.1f} / "
-                f"{sc['plain']['z_logp']:+.1f} over {sc['plain']['tokens']}: "
-                + (
-                    f"SAMPLER FLAGGED: {sc['flag']}"
-                    if sc["flag"]
-                    else f"consistent with the target's distribution (|z| <= {sc['z_flag']:g})"
-                )
-            )
         for line in r.get("engine_repairs") or []:
             out(f"engine repaired before loading: {line} (engine_repair=false to serve it as is)")
         if r.get("engine_flag"):
@@ -271,6 +258,19 @@ def print_report(r: dict[str, Any], out=print) -> None:
             f"{f(r['draft_cost_ratio'], 3)}); gamma used {r['gamma_used']}; time outside model "
             f"forwards {f(100 * (t['other_fraction'] or 0), 1)}%; lossless: {r['lossless']} "
             f"({r['lossless_note']})"
+        )
+    sc = r.get("sample_check")
+    if sc:
+        out(
+            "sample check (T > 0, decoding/sample_check.py): z of argmax hits / of log p, "
+            f"speculative {sc['spec']['z_argmax']:+.1f} / {sc['spec']['z_logp']:+.1f} over "
+            f"{sc['spec']['tokens']} tokens, plain {sc['plain']['z_argmax']:+.1f} / "
+            f"{sc['plain']['z_logp']:+.1f} over {sc['plain']['tokens']}: "
+            + (
+                f"SAMPLER FLAGGED: {sc['flag']}"
+                if sc["flag"]
+                else f"consistent with the target's distribution (|z| <= {sc['z_flag']:g})"
+            )
         )
     if r.get("verifier_changed"):
         out(f"NOTE: {r['verifier_changed']}")

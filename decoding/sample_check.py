@@ -129,9 +129,9 @@ def verdict(spec: dict[str, Any], plain: dict[str, Any] | None = None) -> str | 
         plain.get(k) is not None and abs(plain[k]) <= Z_FLAG for k, _ in bad
     )
     where = (
-        "while the engine's plain samples are not (its speculative sampler)"
+        "while the plain samples are not (the speculative sampler)"
         if calm
-        else "and so are its plain samples (the engine's sampling or numerics, not speculation)"
+        else "and so are the plain samples (the sampling or the numerics, not speculation)"
         if plain is not None
         else ""
     )

@@ -74,6 +74,10 @@ def test_eval_at_temperature_one_reports_no_per_output_lossless(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(rep.read_text())
     assert d["lossless"] is None and d["settings"]["temperature"] == 1.0
+    # the samples are audited as an engine's are: every token of both decoders scored
+    check = d["sample_check"]
+    assert check["spec"]["tokens"] > 0 and check["plain"]["tokens"] > 0
+    assert check["flag"] is None and "sample check (T > 0" in r.stdout
 
 
 def test_eval_of_a_trained_run(tmp_path, data_file):
