@@ -26,7 +26,7 @@ drew a token at the edge of the set) are counted apart and left out of the sums.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ class SampleCheck:
     logp_var: float = 0.0
     hits: int = 0
     expected_hits: float = 0.0
-    outputs: int = field(default=0)
+    outputs: int = 0
 
     def add_probs(self, probs: torch.Tensor, tokens: torch.Tensor) -> None:
         """``probs`` (n, V) the target's warped distributions before each of ``tokens`` (n,)."""
@@ -99,17 +99,12 @@ def score(target, samples: list[tuple[list[int], list[int]]], sampling: Sampling
     if sampling.greedy:
         raise ValueError("the sample check is for T > 0; at T = 0 compare outputs directly")
     check = SampleCheck()
-    model = target.model
-    device = next(model.parameters()).device
     for prompt, out in samples:
         if not out:
             continue
-        ids = torch.tensor([list(prompt) + list(out)], device=device)
-        n = len(out)
-        logits = model(input_ids=ids, use_cache=False).logits[0, -n - 1 : -1]
-        v = getattr(target, "vocab_size", None) or logits.shape[-1]
-        probs = warp(logits[:, :v], sampling)
-        check.add_probs(probs, torch.tensor(out, device=device))
+        ids = torch.tensor([list(prompt) + list(out)], device=target.device)
+        logits = target.model(input_ids=ids, use_cache=False).logits[0, -len(out) - 1 : -1]
+        check.add_probs(warp(logits, sampling), torch.tensor(out, device=target.device))
     return check
 
 

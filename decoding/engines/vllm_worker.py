@@ -119,6 +119,10 @@ def repair_cpu_expand() -> str | None:
     return EXPAND_REPAIR
 
 
+#: each known defect's check-and-repair, run before loading: its report line, or None
+REPAIRS = (repair_cpu_expand,)
+
+
 class Worker:
     def __init__(self) -> None:
         self.llm = None
@@ -128,7 +132,8 @@ class Worker:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        repairs = [r for r in [repair_cpu_expand()] if r] if msg.get("repair", True) else []
+        fixes = REPAIRS if msg.get("repair", True) else ()
+        repairs = [line for fix in fixes if (line := fix()) is not None]
         t = time.perf_counter()
         self.llm = LLM(**msg["llm"], disable_log_stats=False)
         device = str(getattr(current_platform, "device_type", "?")).upper()
