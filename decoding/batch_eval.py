@@ -28,6 +28,7 @@ from .decoder import NoDraft, SpeculativeDecoder
 from .policies import POLICIES
 from .report import BATCH_CONVENTION, CONVENTION, NEAR_TIE_TOLERANCE, classify_divergence
 from .runner import compile_mode
+from .sample_check import checked, score
 from .stats import BatchStats, acceptance_where
 
 
@@ -275,9 +276,15 @@ def evaluate_batched(
             )
         )
     else:
+        flagged = [r for r in rows if r["sample_check"]["flag"]]
         note = (
-            "T > 0: outputs are samples, each request with its own random stream; exactness "
-            "per row is tested statistically (tests/test_batch.py)"
+            "T > 0: outputs are samples, each request with its own random stream, scored by the "
+            "target (decoding/sample_check.py): "
+            + (
+                f"{len(flagged)} of {len(rows)} rows FLAGGED"
+                if flagged
+                else "every row's samples consistent with the target's distribution"
+            )
         )
     return {
         "batch": rows,
@@ -384,6 +391,10 @@ def _sweep_point(
             runs[name].append(dec.stats)
     plain = pooled(runs["plain"])
     plain_out = outs["plain"]
+    if not sampling.greedy:
+        # T > 0: the last repeat's samples of each side scored by the target, as an engine's
+        # are (decoding/sample_check.py); plain decoding at the same batch is the control
+        plain_check = score(sw.target, _samples(requests, plain_out), sampling).row()
     for policy in policies:
         out = outs[policy]
         row = _row(pooled(runs[policy]), plain, b, policy)
@@ -409,7 +420,8 @@ def _sweep_point(
                 {"batch_size": b, "request_rate": rate, "policy": policy, **d} for d in divs
             )
         else:
-            row.update(lossless=None)
+            spec_check = score(sw.target, _samples(requests, out), sampling).row()
+            row.update(lossless=None, sample_check=checked(spec_check, plain_check))
         if policy == "goodput":
             row["cost_model"] = {
                 "c0_s": cost.coef[0],
@@ -429,3 +441,8 @@ def _sweep_point(
         out_rows.append(row)
     bar.close()
     return out_rows
+
+
+def _samples(requests: list[GenRequest], outs: dict) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, output ids) of each request, for ``sample_check.score``."""
+    return [(r.prompt, outs[r.key]) for r in requests]

@@ -317,8 +317,10 @@ def plot_report(r: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _f(x, nd=2) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+def _f(x, nd=2, signed=False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
 
 
 def has_rates(rows: list[dict]) -> bool:
@@ -341,7 +343,7 @@ def speedup_table(rows: list[dict]) -> str:
         + ("requests/s | " if rated else "")
         + "policy | plain tok/s | spec tok/s | speedup | after prefill | per-request "
         "tok/s (plain / spec) | rows per forward (plain / spec) | tau | alpha | mean gamma | "
-        "lossless |\n"
+        "lossless (T > 0: sample check) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if rated else "")
     )
     lines = [head]
@@ -356,9 +358,22 @@ def speedup_table(rows: list[dict]) -> str:
             f"{f(r['request_tokens_per_second'], 1)} | "
             f"{f(r.get('plain_mean_rows_per_forward'), 1)} / {f(r.get('mean_rows_per_forward'), 1)} | "
             f"{f(r['tau'])} | {f(r['alpha'])} | "
-            f"{f(r['mean_gamma'])} | {r['lossless']} |"
+            f"{f(r['mean_gamma'])} | {_exactness(r)} |"
         )
     return "\n".join(lines)
+
+
+def _exactness(row: dict) -> str:
+    """A sweep row's lossless cell: True/False at T = 0; at T > 0 the sample check's verdict
+    and the speculative samples' two z-scores (argmax hits, log p)."""
+    sc = row.get("sample_check")
+    if not sc:
+        return str(row["lossless"])
+    z = sc["spec"]
+    return (
+        f"{'FLAGGED' if sc['flag'] else 'ok'} "
+        f"(z {_f(z['z_argmax'], 1, signed=True)} / {_f(z['z_logp'], 1, signed=True)})"
+    )
 
 
 def latency_table(rows: list[dict]) -> str:

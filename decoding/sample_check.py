@@ -145,4 +145,9 @@ def check_run(target, samples: dict[str, list], sampling: Sampling, log=None) ->
         log(f"scoring the engine's {n} T > 0 outputs with the target (decoding/sample_check.py)")
     spec = score(target, samples.get("spec", []), sampling).row()
     plain = score(target, samples.get("ar", []), sampling).row()
+    return checked(spec, plain)
+
+
+def checked(spec: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """The report entry of two scored rows (``SampleCheck.row()``): both, and the verdict."""
     return {"spec": spec, "plain": plain, "flag": verdict(spec, plain), "z_flag": Z_FLAG}

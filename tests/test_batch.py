@@ -1696,6 +1696,60 @@ def test_each_batch_size_is_warmed_before_its_timed_runs(tiny_target, monkeypatc
         assert calls == ([("plain", "all")] if warm else []) + timed + timed
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_sweeps_t1_samples_are_scored_by_the_target_and_a_wrong_sampler_is_flagged(
+    tiny_target, monkeypatch, broken
+):
+    """At T = 1 each row of a batch sweep carries the sample check an engine's run gets
+    (decoding/sample_check.py): speculative and plain samples of the same requests scored by
+    the target. Exact rejection sampling passes; a verifier that tests the drafts at the wrong
+    temperature (0.3 where the run asked for 1) is flagged as the speculative sampler, with
+    plain decoding (not speculating) as the calm control."""
+    import dataclasses
+
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    import decoding.batch_eval as be
+    import decoding.eval  # noqa: F401  (registers the structured configs)
+    from decoding.report import speedup_table
+
+    if broken:
+        real = batch.accept_rows
+
+        def too_cold(rule, props, *a, **kw):
+            if any(p.tokens for p in props):  # speculating: plain decoding stays right
+                rule = dataclasses.replace(rule, sampling=Sampling(0.3))
+            return real(rule, props, *a, **kw)
+
+        monkeypatch.setattr(batch, "accept_rows", too_cold)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            "eval",
+            overrides=[
+                "target=tiny_random",
+                "batch_sizes=[4]",
+                "batch_policies=[fixed]",
+                "max_new_tokens=48",
+                "gamma=3",
+                "temperature=1",
+            ],
+        )
+    questions = [{"turns": [f"question {i}: say something about {i * 7}"]} for i in range(12)]
+    self_draft = _proposers(tiny_target)["self"]  # accepts all it can: every token tested
+    r = be.evaluate_batched(cfg, tiny_target, self_draft, "self", questions, Sampling(1.0), set())
+    (row,) = r["batch"]
+    sc = row["sample_check"]
+    assert sc["spec"]["tokens"] == sc["plain"]["tokens"] == 12 * 48
+    assert abs(sc["plain"]["z_argmax"]) <= sc["z_flag"]
+    if broken:
+        assert sc["spec"]["z_argmax"] > sc["z_flag"] and "speculative sampler" in sc["flag"]
+        assert "1 of 1 rows FLAGGED" in r["lossless_note"] and "FLAGGED" in speedup_table([row])
+    else:
+        assert sc["flag"] is None and "consistent" in r["lossless_note"]
+        assert "| ok (z " in speedup_table([row])
+
+
 @pytest.mark.parametrize("name", ["draft_lm", "eagle", "eagle_tree", "medusa"])
 def test_every_drafter_has_its_draft_step_timed_before_the_run(tiny_target, name):
     """Batched or row by row, chain, tree or parallel heads: the goodput decoder times a draft
