@@ -108,8 +108,11 @@ def repair_cpu_expand() -> str | None:
         return None
     out = torch.full((3,), -1.0)
     try:
-        import vllm._C  # noqa: F401  (the CPU build's kernels)
+        # the platform loads the kernels built for this CPU (vllm._C needs AVX-512 with bf16;
+        # importing it by name on an AVX2-only CPU kills the process with SIGILL)
+        from vllm.platforms import current_platform
 
+        current_platform.import_kernels()
         impl(out, torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 0.0, 1.0)
     except Exception:  # noqa: BLE001 - a kernel that cannot run here is replaced too
         pass
