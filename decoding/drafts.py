@@ -269,14 +269,15 @@ def standalone_lm(spec: str, target: Target) -> tuple[Path, str] | None:
     return path, f"draft LM ({spec})"
 
 
-def _hub_folder(repo_id: str) -> Path:
-    """A hub model's local snapshot (downloaded, or from the hub's cache offline)."""
+def _hub_folder(repo_id: str, what: str = "draft") -> Path:
+    """A hub model's local snapshot (downloaded, or from the hub's cache offline); ``what``:
+    the setting that named it, for the error."""
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo_id))
     except Exception as e:  # offline, gated, missing: one line
         raise DraftError(
-            f"draft={repo_id}: no such folder, and not on the hub here ({type(e).__name__}: "
+            f"{what}={repo_id}: no such folder, and not on the hub here ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''})"
         ) from None

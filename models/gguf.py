@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .base import ExportError
-from .target import TargetError, target_gguf
+from .target import TargetError, full_attention_rope, target_gguf
 
 # what --dtype means for a GGUF draft: the type of its 2-D weights
 QUANTS = ("q8_0", "float16", "bfloat16", "float32")
@@ -158,7 +158,7 @@ def target_hparams(tc) -> dict[str, Any]:
     """The attention and RoPE settings of the target's config that a draft layer shares."""
     heads = tc.num_attention_heads
     H = tc.hidden_size
-    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    rope = full_attention_rope(tc)
     return {
         "heads": heads,
         "kv": getattr(tc, "num_key_value_heads", None) or heads,
@@ -170,22 +170,63 @@ def target_hparams(tc) -> dict[str, Any]:
     }
 
 
+#: the RoPE scalings a GGUF draft holds, as llama.cpp's converter writes them: none,
+#: Llama-3's (a ``rope_freqs`` tensor), YaRN and linear (``rope.scaling.*`` keys)
+GGUF_ROPE = ("default", "llama3", "yarn", "linear")
+
+
+def rope_scaling(tc) -> tuple[str, dict[str, Any]]:
+    """(kind, parameters) of the RoPE the draft layers share with the target (its full
+    attention layers'); a kind a GGUF draft cannot hold is refused by name."""
+    rope = full_attention_rope(tc)
+    kind = rope.get("rope_type") or "default"
+    if kind not in GGUF_ROPE:
+        raise ExportError(
+            f"the target's RoPE scaling is {kind!r}: llama.cpp GGUF drafts hold plain, "
+            "Llama-3, YaRN or linear RoPE"
+        )
+    if kind == "yarn" and any(rope.get(k) for k in ("mscale", "mscale_all_dim")):
+        raise ExportError(
+            "the target's RoPE is DeepSeek-style YaRN (mscale / mscale_all_dim): llama.cpp "
+            "GGUF drafts hold YaRN without them"
+        )
+    return kind, rope
+
+
+def add_rope_scaling(w, gguf, tc) -> None:
+    """The ``rope.scaling.*`` keys of a YaRN or linear RoPE, the ones llama.cpp's converter
+    writes from the same parameters (factor, original context; YaRN's extrapolation and
+    attention factors and betas where the config sets them). llama.cpp rounds YaRN's
+    correction range outwards to whole dimensions, as transformers does unless the config
+    says ``truncate: false`` (GPT-OSS): there a few dimensions' frequencies differ a little."""
+    kind, rope = rope_scaling(tc)
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if (v := rope.get("extrapolation_factor")) is not None:
+            w.add_rope_scaling_yarn_ext_factor(float(v))
+        if (v := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(v))
+        if (v := rope.get("beta_fast")) is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(v))
+        if (v := rope.get("beta_slow")) is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(v))
+
+
 def rope_factors(tc) -> torch.Tensor | None:
     """``rope_freqs.weight`` for a target with Llama-3 RoPE scaling (the divisor of each
     frequency, as llama.cpp's converter computes it for Llama targets and its eagle3 and
-    dflash drafts read it), None for plain RoPE; other scalings are refused by name."""
+    dflash drafts read it), None for the others (YaRN and linear are keys,
+    ``add_rope_scaling``); a scaling a GGUF cannot hold is refused by name."""
     import math
 
-    rope = dict(getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {})
-    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if kind == "default":
-        return None
+    kind, rope = rope_scaling(tc)
     if kind != "llama3":
-        raise ExportError(
-            f"the target's RoPE scaling is {kind!r}: specdraft writes llama.cpp GGUF drafts "
-            "with plain or Llama-3 RoPE only (llama.cpp's convert_hf_to_gguf.py converts a "
-            "vLLM export)"
-        )
+        return None
     hp = target_hparams(tc)
     dim, base = hp["head_dim"], hp["theta"]
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -247,6 +288,7 @@ def write_draft_gguf(
     w.add_head_count(hp["heads"])
     w.add_head_count_kv(hp["kv"])
     w.add_rope_freq_base(hp["theta"])
+    add_rope_scaling(w, gguf, tc)
     w.add_layer_norm_rms_eps(hp["eps"])
     w.add_key_length(hp["head_dim"])
     w.add_value_length(hp["head_dim"])

@@ -6,7 +6,8 @@
 Runs ``tests/test_families.py`` with ``SPECDRAFT_FAMILY_MATRIX`` set, so every test appends the
 cells it checked (family, method, column, value); a cell no test recorded stays empty, and a
 failing test leaves its cells out (the run's failures are listed under the tables). The vLLM
-column needs vLLM installed (``bash scripts/install.sh vllm``); without it the column says so.
+column needs vLLM installed (``bash scripts/install.sh vllm``), the llama.cpp column llama.cpp
+(``bash scripts/install.sh engine``); without them the columns say so.
 """
 
 from __future__ import annotations
@@ -116,19 +117,30 @@ def render(cells: list[dict], failed: list[str], when: str, where: str, command:
         "the head exactly and counts acceptance as we do (vLLM counts a little higher where "
         "acceptance is high: it drafts a request's first tokens after the prompt's prefill, "
         "where the built-in decoder verifies the prompt's last token with its first draft); "
-        "how well a trained head drafts is measured on the embedded target (docs/results.md).",
+        "how well a trained head drafts is measured on the embedded target (docs/results.md). "
+        "llama.cpp: its own converter turns the tiny target into the GGUF its server loads, "
+        "our EAGLE-3 GGUF of the same head goes beside it, and the server's speculative output "
+        "must be its plain one, with acceptance per position within 0.1 of ours (llama.cpp's "
+        "vs ours) over the tokens where its output is the target's greedy one (the engine "
+        "computes the converted target itself: where it parts from ours, the cell says after "
+        "how many tokens); else the line that refuses the pair "
+        "(ours, before any server starts, where llama.cpp gives EAGLE-3 drafts no layer inputs "
+        "for the target's architecture and its server would abort; or the converter's).",
         "",
-        "| family | trees | batched | T = 1 | static path | vLLM |",
-        "|---|---|---|---|---|---|",
+        "| family | trees | batched | T = 1 | static path | vLLM | llama.cpp |",
+        "|---|---|---|---|---|---|---|",
     ]
     for fam in names:
         row = [f"`{fam}`"] + [
             got.get((fam, "eagle3", k), "") for k in ("trees", "batched", "sampling", "static")
         ]
         row.append(got.get((fam, "eagle3", "vllm"), "not run (vLLM not installed)"))
+        row.append(got.get((fam, "eagle3", "llama.cpp"), "not run (llama.cpp not installed)"))
         out.append("| " + " | ".join(row) + " |")
-    served = sum(1 for f in names if got.get((f, "eagle3", "vllm"), "").startswith("Y"))
-    out += ["", f"vLLM serves our EAGLE-3 export for {served} of {len(names)} families."]
+    for engine, what in (("vllm", "vLLM serves our EAGLE-3 export"),
+                         ("llama.cpp", "llama.cpp serves our EAGLE-3 GGUF")):  # fmt: skip
+        served = sum(1 for f in names if got.get((f, "eagle3", engine), "").startswith("Y"))
+        out += ["", f"{what} for {served} of {len(names)} families."]
     if notes:
         out += ["", "Notes:", ""] + [f"{i}. With {t}." for t, i in notes.items()]
     if failed:

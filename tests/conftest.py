@@ -123,6 +123,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _installed(module: str, finder: str) -> bool:
+    return getattr(__import__(module, fromlist=["x"]), finder)(required=False) is not None
+
+
+#: tests that need a serving engine, skipped with the command that installs it
+needs_vllm = pytest.mark.skipif(
+    not _installed("decoding.engines.vllm_eval", "vllm_python"),
+    reason="vLLM is not installed: `bash scripts/install.sh vllm` puts it in an environment of "
+    "its own under the cache (a few minutes), or set SPECDRAFT_VLLM_PYTHON=<its python>",
+)
+needs_engine = pytest.mark.skipif(
+    not _installed("decoding.engines.llama_cpp", "engine_dir"),
+    reason="llama.cpp is not installed: `bash scripts/install.sh engine` builds it once "
+    "(~15-40 CPU-minutes), or set SPECDRAFT_LLAMA_CPP=<bin dir>",
+)
+
+
 def run_module(module: str, args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
     """``python -m module args`` from the repo root, output captured."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

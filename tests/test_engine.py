@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_module, tiny_target_gguf
+from conftest import needs_engine, run_module, tiny_target_gguf
 
 from models import export as ex
 from models.base import DraftError
@@ -24,19 +24,6 @@ from models.target import Target, TargetConfig, saved_target_config
 from models.tiny import build_tiny_target
 
 gguf = pytest.importorskip("gguf")
-
-
-def _engine():
-    from decoding.engines.llama_cpp import engine_dir
-
-    return engine_dir(required=False)
-
-
-needs_engine = pytest.mark.skipif(
-    _engine() is None,
-    reason="llama.cpp is not installed: `bash scripts/install.sh engine` builds it once "
-    "(~15-40 CPU-minutes), or set SPECDRAFT_LLAMA_CPP=<bin dir>",
-)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +111,54 @@ def test_gguf_export_refusals_are_one_line(target4, tmp_path):
     with pytest.raises(ExportError, match="--dtype q8_0: --format vllm takes"):
         export(head, "vllm", tmp_path / "c", dtype="q8_0", log=lambda *_: None)
     assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_the_rope_a_gguf_draft_holds_and_the_ones_it_refuses():
+    """Plain and Llama-3 RoPE (a ``rope_freqs`` tensor), YaRN and linear scaling (the
+    ``rope.scaling.*`` keys llama.cpp's converter writes); Gemma-3's two RoPEs give the full
+    layers' theta; DeepSeek-style YaRN (mscale) and LongRoPE are refused in one line."""
+    from types import SimpleNamespace
+
+    from models.gguf import add_rope_scaling, rope_factors, rope_scaling, target_hparams
+
+    def cfg(rope):
+        return SimpleNamespace(
+            rope_parameters=rope, num_attention_heads=4, hidden_size=64, head_dim=16
+        )
+
+    class Keys:
+        def __init__(self):
+            self.got = {}
+
+        def __getattr__(self, name):  # add_rope_scaling_factor(v) -> got["factor"] = v
+            return lambda v: self.got.__setitem__(name.removeprefix("add_rope_scaling_"), v)
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "beta_fast": 32.0,
+            "original_max_position_embeddings": 32768}  # fmt: skip
+    w = Keys()
+    add_rope_scaling(w, gguf, cfg(yarn))
+    assert w.got == {
+        "type": gguf.RopeScalingType.YARN, "factor": 4.0, "orig_ctx_len": 32768,
+        "yarn_beta_fast": 32.0,
+    }  # fmt: skip
+    assert rope_factors(cfg(yarn)) is None
+    w = Keys()
+    add_rope_scaling(w, gguf, cfg({"rope_type": "linear", "factor": 8.0}))
+    assert w.got == {"type": gguf.RopeScalingType.LINEAR, "factor": 8.0}
+    w = Keys()
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    add_rope_scaling(w, gguf, cfg(llama3))
+    assert w.got == {} and rope_factors(cfg(llama3)).shape == (8,)
+    two = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+           "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}  # fmt: skip
+    assert target_hparams(cfg(two))["theta"] == 1e6 and rope_scaling(cfg(two))[0] == "linear"
+    for rope, why in [
+        ({**yarn, "mscale": 1.0, "mscale_all_dim": 1.0}, "DeepSeek-style YaRN"),
+        ({"rope_type": "longrope", "short_factor": [1.0]}, "'longrope'"),
+    ]:
+        with pytest.raises(ExportError, match=why) as e:
+            rope_scaling(cfg(rope))
+        assert "\n" not in str(e.value)
 
 
 def test_saved_tiny_target_is_rebuilt_with_its_layers():
@@ -216,20 +251,23 @@ def test_our_gguf_equals_llama_cpps_converter(smollm2, tmp_path):
     assert_as_llama_cpp_converts(tmp_path / "sg", tmp_path / "ours" / "draft.gguf", "eagle3.")
 
 
-def assert_as_llama_cpp_converts(hf_export: Path, ours: Path, prefix: str, only_theirs=()):
-    """llama.cpp's own converter (``--target-model-dir``: the embedded target) on
-    ``hf_export`` writes what we wrote in ``ours``: the same tensors, byte for byte (but
-    ``only_theirs``, which only the converter writes), and the same ``prefix`` keys, the
-    architecture and the mask token."""
+def assert_as_llama_cpp_converts(
+    hf_export: Path, ours: Path, prefix: str, only_theirs=(), target_dir=None, tiny=False
+):
+    """llama.cpp's own converter (``--target-model-dir``: ``target_dir``, by default the
+    embedded target) on ``hf_export`` writes what we wrote in ``ours``: the same tensors, byte
+    for byte (but ``only_theirs``, which only the converter writes), and the same ``prefix``
+    keys, the architecture and the mask token."""
     from decoding.engines.llama_cpp import convert_hf, engine_source
     from models.target import smollm2_dir
 
     pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece")
     if engine_source() is None:
         pytest.skip("llama.cpp's source tree (its converter) is not in the cache")
+    target_dir = target_dir or smollm2_dir("~/.cache/specdraft")
     theirs = convert_hf(
         hf_export, ours.parent.parent / "theirs.gguf", "f32", log=lambda *_: None,
-        extra=("--target-model-dir", str(smollm2_dir("~/.cache/specdraft"))),
+        extra=("--target-model-dir", str(target_dir)), tiny_tokenizer=tiny,
     )  # fmt: skip
     a = gguf.GGUFReader(str(ours))
     b = gguf.GGUFReader(str(theirs))
@@ -250,6 +288,89 @@ def assert_as_llama_cpp_converts(hf_export: Path, ours: Path, prefix: str, only_
         k: (a.fields[k].contents() if k in a.fields else None, b.fields[k].contents())
         for k in differ
     }
+
+
+def _tiny(family: str):
+    from models.target import load_target
+
+    cfg = TargetConfig(name="tiny_random", device="cpu", dtype="float32", tiny_layers=4,
+                       family=family)  # fmt: skip
+    return load_target(cfg)
+
+
+@needs_engine
+@pytest.mark.slow
+def test_our_yarn_gguf_equals_llama_cpps_converter(tmp_path):
+    """A YaRN target (a tiny GPT-OSS: factor 32, betas): llama.cpp's converter on our vLLM
+    export writes the rope.scaling keys and tensors we write."""
+    from decoding.engines.llama_cpp import converted_target
+    from models.target import target_folder
+
+    target = _tiny("gpt_oss")
+    tg = converted_target(target, log=lambda *_: None)
+    head = head3(target)
+    export(head, "vllm", tmp_path / "v", dtype="float32", log=lambda *_: None)
+    export(head, "gguf", tmp_path / "ours", dtype="float32", log=lambda *_: None,
+           target_gguf_path=tg)  # fmt: skip
+    ours = tmp_path / "ours" / "draft.gguf"
+    assert gguf.GGUFReader(str(ours)).fields["eagle3.rope.scaling.type"].contents() == "yarn"
+    assert_as_llama_cpp_converts(
+        tmp_path / "v", ours, "eagle3.", target_dir=target_folder(target), tiny=True
+    )
+
+
+def test_the_architectures_that_feed_drafts_are_the_builds_own():
+    """FEATURE_ARCHS is what the cached llama.cpp source says: the architectures whose model
+    builder (src/models/*.cpp) sets the layer inputs EAGLE-3 and DFlash drafts read."""
+    import re
+
+    from decoding.engines.llama_cpp import FEATURE_ARCHS, engine_source
+
+    src = engine_source()
+    if src is None:
+        pytest.skip("llama.cpp's source tree is not in the cache: bash scripts/install.sh engine")
+    mapping = (src / "src" / "llama-model.cpp").read_text()
+    mapping = mapping[mapping.index("llama_model_mapping") :]
+    arch_of: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for line in mapping[: mapping.index("\n}\n")].splitlines():
+        if m := re.search(r"case (LLM_ARCH_\w+):", line):
+            pending.append(m.group(1))
+        elif m := re.search(r"return new (\w+)\(", line):
+            arch_of.setdefault(m.group(1), []).extend(pending)
+            pending = []
+    names = dict(
+        re.findall(r'\{ (LLM_ARCH_\w+),\s*"([^"]+)"', (src / "src" / "llama-arch.cpp").read_text())
+    )
+    found = set()
+    for f in (src / "src" / "models").glob("*.cpp"):
+        text = f.read_text()
+        if "t_layer_inp[" in text:
+            for cls in set(re.findall(r"(llama_model_\w+)::", text)):
+                found |= {names[a] for a in arch_of.get(cls, [])}
+    assert found == set(FEATURE_ARCHS)
+
+
+@needs_engine
+@pytest.mark.slow
+def test_a_target_that_feeds_no_layer_inputs_is_refused_before_its_server_starts(tmp_path):
+    """A Qwen2 target: our EAGLE-3 GGUF would load beside it, and llama.cpp's server aborts at
+    the first draft; the refusal comes first, in one line, naming the architecture."""
+    from decoding.engines.llama_cpp import EngineError, LlamaServer, converted_target
+
+    target = _tiny("qwen2")
+    tg = converted_target(target, log=lambda *_: None)
+    export(head3(target), "gguf", tmp_path / "d", log=lambda *_: None, target_gguf_path=tg)
+    draft = tmp_path / "d" / "draft.gguf"
+    with pytest.raises(EngineError, match="a 'qwen2' target: llama.cpp b11434 feeds eagle3 "
+                       "drafts the layer inputs of") as e:  # fmt: skip
+        LlamaServer(tg, draft, spec_type="draft-eagle3")
+    assert "\n" not in str(e.value)
+    # what the refusal spares: the engine's own abort
+    srv = LlamaServer(tg, draft, spec_type="draft-eagle3", check_target=False)
+    with srv, pytest.raises(EngineError):
+        srv.complete([1, 40, 50, 60], 8)
+    assert "layer input tensor is null" in srv.log_path.read_text(errors="replace")
 
 
 @needs_engine
@@ -288,6 +409,37 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
                     spec_type="draft-eagle3").start()  # fmt: skip
     out = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a llama-server was left running"
+
+
+@needs_engine
+@pytest.mark.slow
+def test_eval_converts_an_hf_target_and_refuses_a_pair_the_engine_cannot_serve(tmp_path):
+    """`engine=llama.cpp` on a target with no GGUF of its own: llama.cpp's converter makes one
+    (cached) and the report names it; an EAGLE-3 draft beside a target whose architecture
+    gives drafts no layer inputs is one line, before any server starts."""
+    from decoding.engines.llama_cpp import converted_target
+
+    common = ["engine=llama.cpp", "target=tiny_random", "target.tiny_layers=4",
+              "target.dtype=float32", "num_prompts=2", "max_new_tokens=16", "predict=false"]  # fmt: skip
+    rep = tmp_path / "r.json"
+    r = run_module(
+        "decoding.eval",
+        [*common, "target.family=qwen3", "draft=ngram", "gamma=2", f"report={rep}"],
+        600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(rep.read_text())
+    tg = rep["settings"]["target_gguf"]
+    assert "/engine-targets/" in tg and tg.endswith("-f32/target.gguf")
+    assert rep["lossless"] is True
+    qwen2 = _tiny("qwen2")
+    export(head3(qwen2), "gguf", tmp_path / "d", log=lambda *_: None,
+           target_gguf_path=converted_target(qwen2, log=lambda *_: None))  # fmt: skip
+    r = run_module("decoding.eval", [*common, "target.family=qwen2", f"draft={tmp_path / 'd'}"])
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "a 'qwen2' target: llama.cpp b11434 feeds eagle3 drafts" in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.slow

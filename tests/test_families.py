@@ -2,7 +2,7 @@
 random target of its architecture: every method trains a few steps, decodes losslessly through
 the one decoder, and exports to each of its formats and reads back; per family once, EAGLE-3
 with chains and trees, batched, at T > 0, on the static path where the family has one, and in
-vLLM where vLLM serves EAGLE-3 for the architecture.
+vLLM and llama.cpp where each serves EAGLE-3 for the architecture.
 
 Where ``SPECDRAFT_FAMILY_MATRIX`` names a file, each test appends the cells it measured to it
 (one JSON line per cell: family, method, column, value); ``scripts/family_matrix.py`` runs
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, tiny_overrides, tiny_target_gguf
+from conftest import compose, needs_engine, needs_vllm, tiny_overrides, tiny_target_gguf
 from test_methods import SMALL
 
 from models import FORMATS, METHODS
@@ -288,15 +289,11 @@ def lens_head(target):
     return head
 
 
-def test_the_vllm_expectations_name_every_family():
-    assert set(VLLM) == set(NAMES)
+def test_the_engines_expectations_name_every_family():
+    assert set(VLLM) == set(NAMES) and set(LLAMA_CPP) == set(NAMES)
 
 
-@pytest.mark.skipif(
-    __import__("decoding.engines.vllm_eval", fromlist=["x"]).vllm_python(required=False) is None,
-    reason="vLLM is not installed: `bash scripts/install.sh vllm` puts it in an environment of "
-    "its own under the cache (a few minutes), or set SPECDRAFT_VLLM_PYTHON=<its python>",
-)
+@needs_vllm
 @pytest.mark.parametrize("family", NAMES)
 def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_path):
     """vLLM loads the tiny target (heads 64 wide, what its CPU attention takes) and our
@@ -346,6 +343,119 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
         "vllm",
         "Y (" + " / ".join(f"{a:.2f} vs {b:.2f}" for a, b in zip(theirs, ours, strict=True)) + ")",
     )
+
+
+# -- in llama.cpp -----------------------------------------------------------------------------
+
+#: what llama.cpp b11434 does with a tiny target of each family (converted by its own
+#: converter) and our EAGLE-3 GGUF for it: None where it serves the head, else the start of the
+#: line that refuses it (ours, before a server starts, where the architecture gives the draft
+#: no layer inputs; the converter's, where it cannot convert the tiny target)
+LLAMA_CPP = {
+    "llama3": None,
+    "qwen2": "a 'qwen2' target: llama.cpp b11434 feeds eagle3 drafts",
+    "qwen3": None,
+    "qwen3_moe": None,
+    "mixtral": None,
+    "mistral": None,
+    "gemma2": "llama.cpp's converter failed .*tokenizer.model",
+    "gemma3": "a 'gemma3' target: llama.cpp b11434 feeds eagle3 drafts",
+    "phi3": "llama.cpp's converter failed .*tokenizer.model",
+    "gpt_oss": None,
+    "deepseek_v3": "a 'deepseek2' target: llama.cpp b11434 feeds eagle3 drafts",
+    "olmo2": "a 'olmo2' target: llama.cpp b11434 feeds eagle3 drafts",
+}
+
+
+@needs_engine
+@pytest.mark.parametrize("family", NAMES)
+def test_llama_cpp_serves_our_eagle3_gguf_for_each_family_it_supports(family, tmp_path):
+    """llama.cpp's converter turns the tiny target into the GGUF its server loads, our EAGLE-3
+    GGUF goes beside it, and the server decodes: its speculative output is its plain one, and
+    its acceptance per position is ours within 0.1 over the tokens where its output is the
+    target's greedy one (at least a quarter of them). Where llama.cpp cannot serve the pair,
+    the line that says so is pinned."""
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.engines.base import EngineError
+    from decoding.engines.llama_cpp import LlamaServer, check_feature_target, converted_target
+    from models.base import DecodeSettings
+    from models.export import export, import_draft
+    from models.sampling import Sampling
+
+    target = family_target(family)
+    out = tmp_path / "gguf"
+    prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
+    eos = {target.tokenizer.eos_token_id}
+    try:
+        tg = converted_target(target, log=lambda *_: None)
+        check_feature_target(tg, "draft-eagle3")  # as the evaluator: before any server
+        export(lens_head(target), "gguf", out, dtype="float32", log=lambda *_: None,
+               target_gguf_path=tg)  # fmt: skip
+        with (
+            LlamaServer(tg) as plain,
+            LlamaServer(tg, out / "draft.gguf", spec_type="draft-eagle3", n_max=3) as spec,
+        ):
+            plains = [plain.complete(p, 64) for p in prompts]
+            specs = [spec.complete(p, 64) for p in prompts]
+    except EngineError as e:
+        why = str(e).split(" (log:")[0]
+        assert LLAMA_CPP[family] is not None, f"{family}: {why}"
+        assert re.search(LLAMA_CPP[family], why), why
+        short = re.sub(r"^\S+: ", "", why).split(" (on this one")[0]
+        short = re.sub(r" on /\S+: \w+: .*Missing /\S+/| on /\S+: \w+: .*not found: /\S+/",
+                       " here: it needs a SentencePiece ", short)  # fmt: skip
+        short = re.sub(r"feeds eagle3 drafts the layer inputs of .* targets only",
+                       "gives EAGLE-3 drafts no layer inputs for it", short)  # fmt: skip
+        record(family, "eagle3", "llama.cpp", f"no: {short}")
+        return
+    assert LLAMA_CPP[family] is None, f"{family}: served, but expected {LLAMA_CPP[family]!r}"
+    theirs_tokens = [[t for t in o.tokens if t not in eos] for o in specs]
+    assert theirs_tokens == [[t for t in o.tokens if t not in eos] for o in plains], family
+    mine = import_draft(out, target).proposer(DecodeSettings(tree="chain"))
+
+    def ours(n: list[int]):
+        dec = SpeculativeDecoder(target, mine, Sampling(), gamma=3, adaptive=False)
+        got = [[t for t in dec.generate(p, k, stop_ids=eos) if t not in eos]
+               for p, k in zip(prompts, n, strict=True)]  # fmt: skip
+        return got, dec.stats
+
+    got, _ = ours([64] * len(prompts))
+    # the engine's target is its converter's: where its output parts from ours (a near-tie of a
+    # random target, or a layer the engine computes otherwise), compare up to there
+    same = [common_prefix(x, y) for x, y in zip(theirs_tokens, got, strict=True)]
+    assert sum(same) >= 64, f"{family}: llama.cpp's output parts from the target's at {same}"
+    _, s = ours(same)
+    steps = []
+    for o, n in zip(specs, same, strict=True):
+        pos = 1  # the first token comes from the prompt's prefill
+        for a, d in o.steps:
+            if pos >= n:
+                break
+            steps.append((min(a, n - pos), d))
+            pos += a + 1
+    assert steps
+    theirs = [
+        sum(a >= k for a, _ in steps) / max(sum(d >= k for _, d in steps), 1) for k in (1, 2, 3)
+    ]
+    mine_acc = [s.accepted[k] / max(s.drafted[k], 1) for k in (1, 2, 3)]
+    assert max(abs(a - b) for a, b in zip(theirs, mine_acc, strict=True)) <= 0.1, (
+        theirs,
+        mine_acc,
+    )
+    total = sum(len(x) for x in got)
+    part = (
+        "" if sum(same) == total else f"; outputs equal to ours for {sum(same)} of {total} tokens"
+    )
+    pairs = " / ".join(f"{a:.2f} vs {b:.2f}" for a, b in zip(theirs, mine_acc, strict=True))
+    record(family, "eagle3", "llama.cpp", f"Y ({pairs}{part})")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_a_target_no_draft_can_be_built_against_stops_before_its_weights(tmp_path):

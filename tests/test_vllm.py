@@ -15,22 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_module
+from conftest import ROOT, needs_vllm, run_module
 
 from decoding.engines.base import EngineError, steps_from_positions
-
-
-def _vllm():
-    from decoding.engines.vllm_eval import vllm_python
-
-    return vllm_python(required=False)
-
-
-needs_vllm = pytest.mark.skipif(
-    _vllm() is None,
-    reason="vLLM is not installed: `bash scripts/install.sh vllm` puts it in an environment of "
-    "its own under the cache (a few minutes), or set SPECDRAFT_VLLM_PYTHON=<its python>",
-)
 
 
 def test_steps_from_positions_rebuild_the_accepted_lengths():

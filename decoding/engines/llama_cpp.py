@@ -32,6 +32,49 @@ INSTALL_HINT = (
     "SPECDRAFT_LLAMA_CPP=<a llama.cpp bin dir>"
 )
 
+#: the target architectures (a target GGUF's ``general.architecture``) whose graph hands
+#: llama.cpp b11434's EAGLE-3 and DFlash-family drafters the target's layer inputs: the model
+#: builders that set ``t_layer_inp`` in its ``src/models/`` (a test reads them from the cached
+#: source tree). A target of any other architecture (qwen2, gemma2, gemma3, phi3, olmo2,
+#: deepseek2, ...) loads, then aborts the server at its first speculative step.
+FEATURE_ARCHS = frozenset(
+    {
+        "bailingmoe3", "deepseek4", "gemma4", "gpt-oss", "hunyuan_vl", "lfm2", "llama", "mimo2",
+        "minimax-01", "minimax-m2", "muse-glimmer", "nanbeige", "nemotron_h", "qwen3", "qwen35",
+        "qwen35moe", "qwen3moe", "qwen3next", "qwen4exp",
+    }
+)  # fmt: skip
+#: the speculative types whose drafts read the target's layer inputs
+FEATURE_DRAFTS = ("draft-eagle3", "draft-dflash", "draft-dspark")
+
+
+def gguf_architecture(path: str | Path) -> str | None:
+    """A GGUF's ``general.architecture`` (its header only is read)."""
+    from models.gguf import field, gguf_module
+
+    try:
+        return field(gguf_module().GGUFReader(str(path)), "general.architecture")
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+        raise EngineError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+
+
+def check_feature_target(target: str | Path, spec_type: str | None) -> None:
+    """Refuse, in one line and before any server starts, a draft that reads the target's
+    layer inputs (EAGLE-3, DFlash, DSpark) against a target whose architecture llama.cpp
+    gives none (``FEATURE_ARCHS``): its server would load both and abort at the first draft
+    ("layer input tensor is null")."""
+    if spec_type not in FEATURE_DRAFTS:
+        return
+    arch = gguf_architecture(target)
+    if arch not in FEATURE_ARCHS:
+        kind = spec_type.removeprefix("draft-")
+        raise EngineError(
+            f"{target}: a {arch!r} target: llama.cpp b{BUILD} feeds {kind} drafts the layer "
+            f"inputs of {', '.join(sorted(FEATURE_ARCHS))} targets only (on this one its "
+            "server aborts at the first draft: 'layer input tensor is null'); measure the draft "
+            "in vLLM (engine=vllm) or the built-in decoder"
+        )
+
 
 def engine_dir(required: bool = True) -> Path | None:
     """The llama.cpp bin dir: ``$SPECDRAFT_LLAMA_CPP``, else the cached build; None (or
@@ -65,12 +108,21 @@ def engine_source() -> Path | None:
 
 
 def convert_hf(
-    hf_dir: Path, out: Path, outtype: str = "q8_0", log=print, extra: tuple[str, ...] = ()
+    hf_dir: Path,
+    out: Path,
+    outtype: str = "q8_0",
+    log=print,
+    extra: tuple[str, ...] = (),
+    tiny_tokenizer: bool = False,
 ) -> Path:
     """``hf_dir`` (a Hugging Face causal LM folder with its tokenizer) as a GGUF at ``out``,
     converted by llama.cpp's own ``convert_hf_to_gguf.py`` from the cached build's source tree
-    (a standalone draft model, e.g. a DistillSpec student, is served this way); ``extra``: more
-    converter arguments (``--target-model-dir <dir>`` for a draft head's layout)."""
+    (a target, or a standalone draft model such as a DistillSpec student, is served this way);
+    ``extra``: more converter arguments (``--target-model-dir <dir>`` for a draft head's
+    layout). ``tiny_tokenizer``: the folder holds the tiny targets' tokenizer (byte-level BPE
+    made here, no merges), which the converter is told is GPT-2's pre-tokenizer (it knows only
+    published tokenizers, by a hash of their output) and given one merge that never applies
+    (llama.cpp loads no BPE vocabulary without merges); token ids are fed as they are."""
     import sys
 
     src = engine_source()
@@ -80,16 +132,60 @@ def convert_hf(
     tmp = out.with_name(out.name + ".part")
     env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
     log(f"converting {hf_dir} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf.py")
-    r = subprocess.run(
-        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
-         "--outfile", str(tmp), *extra],
-        capture_output=True, text=True, env=env, timeout=1800,
-    )  # fmt: skip
+    argv = [str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
+            "--outfile", str(tmp), *extra]  # fmt: skip
+    if not tiny_tokenizer:
+        cmd = [sys.executable, *argv]
+    else:  # the converter as it is, told what it cannot know of a tokenizer made here
+        code = (
+            "import runpy, sys; sys.path.insert(0, sys.argv[1]); import gguf; "
+            "import conversion.base as b; "
+            "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
+            "add = gguf.SpecialVocab.add_to_gguf; "
+            "gguf.SpecialVocab.add_to_gguf = lambda self, gw, quiet=False: "
+            "(setattr(self, 'merges', self.merges or ['\u0120\u0120 \u0120\u0120\u0120']), "
+            "add(self, gw, quiet)); "
+            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        )
+        cmd = [sys.executable, "-c", code, str(src), *argv]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
         last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise EngineError(f"llama.cpp's converter failed on {hf_dir}: {last}")
     os.replace(tmp, out)
+    return out
+
+
+#: the converter's --outtype for a target in each dtype: the weights the built-in decoder runs
+TARGET_OUTTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def converted_target(target, log=print) -> Path:
+    """``target`` as the GGUF ``llama-server`` loads: its Hugging Face folder (or hub id)
+    converted once by llama.cpp's own converter, in the target's own dtype, cached under
+    ``engine-targets`` and keyed by the target's identity and its weights' names, sizes and
+    times (a changed folder is converted again); a tiny random target's with its tokenizer
+    made known to the converter (``convert_hf``'s ``tiny_tokenizer``)."""
+    import hashlib
+
+    from models.target import target_folder
+
+    from ..drafts import _hub_folder
+
+    tiny = target.cfg.name == "tiny_random" and target.cfg.path is None
+    folder = target_folder(target)
+    if not folder.is_dir():
+        folder = _hub_folder(str(folder), "target.path")
+    outtype = TARGET_OUTTYPES.get(str(target.dtype).removeprefix("torch."), "f32")
+    h = hashlib.sha256(target.identity.encode())
+    for f in sorted(folder.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.resolve().name)[:48]
+    out = cache_root() / "engine-targets" / f"{name}-{h.hexdigest()[:10]}-{outtype}" / "target.gguf"
+    if not out.is_file():
+        convert_hf(folder, out, outtype, log, tiny_tokenizer=tiny)
     return out
 
 
@@ -182,12 +278,15 @@ class LlamaServer:
         extra: list[str] | None = None,
         startup_timeout: float = 180.0,
         bin_dir: Path | None = None,
+        check_target: bool = True,
     ):
         self.bin = (bin_dir or engine_dir()) / "llama-server"
         self.model, self.draft, self.spec_type = Path(model), draft, spec_type
         for f in (self.model, *([Path(draft)] if draft else [])):
             if not Path(f).is_file():
                 raise EngineError(f"{f}: no such GGUF file")
+        if draft and check_target:  # check_target=False: to watch the engine's own failure
+            check_feature_target(self.model, spec_type)
         if port is not None and port_in_use(port):
             raise EngineError(f"port {port} on 127.0.0.1 is in use: pick another or leave it unset")
         self.port = port or free_port()

@@ -26,9 +26,12 @@ from .llama_cpp import convert_hf
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 
 
-def draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, int | None]:
+def draft_gguf(
+    cfg: DictConfig, target, log, target_gguf: Path | None = None
+) -> tuple[str, Path | None, str, int | None]:
     """(spec type, draft GGUF or None, description, the draft's block size or None) for
-    ``cfg.draft``."""
+    ``cfg.draft``; ``target_gguf``: the target's GGUF the server loads (a head's GGUF copies
+    its tokenizer; default ``cfg.target_gguf``)."""
     from models.export import formats, load_trained_head, resolve_format
     from models.shipped import shipped_draft
 
@@ -63,7 +66,8 @@ def draft_gguf(cfg: DictConfig, target, log) -> tuple[str, Path | None, str, int
             "causal LM with the target's tokenizer) and n-gram speculation (draft=ngram)"
         )
     suffix = "" if fmt == "gguf" else f"-{fmt}"
-    out = cached_export(p, head, fmt, log, suffix, target_gguf_path=cfg.target_gguf)
+    tg = target_gguf or cfg.target_gguf
+    out = cached_export(p, head, fmt, log, suffix, target_gguf_path=tg)
     kind, block = gguf_kind(out / "draft.gguf")
     return kind, out / "draft.gguf", f"{head.cfg.name} ({p}) as GGUF q8_0", block
 

@@ -40,7 +40,14 @@ from ..report import CONVENTION
 from ..sample_check import check_run
 from ..settings import EvalError, bench_questions, sampling_of, stop_ids
 from .base import EngineError, EngineStats, cpu_name, lossless_note, run_bench
-from .llama_cpp import BUILD, LlamaServer, bench_forward_ms, resolve_repack
+from .llama_cpp import (
+    BUILD,
+    LlamaServer,
+    bench_forward_ms,
+    check_feature_target,
+    converted_target,
+    resolve_repack,
+)
 from .llama_cpp_drafts import draft_gguf
 
 
@@ -123,13 +130,10 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
         raise EvalError(f"tree={cfg.tree}: llama.cpp drafts chains (use tree=auto or chain)")
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
-    tgt_gguf = target_gguf(target, cfg.target_gguf)
-    if tgt_gguf is None:
-        raise EvalError(
-            f"engine=llama.cpp serves the target from a GGUF: set target_gguf=<file> for "
-            f"{target.identity} (convert it with llama.cpp's convert_hf_to_gguf.py)"
-        )
-    spec_type, draft, desc, block = draft_gguf(cfg, target, log)
+    # the target's GGUF: given, the embedded target's own, or converted once by llama.cpp
+    tgt_gguf = target_gguf(target, cfg.target_gguf) or converted_target(target, log)
+    spec_type, draft, desc, block = draft_gguf(cfg, target, log, tgt_gguf)
+    check_feature_target(tgt_gguf, spec_type)  # before any server starts
     repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
     questions = bench_questions(cfg)
     threads = cfg.engine_threads or None

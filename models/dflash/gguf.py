@@ -24,7 +24,8 @@ draft, minus ``token_embd``):
   ``tokenizer.ggml.mask_token_id``.
 - tensors ``fc``, ``enc.output_norm`` (``hidden_norm``), ``blk.i.{attn_norm, attn_q, attn_k,
   attn_v, attn_output, attn_q_norm, attn_k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down}``,
-  ``output_norm``; ``rope_freqs`` for a target with Llama-3 RoPE scaling; for a reduced draft
+  ``output_norm``; ``rope_freqs`` for a target with Llama-3 RoPE scaling (YaRN and
+  linear scaling are ``rope.scaling.*`` keys, ``models.gguf.add_rope_scaling``); for a reduced draft
   vocabulary ``output`` (the target's LM head rows the draft scores with) and ``d2t`` (int64 *absolute* target ids). No ``token_embd``: the engine
   then embeds the block with the target's own table, which is what the draft was trained with
   (the converter copies it, rounded to the file's type). A full-vocabulary draft stores no

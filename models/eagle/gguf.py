@@ -15,7 +15,8 @@ the ``gguf`` package so that exporting needs no llama.cpp source tree:
 - tensors ``fc.weight``; ``d2t`` as int64 *absolute* target ids (ours are offsets);
   ``blk.0.{attn_norm, attn_norm_2 (the hidden-state norm), attn_q, attn_k, attn_v, attn_output,
   ffn_norm, ffn_gate, ffn_up, ffn_down}``, ``output_norm``, ``output`` (the draft-vocabulary
-  LM head); ``rope_freqs`` for a target with Llama-3 RoPE scaling. ``t2d`` is not stored
+  LM head); ``rope_freqs`` for a target with Llama-3 RoPE scaling (YaRN and
+  linear scaling are ``rope.scaling.*`` keys, ``models.gguf.add_rope_scaling``). ``t2d`` is not stored
   (llama.cpp does not read it; it is rebuilt from ``d2t``).
   ``attn_q``/``attn_k`` rows are permuted the way the converter permutes every Llama's (GGUF's
   RoPE pairs adjacent dimensions, transformers' pairs halves).
