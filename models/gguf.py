@@ -179,7 +179,14 @@ def rope_scaling(tc) -> tuple[str, dict[str, Any]]:
     """(kind, parameters) of the RoPE the draft layers share with the target (its full
     attention layers'); a kind a GGUF draft cannot hold is refused by name."""
     rope = full_attention_rope(tc)
-    kind = rope.get("rope_type") or "default"
+    legacy = (
+        {}
+        if getattr(tc, "rope_parameters", None)
+        else dict(getattr(tc, "rope_scaling", None) or {})
+    )
+    rope.update(legacy)  # an older config's name for the scaling, with "type" for its kind
+    kind = legacy.get("rope_type", legacy.get("type")) or rope.get("rope_type") or "default"
+    rope["rope_type"] = kind
     if kind not in GGUF_ROPE:
         raise ExportError(
             f"the target's RoPE scaling is {kind!r}: llama.cpp GGUF drafts hold plain, "

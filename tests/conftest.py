@@ -272,6 +272,17 @@ def small_vocab_pair():
     return small_vocab_target(), small_vocab_llama(1).to(TEST_DEVICE)
 
 
+def family_target(family: str, **kw):
+    """A 4-layer tiny random target of ``family`` (``models/families.py``), float32 on the CPU."""
+    from models.target import TargetConfig, load_target
+
+    return load_target(
+        TargetConfig(
+            name="tiny_random", device="cpu", dtype="float32", tiny_layers=4, family=family, **kw
+        )
+    )
+
+
 def tiny_target_gguf(path, target) -> Path:
     """A GGUF holding what ``--format gguf`` reads of a target's: its shape and tokenizer (the
     embedded SmolLM2's is a real one; tiny targets have none)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import needs_engine, run_module, tiny_target_gguf
+from conftest import family_target, needs_engine, run_module, tiny_target_gguf
 
 from models import export as ex
 from models.base import DraftError
@@ -152,6 +152,9 @@ def test_the_rope_a_gguf_draft_holds_and_the_ones_it_refuses():
     two = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}  # fmt: skip
     assert target_hparams(cfg(two))["theta"] == 1e6 and rope_scaling(cfg(two))[0] == "linear"
+    older = SimpleNamespace(rope_parameters=None, rope_scaling={"type": "yarn", "factor": 2.0})
+    assert rope_scaling(older) == ("yarn", {"rope_theta": 10000.0, "rope_type": "yarn",
+                                            "type": "yarn", "factor": 2.0})  # fmt: skip
     for rope, why in [
         ({**yarn, "mscale": 1.0, "mscale_all_dim": 1.0}, "DeepSeek-style YaRN"),
         ({"rope_type": "longrope", "short_factor": [1.0]}, "'longrope'"),
@@ -290,14 +293,6 @@ def assert_as_llama_cpp_converts(
     }
 
 
-def _tiny(family: str):
-    from models.target import load_target
-
-    cfg = TargetConfig(name="tiny_random", device="cpu", dtype="float32", tiny_layers=4,
-                       family=family)  # fmt: skip
-    return load_target(cfg)
-
-
 @needs_engine
 @pytest.mark.slow
 def test_our_yarn_gguf_equals_llama_cpps_converter(tmp_path):
@@ -306,7 +301,7 @@ def test_our_yarn_gguf_equals_llama_cpps_converter(tmp_path):
     from decoding.engines.llama_cpp import converted_target
     from models.target import target_folder
 
-    target = _tiny("gpt_oss")
+    target = family_target("gpt_oss")
     tg = converted_target(target, log=lambda *_: None)
     head = head3(target)
     export(head, "vllm", tmp_path / "v", dtype="float32", log=lambda *_: None)
@@ -358,7 +353,7 @@ def test_a_target_that_feeds_no_layer_inputs_is_refused_before_its_server_starts
     the first draft; the refusal comes first, in one line, naming the architecture."""
     from decoding.engines.llama_cpp import EngineError, LlamaServer, converted_target
 
-    target = _tiny("qwen2")
+    target = family_target("qwen2")
     tg = converted_target(target, log=lambda *_: None)
     export(head3(target), "gguf", tmp_path / "d", log=lambda *_: None, target_gguf_path=tg)
     draft = tmp_path / "d" / "draft.gguf"
@@ -432,7 +427,7 @@ def test_eval_converts_an_hf_target_and_refuses_a_pair_the_engine_cannot_serve(t
     tg = rep["settings"]["target_gguf"]
     assert "/engine-targets/" in tg and tg.endswith("-f32/target.gguf")
     assert rep["lossless"] is True
-    qwen2 = _tiny("qwen2")
+    qwen2 = family_target("qwen2")
     export(head3(qwen2), "gguf", tmp_path / "d", log=lambda *_: None,
            target_gguf_path=converted_target(qwen2, log=lambda *_: None))  # fmt: skip
     r = run_module("decoding.eval", [*common, "target.family=qwen2", f"draft={tmp_path / 'd'}"])

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, needs_engine, needs_vllm, tiny_overrides, tiny_target_gguf
+from conftest import (
+    compose,
+    family_target,
+    needs_engine,
+    needs_vllm,
+    tiny_overrides,
+    tiny_target_gguf,
+)
 from test_methods import SMALL
 
 from models import FORMATS, METHODS
@@ -45,16 +52,6 @@ def record(family: str, method: str, column: str, value: str) -> None:
         line = {"family": family, "method": method, "column": column, "value": value}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
-
-
-def family_target(family: str, **kw):
-    from models.target import TargetConfig, load_target
-
-    return load_target(
-        TargetConfig(
-            name="tiny_random", device="cpu", dtype="float32", tiny_layers=4, family=family, **kw
-        )
-    )
 
 
 def train(family: str, method: str, data_file: Path, run_dir: Path) -> None:

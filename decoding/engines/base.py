@@ -39,17 +39,19 @@ def cached_export(path: Path, head, fmt: str, log, suffix: str = "", **opts: Any
     return out
 
 
-def engine_draft_dir(path: Path, suffix: str = "") -> Path:
-    """The cache folder for what an engine serves of the trained draft at ``path``, keyed by
-    the draft's folder and its weights' names, sizes and times (a retrained draft gets a new
-    one)."""
+def engine_draft_dir(
+    path: Path, suffix: str = "", area: str = "engine-drafts", salt: str = ""
+) -> Path:
+    """The cache folder (under ``area``) for what an engine serves of the model at ``path``
+    (a trained draft; a target, in ``engine-targets``), keyed by the folder, its weights'
+    names, sizes and times (a retrained draft gets a new one) and ``salt``."""
     import hashlib
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(salt.encode())
     for f in sorted(path.rglob("*.safetensors"))[:4]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return cache_root() / "engine-drafts" / f"{path.resolve().name}-{h.hexdigest()[:10]}{suffix}"
+    return cache_root() / area / f"{path.resolve().name}-{h.hexdigest()[:10]}{suffix}"
 
 
 class EngineError(RuntimeError):

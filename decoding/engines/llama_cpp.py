@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .base import Completion, EngineError, cache_root
+from .base import Completion, EngineError, cache_root, engine_draft_dir
 
 BUILD = 11434  # the llama.cpp build scripts/install_engine.sh installs (EAGLE-3 since b9606)
 PROGRAMS = ("llama-server", "llama-bench")
@@ -167,8 +167,6 @@ def converted_target(target, log=print) -> Path:
     ``engine-targets`` and keyed by the target's identity and its weights' names, sizes and
     times (a changed folder is converted again); a tiny random target's with its tokenizer
     made known to the converter (``convert_hf``'s ``tiny_tokenizer``)."""
-    import hashlib
-
     from models.target import target_folder
 
     from ..drafts import _hub_folder
@@ -178,12 +176,8 @@ def converted_target(target, log=print) -> Path:
     if not folder.is_dir():
         folder = _hub_folder(str(folder), "target.path")
     outtype = TARGET_OUTTYPES.get(str(target.dtype).removeprefix("torch."), "f32")
-    h = hashlib.sha256(target.identity.encode())
-    for f in sorted(folder.glob("*.safetensors")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.resolve().name)[:48]
-    out = cache_root() / "engine-targets" / f"{name}-{h.hexdigest()[:10]}-{outtype}" / "target.gguf"
+    where = engine_draft_dir(folder, f"-{outtype}", "engine-targets", salt=target.identity)
+    out = where / "target.gguf"
     if not out.is_file():
         convert_hf(folder, out, outtype, log, tiny_tokenizer=tiny)
     return out
