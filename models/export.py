@@ -380,6 +380,43 @@ def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMe
     raise DraftError(f"{p}: no saved draft here (looked for final/, draft/ and config.json)")
 
 
+def cli_target_gguf(target: Target) -> Path | None:
+    """``--format gguf`` without ``--target-gguf``: the embedded target's packaged GGUF; for any
+    other target, where llama.cpp is installed, the target converted once by llama.cpp's own
+    converter in its dtype (cached; the file to serve as the target beside the draft, the same
+    one ``specdraft-eval engine=llama.cpp`` converts and serves); else None, and the export
+    says what to pass. The engine is imported here only, by the command, so that this module's
+    export pipeline never depends on an engine being present."""
+    from .target import target_gguf
+
+    known = target_gguf(target)
+    if known is not None:
+        return known
+    from decoding.engines.llama_cpp import EngineError, converted_target, engine_source
+
+    if engine_source() is None:
+        return None
+    try:
+        out = converted_target(target, log=print)
+    except EngineError as e:
+        raise ExportError(f"{e}; or pass --target-gguf <file>") from None
+    print(f"target GGUF (llama.cpp's conversion of {target.identity}): {out}")
+    return out
+
+
+def warn_if_unfed(target_gguf_path, method: str) -> None:
+    """Every GGUF draft (EAGLE-3, DFlash, DSpark) reads the target's layer inputs, which
+    llama.cpp records for some architectures only: say so where the target's is not one (the
+    file is right; the engine would abort at its first draft)."""
+    from decoding.engines.llama_cpp import EngineError, check_feature_target
+
+    try:
+        kind = method if method in ("dflash", "dspark") else "eagle3"  # HASS: EAGLE-3's graph
+        check_feature_target(target_gguf_path, f"draft-{kind}")
+    except EngineError as e:
+        print(f"warning: {e}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="specdraft-export",
@@ -397,7 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--target-gguf",
         help="gguf: the target's GGUF (llama.cpp serves it; the draft copies its tokenizer); "
-        "default for the embedded SmolLM2: the packaged file",
+        "default: the embedded SmolLM2's packaged file, or any other target converted once by "
+        "llama.cpp's converter where llama.cpp is installed (cached)",
     )
     ap.add_argument("--gamma", type=int, default=3, help="speculators: speculative_tokens")
     ap.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -412,10 +450,14 @@ def main(argv: list[str] | None = None) -> None:
         fmt = resolve_format(a.format, head.cfg.name)
         out = a.out or str(Path(a.draft) / f"export-{fmt}")
         is_gguf = "gguf" in (fmt, formats()[fmt].family)
-        opts = {"target_gguf_path": a.target_gguf} if is_gguf else {}
         if a.target_gguf and not is_gguf:
             raise ExportError("--target-gguf is for --format gguf")
+        opts = (
+            {"target_gguf_path": a.target_gguf or cli_target_gguf(head.target)} if is_gguf else {}
+        )
         export(head, fmt, out, dtype=a.dtype, force=a.force, gamma=a.gamma, merge=a.merge, **opts)
+        if is_gguf:
+            warn_if_unfed(opts["target_gguf_path"], head.cfg.name)
     except (ExportError, DraftError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

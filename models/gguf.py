@@ -112,8 +112,8 @@ def target_source(draft, given) -> Path:
         raise ExportError(
             f"--format gguf copies the tokenizer from the target's own GGUF (the file "
             f"llama.cpp serves as the target); pass --target-gguf <file> for "
-            f"{draft.target.identity} (an HF target converts with llama.cpp's "
-            "convert_hf_to_gguf.py)"
+            f"{draft.target.identity}, or install llama.cpp (bash scripts/install.sh engine) "
+            "and specdraft-export converts the target with its convert_hf_to_gguf.py"
         )
     return src
 

@@ -745,3 +745,41 @@ def test_the_spec_type_comes_from_the_gguf(target4, tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
     with pytest.raises(DraftError, match="not a readable GGUF"):
         gguf_kind(tmp_path / "junk.gguf")
+
+
+@needs_engine
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_export_gguf_converts_any_target_where_llama_cpp_is_installed(family, tmp_path):
+    """`specdraft-export --format gguf` with no --target-gguf, for a target other than the
+    embedded one: llama.cpp's converter makes the target's GGUF (the file printed, which the
+    draft's tokenizer is copied from and which is served beside it); a target whose
+    architecture llama.cpp feeds no layer inputs gets a one-line warning, the file is written."""
+    target = family_target(family)
+    run = tmp_path / "run"
+    head3(target).save_draft(run / "final")
+    r = run_module("models.export", [str(run), "--format", "gguf", "--dtype", "float32"], 600)
+    assert r.returncode == 0, r.stderr[-1500:]
+    line = next(s for s in r.stdout.splitlines() if s.startswith("target GGUF"))
+    tg = Path(line.rsplit(": ", 1)[1])
+    assert tg.is_file() and "engine-targets" in str(tg)
+    readme = (run / "export-gguf" / "README.md").read_text()
+    assert str(tg) in readme
+    warned = [s for s in r.stderr.splitlines() if s.startswith("warning:")]
+    if family == "qwen2":
+        assert len(warned) == 1 and "'qwen2' target" in warned[0] and "engine=vllm" in warned[0]
+    else:
+        assert not warned, warned
+
+
+def test_export_gguf_without_llama_cpp_says_what_to_pass(target4, tmp_path, monkeypatch, capsys):
+    import decoding.engines.llama_cpp as lc
+
+    monkeypatch.setattr(lc, "engine_source", lambda: None)
+    run = tmp_path / "run"
+    head3(family_target("qwen3")).save_draft(run / "final")
+    with pytest.raises(SystemExit) as e:
+        ex.main([str(run), "--format", "gguf"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--target-gguf" in err and "install.sh engine" in err
+    assert not (run / "export-gguf").exists()

@@ -181,6 +181,22 @@ def tiny_served():
     return t, target_folder(t)
 
 
+#: the prompts every served draft decodes (token ids of the tiny target)
+PROMPTS = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def plain_ref(tiny_served):
+    """vLLM's plain greedy outputs of ``PROMPTS`` (64 tokens each) on the tiny target: what
+    every speculative run below must reproduce (one server for them all: its start is most of
+    a test's time on a CPU)."""
+    from decoding.engines.vllm_eval import VLLMWorker
+
+    _, folder = tiny_served
+    with VLLMWorker(folder, dtype="float32", max_model_len=256) as plain:
+        return [plain.complete(p, 64).tokens for p in PROMPTS]
+
+
 def _head(target, method: str):
     """A head of ``method`` for ``target`` as its method builds it (random, seeded), with a
     chosen draft vocabulary where it has one (every even token id)."""
@@ -236,7 +252,9 @@ def test_every_format_said_to_be_served_is_checked_in_vllm():
 
 @needs_vllm
 @pytest.mark.parametrize("fmt,method", SERVED, ids=[f"{f}-{m}" for f, m in SERVED])
-def test_vllm_serves_the_export_and_accepts_what_we_do(tiny_served, tmp_path, fmt, method):
+def test_vllm_serves_the_export_and_accepts_what_we_do(
+    tiny_served, plain_ref, tmp_path, fmt, method
+):
     """Exported, loaded by vLLM, decoding: its speculative outputs are its plain greedy ones
     (fp32), and its acceptance per position is the built-in decoder's on the same prompts
     with the same export read back (within 0.1: a few dozen drafts; the first draft of a
@@ -251,9 +269,7 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(tiny_served, tmp_path, fm
     target, folder = tiny_served
     out = tmp_path / fmt
     export(_head(target, method), fmt, out, dtype="float32", log=lambda *_: None)
-    prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
-    with VLLMWorker(folder, dtype="float32", max_model_len=256) as plain:
-        ref = [plain.complete(p, 64).tokens for p in prompts]
+    prompts, ref = PROMPTS, plain_ref
     spec_cfg = speculative_config(out, fmt, 3)
     with VLLMWorker(folder, speculative=spec_cfg, dtype="float32", max_model_len=256) as eng:
         outs = [eng.complete(p, 64) for p in prompts]
@@ -274,7 +290,7 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(tiny_served, tmp_path, fm
 
 
 @needs_vllm
-def test_vllm_serves_a_distillspec_student_as_a_draft_model(tiny_served, tmp_path):
+def test_vllm_serves_a_distillspec_student_as_a_draft_model(tiny_served, plain_ref, tmp_path):
     """`draft=<a DistillSpec run>` for engine=vllm: its merged student, served with vLLM's
     ``draft_model`` method (no export: the student is an ordinary causal LM with the target's
     tokenizer). Its speculative outputs are its plain greedy ones, and its acceptance per
@@ -300,9 +316,7 @@ def test_vllm_serves_a_distillspec_student_as_a_draft_model(tiny_served, tmp_pat
     spec_cfg, desc, readback = vllm_draft(cfg, target, log=lambda *_: None)
     assert spec_cfg["method"] == "draft_model" and readback == str(run / "final" / "student")
     assert "distillspec student" in desc
-    prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
-    with VLLMWorker(folder, dtype="float32", max_model_len=256) as plain:
-        ref = [plain.complete(p, 64).tokens for p in prompts]
+    prompts, ref = PROMPTS, plain_ref
     with VLLMWorker(folder, speculative=spec_cfg, dtype="float32", max_model_len=256) as eng:
         outs = [eng.complete(p, 64) for p in prompts]
     assert [o.tokens for o in outs] == ref
@@ -332,8 +346,10 @@ def test_formats_vllm_refuses_are_pinned_to_its_reason(tiny_served, tmp_path):
     mlp = tmp_path / "mlp"
     export(_head(target, "mlp_speculator"), "mlp_speculator", mlp, log=lambda *_: None)
     spec = {"method": "mlp_speculator", "model": str(mlp), "num_speculative_tokens": 3}
+    w = VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256)
     with pytest.raises(EngineError, match="MLPSpeculatorPreTrainedModel'] are not supported"):
-        VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256).start()
+        w.start()
+    assert w.proc is None  # the refused engine's process ended, not left waiting for requests
     sp = tmp_path / "sp"
     export(_head(target, "eagle3"), "speculators", sp, log=lambda *_: None)
     bare = {"model": str(sp), "num_speculative_tokens": 3}

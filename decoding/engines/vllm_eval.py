@@ -196,7 +196,13 @@ class VLLMWorker:
         _RUNNING.add(self.proc)
         self._answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        out = self.ask({"cmd": "init", "llm": self.llm_args, "repair": self.repair}, timeout=900)
+        try:
+            out = self.ask({"cmd": "init", "llm": self.llm_args, "repair": self.repair}, 900)
+        except BaseException:
+            # vLLM refused the model or the draft: its process would wait on for commands (a
+            # `with` block never reaches __exit__ when __enter__ raises)
+            self.close()
+            raise
         self.version, self.load_seconds = out["vllm"], out["seconds"]
         self.repairs = list(out.get("repairs") or [])
         self.device = out.get("device", "?")  # where vLLM runs, by its own platform
