@@ -399,9 +399,11 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
     # a draft the engine cannot load: the server's own last words, in one error
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
+    srv = LlamaServer(smollm2_package_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", bad,
+                      spec_type="draft-eagle3")  # fmt: skip
     with pytest.raises(EngineError, match="exited"):
-        LlamaServer(smollm2_package_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", bad,
-                    spec_type="draft-eagle3").start()  # fmt: skip
+        srv.start()
+    assert srv.log_path.is_file()  # the error names the server's log: it is kept
     out = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a llama-server was left running"
 
@@ -673,6 +675,7 @@ def test_engine_serves_dflash_family_drafts_losslessly(smollm2, tmp_path, method
     ):
         a = plain.complete(ids, 32)
         b = spec.complete(ids, 32)
+    assert not plain.log_path.exists() and not spec.log_path.exists()  # clean runs: no logs left
     assert a.tokens == b.tokens and len(a.tokens) > 10
     assert b.drafted > 0, b.timings  # the draft ran
     assert sum(x for x, _ in b.steps) == b.accepted
@@ -719,6 +722,7 @@ def test_engine_serves_a_distillspec_student_as_a_draft_model(smollm2, tmp_path)
     ):
         a = plain.complete(ids, 32)
         b = spec.complete(ids, 32)
+    assert not plain.log_path.exists() and not spec.log_path.exists()  # clean runs: no logs left
     assert a.tokens == b.tokens and len(a.tokens) > 10
     assert b.drafted > 0 and b.accepted > 0, b.timings  # the target's own first layers agree
     assert sum(x for x, _ in b.steps) == b.accepted

@@ -273,6 +273,7 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
     spec_cfg = speculative_config(out, fmt, 3)
     with VLLMWorker(folder, speculative=spec_cfg, dtype="float32", max_model_len=256) as eng:
         outs = [eng.complete(p, 64) for p in prompts]
+    assert not eng.log_path.exists()  # a clean run leaves no log behind
     assert [o.tokens for o in outs] == ref
     drafts = sum(o.timings["drafts"] for o in outs)
     assert drafts > 0
@@ -350,6 +351,7 @@ def test_formats_vllm_refuses_are_pinned_to_its_reason(tiny_served, tmp_path):
     with pytest.raises(EngineError, match="MLPSpeculatorPreTrainedModel'] are not supported"):
         w.start()
     assert w.proc is None  # the refused engine's process ended, not left waiting for requests
+    assert w.log_path.is_file()  # and its log, which the error names, is kept
     sp = tmp_path / "sp"
     export(_head(target, "eagle3"), "speculators", sp, log=lambda *_: None)
     bare = {"model": str(sp), "num_speculative_tokens": 3}

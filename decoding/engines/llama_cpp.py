@@ -299,7 +299,11 @@ class LlamaServer:
         self.args = args + list(extra or [])
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        #: the log outlives the server only where an error named it (else it is removed)
+        self.keep_log = False
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -308,6 +312,7 @@ class LlamaServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.keep_log |= exc[0] is not None
         self.stop()
 
     def start(self) -> None:
@@ -347,12 +352,16 @@ class LlamaServer:
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self, n: int = 6) -> str:
+        """The log's last ``n`` lines and its path, for an error message (the log is kept)."""
+        self.keep_log = True
         try:
             lines = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:

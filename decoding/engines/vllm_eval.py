@@ -162,6 +162,8 @@ class VLLMWorker:
         fd, name = tempfile.mkstemp(prefix="specdraft-vllm-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
+        #: the log outlives the engine only where an error named it (else it is removed)
+        self.keep_log = False
 
     # -- the process ------------------------------------------------------------------------
     def __enter__(self) -> VLLMWorker:
@@ -169,6 +171,7 @@ class VLLMWorker:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.keep_log |= exc[0] is not None
         self.close()
 
     def start(self) -> None:
@@ -215,18 +218,19 @@ class VLLMWorker:
 
     def close(self) -> None:
         p = self.proc
-        if p is None:
-            return
-        if p.poll() is None:
-            try:
-                self.ask({"cmd": "exit"}, timeout=30)
-                p.wait(timeout=30)
-            except (EngineError, subprocess.TimeoutExpired):
-                p.kill()
-                p.wait()
-        _RUNNING.discard(p)
-        self._log.close()
-        self.proc = None
+        if p is not None:
+            if p.poll() is None:
+                try:
+                    self.ask({"cmd": "exit"}, timeout=30)
+                    p.wait(timeout=30)
+                except (EngineError, subprocess.TimeoutExpired):
+                    p.kill()
+                    p.wait()
+            _RUNNING.discard(p)
+            self._log.close()
+            self.proc = None
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def last_error(self) -> str:
         """The engine's last error line in its log (else its last line)."""
@@ -239,6 +243,13 @@ class VLLMWorker:
         return (errs or lines or ["(empty log)"])[-1][:400]
 
     def ask(self, msg: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
+        try:
+            return self._ask(msg, timeout)
+        except EngineError:
+            self.keep_log = True  # the error names it
+            raise
+
+    def _ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
         p = self.proc
         if p is None or p.poll() is not None:
             raise EngineError(f"vLLM is not running: {self.last_error()} (log: {self.log_path})")
