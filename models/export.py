@@ -404,15 +404,16 @@ def cli_target_gguf(target: Target) -> Path | None:
     return out
 
 
-def warn_if_unfed(target_gguf_path, method: str) -> None:
+def warn_if_unfed(target_gguf_path, draft_gguf: Path) -> None:
     """Every GGUF draft (EAGLE-3, DFlash, DSpark) reads the target's layer inputs, which
     llama.cpp records for some architectures only: say so where the target's is not one (the
-    file is right; the engine would abort at its first draft)."""
+    file is right; the engine would abort at its first draft). The draft's kind is read from
+    the written file, as the evaluator reads it."""
     from decoding.engines.llama_cpp import EngineError, check_feature_target
+    from decoding.engines.llama_cpp_drafts import gguf_kind
 
     try:
-        kind = method if method in ("dflash", "dspark") else "eagle3"  # HASS: EAGLE-3's graph
-        check_feature_target(target_gguf_path, f"draft-{kind}")
+        check_feature_target(target_gguf_path, gguf_kind(draft_gguf)[0])
     except EngineError as e:
         print(f"warning: {e}", file=sys.stderr)
 
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         export(head, fmt, out, dtype=a.dtype, force=a.force, gamma=a.gamma, merge=a.merge, **opts)
         if is_gguf:
-            warn_if_unfed(opts["target_gguf_path"], head.cfg.name)
+            warn_if_unfed(opts["target_gguf_path"], Path(out) / "draft.gguf")
     except (ExportError, DraftError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
