@@ -289,15 +289,16 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             vllm_python()
         except EngineError as e:
             raise PrepareError(f"engine=vllm: {e}") from None
-        tok, identity, folder, eos = describe_target(target_cfg)  # vLLM loads the weights
+    if cfg.engine == "torch" and target_cfg.path is None and target_cfg.name == "tiny_random":
+        target = load_target(target_cfg)  # built in memory in a moment
+        eos = _eos(target)
+    else:
+        # the tokenizer and identity only: the weights are loaded (or the engine started) once
+        # something is left to generate, so a finished run resumed loads nothing
+        tok, identity, folder, eos = describe_target(target_cfg)
         target = SimpleNamespace(
             tokenizer=tok, identity=identity, folder=folder, dtype=target_cfg.dtype
         )
-    else:
-        target = load_target(target_cfg)
-        eos = target.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        eos.add(target.tokenizer.eos_token_id)
     meta_file = out.parent / f"{out.name}.parts" / "settings.json"
     settings = _settings(cfg, target.identity, source)
     if rank == 0:
@@ -363,14 +364,18 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
                 finish(i)
             else:
                 first_requests.append(r)
-        _generate(
-            target,
-            cfg,
-            first_requests,
-            eos,
-            on_done,
-            None if cfg.max_minutes is None else lambda: time.time() > deadline,
-        )
+        if first_requests:
+            if cfg.engine == "torch" and not hasattr(target, "model"):
+                target = load_target(target_cfg)
+                eos = _eos(target)
+            _generate(
+                target,
+                cfg,
+                first_requests,
+                eos,
+                on_done,
+                None if cfg.max_minutes is None else lambda: time.time() > deadline,
+            )
     bar.close()
     counts_file.write_text(json.dumps(counts))
     state.wait_for_everyone()
@@ -391,6 +396,14 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             )
     state.wait_for_everyone()
     return summary
+
+
+def _eos(target) -> set[int]:
+    """The tokens that end a reply: the loaded target's generation config's and its
+    tokenizer's end of sequence."""
+    eos = target.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return eos | {target.tokenizer.eos_token_id}
 
 
 def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, should_stop):

@@ -42,7 +42,9 @@ class TargetConfig:
     dtype: str = "auto"  # auto (bf16 on GPU and on CPUs with native bf16, else fp32) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cache_dir: str = "~/.cache/specdraft"
-    attn_implementation: str = "sdpa"
+    # auto: transformers' choice for the architecture (SDPA where it has it, else eager:
+    # GPT-OSS's attention sinks, Gemma-2's logit soft-capping) | sdpa | eager | flash_attention_2 ...
+    attn_implementation: str = "auto"
     trust_remote_code: bool = False
     seed: int = 0  # tiny_random only: weights are a function of this seed
     tiny_layers: int = 2  # tiny_random only: decoder layers (EAGLE-3 exports need >= 4)
@@ -640,14 +642,20 @@ def load_target(cfg: TargetConfig) -> Target:
         check_target_config(
             AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code), where
         )  # before any weight is read
+        attn = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(
-            where,
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
+            where, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
         )
     except OSError as e:
         raise TargetError(f"target.path={where}: cannot load ({str(e).splitlines()[0]})") from None
+    except (ValueError, ImportError) as e:
+        if "attention" not in str(e).lower() and "attn" not in str(e).lower():
+            raise
+        raise TargetError(
+            f"target.attn_implementation={cfg.attn_implementation}: "
+            f"{str(e).splitlines()[0].split('. ')[0]} "
+            "(target.attn_implementation=auto lets transformers choose)"
+        ) from None
     if getattr(tok, "chat_template", None) is None:
         raise TargetError(f"{where}: the tokenizer has no chat template")
     model = model.to(device)

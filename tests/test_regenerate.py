@@ -288,3 +288,31 @@ def test_a_sliding_window_target_is_regenerated_with_its_greedy_answers(
         ].tolist()
         ref = ref[: ref.index(tok.eos_token_id)] if tok.eos_token_id in ref else ref
         assert g["conversations"][1]["value"] == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_a_finished_run_resumed_loads_no_weights(tmp_path, data_file, tiny_target, monkeypatch):
+    """A target from a folder is described (tokenizer, identity) before its weights load, and
+    they load only where something is left to write: resumed once finished, the command
+    answers with the same file without loading them; with a conversation left, it loads."""
+    import flow.regenerate as regen
+    from models.target import target_folder
+
+    extra = {"target": "hf", "target.path": str(target_folder(tiny_target))}
+    out = tmp_path / "regen.jsonl"
+    first = regen.regenerate(_cfg(data_file, out, max_turns=1, **extra))
+    written = out.read_text()
+    loads = []
+
+    def load(cfg):
+        loads.append(cfg.path)
+        raise RuntimeError("weights loaded")
+
+    monkeypatch.setattr(regen, "load_target", load)
+    again = regen.regenerate(_cfg(data_file, out, max_turns=1, **extra))
+    assert out.read_text() == written and again["records"] == first["records"] == 10
+    assert loads == []
+    part = tmp_path / "regen.jsonl.parts" / "rank0-of-1.jsonl"
+    part.write_text("".join(part.read_text().splitlines(keepends=True)[:9]))  # one left
+    with pytest.raises(RuntimeError, match="weights loaded"):
+        regen.regenerate(_cfg(data_file, out, max_turns=1, **extra))
+    assert len(loads) == 1

@@ -7,7 +7,16 @@ from __future__ import annotations
 import os
 import shutil
 
-from models.target import target_identity
+import pytest
+
+from models.target import (
+    TargetConfig,
+    TargetError,
+    describe_target,
+    load_target,
+    target_folder,
+    target_identity,
+)
 
 CONFIG = {
     "model_type": "llama",
@@ -42,3 +51,28 @@ def test_identity_changes_with_weights_or_architecture(tmp_path):
     b = _folder(tmp_path, "b", bytes(payload))
     assert target_identity(str(a), CONFIG) != target_identity(str(b), CONFIG)
     assert target_identity(str(a), CONFIG) != target_identity(str(a), {**CONFIG, "hidden_size": 16})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3"])
+def test_described_and_loaded_targets_have_one_identity(tmp_path, family):
+    """An engine's target is described without its weights (``describe_target``); a resumed
+    regeneration or evaluation checks its files by that identity, so it must be the one the
+    loaded target has, whatever the family's config looks like."""
+    tiny = load_target(TargetConfig(name="tiny_random", family=family, cache_dir=str(tmp_path)))
+    folder = target_folder(tiny)
+    cfg = TargetConfig(path=str(folder), dtype="float32")
+    tok, identity, described, eos = describe_target(cfg)
+    loaded = load_target(cfg)
+    assert identity == loaded.identity
+    assert described == folder and tok.get_vocab() == loaded.tokenizer.get_vocab()
+    assert loaded.tokenizer.eos_token_id in eos
+
+
+def test_an_attention_the_architecture_lacks_is_one_line(tmp_path):
+    tiny = load_target(TargetConfig(name="tiny_random", family="gpt_oss", cache_dir=str(tmp_path)))
+    cfg = TargetConfig(path=str(target_folder(tiny)), attn_implementation="sdpa")
+    with pytest.raises(TargetError) as e:
+        load_target(cfg)
+    msg = str(e.value)
+    assert msg.startswith("target.attn_implementation=sdpa: GptOssForCausalLM does not support")
+    assert "\n" not in msg and "attn_implementation=auto" in msg

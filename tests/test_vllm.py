@@ -483,11 +483,11 @@ def test_prepare_with_vllm_missing_says_how_to_install_it(tmp_path, data_file, m
 
 
 @needs_vllm
-def test_prepare_through_vllm_writes_the_targets_greedy_answers(tmp_path, data_file):
+def test_prepare_through_vllm_writes_the_targets_greedy_answers(tmp_path, data_file, monkeypatch):
     """`specdraft-prepare engine=vllm`: the same file as the built-in batched decoder's where
-    both are greedy in fp32 (multi-turn records turn by turn); resumed, it writes nothing new;
-    the engine is part of the settings a resumed run must keep; seeded T > 0 writes the same
-    file twice."""
+    both are greedy in fp32 (multi-turn records turn by turn); resumed once finished, it writes
+    nothing new and starts no engine; the engine is part of the settings a resumed run must
+    keep; seeded T > 0 writes the same file twice."""
     lines = data_file.read_text().splitlines()[:10]
     data = tmp_path / "in.jsonl"
     data.write_text("\n".join(lines) + "\n")
@@ -499,8 +499,15 @@ def test_prepare_through_vllm_writes_the_targets_greedy_answers(tmp_path, data_f
     meta = json.loads(theirs.with_name("vllm.jsonl.meta.json").read_text())
     assert meta["settings"]["engine"] == "vllm" and meta["records"] == 10
     assert meta["replies"] > 10  # later turns were regenerated too
+    # finished: resumed, nothing is left, so no engine starts (this one would fail at once)
+    dead = tmp_path / "dead-python"
+    dead.write_text("#!/bin/sh\nexit 1\n")
+    dead.chmod(0o755)
+    monkeypatch.setenv("SPECDRAFT_VLLM_PYTHON", str(dead))
     again = _prepare(data, theirs, "vllm")
-    assert again.returncode == 0 and theirs.read_text() == ours.read_text()
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert theirs.read_text() == ours.read_text()
+    monkeypatch.delenv("SPECDRAFT_VLLM_PYTHON")
     mixed = _prepare(data, theirs, "torch")
     assert mixed.returncode == 2 and "engine='vllm', now engine='torch'" in mixed.stderr
     s1, s2 = tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"
