@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from models.families import FAMILIES
 from models.target import (
     TargetConfig,
     TargetError,
@@ -53,7 +54,7 @@ def test_identity_changes_with_weights_or_architecture(tmp_path):
     assert target_identity(str(a), CONFIG) != target_identity(str(a), {**CONFIG, "hidden_size": 16})
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_described_and_loaded_targets_have_one_identity(tmp_path, family):
     """An engine's target is described without its weights (``describe_target``); a resumed
     regeneration or evaluation checks its files by that identity, so it must be the one the
