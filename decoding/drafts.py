@@ -28,6 +28,7 @@ from models.base import (
     ExportError,
     read_draft_config,
     resolve_draft_dir,
+    unfinished_run,
 )
 from models.draft_lm import load_same_vocabulary_lm
 from models.export import detect_format, import_draft
@@ -151,6 +152,12 @@ def load_proposer(
                 raise DraftError(str(e)) from None
             return _head_proposer(head, tree, f"{head.cfg.name} ({path}, {fmt} layout)")
         if not (path / "config.json").exists():
+            step = unfinished_run(path)
+            if step is not None:
+                raise DraftError(
+                    f"draft={spec}: no final/ draft yet (the run did not finish); its newest "
+                    f"checkpoint is {step}: pass draft=<that folder>"
+                )
             raise DraftError(
                 f"draft={spec}: a folder that is neither a run, a saved draft nor an "
                 "HF model (no config.json)"

@@ -182,6 +182,13 @@ def read_draft_config(path: str | Path) -> dict:
     return cfg
 
 
+def unfinished_run(path: Path) -> Path | None:
+    """The newest checkpoint of a run that stopped before writing ``final/`` (None where
+    ``path`` holds no checkpoints): what to pass instead of the run."""
+    steps = [c for c in (path / "checkpoints").glob("step_*") if c.name[5:].isdigit()]
+    return max(steps, key=lambda c: int(c.name[5:])) if steps else None
+
+
 def resolve_draft_dir(path: Path) -> Path | None:
     """The saved-draft folder behind a run dir, checkpoint dir or draft dir; None if ``path``
     is none of those."""

@@ -33,7 +33,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .base import DecodeState, DraftError, DraftMethod, ExportError, ExportFormat, read_draft_config
+from .base import (
+    DecodeState,
+    DraftError,
+    DraftMethod,
+    ExportError,
+    ExportFormat,
+    read_draft_config,
+    unfinished_run,
+)
 from .sampling import Sampling
 from .target import Target
 
@@ -278,6 +286,13 @@ def export(
     out = Path(out)
     if out.exists() and not force:
         raise ExportError(f"{out}: already exists (pass --force to replace it)")
+    if out.is_dir():
+        kept = _trained_files(out)
+        if kept:
+            raise ExportError(
+                f"{out}: holds {kept}, which --force would delete; --force replaces an "
+                "earlier export only: choose another --out"
+            )
     draft = draft.eval()
     target = draft.target
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -351,6 +366,21 @@ def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vll
 # CLI
 
 
+def _trained_files(folder: Path) -> str | None:
+    """What in ``folder`` is a training run's or a trained draft's (None: nothing): the files
+    an export must never replace."""
+    for name in ("metrics.jsonl", "checkpoints", "final"):
+        if (folder / name).exists():
+            return f"a training run ({name})"
+    if (folder / "config.json").exists():
+        try:
+            read_draft_config(folder)
+            return "a trained draft (config.json)"
+        except DraftError:
+            pass
+    return None
+
+
 def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMethod:
     """The saved draft behind a run dir, draft dir or checkpoint dir (its target loaded from
     the draft's config unless given)."""
@@ -377,6 +407,17 @@ def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMe
                         f"{tcfg.path or tcfg.name} gives {target.identity} (weights changed?)"
                     )
             return METHODS[method].load_draft(cand, target)
+    step = unfinished_run(p)
+    if step is not None:
+        raise DraftError(
+            f"{p}: no final/ draft yet (the run did not finish); its newest checkpoint is "
+            f"{step}: pass that folder"
+        )
+    if (p / "config.json").exists():
+        raise DraftError(
+            f"{p}/config.json is not a specdraft draft (an export or a model?): pass the "
+            "training run, its final/ folder or a checkpoint"
+        )
     raise DraftError(f"{p}: no saved draft here (looked for final/, draft/ and config.json)")
 
 
@@ -447,9 +488,14 @@ def main(argv: list[str] | None = None) -> None:
     from .target import TargetError
 
     try:
+        if a.gamma < 1:
+            raise ExportError(f"--gamma {a.gamma}: must be >= 1 (draft tokens a step)")
         head = load_trained_head(a.draft)
         fmt = resolve_format(a.format, head.cfg.name)
         out = a.out or str(Path(a.draft) / f"export-{fmt}")
+        src, dest = Path(a.draft).resolve(), Path(out).resolve()
+        if dest == src or dest in src.parents:
+            raise ExportError(f"--out {out}: holds the draft being exported ({a.draft})")
         is_gguf = "gguf" in (fmt, formats()[fmt].family)
         if a.target_gguf and not is_gguf:
             raise ExportError("--target-gguf is for --format gguf")

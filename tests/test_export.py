@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -358,6 +359,48 @@ def test_cli_export_then_evaluate_the_export(data_file, tmp_path):
     assert r.returncode == 2 and "already exists" in r.stderr
     r = run_module("models.export", [str(tmp_path), "--format", "vllm"])
     assert r.returncode == 2 and "no saved draft" in r.stderr
+
+
+def test_force_never_replaces_the_run_or_the_draft_it_exports(data_file, tmp_path, capsys):
+    """--force replaces an earlier export only: an --out that is the run, its draft or a
+    folder above them is refused in one line and nothing is deleted; so are a bad --gamma,
+    an export passed as the draft and a run that has not written final/ yet (which names
+    its newest checkpoint)."""
+    from conftest import compose, tiny_overrides
+
+    from models.export import main
+    from trainer.train import run
+
+    run_dir = tmp_path / "run"
+    run(
+        compose(tiny_overrides(data_file, run_dir, **{"train.max_steps": 2, "train.save_every": 1}))
+    )
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    capsys.readouterr()  # the training's own output
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            main([*map(str, argv), "--format", "eagle1"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, err
+        return err
+
+    assert "holds the draft being exported" in refused(
+        run_dir / "final", "--out", run_dir, "--force"
+    )
+    assert "holds the draft being exported" in refused(run_dir, "--out", tmp_path, "--force")
+    assert "holds a trained draft" in refused(run_dir, "--out", run_dir / "final", "--force")
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    assert "holds a training run (metrics.jsonl)" in refused(run_dir, "--out", other, "--force")
+    assert "--gamma 0: must be >= 1" in refused(run_dir, "--gamma", "0")
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+    main([str(run_dir), "--format", "eagle1"])
+    main([str(run_dir), "--format", "eagle1", "--force"])  # an earlier export is replaced
+    assert "is not a specdraft draft" in refused(run_dir / "export-eagle1")
+    shutil.rmtree(other / "final")
+    assert f"newest checkpoint is {other / 'checkpoints' / 'step_2'}" in refused(other)
 
 
 @pytest.mark.parametrize("fmt", ["medusa", "medusa-vllm"])
