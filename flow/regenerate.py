@@ -246,6 +246,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
 
     from trainer.train import data_path
 
+    if OmegaConf.is_missing(cfg, "out"):
+        raise PrepareError("out=<file.jsonl> is required: where the target's answers are written")
     for key, ok, why in [
         ("max_new_tokens", cfg.max_new_tokens >= 1, "must be >= 1"),
         ("batch_size", cfg.batch_size >= 1, "must be >= 1"),

@@ -316,3 +316,11 @@ def test_a_finished_run_resumed_loads_no_weights(tmp_path, data_file, tiny_targe
     with pytest.raises(RuntimeError, match="weights loaded"):
         regen.regenerate(_cfg(data_file, out, max_turns=1, **extra))
     assert len(loads) == 1
+
+
+def test_prepare_without_out_is_one_line(data_file):
+    r = run_module("flow.regenerate", ["target=tiny_random", f"data.path={data_file}"])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: out=<file.jsonl> is required: where the target's answers are written"
+    ]

@@ -488,3 +488,24 @@ def test_one_process_may_train_again_with_another_mixed_precision():
     assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
     _allow_new_precision("no")
     assert Accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
+
+
+def test_a_new_run_in_another_runs_folder_is_refused(data_file, tmp_path):
+    """Without resume, an output_dir holding a run is refused before anything is written
+    there (metrics would be appended and the draft replaced); resume=true continues it."""
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import ConfigError, run
+
+    run_dir = tmp_path / "run"
+    run(compose(tiny_overrides(data_file, run_dir, **{"train.max_steps": 2})))
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(
+        ConfigError, match=r"output_dir=.*holds a run already \(final, .*resume=true"
+    ):
+        run(compose(tiny_overrides(data_file, run_dir, **{"train.max_steps": 2})))
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == files
+    again = run(
+        compose(tiny_overrides(data_file, run_dir, **{"train.max_steps": 3, "resume": True}))
+    )
+    assert again["step"] == 3

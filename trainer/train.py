@@ -167,6 +167,24 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def check_fresh_run_dir(run_dir: Path) -> None:
+    """A new run (no ``resume``) in a folder that holds another run's draft, checkpoints or
+    metrics would mix the two (metrics appended, checkpoints of both kinds side by side, the
+    draft replaced): refused, naming what is there."""
+    held = [
+        name
+        for name in ("final", "checkpoints", "metrics.jsonl")
+        if (run_dir / name).exists()
+        and (not (run_dir / name).is_dir() or any((run_dir / name).iterdir()))
+        and (name != "metrics.jsonl" or (run_dir / name).stat().st_size > 0)
+    ]
+    if held:
+        raise ConfigError(
+            f"output_dir={run_dir}: holds a run already ({', '.join(held)}); resume=true "
+            "continues it, another output_dir starts a new one"
+        )
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train as configured; returns a summary (stop reason, steps, final validation)."""
     from accelerate.utils import set_seed
@@ -174,6 +192,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save/load chatter
     run_dir = Path(cfg.output_dir)
+    if cfg.resume in (False, None, "false", "False"):
+        check_fresh_run_dir(run_dir)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     accelerator = _accelerator(cfg)
