@@ -26,6 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from conf.cli import check_command_line
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError, ExportError
@@ -524,6 +525,10 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    msg = check_command_line("eval", sys.argv[1:])
+    if msg:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
     _main()
 
 

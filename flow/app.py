@@ -16,6 +16,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
+from conf.cli import check_command_line
 from trainer.sweep import SUMMARY
 from trainer.train import USER_ERRORS, ConfigError, run
 
@@ -74,7 +75,7 @@ def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> str | Non
 
 
 def main() -> None:
-    msg = check_group_choices(sys.argv[1:])
+    msg = check_group_choices(sys.argv[1:]) or check_command_line("train", sys.argv[1:])
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)

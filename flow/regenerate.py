@@ -36,6 +36,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from conf.cli import check_command_line
 from data.chat import prompt_ids
 from data.conversations import Conversation, DataError, load_conversations
 from decoding.batch import BatchDecoder
@@ -541,6 +542,10 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    msg = check_command_line("prepare", sys.argv[1:])
+    if msg:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
     _main()
 
 

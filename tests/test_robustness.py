@@ -409,3 +409,65 @@ def test_regeneration_shards_over_processes_and_merges_in_input_order(data_file,
     parts = sorted(p.name for p in (tmp_path / "two.jsonl.parts").glob("rank*.jsonl"))
     assert parts == ["rank0-of-2.jsonl", "rank1-of-2.jsonl"]
     assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
+
+
+@pytest.mark.parametrize(
+    "config,args,said",
+    [
+        (
+            "train",
+            ["train.max_stepz=1"],
+            "train.max_stepz=1: no such setting; did you mean train.max_steps?",
+        ),
+        (
+            "eval",
+            ["draft=none", "tempreature=1"],
+            "tempreature=1: no such setting; did you mean temperature?",
+        ),
+        (
+            "prepare",
+            ["out=x.jsonl", "max_new_token=3"],
+            "max_new_token=3: no such setting; did you mean max_new_tokens?",
+        ),
+        (
+            "eval",
+            ["gamma=abc"],
+            "gamma=abc: Value 'abc' of type 'str' could not be converted to Integer",
+        ),
+        ("eval", ["+nosuchkey=1"], "+nosuchkey: no such setting (the command would ignore it)"),
+        ("train", ["+train.foo=1"], "+train.foo: no such setting (the command would ignore it)"),
+    ],
+)
+def test_a_key_that_names_no_setting_is_one_line(config, args, said):
+    """Hydra answers a misspelled key with a screen (and exit 1), and takes +key=value for a
+    key the typed schema lacks, which the command then ignores: both are one line first."""
+    import decoding.eval  # noqa: F401  the schemas are registered on import
+    import flow.regenerate  # noqa: F401
+    from conf.cli import check_command_line
+
+    assert check_command_line(config, args) == said
+
+
+def test_the_command_line_check_leaves_good_lines_sweeps_and_free_mappings_alone():
+    import decoding.eval  # noqa: F401
+    import flow.regenerate  # noqa: F401
+    from conf.cli import check_command_line
+
+    assert (
+        check_command_line("train", ["method=eagle3", "train.max_steps=3", "optim.lr=1e-4"]) is None
+    )
+    assert check_command_line("train", ["-m", "method=eagle1,eagle3"]) is None
+    assert check_command_line("eval", ["engine=vllm", "draft=runs/x", "gamma=2"]) is None
+    assert check_command_line("prepare", ["out=x", "+engine_args.tensor_parallel_size=2"]) is None
+
+
+def test_a_misspelled_key_on_each_command_line_exits_2_in_one_line(tmp_path):
+    for module, args in [
+        ("decoding.eval", ["draft=none", "gama=3"]),
+        ("flow.regenerate", [f"out={tmp_path / 'o.jsonl'}", "max_new_token=3"]),
+        ("flow", [f"output_dir={tmp_path / 'run'}", "optim.lrr=1"]),
+    ]:
+        r = run_module(module, args)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "no such setting" in lines[0], r.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,104 @@
+"""The command line of a Hydra command, checked before Hydra runs it: a key that names no
+setting, or a value of the wrong type, is one line naming the key (Hydra's own message spans a
+screen and exits 1), and ``+key=value`` adding a key the typed schema lacks is refused (Hydra
+takes it and the command would silently ignore it).
+
+Each command calls ``check_command_line(<its config name>, sys.argv[1:])`` once its schema is
+registered; a sweep (``-m``) is left to Hydra, its values being lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parent
+
+
+def _overrides(argv: list[str]) -> list[str] | None:
+    """The key=value arguments Hydra would apply, or None where the line is not one plain
+    run's (a sweep, another config, a help or print flag)."""
+    if any(a.startswith("-") for a in argv):
+        return None  # -m, --cfg job, --config-name, --help, ...: Hydra's own
+    return [a for a in argv if "=" in a and not a.lstrip("+~").startswith("hydra.")]
+
+
+def _unknown_keys(node, prefix: str = "") -> list[str]:
+    """Keys of ``node`` (a composed config) that its typed schema does not declare."""
+    from omegaconf import DictConfig, OmegaConf
+
+    t = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(t):
+        return []  # a free-form mapping (engine_args, ...): any key is the user's
+    fields = {f.name for f in dataclasses.fields(t)}
+    out = []
+    for k in node.keys():
+        if k not in fields:
+            out.append(f"{prefix}{k}")
+            continue
+        child = node._get_node(k)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            out += _unknown_keys(child, f"{prefix}{k}.")
+    return out
+
+
+def _known(node, dotted: str) -> list[str]:
+    """The keys beside ``dotted`` in ``node``: what a misspelled key may have meant."""
+    from omegaconf import DictConfig
+
+    *parents, _ = dotted.split(".")
+    for p in parents:
+        child = node._get_node(p) if isinstance(node, DictConfig) and p in node else None
+        if not isinstance(child, DictConfig):
+            return []
+        node = child
+    if not isinstance(node, DictConfig):
+        return []
+    return [d for d in (".".join([*parents, k]) for k in node.keys()) if d != dotted]
+
+
+def _named(override: str, said: str) -> bool:
+    """Whether Hydra's message ``said`` is about ``override``."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return override in said or f"'{key}'" in said or f"'{key}/" in said
+
+
+def _did_you_mean(key: str, known: list[str]) -> str:
+    leaves = {k.rsplit(".", 1)[-1]: k for k in known}
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.7)
+    return f"; did you mean {leaves[near[0]]}?" if near else ""
+
+
+def check_command_line(config_name: str, argv: list[str]) -> str | None:
+    """A one-line message for the first key=value that does not compose, or None."""
+    overrides = _overrides(argv)
+    if not overrides:
+        return None
+    from hydra import compose, initialize_config_dir
+
+    def composed(ovs: list[str]):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name, overrides=ovs)
+
+    try:
+        cfg = composed(overrides)
+    except Exception as e:  # Hydra wraps OmegaConf's error; its cause names the key
+        cause = e.__cause__ or e
+        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        bad = next((o for o in overrides if _named(o, str(e))), None)
+        if bad is None:
+            return text
+        key = bad.split("=", 1)[0].lstrip("+~")
+        if "not in" in text:  # no such key
+            try:
+                known = _known(composed([o for o in overrides if o != bad]), key)
+            except Exception:
+                known = []
+            return f"{bad}: no such setting{_did_you_mean(key, known)}"
+        return f"{bad}: {text}"
+    extra = _unknown_keys(cfg)
+    if extra:
+        hint = _did_you_mean(extra[0], _known(cfg, extra[0]))
+        return f"+{extra[0]}: no such setting (the command would ignore it){hint}"
+    return None
