@@ -28,10 +28,12 @@ def serve_hint(method: str, run_dir: Path) -> str:
     from decoding.engines.vllm_eval import FORMAT_OF_METHOD as fmt
 
     if method in fmt:
+        # Medusa-2's heads read the adapted backbone: the export writes it merged, as their base
+        merge = " --merge" if method == "medusa2" else ""
         return "\n".join(
             [
                 "",
-                f"serve it in vLLM: specdraft-export {run_dir} --format {fmt[method]}      "
+                f"serve it in vLLM: specdraft-export {run_dir} --format {fmt[method]}{merge}      "
                 "(prints the `vllm serve` line)",
                 f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
             ]

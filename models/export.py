@@ -75,7 +75,9 @@ def verifier_name(target: Target) -> str:
         return target.cfg.path
     if target.cfg.name == "smollm2_135m":
         return SMOLLM2_HUB_ID
-    return target.identity
+    from .target import target_folder
+
+    return str(target_folder(target))  # a tiny random target, written once under the cache
 
 
 def vllm_serve_line(fmt: ExportFormat, target: Target, folder: Path, config: dict, gamma: int = 3):
@@ -88,7 +90,9 @@ def vllm_serve_line(fmt: ExportFormat, target: Target, folder: Path, config: dic
         "model": str(folder),
         "num_speculative_tokens": fmt.vllm_tokens(config, gamma),
     }
-    return f"vllm serve {verifier_name(target)} --speculative-config '{json.dumps(spec)}'"
+    # the heads' own base where the layout names one (Medusa-2's merged backbone)
+    base = config.get("base_model_name_or_path") or verifier_name(target)
+    return f"vllm serve {base} --speculative-config '{json.dumps(spec)}'"
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -348,7 +352,8 @@ def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vll
     lines = [
         f"# {fmt.description} exported by specdraft",
         "",
-        f"- draft method: {draft.cfg.name}; target: {t.identity} (serve with `{verifier_name(t)}`)",
+        f"- draft method: {draft.cfg.name}; target: {t.identity} (serve with "
+        f"`{config.get('base_model_name_or_path') or verifier_name(t)}`)",
         f"- weights: `{fmt.weights_file}`; config: `config.json`",
         *fmt.readme_lines(draft, config),
         f"- re-imported and checked: {same['checked']}; greedy proposal {same['chain']} on a "

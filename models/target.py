@@ -168,7 +168,12 @@ def target_folder(target: Target) -> Path:
     import hashlib
 
     # keyed by what it computes too: a family's tiny config may change between versions
-    spec = json.dumps(_stable_config(target.config.to_dict()), sort_keys=True, default=str)
+    # (``architectures`` left out: saving the model fills it in, so a second call would key
+    # another folder)
+    config = {
+        k: v for k, v in _stable_config(target.config.to_dict()).items() if k != "architectures"
+    }
+    spec = json.dumps(config, sort_keys=True, default=str)
     key = hashlib.sha256((target.identity + spec).encode()).hexdigest()[:12]
     dest = Path(cfg.cache_dir).expanduser() / "targets" / f"tiny-random-{key}"
     if not (dest / "config.json").exists():

@@ -299,6 +299,20 @@ def test_wrong_layer_ids_are_caught_by_the_re_import(target4, tmp_path, monkeypa
         export(eagle3(target4), "sglang", tmp_path / "s", log=lambda *_: None)
 
 
+def test_the_serve_line_names_a_target_vllm_can_load(tmp_path):
+    """A tiny random target exists only in memory: the serve line names its folder under the
+    cache (the one engine=vllm serves), not its identity."""
+    from models.export import verifier_name
+    from models.target import load_target, target_folder
+
+    t = load_target(TargetConfig(name="tiny_random", tiny_layers=4, cache_dir=str(tmp_path)))
+    said = []
+    export(eagle3(t), "vllm", tmp_path / "v", log=said.append)
+    folder = target_folder(t)
+    assert verifier_name(t) == str(folder) and (folder / "config.json").exists()
+    assert said[-1].startswith(f"serve it in vLLM: vllm serve {folder} ")
+
+
 def test_existing_output_is_kept_without_force(target4, tmp_path):
     out = tmp_path / "o"
     out.mkdir()

@@ -248,9 +248,17 @@ def test_medusa2_trains_adapter_and_heads_and_keeps_the_original(fresh_tiny, tmp
 
     with pytest.raises(ExportError, match="--merge"):
         export(m2, "medusa", tmp_path / "x", log=lambda *_: None)
-    export(m2, "medusa", tmp_path / "m", dtype="float32", merge=True, log=lambda *_: None)
+    said = []
+    export(m2, "medusa", tmp_path / "m", dtype="float32", merge=True, log=said.append)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert cfg["base_model_name_or_path"] == str((tmp_path / "m" / "base").resolve())
+    base = str((tmp_path / "m" / "base").resolve())
+    assert cfg["base_model_name_or_path"] == base
+    # served on the merged base, not on the target the adapter changed
+    assert f"vllm serve {base} " in said[-1]
+    assert f"(serve with `{base}`)" in (tmp_path / "m" / "README.md").read_text()
+    from flow.serve import serve_hint
+
+    assert "--format medusa-vllm --merge" in serve_hint("medusa2", tmp_path / "run")
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m" / "base")).eval()
