@@ -4,38 +4,57 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# llama.cpp's speculative type for each method whose draft it serves from `--format gguf`
+LLAMA_CPP_SPEC_TYPE = {
+    "eagle3": "draft-eagle3",
+    "hass": "draft-eagle3",
+    "dflash": "draft-dflash",
+    "dspark": "draft-dspark",
+}
+
 
 def serve_hint(method: str, run_dir: Path) -> str:
-    """Lines telling how to export the draft of ``run_dir`` and serve it (llama.cpp for the
-    EAGLE-3 family, which it runs on CPU; the export formats otherwise)."""
-    if method in ("eagle3", "hass"):
-        return "\n".join(
-            [
-                "",
-                "serve it in llama.cpp (CPU; `bash scripts/install.sh engine` installs it once):",
-                f"  specdraft-export {run_dir} --format gguf",
-                f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
-                "--spec-type draft-eagle3 --spec-draft-n-max 3",
-                "  (add --no-repack where llama.cpp crashes with its repacked weights, as b11434 did "
-                "on an AMX Xeon; specdraft-eval finds that by itself)",
-                f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",
-                "serve it in vLLM (`bash scripts/install.sh vllm` installs it once):",
-                f"  specdraft-export {run_dir} --format vllm      (prints the `vllm serve` line)",
-                f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
-                f"SGLang: specdraft-export {run_dir} --format sglang",
-            ]
-        )
+    """Lines telling how to export the draft of ``run_dir`` and serve it: in llama.cpp (CPU)
+    where it serves the method, in vLLM where it does, else the export formats."""
     from decoding.engines.vllm_eval import FORMAT_OF_METHOD as fmt
 
-    if method in fmt:
+    lines = [""]
+    if method in LLAMA_CPP_SPEC_TYPE:
+        lines += [
+            "serve it in llama.cpp (CPU; `bash scripts/install.sh engine` installs it once):",
+            f"  specdraft-export {run_dir} --format gguf",
+            f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
+            f"--spec-type {LLAMA_CPP_SPEC_TYPE[method]} --spec-draft-n-max 3",
+            "  (add --no-repack where llama.cpp crashes with its repacked weights, as b11434 did "
+            "on an AMX Xeon; specdraft-eval finds that by itself)",
+            f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",
+        ]
+    if method in ("eagle3", "hass"):
+        lines += [
+            "serve it in vLLM (`bash scripts/install.sh vllm` installs it once):",
+            f"  specdraft-export {run_dir} --format vllm      (prints the `vllm serve` line)",
+            f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
+            f"SGLang: specdraft-export {run_dir} --format sglang",
+        ]
+    elif method in fmt:
         # Medusa-2's heads read the adapted backbone: the export writes it merged, as their base
         merge = " --merge" if method == "medusa2" else ""
-        return "\n".join(
-            [
-                "",
-                f"serve it in vLLM: specdraft-export {run_dir} --format {fmt[method]}{merge}      "
-                "(prints the `vllm serve` line)",
-                f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
-            ]
+        lines += [
+            f"serve it in vLLM: specdraft-export {run_dir} --format {fmt[method]}{merge}      "
+            "(prints the `vllm serve` line)",
+            f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
+        ]
+    elif method == "distillspec":  # a plain causal LM: engines serve it as a draft model
+        lines += [
+            f"serve it as a draft model: its HF folder is {run_dir}/final/student",
+            f"measure it in vLLM or llama.cpp: specdraft-eval engine=vllm draft={run_dir} "
+            "(or engine=llama.cpp, which converts it)",
+        ]
+    elif method == "mlp_speculator":
+        lines.append(f"serve it in TGI: specdraft-export {run_dir} --format mlp_speculator")
+    if len(lines) == 1:  # Falcon, Domino: no engine here loads them
+        lines.append(
+            f"no serving engine loads {method} drafts; measure it in the built-in decoder: "
+            f"specdraft-eval draft={run_dir}"
         )
-    return f"\nexport it for an engine: specdraft-export {run_dir} --format <see README, Exports>"
+    return "\n".join(lines)

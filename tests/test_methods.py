@@ -187,3 +187,21 @@ def test_mlp_speculator_alpha_is_conditional_on_the_earlier_stages(tiny_target):
     assert out["alpha_pos1"][0] > 0  # the target's own head: stage 1 agrees at times
     for i in range(2, cfg.n_predict + 1):
         assert out[f"alpha_pos{i}"][1] == out[f"alpha_pos{i - 1}"][0]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_the_hint_after_training_names_formats_the_method_exports(method, tmp_path):
+    """Every `--format X` the end of training suggests exports this method's drafts (Medusa-2
+    with --merge), and llama.cpp's spec type is named wherever a GGUF is suggested."""
+    import re
+
+    from flow.serve import LLAMA_CPP_SPEC_TYPE, serve_hint
+    from models.export import formats, resolve_format
+
+    hint = serve_hint(method, tmp_path / "run")
+    for fmt in re.findall(r"--format (\S+)", hint):
+        assert method in formats()[resolve_format(fmt, method)].methods, (method, fmt)
+    assert ("--format gguf" in hint) == (method in LLAMA_CPP_SPEC_TYPE)
+    if method in LLAMA_CPP_SPEC_TYPE:
+        assert f"--spec-type {LLAMA_CPP_SPEC_TYPE[method]}" in hint
+    assert ("--merge" in hint) == (method == "medusa2")
