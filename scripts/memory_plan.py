@@ -319,11 +319,12 @@ def report(p: Plan) -> str:
     else:
         rows.append("  verdict: DOES NOT FIT (total > 90% of the device)")
         n = min_world_size(p)
-        if n is not None and (not sharded or n > p.world_size):
+        shard = n is not None and (not sharded or n > p.world_size)
+        if shard:
             rows.append(f"  advice: target.shard=fsdp with >= {n} processes")
         rows.append(
-            "  advice: or lower data.batch_size / data.max_length (activations), or "
-            "data.cache_features=true (no target forward while training)"
+            f"  advice: {'or ' if shard else ''}lower data.batch_size / data.max_length "
+            "(activations), or data.cache_features=true (no target forward while training)"
         )
     return "\n".join(rows)
 

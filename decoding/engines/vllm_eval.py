@@ -245,8 +245,14 @@ class VLLMWorker:
     def ask(self, msg: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
         try:
             return self._ask(msg, timeout)
-        except EngineError:
+        except EngineError as e:
             self.keep_log = True  # the error names it
+            m = re.search(r"Unsupported CPU attention configuration: head_dim=(\d+)", str(e))
+            if m:  # say what it means, and the fix for the tiny targets people try things on
+                raise EngineError(
+                    f"{e}: vLLM's CPU build has no attention kernel for heads {m.group(1)} wide "
+                    "(a tiny random target: target.tiny_head_dim=64)"
+                ) from None
             raise
 
     def _ask(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
