@@ -164,7 +164,9 @@ def print_report(r: dict[str, Any], out=print) -> None:
             "trees verified whole"
             + (" (drafted while they pay: adaptive)" if r["settings"]["adaptive"] else "")
             if r.get("tree_iterations")
-            else f"gamma<={r['settings']['gamma']}{' (adaptive)' if adaptive_chain(r) else ''}"
+            # an engine's n_max where it ran another length than asked (a DFlash block's)
+            else f"gamma<={r['settings'].get('n_max', r['settings']['gamma'])}"
+            f"{' (adaptive)' if adaptive_chain(r) else ''}"
         )
     )
     head = f"{'category':<16}{'tau':>6}{'alpha':>7}  {'alpha by position':<28}{'tok/s':>7}{'AR tok/s':>9}{'speedup':>8}"

@@ -168,7 +168,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
         costs = plan = None
         if cfg.predict or cfg.plan:
             costs, plan = _calibrate(
-                cfg, plain, spec_server, tgt_gguf, warm, plain.threads, log, repack
+                cfg, plain, spec_server, tgt_gguf, warm, plain.threads, log, repack, n_max, block
             )
             if cfg.plan:
                 n_max = plan["n_max"] if block is None else min(plan["n_max"], block - 1)
@@ -253,27 +253,30 @@ def nonnegative_fit(A, y) -> tuple[float, float]:
     return (v, 0.0) if j == 0 else (0.0, v)
 
 
-def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log, repack=True):
+def _calibrate(
+    cfg, plain, spec_server, tgt_gguf, prompt, threads, log, repack=True, n_max=None, block=None
+):
     """The engine's costs, measured on a calibration prompt apart from the evaluation's runs:
     the plain server's ms per token; the target's forward over k tokens (llama-bench); the
     draft's cost per iteration and per draft forward, fitted (least squares) to speculative
     runs at p_min 0 and every n_max from 1 to ``plan_max`` (and ``gamma``; a server each: the
     drafter reads its length at start); and the acceptance per position at ``plan_max`` (for
-    the plan)."""
+    the plan). ``n_max``: the chain length the evaluation runs (``gamma``, held to a DFlash
+    block's ``block - 1``, which also bounds ``plan_max``)."""
     n = cfg.calibration_tokens
+    n_max = int(cfg.gamma) if n_max is None else n_max
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     ar = plain.complete(prompt, n, **sampling, seed=cfg.seed)
     plain_ms = ar.predicted_ms / max(1, int(ar.timings.get("predicted_n") or 1))
-    top = int(cfg.plan_max)
-    log(f"calibrating: the target's forward over 1..{top + 1} tokens (llama-bench)")
-    fwd = bench_forward_ms(
-        tgt_gguf, list(range(1, max(top, int(cfg.gamma)) + 2)), threads, repack=repack
-    )
+    top = int(cfg.plan_max) if block is None else min(int(cfg.plan_max), block - 1)
+    longest = max(top, n_max)
+    log(f"calibrating: the target's forward over 1..{longest + 1} tokens (llama-bench)")
+    fwd = bench_forward_ms(tgt_gguf, list(range(1, longest + 2)), threads, repack=repack)
     rows = []
     alphas = None
     # at p_min 0: every iteration drafts the whole chain, so the draft's forwards are known
     # and the two costs separate across chain lengths (a confidence stop would blur them)
-    for nm in range(1, max(top, int(cfg.gamma)) + 1):
+    for nm in range(1, longest + 1):
         with spec_server(nm, 0.0) as srv:
             srv.complete(prompt, cfg.warmup_tokens, **sampling, seed=cfg.seed)
             c = srv.complete(prompt, n, **sampling, seed=cfg.seed)
@@ -306,5 +309,5 @@ def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log, repack=T
         f"n_max {top}; costs measured in the engine",
     }
     if math.isnan(options[best]):
-        plan["n_max"] = int(cfg.gamma)
+        plan["n_max"] = n_max
     return costs, plan
