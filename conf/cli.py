@@ -21,7 +21,7 @@ def _overrides(argv: list[str]) -> list[str] | None:
     run's (a sweep, another config, a help or print flag)."""
     if any(a.startswith("-") for a in argv):
         return None  # -m, --cfg job, --config-name, --help, ...: Hydra's own
-    return [a for a in argv if "=" in a and not a.lstrip("+~").startswith("hydra.")]
+    return [a for a in argv if "=" in a and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
 
 
 def _unknown_keys(node, prefix: str = "") -> list[str]:
