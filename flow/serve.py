@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# llama.cpp's speculative type for each method whose draft it serves from `--format gguf`
-LLAMA_CPP_SPEC_TYPE = {
-    "eagle3": "draft-eagle3",
-    "hass": "draft-eagle3",
-    "dflash": "draft-dflash",
-    "dspark": "draft-dspark",
-}
+
+def llama_cpp_spec_type(method: str) -> str | None:
+    """llama-server's ``--spec-type`` for the method's GGUF export (None: no GGUF layout)."""
+    from models.export import formats
+    from models.gguf import GGUFDraftFormat
+
+    return next(
+        (
+            f.spec_type
+            for f in formats().values()
+            if isinstance(f, GGUFDraftFormat) and method in f.methods
+        ),
+        None,
+    )
 
 
 def serve_hint(method: str, run_dir: Path) -> str:
@@ -19,12 +26,13 @@ def serve_hint(method: str, run_dir: Path) -> str:
     from decoding.engines.vllm_eval import FORMAT_OF_METHOD as fmt
 
     lines = [""]
-    if method in LLAMA_CPP_SPEC_TYPE:
+    spec_type = llama_cpp_spec_type(method)
+    if spec_type:
         lines += [
             "serve it in llama.cpp (CPU; `bash scripts/install.sh engine` installs it once):",
             f"  specdraft-export {run_dir} --format gguf",
             f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
-            f"--spec-type {LLAMA_CPP_SPEC_TYPE[method]} --spec-draft-n-max 3",
+            f"--spec-type {spec_type} --spec-draft-n-max 3",
             "  (add --no-repack where llama.cpp crashes with its repacked weights, as b11434 did "
             "on an AMX Xeon; specdraft-eval finds that by itself)",
             f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",

@@ -182,10 +182,23 @@ def read_draft_config(path: str | Path) -> dict:
     return cfg
 
 
+# What a training run writes in its folder: the draft, its checkpoints, its metrics
+RUN_FILES = ("final", "checkpoints", "metrics.jsonl")
+
+
+def run_files(folder: Path) -> list[str]:
+    """Which of a training run's files ``folder`` holds."""
+    return [name for name in RUN_FILES if (folder / name).exists()]
+
+
 def unfinished_run(path: Path) -> Path | None:
-    """The newest checkpoint of a run that stopped before writing ``final/`` (None where
-    ``path`` holds no checkpoints): what to pass instead of the run."""
-    steps = [c for c in (path / "checkpoints").glob("step_*") if c.name[5:].isdigit()]
+    """The newest checkpoint holding a saved draft, of a run that stopped before writing
+    ``final/`` (None where there is none): what to pass instead of the run."""
+    steps = [
+        c
+        for c in (path / "checkpoints").glob("step_*")
+        if c.name[5:].isdigit() and resolve_draft_dir(c) is not None
+    ]
     return max(steps, key=lambda c: int(c.name[5:])) if steps else None
 
 

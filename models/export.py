@@ -40,6 +40,7 @@ from .base import (
     ExportError,
     ExportFormat,
     read_draft_config,
+    run_files,
     unfinished_run,
 )
 from .sampling import Sampling
@@ -374,9 +375,9 @@ def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vll
 def _trained_files(folder: Path) -> str | None:
     """What in ``folder`` is a training run's or a trained draft's (None: nothing): the files
     an export must never replace."""
-    for name in ("metrics.jsonl", "checkpoints", "final"):
-        if (folder / name).exists():
-            return f"a training run ({name})"
+    held = run_files(folder)
+    if held:
+        return f"a training run ({', '.join(held)})"
     if (folder / "config.json").exists():
         try:
             read_draft_config(folder)

@@ -350,6 +350,7 @@ class GGUFDraftFormat:
     default_dtype = "q8_0"
     dtypes = QUANTS
     vllm_method = None  # llama.cpp's; vLLM does not read GGUF drafts
+    spec_type = ""  # llama-server's --spec-type for the layout
 
     def torch_dtype(self, dtype: str) -> torch.dtype:
         # ``save`` stores the types itself, from float32; llama.cpp computes in float32

@@ -407,7 +407,9 @@ def test_force_never_replaces_the_run_or_the_draft_it_exports(data_file, tmp_pat
     assert "holds a trained draft" in refused(run_dir, "--out", run_dir / "final", "--force")
     other = tmp_path / "other"
     shutil.copytree(run_dir, other)
-    assert "holds a training run (metrics.jsonl)" in refused(run_dir, "--out", other, "--force")
+    assert "holds a training run (final, checkpoints, metrics.jsonl)" in refused(
+        run_dir, "--out", other, "--force"
+    )
     assert "--gamma 0: must be >= 1" in refused(run_dir, "--gamma", "0")
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
     main([str(run_dir), "--format", "eagle1"])

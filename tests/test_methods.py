@@ -195,13 +195,17 @@ def test_the_hint_after_training_names_formats_the_method_exports(method, tmp_pa
     with --merge), and llama.cpp's spec type is named wherever a GGUF is suggested."""
     import re
 
-    from flow.serve import LLAMA_CPP_SPEC_TYPE, serve_hint
+    from flow.serve import serve_hint
     from models.export import formats, resolve_format
+    from models.gguf import GGUFDraftFormat
+
+    ggufs = [f for f in formats().values() if isinstance(f, GGUFDraftFormat)]
+    spec_type = next((f.spec_type for f in ggufs if method in f.methods), None)
 
     hint = serve_hint(method, tmp_path / "run")
     for fmt in re.findall(r"--format (\S+)", hint):
         assert method in formats()[resolve_format(fmt, method)].methods, (method, fmt)
-    assert ("--format gguf" in hint) == (method in LLAMA_CPP_SPEC_TYPE)
-    if method in LLAMA_CPP_SPEC_TYPE:
-        assert f"--spec-type {LLAMA_CPP_SPEC_TYPE[method]}" in hint
+    assert ("--format gguf" in hint) == (spec_type is not None)
+    if spec_type is not None:
+        assert spec_type.startswith("draft-") and f"--spec-type {spec_type}" in hint
     assert ("--merge" in hint) == (method == "medusa2")

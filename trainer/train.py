@@ -28,7 +28,7 @@ from data.dataset import (
     validation_batches,
 )
 from models import METHODS
-from models.base import DraftError
+from models.base import DraftError, run_files
 from models.target import TargetError, default_dtype, load_target
 
 from .checkpoint import (
@@ -171,13 +171,7 @@ def check_fresh_run_dir(run_dir: Path) -> None:
     """A new run (no ``resume``) in a folder that holds another run's draft, checkpoints or
     metrics would mix the two (metrics appended, checkpoints of both kinds side by side, the
     draft replaced): refused, naming what is there."""
-    held = [
-        name
-        for name in ("final", "checkpoints", "metrics.jsonl")
-        if (run_dir / name).exists()
-        and (not (run_dir / name).is_dir() or any((run_dir / name).iterdir()))
-        and (name != "metrics.jsonl" or (run_dir / name).stat().st_size > 0)
-    ]
+    held = run_files(run_dir)
     if held:
         raise ConfigError(
             f"output_dir={run_dir}: holds a run already ({', '.join(held)}); resume=true "

@@ -253,9 +253,7 @@ def nonnegative_fit(A, y) -> tuple[float, float]:
     return (v, 0.0) if j == 0 else (0.0, v)
 
 
-def _calibrate(
-    cfg, plain, spec_server, tgt_gguf, prompt, threads, log, repack=True, n_max=None, block=None
-):
+def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log, repack, n_max, block):
     """The engine's costs, measured on a calibration prompt apart from the evaluation's runs:
     the plain server's ms per token; the target's forward over k tokens (llama-bench); the
     draft's cost per iteration and per draft forward, fitted (least squares) to speculative
@@ -264,7 +262,6 @@ def _calibrate(
     the plan). ``n_max``: the chain length the evaluation runs (``gamma``, held to a DFlash
     block's ``block - 1``, which also bounds ``plan_max``)."""
     n = cfg.calibration_tokens
-    n_max = int(cfg.gamma) if n_max is None else n_max
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     ar = plain.complete(prompt, n, **sampling, seed=cfg.seed)
     plain_ms = ar.predicted_ms / max(1, int(ar.timings.get("predicted_n") or 1))

@@ -83,6 +83,7 @@ class GGUFEagle3(GGUFDraftFormat, VLLMEagle3):
 
     name, methods, description = "gguf", EAGLE3_LIKE, "EAGLE-3 GGUF for llama.cpp"
     omits_identity = False  # llama.cpp's converter writes d2t for every EAGLE-3 head
+    spec_type = "draft-eagle3"
     serve_hint = (
         "llama.cpp: `llama-server -m <target.gguf> -md <this dir>/draft.gguf --spec-type "
         "draft-eagle3 --spec-draft-n-max 3 --spec-draft-p-min 0` (or `specdraft-eval "
