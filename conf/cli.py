@@ -70,8 +70,37 @@ def _did_you_mean(key: str, known: list[str]) -> str:
     return f"; did you mean {leaves[near[0]]}?" if near else ""
 
 
+#: Hydra's mode flags, of which a command line may hold one (Hydra's own refusal is a traceback)
+_MODES = {
+    "-m": "--multirun",
+    "--multirun": "--multirun",
+    "-c": "--cfg",
+    "--cfg": "--cfg",
+    "-i": "--info",
+    "--info": "--info",
+    "-sc": "--shell-completion",
+    "--shell-completion": "--shell-completion",
+}
+
+
+def _modes(argv: list[str]) -> str | None:
+    """A one-line refusal where ``argv`` asks Hydra for two modes at once, or None."""
+    modes = sorted({_MODES[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in _MODES})
+    if len(modes) < 2:
+        return None
+    if modes == ["--cfg", "--multirun"]:
+        return (
+            "-m with --cfg: Hydra prints one job's config, not a sweep's; drop -m and give one "
+            "value per key (e.g. method=eagle3 --cfg job)"
+        )
+    return f"{' and '.join(modes)}: Hydra takes one of them at a time"
+
+
 def check_command_line(config_name: str, argv: list[str]) -> str | None:
     """A one-line message for the first key=value that does not compose, or None."""
+    two = _modes(argv)
+    if two is not None:
+        return two
     overrides = _overrides(argv)
     if not overrides:
         return None

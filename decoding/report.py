@@ -255,8 +255,13 @@ def print_report(r: dict[str, Any], out=print) -> None:
                 + f"); speedup {f(r['speedup'])} against a bound of {f(r.get('speedup_bound'))} "
                 "(tau over 1 + drafting's share of a plain step)"
             )
+        predicted = (
+            "- (the formula is for chains; a tree's expected length depends on its shape)"
+            if r.get("tree_iterations")
+            else f"{f(r['predicted_speedup'])}"
+        )
         out(
-            f"predicted speedup {f(r['predicted_speedup'])} (alpha {f(r['alpha'], 3)}, c "
+            f"predicted speedup {predicted} (alpha {f(r['alpha'], 3)}, c "
             f"{f(r['draft_cost_ratio'], 3)}); gamma used {r['gamma_used']}; time outside model "
             f"forwards {f(100 * (t['other_fraction'] or 0), 1)}%; lossless: {r['lossless']} "
             f"({r['lossless_note']})"

@@ -360,3 +360,22 @@ def test_a_drafts_saved_decode_settings_apply_when_none_is_given(tmp_path):
     # drafts without a saved section (n-gram, a run dir) keep the defaults
     cfg = OmegaConf.structured(EvalConfig(draft="ngram"))
     assert apply_saved_decode(cfg, set()) is None
+
+
+def test_a_tree_report_says_why_it_predicts_no_speedup():
+    """The paper's predicted speedup is a chain's formula: where trees were verified the report
+    says so instead of printing a bare "-"; a chain's line prints the figure."""
+    from decoding.eval import evaluate, print_report
+
+    tree = evaluate(_eval_cfg(draft="lookahead", adaptive="false"))
+    assert tree["tree_iterations"] > 0
+    lines: list[str] = []
+    print_report(tree, out=lines.append)
+    (line,) = [x for x in lines if x.startswith("predicted speedup")]
+    assert "the formula is for chains" in line
+    chain = evaluate(_eval_cfg(draft="ngram", adaptive="false"))
+    assert chain["tree_iterations"] == 0
+    lines = []
+    print_report(chain, out=lines.append)
+    (line,) = [x for x in lines if x.startswith("predicted speedup")]
+    assert "for chains" not in line and line.split()[2] != "-"

@@ -80,3 +80,26 @@ def test_shell_scripts_print_their_header_and_run_nothing(script, tmp_path):
     lines = r.stdout.splitlines()
     assert len(lines) >= 2 and not lines[0].startswith(("#", "case", "set ")), r.stdout[:500]
     assert list(tmp_path.iterdir()) == [], "--help wrote files"
+
+
+@pytest.mark.parametrize(
+    "entry,groups",
+    [
+        ("specdraft-train", ["target", "data", "optim", "method", "logger", "experiment", "debug"]),
+        ("specdraft-eval", ["target"]),
+        ("specdraft-prepare", ["target", "data"]),
+    ],
+)
+def test_hydra_help_lists_the_commands_own_groups_and_their_options(answers, entry, groups):
+    """A Hydra command's ``--help`` lists the groups it composes, each with the options a user
+    can pick (the YAML files of conf/<group>/), and neither another command's groups nor the
+    typed schemas (``target_schema``, ``schema/method``...) Hydra's own list would show."""
+    out = answers[entry].stdout
+    listed = out.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+    lines = [x for x in listed.splitlines() if ": " in x and not x.startswith("Compose")]
+    assert [x.split(":", 1)[0] for x in lines] == groups, listed
+    for line in lines:
+        group, options = line.split(": ", 1)
+        want = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+        assert options.split(", ") == want, line
+    assert "schema" not in listed

@@ -436,6 +436,13 @@ def test_regeneration_shards_over_processes_and_merges_in_input_order(data_file,
         ),
         ("eval", ["+nosuchkey=1"], "+nosuchkey: no such setting (the command would ignore it)"),
         ("train", ["+train.foo=1"], "+train.foo: no such setting (the command would ignore it)"),
+        (
+            "train",
+            ["-m", "method=eagle1,eagle3", "--cfg", "job"],
+            "-m with --cfg: Hydra prints one job's config, not a sweep's; drop -m and give one "
+            "value per key (e.g. method=eagle3 --cfg job)",
+        ),
+        ("eval", ["--info", "-c", "job"], "--cfg and --info: Hydra takes one of them at a time"),
     ],
 )
 def test_a_key_that_names_no_setting_is_one_line(config, args, said):
@@ -457,6 +464,7 @@ def test_the_command_line_check_leaves_good_lines_sweeps_and_free_mappings_alone
         check_command_line("train", ["method=eagle3", "train.max_steps=3", "optim.lr=1e-4"]) is None
     )
     assert check_command_line("train", ["-m", "method=eagle1,eagle3"]) is None
+    assert check_command_line("train", ["method=eagle3", "--cfg", "job"]) is None
     assert check_command_line("eval", ["engine=vllm", "draft=runs/x", "gamma=2"]) is None
     assert check_command_line("prepare", ["out=x", "+engine_args.tensor_parallel_size=2"]) is None
 
