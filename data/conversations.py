@@ -143,9 +143,18 @@ class LoadReport:
         if self.rejected:
             reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.rejected.items()))
             parts.append(f"skipped {sum(self.rejected.values())} ({reasons})")
+            if self.first_bad is not None:
+                parts.append(self.first_skipped())
         for f in self.truncated:
             parts.append(f"{f} ends mid-record; every complete record before the cut was read")
         return "; ".join(parts)
+
+    def first_skipped(self) -> str:
+        """Where the first skipped record is, for the line that counts them."""
+        if self.first_bad is None:
+            return ""
+        f, pos, reason = self.first_bad
+        return f"the first skipped: {f} {pos} ({reason})"
 
     def to_dict(self) -> dict:
         return {
@@ -248,56 +257,139 @@ def normalise_record(record: object) -> list[Message]:
 def _records_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1:
+                _check_not_compressed(path, raw)
             if not raw.strip():
                 continue
-            try:
-                yield f"line {lineno}", json.loads(raw.decode("utf-8"))
+            try:  # utf-8-sig: a byte-order mark (editors on Windows write one) is not data
+                yield f"line {lineno}", json.loads(raw.decode("utf-8-sig"))
             except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 yield f"line {lineno}", _INVALID
 
 
+def _check_not_compressed(path: Path, head: bytes) -> None:
+    if head[:2] == b"\x1f\x8b":
+        raise DataError(f"{path}: a gzip file; decompress it first (gunzip -k {path})")
+
+
+def _line_col(text: str, i: int) -> str:
+    line = text.count("\n", 0, i) + 1
+    return f"line {line}, column {i - (text.rfind(chr(10), 0, i) + 1) + 1}"
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the bracketed JSON value starting at ``text[i]`` closes (one past its last
+    character), counting brackets outside strings; None where the text ends first (a file cut
+    off inside it). Finds the end of a record that does not parse, so reading goes on after it."""
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth <= 0:
+                return j + 1
+    return None
+
+
 def _records_json(path: Path, report: LoadReport) -> Iterator[tuple[str, object]]:
-    text = path.read_bytes().decode("utf-8", errors="replace")
+    """The records of a JSON file: an array of records (a record that does not parse is
+    skipped and counted, as a bad line of a .jsonl file; a file cut off inside its last record,
+    as the shipped ShareGPT file is, keeps every record before the cut), or one record, or
+    records one after another (JSON Lines in a file named .json)."""
+    raw = path.read_bytes()
+    _check_not_compressed(path, raw)
+    text = raw.decode("utf-8-sig", errors="replace")
     decoder = json.JSONDecoder()
     n = len(text)
     i = _skip_ws(text, 0)
     if i >= n:
         raise DataError(f"{path}: the file is empty")
-    if text[i] == "{":
+    if text[i] == "{":  # one record, or records one after another
         try:
-            obj, _ = decoder.raw_decode(text, i)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise DataError(f"{path}: not valid JSON ({e})") from None
-        yield "record 0", obj
+            _, end = decoder.raw_decode(text, i)
+        except (json.JSONDecodeError, RecursionError):
+            end = None
+        if end is not None and _skip_ws(text, end) < n:
+            nl = text.find("\n", end)
+            if nl >= 0 and not text[end:nl].strip():  # one record a line: JSON Lines
+                yield from _records_jsonl(path)
+                return
+        index = 0
+        while i < n:
+            try:
+                obj, end = decoder.raw_decode(text, i)
+            except (json.JSONDecodeError, RecursionError) as e:
+                end = _value_end(text, i) if text[i] == "{" else None
+                if index == 0 or end is None:
+                    why = getattr(e, "msg", type(e).__name__)
+                    raise DataError(
+                        f"{path}: record {index} at {_line_col(text, i)} is not valid JSON ({why})"
+                    ) from None
+                obj = _Invalid(f"{_line_col(text, e.pos)}: {e.msg}" if hasattr(e, "msg") else "")
+            yield f"record {index}", obj
+            index += 1
+            i = _skip_ws(text, end)
         return
     if text[i] != "[":
         raise DataError(
-            f"{path}: not JSON (expected '[' or '{{' at byte {i}, found {text[i]!r}); "
-            "use .jsonl for JSON Lines"
+            f"{path}: not JSON (expected '[' or '{{' at {_line_col(text, i)}, found "
+            f"{text[i]!r}); use .jsonl for JSON Lines"
         )
     i = _skip_ws(text, i + 1)
     index = 0
     while i < n and text[i] != "]":
         try:
             obj, end = decoder.raw_decode(text, i)
-        except (json.JSONDecodeError, RecursionError):
-            # A record that does not parse ends the array: with no closing bracket after
-            # it the file was cut off, which is how the shipped ShareGPT file ends.
-            if index == 0:
-                raise DataError(f"{path}: record 0 (character {i}) is not valid JSON") from None
-            report.truncated.append(str(path))
-            return
+        except (json.JSONDecodeError, RecursionError) as e:
+            if text[i] not in "[{":
+                why = getattr(e, "msg", type(e).__name__)
+                raise DataError(
+                    f"{path}: record {index} at {_line_col(text, i)} is not valid JSON ({why})"
+                ) from None
+            end = _value_end(text, i)
+            if end is None:
+                # the file ends inside this record: it was cut off (how the shipped ShareGPT
+                # file ends); every record before it was read
+                if index == 0:
+                    why = getattr(e, "msg", type(e).__name__)
+                    raise DataError(
+                        f"{path}: record 0 at {_line_col(text, i)} is not valid JSON ({why})"
+                    ) from None
+                report.truncated.append(str(path))
+                return
+            # a bad record with more after it: skipped and counted
+            obj = _Invalid(f"{_line_col(text, e.pos)}: {e.msg}" if hasattr(e, "msg") else "")
         yield f"record {index}", obj
         index += 1
         i = _skip_ws(text, end)
         if i < n and text[i] == ",":
             i = _skip_ws(text, i + 1)
         elif i < n and text[i] != "]":
-            report.truncated.append(str(path))
-            return
+            raise DataError(
+                f"{path}: expected ',' or ']' after record {index - 1}, at {_line_col(text, i)} "
+                f"(found {text[i]!r})"
+            )
 
 
-_INVALID = object()
+class _Invalid:
+    """A record that is not valid JSON; ``where``: the parser's line, column and message."""
+
+    def __init__(self, where: str = ""):
+        self.where = where
+
+
+_INVALID = _Invalid()
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -340,8 +432,9 @@ def load_conversations(
         records = _records_jsonl(file) if file.suffix == ".jsonl" else _records_json(file, report)
         for position, record in records:
             report.read += 1
-            if record is _INVALID:
-                report.reject(str(file), position, "invalid_json")
+            if isinstance(record, _Invalid):
+                at = f"{position} ({record.where})" if record.where else position
+                report.reject(str(file), at, "invalid_json")
                 continue
             try:
                 messages = normalise_record(record)

@@ -101,6 +101,11 @@ def load_bench(
     if num is not None:
         if num < 1:
             raise BenchError(f"num_prompts={num}: must be >= 1")
+        if num > len(qs):
+            within = f" in categories {list(categories)}" if categories else ""
+            print(
+                f"num_prompts={num}: bench={name} has {len(qs)} prompts{within}; decoding all {len(qs)}"
+            )
         qs = _spread(qs, num)
     if not qs:
         raise BenchError(f"bench={name}: no prompts selected")

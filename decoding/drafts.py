@@ -213,6 +213,15 @@ def _head_proposer(head, tree: DecodeSettings, desc: str):
 
 
 def _hf_draft(spec: str, target: Target):
+    import difflib
+
+    near = difflib.get_close_matches(spec, list(SHIPPED), n=1, cutoff=0.8)
+    if near and "/" not in spec and not Path(spec).expanduser().exists():
+        # a shipped name mistyped: say so before the hub is asked for a model of that name
+        raise DraftError(
+            f"draft={spec}: no such folder, shipped draft or model; did you mean {near[0]}? "
+            f"(shipped: {', '.join(sorted(SHIPPED))})"
+        )
     model = load_same_vocabulary_lm(spec, target, f"draft={spec}")
     model = model.eval().requires_grad_(False)
     return DraftLMProposer(model, vocab_size=target.config.vocab_size), f"draft LM ({spec})"

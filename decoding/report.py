@@ -141,9 +141,14 @@ def stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict[
 
 
 def speedup_bound(spec: Stats, ar: Stats) -> float:
-    if not (spec.target_calls and ar.target_calls and ar.t_target):
+    """What speculative decoding gives after the prefill if each iteration cost one plain step
+    (the plain run's wall seconds a token after its prefill, bookkeeping included) plus its
+    drafting: tau / (1 + drafting's share of a plain step). A bound on ``decode_speedup``, the
+    measure on the same basis (the speedup with the prefill, the same in both runs, lies
+    nearer 1: above a bound below 1)."""
+    plain_step = 1 / decode_rate(ar) if decode_rate(ar) > 0 else float("nan")
+    if not (spec.target_calls and plain_step > 0):
         return float("nan")
-    plain_step = ar.t_target / ar.target_calls
     return spec.tau / (1 + (spec.t_draft / spec.target_calls) / plain_step)
 
 
@@ -159,7 +164,8 @@ def print_report(r: dict[str, Any], out=print) -> None:
 
     out(
         f"\ndraft: {r['settings']['draft_description']}   target: {r['settings']['target_identity']}"
-        f"   T={r['settings']['temperature']}   "
+        + (f"   {len(r['outputs'])} prompts" if "outputs" in r else "")
+        + f"   T={r['settings']['temperature']}   "
         + (
             "trees verified whole"
             + (" (drafted while they pay: adaptive)" if r["settings"]["adaptive"] else "")
@@ -252,8 +258,8 @@ def print_report(r: dict[str, Any], out=print) -> None:
                     else ""
                 )
                 + (f"; acceptance: {d['acceptance']}" if d.get("acceptance") else "")
-                + f"); speedup {f(r['speedup'])} against a bound of {f(r.get('speedup_bound'))} "
-                "(tau over 1 + drafting's share of a plain step)"
+                + f"); after the prefill {f(r.get('decode_speedup'))}x against a bound of "
+                f"{f(r.get('speedup_bound'))} (tau over 1 + drafting's share of a plain step)"
             )
         predicted = (
             "- (the formula is for chains; a tree's expected length depends on its shape)"

@@ -74,11 +74,38 @@ def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> str | Non
     return None
 
 
+def sweep_into_output_dir(argv: list[str]) -> tuple[list[str], str | None]:
+    """A sweep (``-m``) writes each job to ``hydra.sweep.dir/<job>``, where ``output_dir`` is
+    not read: ``output_dir=X`` on a sweep's line becomes ``hydra.sweep.dir=X`` (the jobs in
+    X/0, X/1, ..., the summary in X) unless the line sets the sweep folder itself. Returns the
+    arguments and a line saying so, or a ``ConfigError`` for an ``output_dir`` swept over."""
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return argv, None
+    outs = [a for a in argv if a.lstrip("+~").startswith("output_dir=")]
+    if not outs or any(a.startswith("hydra.sweep.dir=") for a in argv):
+        return argv, None
+    value = outs[-1].split("=", 1)[1]
+    if "," in value or value.startswith(("range(", "choice(", "glob(")):
+        raise ConfigError(
+            f"{outs[-1]}: a sweep writes each job to its own folder under hydra.sweep.dir; set "
+            "output_dir (or hydra.sweep.dir) to one folder"
+        )
+    return [*argv, f"hydra.sweep.dir={value}"], f"sweep: the jobs write to {value}/<job>"
+
+
 def main() -> None:
     msg = check_group_choices(sys.argv[1:]) or check_command_line("train", sys.argv[1:])
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
+    try:
+        argv, note = sweep_into_output_dir(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if note:
+        print(note, flush=True)
+        sys.argv[1:] = argv
     _hydra_main()
 
 

@@ -109,7 +109,7 @@ class PrepareError(ValueError):
 
 
 def _part_path(out: Path, rank: int, world: int) -> Path:
-    return out.parent / f"{out.name}.parts" / f"rank{rank}-of-{world}.jsonl"
+    return _parts_dir(out) / f"rank{rank}-of-{world}.jsonl"
 
 
 def _read_done(part: Path) -> dict[str, dict]:
@@ -274,6 +274,14 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     source = data_path(cfg.data)
     if out.exists() and Path(source).resolve() == out:
         raise PrepareError(f"out={out} is the input file; choose another path")
+    if out.is_dir():
+        raise PrepareError(f"out={out} is a folder; name a file in it (out={out}/regen.jsonl)")
+    ours = out.with_name(out.name + ".meta.json").exists() or _parts_dir(out).exists()
+    if out.exists() and not ours:
+        raise PrepareError(
+            f"out={out} exists and is no output of specdraft-prepare (no {out.name}.meta.json "
+            "beside it); choose another path, or remove the file"
+        )
     convs, report = load_conversations(source, cfg.data.max_records, cfg.data.skip_records)
     if rank == 0:
         print(report.summary(), flush=True)
@@ -302,7 +310,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         target = SimpleNamespace(
             tokenizer=tok, identity=identity, folder=folder, dtype=target_cfg.dtype
         )
-    meta_file = out.parent / f"{out.name}.parts" / "settings.json"
+    meta_file = _parts_dir(out) / "settings.json"
     settings = _settings(cfg, target.identity, source)
     if rank == 0:
         _check_settings(meta_file, settings)
@@ -503,8 +511,13 @@ def _generate_vllm(target, cfg, requests: list[GenRequest], eos, on_done, should
         raise PrepareError(f"engine=vllm: {e}") from None
 
 
+def _parts_dir(out: Path) -> Path:
+    """Where each process appends its replies until they are merged into ``out``."""
+    return out.parent / f"{out.name}.parts"
+
+
 def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str, Any]:
-    parts = out.parent / f"{out.name}.parts"
+    parts = _parts_dir(out)
     recs: dict[str, dict] = {}
     for r in range(world):
         recs.update(_read_done(_part_path(out, r, world)))
@@ -539,6 +552,14 @@ def _main(cfg: DictConfig) -> None:
     except (DataError, TargetError, PrepareError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        parts = _parts_dir(Path(cfg.out).expanduser().resolve())
+        print(
+            f"\nstopped: the replies written so far are kept in {parts}; the same command "
+            "continues from them",
+            file=sys.stderr,
+        )
+        sys.exit(130)
 
 
 def main() -> None:

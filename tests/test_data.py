@@ -252,3 +252,62 @@ def test_a_later_slice_tokenises_and_its_cache_records_the_slice(tmp_path, data_
     assert set(first.train["id"]).isdisjoint(later.train["id"]) and len(later.train) == 5
     done = json.loads((later.cache_dir / "done.json").read_text())
     assert done["key_extra"] == ["skip=5"]
+
+
+def test_a_bad_record_inside_a_json_array_is_skipped_and_the_rest_is_read(tmp_path):
+    """A record that does not parse in the middle of a .json array (a trailing comma) is
+    skipped and counted, as a bad .jsonl line is; the records after it are read (before, the
+    array ended there and the file was reported cut off). Where it is: line and column."""
+    recs = [{"id": str(i), "conversations": CONVERSATION} for i in range(6)]
+    text = json.dumps(recs, indent=1)
+    bad = text.index('"id": "3"')
+    text = text[:bad] + '"x": 1,}, {' + text[bad:]  # record 3 ends in a trailing comma
+    p = tmp_path / "mid.json"
+    p.write_text(text)
+    convs, rep = load_conversations(p)
+    assert [c.id for c in convs] == ["0", "1", "2", "3", "4", "5"]
+    assert rep.rejected == {"invalid_json": 1} and rep.truncated == []
+    f, pos, reason = rep.first_bad
+    line = text[:bad].count("\n") + 1
+    assert f == str(p) and pos.startswith(f"record 3 (line {line}, column ")
+    assert "the first skipped: " in rep.summary() and f"line {line}" in rep.summary()
+    # two records with no comma between them: one line naming where
+    p.write_text(json.dumps(recs[:2]).replace('}, {"id": "1"', '} {"id": "1"'))
+    with pytest.raises(DataError, match=r"expected ',' or '\]' after record 0, at line 1"):
+        load_conversations(p)
+
+
+def test_json_lines_in_a_file_named_json_and_a_byte_order_mark(tmp_path):
+    """Records one after another in a .json file (JSON Lines under another name) are all read,
+    not only the first; a UTF-8 byte-order mark costs no record, in either format."""
+    lines = [json.dumps({"id": str(i), "conversations": CONVERSATION}) for i in range(4)]
+    p = tmp_path / "lines.json"
+    p.write_text("\n".join(lines) + "\n")
+    assert [c.id for c in load_conversations(p)[0]] == ["0", "1", "2", "3"]
+    p.write_text("\n".join(lines[:2] + ["{broken"] + lines[2:]) + "\n")
+    convs, rep = load_conversations(p)  # one record a line: read as JSON Lines, line by line
+    assert [c.id for c in convs] == ["0", "1", "2", "3"]
+    assert rep.first_bad == (str(p), "line 3", "invalid_json")
+    p.write_text(json.dumps(json.loads(lines[0]), indent=2) + json.dumps(json.loads(lines[1])))
+    assert [c.id for c in load_conversations(p)[0]] == ["0", "1"]  # objects one after another
+    for name in ("bom.jsonl", "bom.json"):
+        q = tmp_path / name
+        body = (
+            "\n".join(lines)
+            if name.endswith("jsonl")
+            else json.dumps([json.loads(x) for x in lines])
+        )
+        q.write_bytes(b"\xef\xbb\xbf" + body.encode())
+        convs, rep = load_conversations(q)
+        assert len(convs) == 4 and not rep.rejected, name
+
+
+def test_a_compressed_file_says_so(tmp_path):
+    import gzip
+
+    line = json.dumps({"id": "a", "conversations": CONVERSATION}) + "\n"
+    for name in ("d.jsonl.gz", "d.json"):
+        p = tmp_path / name
+        p.write_bytes(gzip.compress(line.encode()))
+        with pytest.raises(DataError, match=f"{name}: a gzip file; decompress it first"):
+            load_conversations(p)

@@ -113,6 +113,11 @@ def test_eval_of_a_trained_run(tmp_path, data_file):
         (["categories=[nosuch]"], "categories=['nosuch']"),
         (["draft_weights=int4"], "draft_weights='int4': use one of auto, int8, full"),
         (["tree=dynamic", "min_prob=1.0"], "min_prob=1.0: must be in [0, 1)"),
+        (
+            ["draft=smollm2-eagle"],
+            "draft=smollm2-eagle: no such folder, shipped draft or model; "
+            "did you mean smollm2-eagle3?",
+        ),
     ],
 )
 def test_eval_errors_are_one_line(args, needle, tmp_path):
@@ -309,11 +314,16 @@ def test_the_report_says_which_decoder_ran_and_the_bound_beside_the_speedup(comp
     d = r["decoder"]
     assert d["runner"] == d["plain_runner"] == runner and d["compile"] == compile
     drafting = r["time_s"]["draft"] / r["target_calls"]
+    # the plain step: the plain run's wall time a token after its prefill, the basis of the
+    # decode speedup the bound is printed beside (the speedup with the prefill, the same in
+    # both runs, lies nearer 1 and so above a bound below 1)
     assert r["speedup_bound"] == pytest.approx(
-        r["tau"] / (1 + drafting / (d["plain_ms_per_step"] / 1e3)), rel=1e-6
+        r["tau"] / (1 + drafting / (d["plain_ms_per_token"] / 1e3)), rel=1e-6
     )
     lines: list[str] = []
     print_report(r, out=lines.append)
+    (line,) = [x for x in lines if x.startswith("decoder: ")]
+    assert f"after the prefill {r['decode_speedup']:.2f}x against a bound of " in line
     assert any(line.startswith(f"decoder: {runner} (compile={compile}") for line in lines)
     # where the acceptance step ran: greedy here; at T > 0 on a CPU, row by row on the host
     assert d["acceptance"].startswith("greedy")
@@ -379,3 +389,53 @@ def test_a_tree_report_says_why_it_predicts_no_speedup():
     print_report(chain, out=lines.append)
     (line,) = [x for x in lines if x.startswith("predicted speedup")]
     assert "for chains" not in line and line.split()[2] != "-"
+
+
+def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
+    """``report=`` a folder, a path under a file, or a file that is no report (training data,
+    say) was found out after the whole evaluation (a traceback, the console report lost) or
+    overwritten; each is one line, first, and nothing is touched. An earlier report and its
+    plot are replaced."""
+    from decoding.eval import report_paths
+
+    data = tmp_path / "keep.jsonl"
+    data.write_text('{"id": 1}\n')
+    (tmp_path / "rdir").mkdir()
+    cases = [
+        (f"report={tmp_path / 'rdir'}", "is a folder; name a file in it"),
+        (f"report={data / 'x.json'}", f"{data} is a file, not a folder"),
+        (f"report={data}", "exists and is no report of specdraft-eval"),
+        (f"plot={data}", "exists and is no plot of specdraft-eval"),
+    ]
+    for arg, needle in cases:
+        over = [f"report={tmp_path / 'r.json'}", arg] if arg.startswith("plot") else [arg]
+        r = _eval(["target=tiny_random", "num_prompts=1", *over])
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
+        assert data.read_text() == '{"id": 1}\n'
+    mine = tmp_path / "r.json"
+    mine.write_text(json.dumps({"settings": {}}))
+    (tmp_path / "r.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 8)
+    assert report_paths(_eval_cfg(report=str(mine))) == (mine, tmp_path / "r.png")
+
+
+def test_more_prompts_asked_than_the_bench_holds_is_said(tmp_path, capsys):
+    p = tmp_path / "b.jsonl"
+    p.write_text("".join(json.dumps({"question_id": i, "turns": ["hi"]}) + "\n" for i in range(3)))
+    assert len(load_bench(str(p), num=10)) == 3
+    assert f"num_prompts=10: bench={p} has 3 prompts; decoding all 3" in capsys.readouterr().out
+    assert len(load_bench(str(p), num=2)) == 2
+    assert "num_prompts" not in capsys.readouterr().out
+
+
+def test_a_tree_width_given_without_a_dynamic_tree_is_said(tmp_path):
+    """``top_k`` is the dynamic tree's width; given with a chain (meant, likely, as sampling's
+    top-k, which is ``sample_top_k`` here and ``top_k`` in specdraft-prepare) it is one note."""
+    args = ["target=tiny_random", "num_prompts=1", "max_new_tokens=4", "draft=ngram"]
+    r = _eval([*args, "temperature=1", "top_k=50", "tree=chain", f"report={tmp_path / 'r.json'}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "note: top_k=50 is the dynamic tree's width (tree=dynamic), unused with tree=chain" in (
+        r.stdout
+    )
+    r = _eval([*args, "temperature=1", "sample_top_k=50", f"report={tmp_path / 'r.json'}"])
+    assert r.returncode == 0 and "note: top_k" not in r.stdout

@@ -324,3 +324,84 @@ def test_prepare_without_out_is_one_line(data_file):
     assert r.stderr.strip().splitlines() == [
         "error: out=<file.jsonl> is required: where the target's answers are written"
     ]
+
+
+def test_an_out_that_is_not_preparess_own_is_refused_before_anything_runs(tmp_path, data_file):
+    """``out=`` naming a file that prepare did not write (no ``.meta.json`` beside it) was
+    overwritten; a folder failed after the whole regeneration, in a traceback. Both are one
+    line now, first, and the file is left as it was; prepare's own finished output resumes."""
+    keep = tmp_path / "precious.jsonl"
+    keep.write_text("precious\n")
+    folder = tmp_path / "outdir"
+    folder.mkdir()
+    args = ["target=tiny_random", f"data.path={data_file}", "data.max_records=2", "progress=false"]
+    r = run_module("flow.regenerate", [*args, f"out={keep}", "max_new_tokens=4"])
+    assert r.returncode == 2 and keep.read_text() == "precious\n"
+    assert r.stderr.strip().splitlines() == [
+        f"error: out={keep} exists and is no output of specdraft-prepare (no precious.jsonl"
+        ".meta.json beside it); choose another path, or remove the file"
+    ]
+    assert not (tmp_path / "precious.jsonl.parts").exists()
+    r = run_module("flow.regenerate", [*args, f"out={folder}", "max_new_tokens=4"])
+    assert r.returncode == 2 and "is a folder; name a file in it" in r.stderr.strip()
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "outdir.parts").exists()
+    ours = tmp_path / "ours.jsonl"
+    for _ in range(2):  # written, then resumed finished: its own file is no stranger
+        r = run_module("flow.regenerate", [*args, f"out={ours}", "max_new_tokens=4"])
+        assert r.returncode == 0, r.stderr
+    assert len(ours.read_text().splitlines()) == 2
+
+
+def test_ctrl_c_keeps_the_replies_and_says_how_to_continue(tmp_path, data_file):
+    """SIGINT part way: one line saying where the replies are and that the same command goes
+    on (it was a traceback), exit 130; the same command then writes the file an uninterrupted
+    run writes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    args = [
+        "target=tiny_random",
+        f"data.path={data_file}",
+        "data.max_records=60",
+        "max_new_tokens=48",
+        "batch_size=2",
+        "batch_admit=1",
+        "progress=false",
+    ]
+    out = tmp_path / "int.jsonl"
+    part = tmp_path / "int.jsonl.parts" / "rank0-of-1.jsonl"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flow.regenerate", *args, f"out={out}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if part.exists() and part.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "finished before it could be interrupted: give it more work"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert lines[-1] == (
+        f"stopped: the replies written so far are kept in {out}.parts; the same command "
+        "continues from them"
+    ), err[-2000:]
+    assert "Traceback" not in err and not out.exists()
+    r = run_module("flow.regenerate", [*args, f"out={out}"], timeout=600)
+    assert r.returncode == 0, r.stderr
+    full = tmp_path / "full.jsonl"
+    r = run_module("flow.regenerate", [*args, f"out={full}"], timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == full.read_text()

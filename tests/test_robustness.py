@@ -358,12 +358,14 @@ def test_sweep_writes_a_sortable_summary(data_file, tmp_path):
             "train.max_steps=2,4",
             "optim.lr=1e-3",
             "train.eval_every=0",
-            f"hydra.sweep.dir={sweep}",
+            f"output_dir={sweep}",  # a sweep's folder: the jobs in sweep/0, sweep/1
             f"data.cache_dir={tmp_path / 'cache'}",
         ],
         timeout=240,
     )
     assert r.returncode == 0, r.stderr[-2000:]
+    assert f"sweep: the jobs write to {sweep}/<job>" in r.stdout
+    assert (sweep / "0").is_dir() and (sweep / "1").is_dir()
     rows = list(csv.DictReader(open(sweep / "summary.csv")))
     assert len(rows) == 2 and all("train.max_steps=" in r["overrides"] for r in rows)
     assert sorted(int(r["step"]) for r in rows) == [2, 4]
@@ -479,3 +481,20 @@ def test_a_misspelled_key_on_each_command_line_exits_2_in_one_line(tmp_path):
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode == 2 and len(lines) == 1 and "no such setting" in lines[0], r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sweeps_output_dir_is_its_folder_and_one_swept_over_is_refused():
+    from flow.app import sweep_into_output_dir
+    from trainer.train import ConfigError
+
+    one = ["train.max_steps=2"]
+    assert sweep_into_output_dir(["output_dir=x", *one]) == (["output_dir=x", *one], None)
+    assert sweep_into_output_dir(["-m", *one]) == (["-m", *one], None)
+    argv = ["-m", "output_dir=x", "hydra.sweep.dir=y"]
+    assert sweep_into_output_dir(argv) == (argv, None)  # the line's own sweep folder wins
+    assert sweep_into_output_dir(["-m", "output_dir=runs/s"]) == (
+        ["-m", "output_dir=runs/s", "hydra.sweep.dir=runs/s"],
+        "sweep: the jobs write to runs/s/<job>",
+    )
+    with pytest.raises(ConfigError, match="output_dir=a,b: a sweep writes each job"):
+        sweep_into_output_dir(["-m", "output_dir=a,b"])

@@ -324,6 +324,8 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
         f"no assistant token within max_length={cfg.data.max_length}: {data.too_long}; "
         f"train {len(data.train)} / val {len(data.val)} conversations"
     )
+    if data.report.first_bad is not None:
+        log(f"data: {data.report.first_skipped()}")
     for f in data.report.truncated:
         log(f"data: {f} ends mid-record; all complete records before the cut were used")
     return target, data
