@@ -132,6 +132,7 @@ class LoadReport:
     rejected: Counter = field(default_factory=Counter)
     first_bad: tuple[str, str, str] | None = None  # (file, position, reason)
     truncated: list[str] = field(default_factory=list)  # files cut off mid-record
+    cut_at: dict[str, str] = field(default_factory=dict)  # such a file: where its cut record starts
 
     def reject(self, file: str, position: str, reason: str) -> None:
         self.rejected[reason] += 1
@@ -145,9 +146,12 @@ class LoadReport:
             parts.append(f"skipped {sum(self.rejected.values())} ({reasons})")
             if self.first_bad is not None:
                 parts.append(self.first_skipped())
-        for f in self.truncated:
-            parts.append(f"{f} ends mid-record; every complete record before the cut was read")
+        parts += [self.cut_note(f) for f in self.truncated]
         return "; ".join(parts)
+
+    def cut_note(self, f: str) -> str:
+        at = f" (its last record, from {self.cut_at[f]})" if f in self.cut_at else ""
+        return f"{f} ends mid-record{at}; every complete record before the cut was read"
 
     def first_skipped(self) -> str:
         """Where the first skipped record is, for the line that counts them."""
@@ -164,6 +168,7 @@ class LoadReport:
             "rejected": dict(self.rejected),
             "first_bad": list(self.first_bad) if self.first_bad else None,
             "truncated": self.truncated,
+            "cut_at": self.cut_at,
         }
 
     @classmethod
@@ -175,6 +180,7 @@ class LoadReport:
             rejected=Counter(d["rejected"]),
             first_bad=tuple(d["first_bad"]) if d["first_bad"] else None,
             truncated=list(d["truncated"]),
+            cut_at=dict(d.get("cut_at") or {}),
         )
 
 
@@ -367,6 +373,7 @@ def _records_json(path: Path, report: LoadReport) -> Iterator[tuple[str, object]
                         f"{path}: record 0 at {_line_col(text, i)} is not valid JSON ({why})"
                     ) from None
                 report.truncated.append(str(path))
+                report.cut_at[str(path)] = f"record {index}, {_line_col(text, i)}"
                 return
             # a bad record with more after it: skipped and counted
             obj = _Invalid(f"{_line_col(text, e.pos)}: {e.msg}" if hasattr(e, "msg") else "")

@@ -158,6 +158,9 @@ def test_truncated_json_array_keeps_complete_records(tmp_path):
     convs, rep = load_conversations(p)
     assert [c.id for c in convs] == ["0", "1"]
     assert rep.truncated == [str(p)]
+    line = cut[: cut.rfind("{")].count("\n") + 1  # where the cut record starts
+    assert rep.cut_at == {str(p): f"record 2, line {line}, column 3"}
+    assert f"ends mid-record (its last record, from record 2, line {line}" in rep.summary()
 
 
 def test_folder_and_messages_format(tmp_path):

@@ -327,7 +327,7 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
     if data.report.first_bad is not None:
         log(f"data: {data.report.first_skipped()}")
     for f in data.report.truncated:
-        log(f"data: {f} ends mid-record; all complete records before the cut were used")
+        log(f"data: {data.report.cut_note(f)}")
     return target, data
 
 
