@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -394,25 +395,28 @@ def test_a_tree_report_says_why_it_predicts_no_speedup():
 def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
     """``report=`` a folder, a path under a file, or a file that is no report (training data,
     say) was found out after the whole evaluation (a traceback, the console report lost) or
-    overwritten; each is one line, first, and nothing is touched. An earlier report and its
-    plot are replaced."""
+    overwritten; each is one line, first, and nothing is touched (the command line once, exit
+    2 in one line; the cases through ``report_paths``). An earlier report and its plot are
+    replaced."""
     from decoding.eval import report_paths
+    from decoding.settings import EvalError
 
     data = tmp_path / "keep.jsonl"
     data.write_text('{"id": 1}\n')
     (tmp_path / "rdir").mkdir()
+    r = _eval(["target=tiny_random", "num_prompts=1", f"report={data}"])
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert f"report={data} exists and is no report of specdraft-eval" in lines[0]
     cases = [
-        (f"report={tmp_path / 'rdir'}", "is a folder; name a file in it"),
-        (f"report={data / 'x.json'}", f"{data} is a file, not a folder"),
-        (f"report={data}", "exists and is no report of specdraft-eval"),
-        (f"plot={data}", "exists and is no plot of specdraft-eval"),
+        ({"report": str(tmp_path / "rdir")}, "is a folder; name a file in it"),
+        ({"report": str(data / "x.json")}, f"{data} is a file, not a folder"),
+        ({"report": str(tmp_path / "r.json"), "plot": str(data)}, "is no plot of specdraft-eval"),
     ]
-    for arg, needle in cases:
-        over = [f"report={tmp_path / 'r.json'}", arg] if arg.startswith("plot") else [arg]
-        r = _eval(["target=tiny_random", "num_prompts=1", *over])
-        lines = [x for x in r.stderr.splitlines() if x.strip()]
-        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
-        assert data.read_text() == '{"id": 1}\n'
+    for over, needle in cases:
+        with pytest.raises(EvalError, match=re.escape(needle)):
+            report_paths(_eval_cfg(**over))
+    assert data.read_text() == '{"id": 1}\n'
     mine = tmp_path / "r.json"
     mine.write_text(json.dumps({"settings": {}}))
     (tmp_path / "r.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 8)
