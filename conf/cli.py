@@ -72,6 +72,8 @@ def _did_you_mean(key: str, known: list[str]) -> str:
 
 #: Hydra's mode flags, of which a command line may hold one (Hydra's own refusal is a traceback)
 _MODES = {
+    "-r": "--run",
+    "--run": "--run",
     "-m": "--multirun",
     "--multirun": "--multirun",
     "-c": "--cfg",

@@ -280,7 +280,22 @@ def _check_not_compressed(path: Path, head: bytes) -> None:
 
 def _line_col(text: str, i: int) -> str:
     line = text.count("\n", 0, i) + 1
-    return f"line {line}, column {i - (text.rfind(chr(10), 0, i) + 1) + 1}"
+    start = text.rfind("\n", 0, i) + 1  # the line's first character
+    return f"line {line}, column {i - start + 1}"
+
+
+def _not_json(path: Path, index: int, text: str, i: int, e: Exception) -> DataError:
+    """The error for record ``index`` (from ``text[i]``) that does not parse and cannot be
+    skipped."""
+    why = getattr(e, "msg", type(e).__name__)
+    return DataError(f"{path}: record {index} at {_line_col(text, i)} is not valid JSON ({why})")
+
+
+def _skipped(text: str, e: Exception) -> _Invalid:
+    """A record that does not parse, skipped: where the parser stopped and why."""
+    if isinstance(e, json.JSONDecodeError):
+        return _Invalid(f"{_line_col(text, e.pos)}: {e.msg}")
+    return _Invalid()
 
 
 def _value_end(text: str, i: int) -> int | None:
@@ -323,26 +338,23 @@ def _records_json(path: Path, report: LoadReport) -> Iterator[tuple[str, object]
         raise DataError(f"{path}: the file is empty")
     if text[i] == "{":  # one record, or records one after another
         try:
-            _, end = decoder.raw_decode(text, i)
-        except (json.JSONDecodeError, RecursionError):
-            end = None
-        if end is not None and _skip_ws(text, end) < n:
-            nl = text.find("\n", end)
-            if nl >= 0 and not text[end:nl].strip():  # one record a line: JSON Lines
-                yield from _records_jsonl(path)
-                return
-        index = 0
+            first, end = decoder.raw_decode(text, i)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise _not_json(path, 0, text, i, e) from None
+        nl = text.find("\n", end)
+        if _skip_ws(text, end) < n and nl >= 0 and not text[end:nl].strip():
+            yield from _records_jsonl(path)  # one record a line: JSON Lines
+            return
+        yield "record 0", first
+        index, i = 1, _skip_ws(text, end)
         while i < n:
             try:
                 obj, end = decoder.raw_decode(text, i)
             except (json.JSONDecodeError, RecursionError) as e:
                 end = _value_end(text, i) if text[i] == "{" else None
-                if index == 0 or end is None:
-                    why = getattr(e, "msg", type(e).__name__)
-                    raise DataError(
-                        f"{path}: record {index} at {_line_col(text, i)} is not valid JSON ({why})"
-                    ) from None
-                obj = _Invalid(f"{_line_col(text, e.pos)}: {e.msg}" if hasattr(e, "msg") else "")
+                if end is None:
+                    raise _not_json(path, index, text, i, e) from None
+                obj = _skipped(text, e)
             yield f"record {index}", obj
             index += 1
             i = _skip_ws(text, end)
@@ -358,25 +370,16 @@ def _records_json(path: Path, report: LoadReport) -> Iterator[tuple[str, object]
         try:
             obj, end = decoder.raw_decode(text, i)
         except (json.JSONDecodeError, RecursionError) as e:
-            if text[i] not in "[{":
-                why = getattr(e, "msg", type(e).__name__)
-                raise DataError(
-                    f"{path}: record {index} at {_line_col(text, i)} is not valid JSON ({why})"
-                ) from None
-            end = _value_end(text, i)
+            end = _value_end(text, i) if text[i] in "[{" else None
+            if end is None and (index == 0 or text[i] not in "[{"):
+                raise _not_json(path, index, text, i, e) from None
             if end is None:
                 # the file ends inside this record: it was cut off (how the shipped ShareGPT
                 # file ends); every record before it was read
-                if index == 0:
-                    why = getattr(e, "msg", type(e).__name__)
-                    raise DataError(
-                        f"{path}: record 0 at {_line_col(text, i)} is not valid JSON ({why})"
-                    ) from None
                 report.truncated.append(str(path))
                 report.cut_at[str(path)] = f"record {index}, {_line_col(text, i)}"
                 return
-            # a bad record with more after it: skipped and counted
-            obj = _Invalid(f"{_line_col(text, e.pos)}: {e.msg}" if hasattr(e, "msg") else "")
+            obj = _skipped(text, e)  # a bad record with more after it: skipped and counted
         yield f"record {index}", obj
         index += 1
         i = _skip_ws(text, end)

@@ -17,7 +17,6 @@ import sys
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -49,12 +48,13 @@ from .report import (
     CONVENTION,
     NEAR_TIE_TOLERANCE,
     classify_divergence,
-    decode_rate,
     json_safe,
+    plain_token_seconds,
     plot_batch_report,
     plot_report,
     print_batch_report,
     print_report,
+    report_paths,
     stats_row,
 )
 from .runner import compile_mode
@@ -279,7 +279,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         + spec.proposer.capture_seconds,
         "plain_ms_per_step": 1e3 * ar_step,
         # the plain run's wall time a token after its prefill: the bound's plain step
-        "plain_ms_per_token": 1e3 / decode_rate(ar.stats),
+        "plain_ms_per_token": 1e3 * plain_token_seconds(ar.stats),
         "acceptance": acceptance_where(spec.stats, sampling),
     }
     near = sum(d["near_tie"] for d in divergences)
@@ -496,39 +496,6 @@ def apply_saved_decode(cfg: DictConfig, given: set[str]) -> str | None:
     return (
         f"decode settings saved with the draft for {kind} machines: {shown} (set any to override)"
     )
-
-
-def report_paths(cfg: DictConfig) -> tuple[Path, Path]:
-    """Where the report (JSON) and its plot (PNG) go, checked before anything is measured: a
-    folder, a path under a file, or an existing file that is no report of this command (data,
-    say) is an ``EvalError``; an earlier report or plot is replaced."""
-    path = Path(cfg.report).expanduser()
-    png = Path(cfg.plot).expanduser() if cfg.plot else path.with_suffix(".png")
-    for key, p, ours in (("report", path, _is_report), ("plot", png, _is_png)):
-        if p.is_dir():
-            raise EvalError(f"{key}={p} is a folder; name a file in it ({key}={p / path.name})")
-        above = next((a for a in p.parents if a.exists()), None)
-        if above is not None and not above.is_dir():
-            raise EvalError(f"{key}={p}: {above} is a file, not a folder")
-        if p.exists() and not ours(p):
-            raise EvalError(
-                f"{key}={p} exists and is no {key} of specdraft-eval; choose another path, or "
-                "remove the file"
-            )
-    return path, png
-
-
-def _is_report(p: Path) -> bool:
-    try:
-        r = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(r, dict) and "settings" in r
-
-
-def _is_png(p: Path) -> bool:
-    with open(p, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")

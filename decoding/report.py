@@ -5,6 +5,7 @@ near-ties (``classify_divergence``), and the printed tables and plots of ``specd
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -140,13 +141,20 @@ def stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict[
     }
 
 
+def plain_token_seconds(ar: Stats) -> float:
+    """The plain run's wall seconds a token after its prefill (bookkeeping included): the
+    plain step of ``speedup_bound`` (nan where it decoded nothing)."""
+    rate = decode_rate(ar)
+    return 1 / rate if rate > 0 else float("nan")
+
+
 def speedup_bound(spec: Stats, ar: Stats) -> float:
     """What speculative decoding gives after the prefill if each iteration cost one plain step
     (the plain run's wall seconds a token after its prefill, bookkeeping included) plus its
     drafting: tau / (1 + drafting's share of a plain step). A bound on ``decode_speedup``, the
     measure on the same basis (the speedup with the prefill, the same in both runs, lies
     nearer 1: above a bound below 1)."""
-    plain_step = 1 / decode_rate(ar) if decode_rate(ar) > 0 else float("nan")
+    plain_step = plain_token_seconds(ar)
     if not (spec.target_calls and plain_step > 0):
         return float("nan")
     return spec.tau / (1 + (spec.t_draft / spec.target_calls) / plain_step)
@@ -584,3 +592,38 @@ def json_safe(x):
     if isinstance(x, list):
         return [json_safe(v) for v in x]
     return x
+
+
+def report_paths(cfg) -> tuple[Path, Path]:
+    """Where the report (JSON) and its plot (PNG) go, checked before anything is measured: a
+    folder, a path under a file, or an existing file that is no report of this command (data,
+    say) is an ``EvalError``; an earlier report or plot is replaced."""
+    from .settings import EvalError
+
+    path = Path(cfg.report).expanduser()
+    png = Path(cfg.plot).expanduser() if cfg.plot else path.with_suffix(".png")
+    for key, p, ours in (("report", path, _is_report), ("plot", png, _is_png)):
+        if p.is_dir():
+            raise EvalError(f"{key}={p} is a folder; name a file in it ({key}={p / path.name})")
+        above = next((a for a in p.parents if a.exists()), None)
+        if above is not None and not above.is_dir():
+            raise EvalError(f"{key}={p}: {above} is a file, not a folder")
+        if p.exists() and not ours(p):
+            raise EvalError(
+                f"{key}={p} exists and is no {key} of specdraft-eval; choose another path, or "
+                "remove the file"
+            )
+    return path, png
+
+
+def _is_report(p: Path) -> bool:
+    try:
+        r = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(r, dict) and "settings" in r
+
+
+def _is_png(p: Path) -> bool:
+    with open(p, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -398,7 +398,7 @@ def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
     overwritten; each is one line, first, and nothing is touched (the command line once, exit
     2 in one line; the cases through ``report_paths``). An earlier report and its plot are
     replaced."""
-    from decoding.eval import report_paths
+    from decoding.report import report_paths
     from decoding.settings import EvalError
 
     data = tmp_path / "keep.jsonl"
