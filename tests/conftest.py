@@ -191,7 +191,13 @@ def accelerate_launch(
 def sampling_where(request, monkeypatch):
     """At T > 0, each row's rejection sampling on the host (row by row) or on the device (the
     batch at once, one read: ``verify.sampled_on_device``), whatever the device is (on a GPU
-    the decoder's own choice is the device: scripts/gpu_check.sh leaves the host's out)."""
+    the decoder's own choice is the device: scripts/gpu_check.sh leaves the host's out).
+
+    Crossed with nothing, a test runs both ways. A chi-square test over a grid of settings
+    pairs the two with its settings instead (``parametrize("...,sampling_where", ...,
+    indirect=["sampling_where"])``): the two ways are the same law for every kind of proposal
+    and batch, which tests/test_verify.py checks on the functions themselves, so at the
+    decoder's level each way needs its settings covered, not every setting twice."""
     from decoding.batch import BatchDecoder
 
     monkeypatch.setattr(BatchDecoder, "sample_on_device", request.param)

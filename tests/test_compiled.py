@@ -270,9 +270,12 @@ def test_static_eagle_chain_drafts_what_the_eager_proposer_drafts(tiny_target, m
     assert runs[compile][1] == runs["false"][1]
 
 
+@pytest.mark.parametrize("sampling_where", [True], ids=["sample_on_device"], indirect=True)
 def test_static_eagle_chain_sampling_follows_the_target(small_vocab_pair, sampling_where):
     """T = 1 with the static chain's on-device inverse-CDF draws: the first two tokens follow
-    the target (chi-square, false-alarm rate 1e-3), and drafts are really rejected."""
+    the target (chi-square, false-alarm rate 1e-3), and drafts are really rejected. Its
+    acceptance on the device too, as on a GPU where the static chain runs as graphs (the host's
+    acceptance of a chain: test_decoder.py)."""
     from conftest import assert_first_two_tokens_follow_the_target
 
     from models.eagle.static import StaticEagleChain

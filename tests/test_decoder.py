@@ -175,9 +175,10 @@ def test_tree_verification_keeps_the_accepted_path(tiny_target, runner):
 
 
 @pytest.mark.parametrize(
-    "s",
-    [Sampling(1.0), Sampling(1.0, top_k=4), Sampling(0.8, top_p=0.7)],
-    ids=["T1", "T1-topk4", "T0.8-topp0.7"],
+    "s,sampling_where",
+    [(Sampling(1.0), False), (Sampling(1.0, top_k=4), True), (Sampling(0.8, top_p=0.7), True)],
+    ids=["T1-host", "T1-topk4-device", "T0.8-topp0.7-device"],
+    indirect=["sampling_where"],
 )
 def test_sampled_speculative_output_follows_the_target(small_vocab_pair, s, sampling_where):
     """Chi-square on the first two generated tokens (false-alarm rate 1e-3 per test)."""

@@ -81,8 +81,9 @@ def test_an_untrained_markov_head_drafts_as_its_dflash_backbone(tiny_target):
 
 @pytest.mark.parametrize(
     "s,threshold",
-    [(Sampling(1.0), None), (Sampling(0.9, top_k=8), None), (Sampling(1.0), 0.3)],
-    ids=["T1", "T0.9-k8", "T1-confidence-stop"],
+    # warped (what T = 1 checks and more: test_dflash.py), and T = 1 with the confidence schedule
+    [(Sampling(0.9, top_k=8), None), (Sampling(1.0), 0.3)],
+    ids=["T0.9-k8", "T1-confidence-stop"],
 )
 def test_sampled_dspark_blocks_follow_the_target(small_vocab_target, s, threshold):
     """Chi-square on the first two tokens (false-alarm rate 1e-3): slot 2 is drawn from a

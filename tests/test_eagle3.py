@@ -420,8 +420,22 @@ def small_vocab_target():
     return conftest.small_vocab_target()
 
 
-@pytest.mark.parametrize("min_prob", [0.0, 0.02], ids=["fixed", "min_prob"])
-@pytest.mark.parametrize("s", [Sampling(1.0), Sampling(0.8, top_p=0.7)], ids=["T1", "T0.8-p0.7"])
+@pytest.mark.parametrize(
+    "s,min_prob,sampling_where",
+    [
+        (Sampling(1.0), 0.0, False),
+        (Sampling(1.0), 0.02, True),
+        (Sampling(0.8, top_p=0.7), 0.0, True),
+        (Sampling(0.8, top_p=0.7), 0.02, False),
+    ],
+    ids=[
+        "T1-fixed-host",
+        "T1-min_prob-device",
+        "T0.8-p0.7-fixed-device",
+        "T0.8-p0.7-min_prob-host",
+    ],
+    indirect=["sampling_where"],
+)
 def test_sampled_tree_output_follows_the_target(small_vocab_target, s, min_prob, sampling_where):
     """Chi-square on the first two tokens through a dynamic tree (false-alarm rate 1e-3), of
     a fixed size or sized by the draft's confidence (``min_prob``)."""
@@ -565,7 +579,12 @@ def test_sampling_over_the_draft_vocabulary_gives_the_same_q(tiny_target, s):
     assert (new[:, ~head.t2d] == 0).all()
 
 
-@pytest.mark.parametrize("weights", ["full", "int8"])
+@pytest.mark.parametrize(
+    "weights,sampling_where",
+    [("full", False), ("int8", True)],
+    ids=["full-host", "int8-device"],
+    indirect=["sampling_where"],
+)
 def test_sampled_eagle3_chain_follows_the_target(small_vocab_target, weights, sampling_where):
     """Chi-square on the first two tokens of a sampled EAGLE-3 chain whose draft vocabulary
     (6 of 10 tokens) leaves out tokens the target samples: those come only from the

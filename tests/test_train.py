@@ -509,3 +509,22 @@ def test_a_new_run_in_another_runs_folder_is_refused(data_file, tmp_path):
         compose(tiny_overrides(data_file, run_dir, **{"train.max_steps": 3, "resume": True}))
     )
     assert again["step"] == 3
+
+
+def test_the_summary_prints_a_dash_where_no_token_reached_a_position():
+    """A conditional alpha no validation token reached (every earlier position agreed there
+    first) is left out of the metrics, and the summary says so instead of printing nan."""
+    from trainer.train import _print_summary
+
+    lines: list[str] = []
+    val = {"top1_pos1": 0.5, "alpha_pos1": 0.5, "top1_pos2": 0.0, "alpha_pos2": 0.0,
+           "top1_pos3": 0.0}  # fmt: skip
+    _print_summary(
+        {"reason": "finished", "step": 3, "tokens_per_s": 10.0, "val": val, "final": None},
+        lines.append,
+    )
+    text = "\n".join(lines)
+    assert "nan" not in text
+    row3 = next(s for s in lines if s.strip().startswith("3 "))
+    assert row3.split()[1:] == ["0.000", "-"]
+    assert "no validation token reached" in text

@@ -541,13 +541,16 @@ def _print_summary(s: dict, log) -> None:
     val = s["val"]
     pos = sorted({int(k.split("pos")[1]) for k in val if "_pos" in k})
     if pos:
+
+        def cell(name: str) -> str:
+            return f"{val[name]:.3f}" if name in val else "    -"
+
         log("validation agreement with the target's argmax, by draft position:")
         log("  position  top1    alpha (given earlier positions agreed)")
         for k in pos:
-            log(
-                f"  {k:>8}  {val.get(f'top1_pos{k}', float('nan')):.3f}   "
-                f"{val.get(f'alpha_pos{k}', float('nan')):.3f}"
-            )
+            log(f"  {k:>8}  {cell(f'top1_pos{k}')}   {cell(f'alpha_pos{k}')}")
+        if any(f"alpha_pos{k}" not in val for k in pos):
+            log("  (-: no validation token reached that position with every earlier one agreed)")
     if s["final"]:
         log(f"draft saved to {s['final']}")
 
