@@ -314,10 +314,15 @@ def load_stop_rule(path: str | None, draft: str, proposer) -> DiscoStop:
         raise DraftError(
             f"stop=disco: draft={draft} has no folder to hold a classifier; pass disco=<folder>"
         )
+    if where.exists() and not where.is_dir():
+        raise DraftError(f"disco={where}: a file, not a folder written by specdraft-disco")
     if not proposer.gives_signals:
+        tree = proposer.tree_depth is not None
         raise DraftError(
-            f"stop=disco: draft={draft} does not report per-token signals (EAGLE chains and "
-            "draft LMs do)"
+            "stop=disco with a tree: the stop rule decides a chain's length; use tree=chain"
+            if tree
+            else f"stop=disco: draft={draft} does not report per-token signals (EAGLE chains "
+            "and draft LMs do)"
         )
     try:
         return load_disco(where)
@@ -363,6 +368,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"{a.traces}: the traced draft {meta.get('draft')!r} is not a folder here; "
                 "pass --out"
             )
+        if out.exists() and not out.is_dir():
+            raise DiscoError(f"--out {out}: a file, not a folder; name a folder for the classifier")
+        above = next((p for p in out.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise DiscoError(f"--out {out}: {above} is a file, not a folder")
+        if out.is_dir() and any(out.iterdir()) and not (out / WEIGHTS).is_file():
+            raise DiscoError(
+                f"--out {out}: a folder holding something else than a DISCO classifier; choose "
+                "another (an earlier classifier there is replaced)"
+            )
         c = a.c if a.c is not None else meta.get("c")
         if c is None:
             raise DiscoError(f"{a.traces}: the meta line has no draft cost 'c'; pass --c")
@@ -371,7 +386,9 @@ def main(argv: list[str] | None = None) -> None:
     except DiscoError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"saved: {path}  (use: specdraft-eval draft={meta['draft']} stop=disco)")
+    default = default_disco_dir(str(meta.get("draft", "")))
+    where = "" if default is not None and out.resolve() == default.resolve() else f" disco={out}"
+    print(f"saved: {path}  (use: specdraft-eval draft={meta['draft']} stop=disco{where})")
 
 
 if __name__ == "__main__":

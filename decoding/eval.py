@@ -150,6 +150,18 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         )
     if cfg.traces and cfg.stop != "gamma":
         raise EvalError("traces are recorded with stop=gamma (a stop rule would censor them)")
+    lossy = (
+        f"lenience={cfg.lenience}"
+        if cfg.lenience < 1
+        else f"acceptance={cfg.acceptance}"
+        if cfg.acceptance != "exact" and cfg.temperature > 0
+        else None
+    )
+    if cfg.traces and lossy:
+        raise EvalError(
+            f"traces with {lossy}: a stop rule learns from them when exact verification accepts "
+            "a draft; record them under acceptance=exact and lenience=1"
+        )
     stop_rule = None
     if cfg.stop == "disco":
         stop_rule = load_stop_rule(cfg.disco, cfg.draft, proposer)

@@ -597,12 +597,16 @@ def json_safe(x):
 def report_paths(cfg) -> tuple[Path, Path]:
     """Where the report (JSON) and its plot (PNG) go, checked before anything is measured: a
     folder, a path under a file, or an existing file that is no report of this command (data,
-    say) is an ``EvalError``; an earlier report or plot is replaced."""
+    say) is an ``EvalError``; an earlier report or plot is replaced. ``traces=`` is checked
+    alike (an earlier traces file is replaced)."""
     from .settings import EvalError
 
     path = Path(cfg.report).expanduser()
     png = Path(cfg.plot).expanduser() if cfg.plot else path.with_suffix(".png")
-    for key, p, ours in (("report", path, _is_report), ("plot", png, _is_png)):
+    outs = [("report", path, _is_report), ("plot", png, _is_png)]
+    if cfg.get("traces"):
+        outs.append(("traces", Path(cfg.traces).expanduser(), _is_traces))
+    for key, p, ours in outs:
         if p.is_dir():
             raise EvalError(f"{key}={p} is a folder; name a file in it ({key}={p / path.name})")
         above = next((a for a in p.parents if a.exists()), None)
@@ -622,6 +626,16 @@ def _is_report(p: Path) -> bool:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return isinstance(r, dict) and "settings" in r
+
+
+def _is_traces(p: Path) -> bool:
+    """A traces file ``specdraft-eval traces=`` wrote: its first line is its ``meta``."""
+    try:
+        with open(p, errors="replace") as f:
+            first = json.loads(f.readline())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(first, dict) and "signal_names" in (first.get("meta") or {})
 
 
 def _is_png(p: Path) -> bool:

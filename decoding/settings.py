@@ -232,6 +232,10 @@ def validate(cfg: DictConfig) -> None:
         raise EvalError(f"tree_nodes={cfg.tree_nodes}: must be >= 1")
     if cfg.acceptance not in ("exact", "block", "typical"):
         raise EvalError(f"acceptance={cfg.acceptance!r}: use exact, block or typical")
+    if not 0.0 <= cfg.typical_epsilon <= 1.0:
+        raise EvalError(f"typical_epsilon={cfg.typical_epsilon}: must be in [0, 1]")
+    if not 0.0 <= cfg.typical_delta < float("inf"):
+        raise EvalError(f"typical_delta={cfg.typical_delta}: must be >= 0 (and finite)")
     if cfg.draft_sampling not in ("sample", "greedy"):
         raise EvalError(f"draft_sampling={cfg.draft_sampling!r}: use sample or greedy")
     if not 0 < cfg.lenience <= 1:

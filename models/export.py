@@ -289,6 +289,11 @@ def export(
         raise ExportError(f"--dtype {dtype}: --format {fmt_name} takes {', '.join(fmt.dtypes)}")
     dt = fmt.torch_dtype(dtype)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: a file, not a folder; an export is a folder")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ExportError(f"--out {out}: {above} is a file, not a folder")
     if out.exists() and not force:
         raise ExportError(f"{out}: already exists (pass --force to replace it)")
     if out.is_dir():

@@ -187,6 +187,11 @@ def test_eval_traces_then_cli_then_stop_disco(tmp_path):
     r = run_module("decoding.disco", [str(mixed), "--out", str(disco), "--epochs", "50"], 120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (disco / "model.safetensors").exists() and "saved" in r.stdout
+    assert f"stop=disco disco={disco})" in r.stdout  # the classifier is not the draft's own
+    for bad in (traces, traces / "d"):  # a file, or a path under one: refused before fitting
+        r = run_module("decoding.disco", [str(mixed), "--out", str(bad)], 120)
+        assert r.returncode == 2 and "a file, not a folder" in r.stderr, r.stderr[-2000:]
+    assert read_traces(traces)[0] == meta  # untouched
     rep = tmp_path / "b.json"
     r = run_module(
         "decoding.eval",
@@ -206,6 +211,11 @@ def test_eval_traces_then_cli_then_stop_disco(tmp_path):
         (["draft=truncate:1", "stop=disco"], "has no folder to hold a classifier"),
         (["draft=truncate:1", "stop=often"], "stop='often'"),
         (["draft=truncate:1", "stop=disco", "disco=/nonexistent"], "specdraft-disco"),
+        (
+            ["draft=truncate:1", "adaptive=false", "lenience=0.5", "traces=t.jsonl"],
+            "traces with lenience=0.5",
+        ),
+        (["draft=truncate:1", "stop=disco", f"disco={__file__}"], "a file, not a folder"),
     ],
 )
 def test_eval_disco_errors_are_one_line(tmp_path, args, needle):

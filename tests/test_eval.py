@@ -114,6 +114,8 @@ def test_eval_of_a_trained_run(tmp_path, data_file):
         (["categories=[nosuch]"], "categories=['nosuch']"),
         (["draft_weights=int4"], "draft_weights='int4': use one of auto, int8, full"),
         (["tree=dynamic", "min_prob=1.0"], "min_prob=1.0: must be in [0, 1)"),
+        (["acceptance=typical", "typical_epsilon=-1"], "typical_epsilon=-1.0: must be in [0, 1]"),
+        (["acceptance=typical", "typical_delta=-5"], "typical_delta=-5.0: must be >= 0"),
         (
             ["draft=smollm2-eagle"],
             "draft=smollm2-eagle: no such folder, shipped draft or model; "
@@ -412,6 +414,8 @@ def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
         ({"report": str(tmp_path / "rdir")}, "is a folder; name a file in it"),
         ({"report": str(data / "x.json")}, f"{data} is a file, not a folder"),
         ({"report": str(tmp_path / "r.json"), "plot": str(data)}, "is no plot of specdraft-eval"),
+        ({"traces": str(data)}, "is no traces of specdraft-eval"),
+        ({"traces": str(data / "t.jsonl")}, f"{data} is a file, not a folder"),
     ]
     for over, needle in cases:
         with pytest.raises(EvalError, match=re.escape(needle)):
@@ -421,6 +425,9 @@ def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
     mine.write_text(json.dumps({"settings": {}}))
     (tmp_path / "r.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 8)
     assert report_paths(_eval_cfg(report=str(mine))) == (mine, tmp_path / "r.png")
+    earlier = tmp_path / "t.jsonl"  # an earlier traces file is replaced
+    earlier.write_text(json.dumps({"meta": {"signal_names": ["p"]}}) + "\n")
+    report_paths(_eval_cfg(report=str(mine), traces=str(earlier)))
 
 
 def test_more_prompts_asked_than_the_bench_holds_is_said(tmp_path, capsys):

@@ -324,6 +324,15 @@ def test_existing_output_is_kept_without_force(target4, tmp_path):
     assert not (out / "keep.txt").exists() and detect_format(out) == "vllm"
 
 
+def test_an_out_that_is_a_file_is_refused_even_with_force(target4, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("mine")
+    for out in (data, data / "export"):
+        with pytest.raises(ExportError, match="a file, not a folder"):
+            export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
+    assert data.read_text() == "mine"
+
+
 def test_checkpoint_without_d2t_is_refused_on_import(target4, tmp_path):
     export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
     f = tmp_path / "v" / "model.safetensors"
