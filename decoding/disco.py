@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.base import SIGNAL_NAMES
+from models.base import SIGNAL_NAMES, file_above
 from models.export import readable_by_others
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
             if not ok:
                 raise DiscoError(f"{key}={v}: out of range")
         meta, rows = read_traces(a.traces)
-        out = Path(a.out) if a.out else default_disco_dir(str(meta.get("draft", "")))
+        default = default_disco_dir(str(meta.get("draft", "")))
+        out = Path(a.out) if a.out else default
         if out is None:
             raise DiscoError(
                 f"{a.traces}: the traced draft {meta.get('draft')!r} is not a folder here; "
@@ -370,8 +371,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         if out.exists() and not out.is_dir():
             raise DiscoError(f"--out {out}: a file, not a folder; name a folder for the classifier")
-        above = next((p for p in out.parents if p.exists()), None)
-        if above is not None and not above.is_dir():
+        above = file_above(out)
+        if above is not None:
             raise DiscoError(f"--out {out}: {above} is a file, not a folder")
         if out.is_dir() and any(out.iterdir()) and not (out / WEIGHTS).is_file():
             raise DiscoError(
@@ -386,7 +387,6 @@ def main(argv: list[str] | None = None) -> None:
     except DiscoError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    default = default_disco_dir(str(meta.get("draft", "")))
     where = "" if default is not None and out.resolve() == default.resolve() else f" disco={out}"
     print(f"saved: {path}  (use: specdraft-eval draft={meta['draft']} stop=disco{where})")
 

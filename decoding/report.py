@@ -599,6 +599,8 @@ def report_paths(cfg) -> tuple[Path, Path]:
     folder, a path under a file, or an existing file that is no report of this command (data,
     say) is an ``EvalError``; an earlier report or plot is replaced. ``traces=`` is checked
     alike (an earlier traces file is replaced)."""
+    from models.base import file_above
+
     from .settings import EvalError
 
     path = Path(cfg.report).expanduser()
@@ -609,8 +611,8 @@ def report_paths(cfg) -> tuple[Path, Path]:
     for key, p, ours in outs:
         if p.is_dir():
             raise EvalError(f"{key}={p} is a folder; name a file in it ({key}={p / path.name})")
-        above = next((a for a in p.parents if a.exists()), None)
-        if above is not None and not above.is_dir():
+        above = file_above(p)
+        if above is not None:
             raise EvalError(f"{key}={p}: {above} is a file, not a folder")
         if p.exists() and not ours(p):
             raise EvalError(

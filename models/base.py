@@ -202,6 +202,13 @@ def unfinished_run(path: Path) -> Path | None:
     return max(steps, key=lambda c: int(c.name[5:])) if steps else None
 
 
+def file_above(path: Path) -> Path | None:
+    """The file ``path`` would lie under (its nearest existing parent, where that is no
+    folder), or None: where nothing can be written at ``path``."""
+    above = next((p for p in Path(path).parents if p.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def resolve_draft_dir(path: Path) -> Path | None:
     """The saved-draft folder behind a run dir, checkpoint dir or draft dir; None if ``path``
     is none of those."""

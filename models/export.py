@@ -39,6 +39,7 @@ from .base import (
     DraftMethod,
     ExportError,
     ExportFormat,
+    file_above,
     read_draft_config,
     run_files,
     unfinished_run,
@@ -291,8 +292,8 @@ def export(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: a file, not a folder; an export is a folder")
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
+    above = file_above(out)
+    if above is not None:
         raise ExportError(f"--out {out}: {above} is a file, not a folder")
     if out.exists() and not force:
         raise ExportError(f"{out}: already exists (pass --force to replace it)")
