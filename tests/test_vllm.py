@@ -197,6 +197,28 @@ def plain_ref(tiny_served):
         return [plain.complete(p, 64).tokens for p in PROMPTS]
 
 
+@needs_vllm
+def test_a_worker_forked_from_the_zygote_answers_as_a_process_of_its_own(
+    tiny_served, plain_ref, monkeypatch
+):
+    """The suite's engines are forked from a zygote that imported vLLM once (conftest.py): a
+    worker started as a process of its own, as every user's is unless they name a zygote,
+    gives the same outputs; and the zygote is really forking them (else the suite would check
+    nothing but the fallback)."""
+    from decoding.engines.vllm_eval import VLLMWorker
+    from decoding.engines.vllm_zygote import ENV, Forked
+
+    _, folder = tiny_served
+    if not os.environ.get(ENV):
+        pytest.skip(f"{ENV} is unset: every engine here is a process of its own already")
+    with VLLMWorker(folder, dtype="float32", max_model_len=256) as forked:
+        assert isinstance(forked.proc, Forked), "the zygote named did not fork the worker"
+    monkeypatch.setenv(ENV, "")
+    with VLLMWorker(folder, dtype="float32", max_model_len=256) as own:
+        assert isinstance(own.proc, subprocess.Popen)
+        assert [own.complete(p, 64).tokens for p in PROMPTS] == plain_ref
+
+
 def _head(target, method: str):
     """A head of ``method`` for ``target`` as its method builds it (random, seeded), with a
     chosen draft vocabulary where it has one (every even token id)."""

@@ -47,6 +47,7 @@ from .base import (
     run_bench,
     steps_from_positions,
 )
+from .vllm_zygote import fork_worker
 
 VERSION = "0.32.0"  # the vLLM release scripts/install_vllm.sh installs
 INSTALL_HINT = (
@@ -188,7 +189,8 @@ class VLLMWorker:
             "PYTHONUNBUFFERED": "1",
         }
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
+        # forked from a zygote that imported vLLM already, where one is named (vllm_zygote.py)
+        self.proc = fork_worker(self.python, env, self.log_path) or subprocess.Popen(
             [str(self.python), str(WORKER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

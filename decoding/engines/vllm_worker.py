@@ -17,6 +17,14 @@ error (standard output is kept for the answers). Requests:
     {"cmd": "exit"}
 
 Every failure is answered as {"error": "<type>: <message>"}; the client decides what it means.
+
+``vllm_worker.py --zygote SOCKET`` is the same worker started once and forked for each engine:
+it imports vLLM (most of a worker's start on a CPU), builds nothing, and listens on the Unix
+socket ``SOCKET``. Each connection sends one line, ``{"python": the interpreter the client
+wants, "env": {...}, "log": path}``; the zygote answers ``{"pid": ...}`` from a forked child
+that takes the environment, writes its log to ``path`` and then serves the protocol above on
+that connection, as a process of its own would on its pipes; or ``{"error": ...}`` (another
+interpreter was asked for) and the client starts a process of its own.
 """
 
 from __future__ import annotations
@@ -179,10 +187,19 @@ class Worker:
         return {"outputs": outs, "seconds": seconds, "spec": spec}
 
 
-def main() -> None:
+def _own_path() -> None:
     # run as a script, this folder is first on the path: nothing of it may shadow vLLM's own
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+
+
+def main() -> None:
+    _own_path()
+    serve()
+
+
+def serve() -> None:
+    """The protocol, on standard input and output."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever vLLM prints goes to standard error
     worker = Worker()
@@ -193,7 +210,11 @@ def main() -> None:
         cmd = msg.get("cmd")
         if cmd == "exit":
             answers.write(json.dumps({"bye": True}) + "\n")
-            break
+            # nothing is left to save (one process, no engine core beside it): the interpreter's
+            # teardown of vLLM would take seconds more (5.5 s on a 2-core Zen 3)
+            sys.stderr.flush()
+            answers.flush()
+            os._exit(0)
         try:
             if cmd == "init":
                 out = worker.init(msg)
@@ -207,5 +228,75 @@ def main() -> None:
         answers.write(json.dumps(out) + "\n")
 
 
+def _child(conn, req: dict) -> None:
+    """In the forked child: the requested environment, the log, the connection as standard
+    input and output; then the protocol, and exit."""
+    os.setpgrp()  # killed with its own group, never the zygote's
+    os.environ.clear()
+    os.environ.update(req.get("env") or {})
+    os.chdir(req.get("cwd") or ".")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))  # the runtime read the zygote's value at load
+    log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    os.dup2(conn.fileno(), 0)
+    os.dup2(conn.fileno(), 1)
+    conn.close()
+    sys.stdin = os.fdopen(0, "r")
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    os.write(1, (json.dumps({"pid": os.getpid()}) + "\n").encode())
+    serve()
+
+
+def zygote(path: str) -> None:
+    """Import vLLM once, then fork a fresh worker for each connection on ``path``."""
+    import signal
+    import socket
+
+    _own_path()
+    # what Worker.init imports before its repairs, in its order: a child starts from the state
+    # a process of its own would reach there, no further (no kernel loaded, no engine built)
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.platforms import current_platform  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped as they end
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = f"{path}.{os.getpid()}"
+    srv.bind(tmp)
+    srv.listen(16)
+    os.replace(tmp, path)  # the socket appears once it accepts
+    me = os.path.abspath(sys.executable)
+    print(json.dumps({"ready": path, "python": me}), flush=True)
+    while True:
+        conn, _ = srv.accept()
+        try:
+            with conn.makefile("r") as f:  # closed here, or the zygote would hold the socket
+                line = f.readline()
+            req = json.loads(line) if line.strip() else {}
+            if os.path.abspath(req.get("python") or "") != me or "log" not in req:
+                conn.sendall((json.dumps({"error": f"this zygote runs {me}"}) + "\n").encode())
+                continue
+            if os.fork() == 0:
+                srv.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                try:
+                    _child(conn, req)
+                finally:
+                    os._exit(0)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--zygote":
+        zygote(sys.argv[2])
+    else:
+        main()
