@@ -51,10 +51,12 @@ def policies_of(cfg) -> list[str]:
 
 
 def batch_sizes_of(cfg) -> list[int]:
+    key = "batch_sizes" if cfg.batch_sizes else "batch_size"
     sizes = list(cfg.batch_sizes) if cfg.batch_sizes else [cfg.batch_size]
     for b in sizes:
-        if not isinstance(b, int) or b < 1:
-            raise BatchError(f"batch size {b!r}: must be an integer >= 1")
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            shown = list(cfg.batch_sizes) if cfg.batch_sizes else b
+            raise BatchError(f"{key}={shown}: {b!r} is not an integer >= 1")
     return sizes
 
 
@@ -225,7 +227,8 @@ def evaluate_batched(
         raise BatchError(f"batch_admit={admit}: a number of free slots, >= 1")
     for b in sizes:
         if admit > b:
-            raise BatchError(f"batch_admit={admit}: more than batch size {b}")
+            where = f"batch_sizes={sizes}" if cfg.batch_sizes else f"batch_size={b}"
+            raise BatchError(f"batch_admit={admit}: larger than the batch of {b} ({where})")
     # warm-up: first-call costs stay out of the timings
     for pr in (NoDraft(), proposer):
         BatchDecoder(

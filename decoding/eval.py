@@ -381,6 +381,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         # the same audit as an engine's samples get (decoding/sample_check.py): exact rules
         # pass it, typical acceptance and lenience < 1 are meant to fail it
         report["sample_check"] = check_run(target, samples, sampling)
+        if lenient or typical:  # what a pass means there: nothing, said beside it
+            rule = f"lenience {cfg.lenience}" if lenient else "typical acceptance"
+            report["sample_check"]["lossy_rule"] = rule
     if traces is not None:
         report["traces"] = write_traces(cfg.traces, traces, report, draft_desc)
     if changed and cfg.compare_original:
@@ -510,6 +513,27 @@ def apply_saved_decode(cfg: DictConfig, given: set[str]) -> str | None:
     )
 
 
+def dropped_settings(cfg: DictConfig, given: set[str]) -> list[str]:
+    """A note for each setting typed on the command line that this run cannot use."""
+    notes = []
+    if "top_k" in given and cfg.tree != "dynamic":
+        notes.append(
+            f"note: top_k={cfg.top_k} is the dynamic tree's width (tree=dynamic), unused with "
+            f"tree={cfg.tree}; sampling's top-k filter is sample_top_k"
+        )
+    if "acceptance" in given and cfg.acceptance != "exact" and cfg.temperature == 0:
+        notes.append(
+            f"note: acceptance={cfg.acceptance} decides at T > 0 only; at temperature=0 a "
+            "drafted token is accepted where it is the target's argmax, under every rule"
+        )
+    if "tree" in given and cfg.tree == "chain" and str(cfg.draft) == "lookahead":
+        notes.append(
+            "note: draft=lookahead verifies its n-gram candidates as one tree (a trie) whatever "
+            "tree= says; lookahead_guesses=1 verifies a single candidate"
+        )
+    return notes
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -520,11 +544,8 @@ def _main(cfg: DictConfig) -> None:
         line = apply_saved_decode(cfg, given)
         if line:
             print(line)
-        if "top_k" in given and cfg.tree != "dynamic":
-            print(
-                f"note: top_k={cfg.top_k} is the dynamic tree's width (tree=dynamic), unused with "
-                f"tree={cfg.tree}; sampling's top-k filter is sample_top_k"
-            )
+        for line in dropped_settings(cfg, given):
+            print(line)
         r = evaluate(cfg)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

@@ -236,6 +236,9 @@ def validate(cfg: DictConfig) -> None:
         raise EvalError(f"typical_epsilon={cfg.typical_epsilon}: must be in [0, 1]")
     if not 0.0 <= cfg.typical_delta < float("inf"):
         raise EvalError(f"typical_delta={cfg.typical_delta}: must be >= 0 (and finite)")
+    for key, lo in (("lookahead_window", 1), ("lookahead_ngram", 2), ("lookahead_guesses", 1)):
+        if not cfg[key] >= lo:
+            raise EvalError(f"{key}={cfg[key]}: must be >= {lo}")
     if cfg.draft_sampling not in ("sample", "greedy"):
         raise EvalError(f"draft_sampling={cfg.draft_sampling!r}: use sample or greedy")
     if not 0 < cfg.lenience <= 1:

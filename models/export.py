@@ -97,6 +97,20 @@ def vllm_serve_line(fmt: ExportFormat, target: Target, folder: Path, config: dic
     return f"vllm serve {base} --speculative-config '{json.dumps(spec)}'"
 
 
+def sglang_launch_line(fmt: ExportFormat, target: Target, folder: Path, gamma: int = 3):
+    """The SGLang command that serves ``folder`` as a chain of ``gamma`` drafts on ``target``
+    (its EAGLE-3 flags: steps = gamma, top-k 1, gamma + 1 tokens verified), or None for the
+    layouts SGLang is not the home of."""
+    if fmt.name != "sglang":
+        return None
+    return (
+        f"python -m sglang.launch_server --model-path {verifier_name(target)} "
+        f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {folder} "
+        f"--speculative-num-steps {gamma} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {gamma + 1}"
+    )
+
+
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise ExportError(f"{path}: missing")
@@ -326,7 +340,8 @@ def export(
             + (f"; {extra}" if extra else "")
         )
         vllm = vllm_serve_line(fmt, target, out.resolve(), config, opts.get("gamma") or 3)
-        (tmp / "README.md").write_text(_readme(fmt, draft, config, same, vllm))
+        sglang = sglang_launch_line(fmt, target, out.resolve(), opts.get("gamma") or 3)
+        (tmp / "README.md").write_text(_readme(fmt, draft, config, same, vllm, sglang))
         readable_by_others(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -339,9 +354,18 @@ def export(
         f"exported {fmt.description} to {out} ({size / 1e6:.1f} MB, {dtype}); checked: keys and "
         f"shapes against {target.identity}'s config; re-imported: {same['checked']}"
     )
+    if sglang:
+        log(f"serve it in SGLang: {sglang}")
     if vllm:
         log(f"serve it in vLLM: {vllm}")
-    return {"out": str(out), "format": fmt_name, "bytes": size, "vllm_serve": vllm, **same}
+    return {
+        "out": str(out),
+        "format": fmt_name,
+        "bytes": size,
+        "vllm_serve": vllm,
+        "sglang_serve": sglang,
+        **same,
+    }
 
 
 def readable_by_others(folder: Path) -> None:
@@ -354,7 +378,9 @@ def readable_by_others(folder: Path) -> None:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
-def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vllm=None) -> str:
+def _readme(
+    fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vllm=None, sglang=None
+) -> str:
     t = draft.target
     lines = [
         f"# {fmt.description} exported by specdraft",
@@ -367,6 +393,8 @@ def _readme(fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vll
         "fixed prompt",
         "",
     ]
+    if sglang:
+        lines += ["SGLang serves it with:", "", f"    {sglang}", ""]
     if vllm:
         lines += ["vLLM serves it with:", "", f"    {vllm}", ""]
     if fmt.serve_hint:
@@ -491,7 +519,12 @@ def main(argv: list[str] | None = None) -> None:
         "default: the embedded SmolLM2's packaged file, or any other target converted once by "
         "llama.cpp's converter where llama.cpp is installed (cached)",
     )
-    ap.add_argument("--gamma", type=int, default=3, help="speculators: speculative_tokens")
+    ap.add_argument(
+        "--gamma",
+        type=int,
+        default=3,
+        help="draft tokens a step in the printed serve lines (and speculators: speculative_tokens)",
+    )
     ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     ap.add_argument(
         "--merge", action="store_true", help="Medusa-2: write the adapter-merged model in base/"

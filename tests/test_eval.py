@@ -450,3 +450,67 @@ def test_a_tree_width_given_without_a_dynamic_tree_is_said(tmp_path):
     )
     r = _eval([*args, "temperature=1", "sample_top_k=50", f"report={tmp_path / 'r.json'}"])
     assert r.returncode == 0 and "note: top_k" not in r.stdout
+
+
+def test_settings_a_run_cannot_use_are_each_one_note():
+    """A key typed on the command line that this run drops gets a note naming it; the same
+    keys where they apply, or left at their defaults, get none."""
+    from decoding.eval import dropped_settings
+
+    def notes(given, **over):
+        return dropped_settings(_eval_cfg(**over), set(given))
+
+    assert notes(["acceptance"], acceptance="typical") == [
+        "note: acceptance=typical decides at T > 0 only; at temperature=0 a drafted token is "
+        "accepted where it is the target's argmax, under every rule"
+    ]
+    assert "acceptance=block decides" in notes(["acceptance"], acceptance="block")[0]
+    assert notes(["acceptance"], acceptance="typical", temperature=1) == []
+    assert notes([], acceptance="typical") == []  # a saved default is not the user's word
+    (la,) = notes(["tree"], draft="lookahead", tree="chain")
+    assert la.startswith("note: draft=lookahead verifies its n-gram candidates as one tree")
+    assert notes(["tree"], draft="ngram", tree="chain") == []
+    assert (
+        len(
+            notes(
+                ["top_k", "tree", "acceptance"],
+                draft="lookahead",
+                tree="chain",
+                top_k=9,
+                acceptance="block",
+            )
+        )
+        == 3
+    )
+
+
+@pytest.mark.parametrize(
+    "key,value,lo",
+    [("lookahead_window", 0, 1), ("lookahead_ngram", 1, 2), ("lookahead_guesses", 0, 1)],
+)
+def test_lookahead_settings_are_refused_by_their_own_keys(key, value, lo):
+    from decoding.eval import EvalError
+    from decoding.settings import validate
+
+    with pytest.raises(EvalError, match=f"^{key}={value}: must be >= {lo}$"):
+        validate(_eval_cfg(draft="lookahead", **{key: value}))
+
+
+def test_the_sample_check_says_what_a_pass_means_under_a_lossy_rule():
+    """At T > 0 the sample check scores the run's samples; under exact acceptance a pass reads
+    "consistent with the target's distribution"; under typical acceptance, which moves the
+    distribution on purpose, a pass says it is no evidence, beside the TVD that measures it."""
+    from decoding.eval import evaluate, print_report
+
+    for acceptance, said in (
+        ("typical", "which says nothing of typical acceptance"),
+        ("exact", "consistent with the target's distribution"),
+    ):
+        r = evaluate(_eval_cfg(draft="ngram", temperature=1, acceptance=acceptance, num_prompts=2))
+        lines = []
+        print_report(r, out=lines.append)
+        (check,) = [s for s in lines if s.startswith("sample check")]
+        assert r["sample_check"]["flag"] is None and said in check, check  # seeded: a pass
+        assert (r["sample_check"].get("lossy_rule") == "typical acceptance") == (
+            acceptance == "typical"
+        )

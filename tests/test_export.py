@@ -311,6 +311,23 @@ def test_the_serve_line_names_a_target_vllm_can_load(tmp_path):
     folder = target_folder(t)
     assert verifier_name(t) == str(folder) and (folder / "config.json").exists()
     assert said[-1].startswith(f"serve it in vLLM: vllm serve {folder} ")
+    assert not any("SGLang" in line for line in said)  # not SGLang's layout
+
+
+def test_an_sglang_export_says_how_sglang_serves_it(target4, tmp_path):
+    """``--format sglang`` prints (and writes in its README) SGLang's launch line for a chain
+    of gamma, beside vLLM's (which serves the layout too)."""
+    said = []
+    out = tmp_path / "sg"
+    r = export(eagle3(target4), "sglang", out, log=said.append, gamma=4)
+    line = r["sglang_serve"]
+    assert line.startswith("python -m sglang.launch_server --model-path ")
+    assert f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {out.resolve()} " in line
+    assert line.endswith(
+        "--speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5"
+    )
+    assert f"serve it in SGLang: {line}" in said and r["vllm_serve"]
+    assert line in (out / "README.md").read_text()
 
 
 def test_existing_output_is_kept_without_force(target4, tmp_path):
