@@ -10,6 +10,7 @@ with how to export and serve it.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -45,19 +46,49 @@ def train_measure_serve(cfg: DictConfig) -> dict:
     return summary
 
 
+def exit_code(summary: dict) -> int:
+    """The exit status of a training run by how it stopped: 0 finished (or its time budget
+    spent); 128 + the signal that stopped it, as shells count (130 for Ctrl-C, 143 for a
+    scheduler's SIGTERM; 130 where another process of the launch caught it), its checkpoint
+    saved for ``resume=true``; 1 stopped by non-finite losses (no draft saved)."""
+    reason = summary.get("reason")
+    if reason == "signal":
+        return 128 + int(summary.get("signal") or signal.SIGINT)
+    if reason == "nonfinite":
+        return 1
+    return 0
+
+
+#: sweep jobs that stopped on non-finite losses: the sweep goes on, and ends with status 1
+_FAILED: list[str] = []
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     # The run directory is Hydra's job directory: output_dir for a single run, one folder
     # per job (sweep dir / job number) under -m.
     with open_dict(cfg):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     try:
-        return train_measure_serve(cfg)
+        summary = train_measure_serve(cfg)
     except USER_ERRORS + (ConfigError,) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    code = exit_code(summary)
+    if code == 1:
+        print(
+            f"error: {cfg.output_dir}: stopped on {cfg.train.max_nonfinite} non-finite losses in "
+            "a row, no draft saved (its last checkpoint is kept)",
+            file=sys.stderr,
+        )
+    if code == 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
+        _FAILED.append(cfg.output_dir)  # the other jobs still run
+    elif code:
+        sys.exit(code)  # a signal stops a sweep too
+    return summary
 
 
 def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> str | None:
@@ -107,6 +138,13 @@ def main() -> None:
         print(note, flush=True)
         sys.argv[1:] = argv
     _hydra_main()
+    if _FAILED:
+        print(
+            f"error: {len(_FAILED)} job(s) of the sweep stopped on non-finite losses: "
+            + ", ".join(_FAILED),
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -329,7 +329,7 @@ def test_not_json_data_file_is_one_clear_error(tmp_path):
     assert r.returncode == 2 and f"{bad}: not JSON" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_file, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_143(data_file, tmp_path):
     out = tmp_path / "sig"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen(
@@ -358,7 +358,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_file, tmp_path):
     assert (out / "metrics.jsonl").exists(), "training never started"
     p.send_signal(signal.SIGTERM)
     stdout, _ = p.communicate(timeout=60)
-    assert p.returncode == 0, stdout[-2000:]
+    # 128 + SIGTERM, as shells count: a scheduler sees a stopped run, not a finished one
+    assert p.returncode == 143, stdout[-2000:]
     assert "Traceback" not in stdout and "resume=true" in stdout
     ck = latest_checkpoint(out)
     assert ck is not None and not (out / "final").exists()
@@ -528,3 +529,45 @@ def test_the_summary_prints_a_dash_where_no_token_reached_a_position():
     row3 = next(s for s in lines if s.strip().startswith("3 "))
     assert row3.split()[1:] == ["0.000", "-"]
     assert "no validation token reached" in text
+
+
+def test_the_exit_status_says_how_a_run_stopped():
+    from flow.app import exit_code
+
+    assert exit_code({"reason": "finished"}) == 0 and exit_code({"reason": "time"}) == 0
+    assert exit_code({"reason": "signal", "signal": signal.SIGTERM}) == 143
+    assert exit_code({"reason": "signal", "signal": signal.SIGINT}) == 130
+    assert exit_code({"reason": "signal", "signal": None}) == 130  # caught by another rank
+    assert exit_code({"reason": "nonfinite"}) == 1
+
+
+def test_a_sweep_runs_every_job_and_fails_where_one_diverged(tmp_path, monkeypatch, capsys):
+    """Under -m a job stopped by non-finite losses does not stop the sweep: the others run, and
+    the sweep ends with status 1 naming it; a single run ends with 1 at once."""
+    import flow.app as app
+
+    ran = []
+
+    def fake(cfg):
+        ran.append(cfg.optim.lr)
+        return {"reason": "nonfinite" if cfg.optim.lr > 1 else "finished", "final": None}
+
+    monkeypatch.setattr(app, "train_measure_serve", fake)
+    monkeypatch.setattr(app, "_FAILED", [])
+    sweep = tmp_path / "sweep"
+    monkeypatch.setattr(
+        sys, "argv", ["specdraft-train", "-m", "optim.lr=100,0.001", f"hydra.sweep.dir={sweep}"]
+    )
+    with pytest.raises(SystemExit) as e:
+        app.main()
+    assert e.value.code == 1 and ran == [100.0, 0.001]
+    err = capsys.readouterr().err
+    assert "1 job(s) of the sweep stopped on non-finite losses" in err and str(sweep / "0") in err
+    ran.clear()
+    monkeypatch.setattr(
+        sys, "argv", ["specdraft-train", "optim.lr=100", f"output_dir={tmp_path / 'one'}"]
+    )
+    with pytest.raises(SystemExit) as e:
+        app.main()
+    assert e.value.code == 1 and ran == [100.0]
+    assert "stopped on 10 non-finite losses in a row" in capsys.readouterr().err

@@ -85,10 +85,13 @@ class _Signals:
                 pass
         return self
 
+    #: the signal this process was last stopped by (its exit status says so: 128 + it)
+    last: int | None = None
+
     def _handle(self, signum, frame):
         if self.caught is not None:  # second signal: stop now (the checkpoint is atomic)
             raise KeyboardInterrupt
-        self.caught = signum
+        self.caught = _Signals.last = signum
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
