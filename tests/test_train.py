@@ -571,3 +571,36 @@ def test_a_sweep_runs_every_job_and_fails_where_one_diverged(tmp_path, monkeypat
         app.main()
     assert e.value.code == 1 and ran == [100.0]
     assert "stopped on 10 non-finite losses in a row" in capsys.readouterr().err
+
+
+def test_a_multi_process_launchs_checkpoint_is_checked_by_the_names_it_saves(tmp_path):
+    """Under a multi-process launch the prepared draft is DDP-wrapped (``module.``-prefixed
+    names) while accelerate saves its weights unwrapped: resuming a draft with frozen weights
+    (Medusa-2's backbone) compared the two and refused every checkpoint it had written."""
+    import torch
+    import torch.distributed as dist
+    from conftest import free_port
+    from safetensors.torch import save_file
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer.checkpoint import _check_saved_weights, frozen_names
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    net[0].requires_grad_(False)  # frozen: left out of checkpoints
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        wrapped = DistributedDataParallel(net)
+        assert next(iter(wrapped.state_dict())).startswith("module.")
+        assert frozen_names(wrapped) == {"0.weight", "0.bias"}
+        ck = tmp_path / "ck"
+        ck.mkdir()
+        trained = {k: v for k, v in net.state_dict().items() if not k.startswith("0.")}
+        save_file(trained, str(ck / "model.safetensors"))
+        _check_saved_weights(wrapped, ck)  # fits
+        save_file({"1.weight": trained["1.weight"]}, str(ck / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=r"missing \['1.bias'\]"):
+            _check_saved_weights(wrapped, ck)
+    finally:
+        dist.destroy_process_group()

@@ -117,9 +117,19 @@ def save_checkpoint(
     return final
 
 
+def _bare(model: Any) -> Any:
+    """``model`` out of a launcher's wrapper (DDP's ``module.``, DeepSpeed's engine): the names
+    accelerate saves and loads weights under."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
 def frozen_names(model: Any) -> set[str]:
-    """State-dict names of ``model``'s frozen parameters (prefixed as its state dict is)."""
-    return {n for n, p in model.named_parameters() if not p.requires_grad}
+    """State-dict names of ``model``'s frozen parameters, as a checkpoint names them (out of
+    any DDP wrapper: under a multi-process launch the prepared draft is ``module.``-prefixed,
+    the weights accelerate saves are not)."""
+    return {n for n, p in _bare(model).named_parameters() if not p.requires_grad}
 
 
 def drop_frozen_weights(models: list, weights: list[dict], _output_dir: str) -> None:
@@ -144,7 +154,7 @@ def _check_saved_weights(model: Any, path: Path) -> None:
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
 
     frozen = frozen_names(model)
-    state = model.state_dict()
+    state = _bare(model).state_dict()
     wanted = set(state) - frozen
     # tied weights (e.g. an LM head sharing the embedding) are saved once under one name
     shared: dict[tuple, set[str]] = {}
