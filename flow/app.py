@@ -65,6 +65,7 @@ _FAILED: list[str] = []
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> dict:
+    from accelerate import PartialState
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -78,7 +79,7 @@ def _hydra_main(cfg: DictConfig) -> dict:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     code = exit_code(summary)
-    if code == 1:
+    if code == 1 and PartialState().is_main_process:
         print(
             f"error: {cfg.output_dir}: stopped on {cfg.train.max_nonfinite} non-finite losses in "
             "a row, no draft saved (its last checkpoint is kept)",

@@ -262,7 +262,7 @@ def zygote(path: str) -> None:
     # what Worker.init imports before its repairs, in its order: a child starts from the state
     # a process of its own would reach there, no further (no kernel loaded, no engine built)
     import vllm  # noqa: F401
-    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm import LLM  # noqa: F401
     from vllm.platforms import current_platform  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped as they end
@@ -272,7 +272,6 @@ def zygote(path: str) -> None:
     srv.listen(16)
     os.replace(tmp, path)  # the socket appears once it accepts
     me = os.path.abspath(sys.executable)
-    print(json.dumps({"ready": path, "python": me}), flush=True)
     while True:
         conn, _ = srv.accept()
         try:

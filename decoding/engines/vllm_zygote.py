@@ -45,21 +45,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_zygote(python: str | Path, path: str | Path, env: dict[str, str] | None = None):
+def start_zygote(python: str | Path, path: str | Path):
     """Start a zygote of ``python`` (vLLM's environment) listening on ``path``; returns its
     Popen at once (it imports vLLM in the background; workers asked for meanwhile wait for it).
     Its pid is written beside the socket, so that a client can tell a zygote still starting from
     none."""
     path = Path(path)
     path.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [str(python), str(WORKER), "--zygote", str(path)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(f"{path}.log", "w"),
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
+    with open(f"{path}.log", "w") as log:  # the zygote's own (each worker has its log)
+        proc = subprocess.Popen(
+            [str(python), str(WORKER), "--zygote", str(path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
     _pid_file(path).write_text(str(proc.pid))
     return proc
 
@@ -129,7 +129,8 @@ class Forked:
             if end is not None and time.monotonic() > end:
                 raise subprocess.TimeoutExpired("vllm worker", timeout)
             time.sleep(0.05)
-        self.returncode = -1 if self.returncode is None else self.returncode
+        if self.returncode is None:
+            self.returncode = -1
         self._close()
         return self.returncode
 
