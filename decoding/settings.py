@@ -147,7 +147,7 @@ class EvalConfig:
     engine: str = "torch"
     p_min: float = 0.0
     target_gguf: str | None = None  # llama.cpp: the target's GGUF (default: the embedded one's)
-    engine_threads: int | None = None  # llama.cpp threads (default: all cores)
+    engine_threads: int | None = None  # engine threads (default: OMP_NUM_THREADS or all cores)
     # llama.cpp's repacked CPU weight layouts (AMX, AVX-512 repack): auto = on unless an
     # 8-token llama-bench run crashes with them here (seen on an AMX Xeon), then off, said
     engine_repack: str = "auto"

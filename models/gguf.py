@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .base import ExportError
+from .gguf_reader import read_gguf
 from .target import TargetError, full_attention_rope, target_gguf
 
 # what --dtype means for a GGUF draft: the type of its 2-D weights
@@ -88,11 +89,11 @@ def field(r, key: str):
 
 def open_gguf(path: Path, arch: str):
     """A GGUF reader for ``path``, which must hold a ``general.architecture = arch`` model."""
-    gguf = gguf_module()
+    gguf_module()  # the package (read_gguf maps tensors with its types), or one clear line
     if not path.exists():
         raise ExportError(f"{path}: missing")
     try:
-        r = gguf.GGUFReader(str(path))
+        r = read_gguf(path)
     except Exception as e:
         raise ExportError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
     got = field(r, "general.architecture")
@@ -134,9 +135,9 @@ def check_target_gguf(r, path: Path, tc) -> None:
     toks = r.fields.get("tokenizer.ggml.tokens")
     if toks is None:
         raise ExportError(f"{path}: holds no tokenizer (tokenizer.ggml.tokens)")
-    if len(toks.data) != tc.vocab_size:
+    if len(toks.contents()) != tc.vocab_size:
         raise ExportError(
-            f"{path}: its tokenizer has {len(toks.data)} tokens, the head's target {tc.vocab_size}"
+            f"{path}: its tokenizer has {len(toks.contents())} tokens, the head's target {tc.vocab_size}"
         )
 
 
@@ -282,7 +283,10 @@ def write_draft_gguf(
     gguf = gguf_module()
     tc = draft.target.config
     src_path = Path(target_gguf_path)
-    src = gguf.GGUFReader(str(src_path))
+    try:
+        src = read_gguf(src_path)
+    except Exception as e:
+        raise ExportError(f"{src_path}: not a readable GGUF ({type(e).__name__}: {e})") from None
     check_target_gguf(src, src_path, tc)
     hp = target_hparams(tc)
     w = gguf.GGUFWriter(str(path), arch)

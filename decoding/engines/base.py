@@ -54,6 +54,16 @@ def engine_draft_dir(
     return cache_root() / area / f"{path.resolve().name}-{h.hexdigest()[:10]}{suffix}"
 
 
+def default_threads(threads: int | None = None) -> int:
+    """The threads an engine computes with: ``threads`` where given (``engine_threads``), else
+    this process's ``OMP_NUM_THREADS`` where set, else every core. One rule for every engine:
+    an engine run beside other work that was told to keep to one thread (a test worker, a job
+    sharing its machine) keeps to it too, rather than spinning threads against that work."""
+    if threads:
+        return int(threads)
+    return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+
+
 class EngineError(RuntimeError):
     """The engine is missing, would not start, or failed; the message says which and what to
     do."""

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .base import Completion, EngineError, cache_root, engine_draft_dir
+from .base import Completion, EngineError, cache_root, default_threads, engine_draft_dir
 
 BUILD = 11434  # the llama.cpp build scripts/install_engine.sh installs (EAGLE-3 since b9606)
 PROGRAMS = ("llama-server", "llama-bench")
@@ -50,10 +50,11 @@ FEATURE_DRAFTS = ("draft-eagle3", "draft-dflash", "draft-dspark")
 
 def gguf_architecture(path: str | Path) -> str | None:
     """A GGUF's ``general.architecture`` (its header only is read)."""
-    from models.gguf import field, gguf_module
+    from models.gguf import field
+    from models.gguf_reader import read_gguf
 
     try:
-        return field(gguf_module().GGUFReader(str(path)), "general.architecture")
+        return field(read_gguf(path), "general.architecture")
     except Exception as e:  # noqa: BLE001 - any unreadable file is one line
         raise EngineError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
 
@@ -284,7 +285,7 @@ class LlamaServer:
         if port is not None and port_in_use(port):
             raise EngineError(f"port {port} on 127.0.0.1 is in use: pick another or leave it unset")
         self.port = port or free_port()
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = default_threads(threads)
         args = [
             str(self.bin), "-m", str(self.model), "--host", "127.0.0.1", "--port",
             str(self.port), "-np", "1", "-t", str(self.threads), "-c", str(ctx_size),

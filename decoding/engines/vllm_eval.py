@@ -43,6 +43,7 @@ from .base import (
     cache_root,
     cached_export,
     cpu_name,
+    default_threads,
     lossless_note,
     run_bench,
     steps_from_positions,
@@ -144,8 +145,7 @@ class VLLMWorker:
         self.repair, self.repairs = bool(repair), []
         self.model, self.speculative = str(model), speculative
         self.gamma = int((speculative or {}).get("num_speculative_tokens") or 0)
-        # all cores, unless this process was told otherwise (a test worker's one thread)
-        self.threads = threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        self.threads = default_threads(threads)
         self.llm_args = {
             "model": self.model,
             "tokenizer": self.model,

@@ -199,7 +199,7 @@ class DFlashGGUF(GGUFDraftFormat):
         """The GGUF's tensors under their HF names, dequantized to float32, ``d2t`` as
         offsets and ``t2d`` rebuilt."""
         r = open_gguf(path, ARCH)
-        V = len(r.fields["tokenizer.ggml.tokens"].data)
+        V = len(r.fields["tokenizer.ggml.tokens"].contents())
 
         def to_hf(name: str, x: torch.Tensor):
             hf = hf_name(name, self.extra_names)
@@ -212,7 +212,7 @@ class DFlashGGUF(GGUFDraftFormat):
         path = folder / self.weights_file
         r = open_gguf(path, ARCH)
         d2t = next((t for t in r.tensors if t.name == "d2t"), None)
-        V = len(r.fields["tokenizer.ggml.tokens"].data)
+        V = len(r.fields["tokenizer.ggml.tokens"].contents())
         shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in r.tensors}
         try:
             return {
