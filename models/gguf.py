@@ -87,15 +87,21 @@ def field(r, key: str):
     return None if f is None else f.contents()
 
 
+def read(path: str | Path, error: type[Exception] = ExportError):
+    """The GGUF at ``path`` (``models/gguf_reader.py``); a file that is not one is one
+    ``error`` line naming it."""
+    gguf_module()  # the package (its tensor types), or one clear line
+    try:
+        return read_gguf(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
+        raise error(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+
+
 def open_gguf(path: Path, arch: str):
     """A GGUF reader for ``path``, which must hold a ``general.architecture = arch`` model."""
-    gguf_module()  # the package (read_gguf maps tensors with its types), or one clear line
     if not path.exists():
         raise ExportError(f"{path}: missing")
-    try:
-        r = read_gguf(path)
-    except Exception as e:
-        raise ExportError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+    r = read(path)
     got = field(r, "general.architecture")
     if got != arch:
         raise ExportError(f"{path}: general.architecture={got!r}, expected {arch!r}")
@@ -135,9 +141,9 @@ def check_target_gguf(r, path: Path, tc) -> None:
     toks = r.fields.get("tokenizer.ggml.tokens")
     if toks is None:
         raise ExportError(f"{path}: holds no tokenizer (tokenizer.ggml.tokens)")
-    if len(toks.contents()) != tc.vocab_size:
+    if (n := len(toks.contents())) != tc.vocab_size:
         raise ExportError(
-            f"{path}: its tokenizer has {len(toks.contents())} tokens, the head's target {tc.vocab_size}"
+            f"{path}: its tokenizer has {n} tokens, the head's target {tc.vocab_size}"
         )
 
 
@@ -283,10 +289,7 @@ def write_draft_gguf(
     gguf = gguf_module()
     tc = draft.target.config
     src_path = Path(target_gguf_path)
-    try:
-        src = read_gguf(src_path)
-    except Exception as e:
-        raise ExportError(f"{src_path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+    src = read(src_path)
     check_target_gguf(src, src_path, tc)
     hp = target_hparams(tc)
     w = gguf.GGUFWriter(str(path), arch)

@@ -1,9 +1,9 @@
 """Reading a GGUF file: its key-value fields, decoded, and its tensors, mapped from the file.
 
 The ``gguf`` package's ``GGUFReader`` builds a NumPy view for every element of every array
-field before it returns: on a target GGUF with a 49,152-token vocabulary and its merges that
-is 6-7 seconds on a 2-core CPU, paid each time an engine's evaluation asks a GGUF its
-architecture. ``read_gguf`` decodes the same fields with one pass over the header (string
+field before it returns: seconds on a target GGUF with a 49,152-token vocabulary and its
+merges, paid each time an engine's evaluation asks a GGUF its architecture (timed in
+docs/benchmarks.md). ``read_gguf`` decodes the same fields with one pass over the header (string
 arrays in a Python loop over their bytes, numeric arrays as one ``frombuffer`` each) and maps
 the tensors the way ``GGUFReader`` does, so a tensor's ``data`` is what
 ``gguf.quants.dequantize`` takes; ``tests/test_gguf_reader.py`` checks both readers agree on

@@ -50,13 +50,9 @@ FEATURE_DRAFTS = ("draft-eagle3", "draft-dflash", "draft-dspark")
 
 def gguf_architecture(path: str | Path) -> str | None:
     """A GGUF's ``general.architecture`` (its header only is read)."""
-    from models.gguf import field
-    from models.gguf_reader import read_gguf
+    from models.gguf import field, read
 
-    try:
-        return field(read_gguf(path), "general.architecture")
-    except Exception as e:  # noqa: BLE001 - any unreadable file is one line
-        raise EngineError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+    return field(read(path, EngineError), "general.architecture")
 
 
 def check_feature_target(target: str | Path, spec_type: str | None) -> None:

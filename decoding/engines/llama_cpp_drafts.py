@@ -90,13 +90,9 @@ def gguf_kind(path: Path) -> tuple[str, int | None]:
     """(llama-server's --spec-type, block size or None) of the draft GGUF at ``path``: from
     its architecture (eagle3, dflash, or any language model: a standalone draft) and, for
     dflash, whether it holds DSpark's Markov head (as llama.cpp itself decides)."""
-    from models.gguf import field
-    from models.gguf_reader import read_gguf
+    from models.gguf import field, read
 
-    try:
-        r = read_gguf(path)
-    except Exception as e:
-        raise DraftError(f"{path}: not a readable GGUF ({type(e).__name__}: {e})") from None
+    r = read(path, DraftError)
     arch = field(r, "general.architecture")
     if arch == "eagle3":
         return "draft-eagle3", None
