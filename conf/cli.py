@@ -5,12 +5,19 @@ takes it and the command would silently ignore it).
 
 Each command calls ``check_command_line(<its config name>, sys.argv[1:])`` once its schema is
 registered; a sweep (``-m``) is left to Hydra, its values being lists.
+
+How a long command stops (``StopSignals``): SIGINT (Ctrl-C) and SIGTERM (a scheduler's stop)
+end it at its next boundary, a training step or a prompt, where what it holds is consistent:
+it keeps what it has (a checkpoint, a report over the prompts finished) and exits with 128 +
+the signal, as shells count (130, 143). A second signal stops it at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import signal
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parent
@@ -133,3 +140,75 @@ def check_command_line(config_name: str, argv: list[str]) -> str | None:
         hint = _did_you_mean(extra[0], _known(cfg, extra[0]))
         return f"+{extra[0]}: no such setting (the command would ignore it){hint}"
     return None
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped by a signal at once (not at a boundary); ``signum`` says which."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def exit_code_of(e: KeyboardInterrupt) -> int:
+    """128 + the signal behind an interruption (a plain KeyboardInterrupt is SIGINT's)."""
+    return e.exit_code if isinstance(e, Stopped) else 128 + signal.SIGINT
+
+
+class StopSignals:
+    """SIGINT and SIGTERM, while inside ``with StopSignals(...)``:
+
+    - ``deferred`` (a loop that checks ``caught`` at its boundaries): the first signal sets
+      ``caught`` and prints ``notice`` (one raw write, safe beside a progress bar); the loop
+      ends at its next boundary. A second raises ``Stopped`` at once.
+    - not deferred (work with no boundary to stop at): the first raises ``Stopped``.
+
+    A SIGINT the process was started ignoring (a background job of a non-interactive shell)
+    stays ignored, as Python itself leaves it; SIGTERM is always taken. Outside the main thread
+    (where signals cannot be set) nothing is installed. The previous handlers come back on
+    exit, so a nested ``StopSignals`` rules while it is open."""
+
+    #: the signal this process was last stopped by (its exit status says so: 128 + it)
+    last: int | None = None
+    #: the open ones, innermost last (signals are the process's: so is this)
+    _open: list[StopSignals] = []
+
+    def __init__(self, deferred: bool = True, notice: str = ""):
+        self.deferred = deferred
+        self.notice = notice
+        self.caught: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+                continue
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread (e.g. some launchers): leave defaults
+                pass
+        StopSignals._open.append(self)
+        return self
+
+    @classmethod
+    def requested(cls) -> int | None:
+        """The signal that asked the innermost open ``StopSignals`` to stop, or None: what a
+        loop deep in a command checks at its boundaries."""
+        return cls._open[-1].caught if cls._open else None
+
+    def _handle(self, signum, frame) -> None:
+        first = self.caught is None
+        self.caught = StopSignals.last = signum
+        if not self.deferred or not first:
+            raise Stopped(signum)
+        if self.notice:
+            os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
+
+    def __exit__(self, *exc) -> None:
+        StopSignals._open.remove(self)
+        for s, h in self._old.items():
+            signal.signal(s, h)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import platform
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -25,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from conf.cli import check_command_line
+from conf.cli import Stopped, StopSignals, check_command_line, exit_code_of
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError, ExportError
@@ -49,6 +50,7 @@ from .report import (
     NEAR_TIE_TOLERANCE,
     classify_divergence,
     json_safe,
+    mark_stopped,
     plain_token_seconds,
     plot_batch_report,
     plot_report,
@@ -130,7 +132,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         if cfg.stop == "confidence":
             draft_desc += confidence_stop(proposer, cfg)
         try:
-            report = evaluate_batched(cfg, target, proposer, draft_desc, questions, sampling, stop)
+            # no prompt boundary to stop at in a batch: a signal stops it at once
+            with StopSignals(deferred=False):
+                report = evaluate_batched(
+                    cfg, target, proposer, draft_desc, questions, sampling, stop
+                )
         except BatchError as e:
             raise EvalError(str(e)) from None
         report["settings"] = {
@@ -230,6 +236,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     outputs, n_turns, divergences, compared = [], 0, [], 0
     samples: dict[str, list] = {"ar": [], "spec": []}  # T > 0: for the sample check
     for q in tqdm(questions, desc="prompts", dynamic_ncols=True, file=sys.stderr):
+        if StopSignals.requested() is not None:
+            break  # a stop asked for by a signal: the report covers the prompts finished
         histories = {"ar": [], "spec": []}
         rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
         for turn in q["turns"][: cfg.turns]:
@@ -267,6 +275,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 }
             )
         outputs.append(rec)
+    if not outputs and StopSignals.requested() is not None:
+        raise Stopped(StopSignals.requested())  # stopped before the first prompt finished
 
     ar_step = ar.stats.t_target / max(1, ar.stats.target_calls)
     # c: one draft step over one plain target step. The proposer's own per-step measure when it
@@ -392,7 +402,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         for t in rec["turns"]:
             t.pop("ids"), t.pop("prompt_len")
     if cfg.compare_hf:
-        report["hf_assisted"] = _hf_assisted(target, proposer, questions, cfg, stop, report)
+        done = questions[: len(outputs)]  # all of them but where a signal stopped the run
+        report["hf_assisted"] = _hf_assisted(target, proposer, done, cfg, stop, report)
     return json_safe(report)
 
 
@@ -539,6 +550,7 @@ def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     given = {o.split("=")[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    notice = "stopping after this prompt, with a report on the prompts finished (again: at once)"
     try:
         path, png = report_paths(cfg)
         line = apply_saved_decode(cfg, given)
@@ -546,10 +558,17 @@ def _main(cfg: DictConfig) -> None:
             print(line)
         for line in dropped_settings(cfg, given):
             print(line)
-        r = evaluate(cfg)
+        with StopSignals(notice=notice) as sig:
+            r = evaluate(cfg)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as e:  # before a prompt finished, a second signal, or a batch
+        code = exit_code_of(e)
+        print(f"\nstopped by {signal.Signals(code - 128).name}: no report written", file=sys.stderr)
+        sys.exit(code)
+    if sig.caught is not None:
+        mark_stopped(r, sig.caught, len(bench_questions(cfg)))
     path.parent.mkdir(parents=True, exist_ok=True)
     png.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(r, indent=1))
@@ -563,6 +582,8 @@ def _main(cfg: DictConfig) -> None:
     if r.get("finished") is False:
         print(f"error: the engine failed part way: {r.get('engine_error')}", file=sys.stderr)
         sys.exit(1)
+    if sig.caught is not None:
+        sys.exit(128 + sig.caught)
 
 
 def main() -> None:

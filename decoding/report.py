@@ -315,6 +315,27 @@ def print_report(r: dict[str, Any], out=print) -> None:
             f"{f(h['ours_tokens_per_second'], 1)} tok/s ({f(h['ours_over_hf'])}x)"
         )
     out(f"convention: {r['convention']}")
+    if r.get("stopped"):
+        st = r["stopped"]
+        out(
+            f"STOPPED by {st['signal']} after {st['prompts']} of {st['asked']} prompts: the "
+            "figures above cover those"
+            + (f"; left out: {st['left_out']}" if st.get("left_out") else "")
+        )
+
+
+def mark_stopped(r: dict[str, Any], signum: int, asked: int) -> None:
+    """Mark a report whose run a signal ended at a prompt boundary (``StopSignals``): its
+    figures cover the prompts in ``outputs``, of ``asked``; a step it skipped for the stop is
+    named in ``left_out`` (set by the run)."""
+    import signal
+
+    r["stopped"] = {
+        "signal": signal.Signals(signum).name,
+        "prompts": len(r.get("outputs") or []),
+        "asked": asked,
+        **(r.get("stopped") or {}),  # what the run left out, where it says (``left_out``)
+    }
 
 
 def plot_report(r: dict[str, Any], path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from conf.cli import check_command_line
+from conf.cli import Stopped, StopSignals, check_command_line
 from trainer.sweep import SUMMARY
 from trainer.train import USER_ERRORS, ConfigError, run
 
@@ -38,7 +38,16 @@ def train_measure_serve(cfg: DictConfig) -> dict:
     if cfg.train.eval_after.enabled:
         from flow.measure import measure_after
 
-        summary["eval_after"] = measure_after(cfg, final, run_dir)
+        try:
+            with StopSignals(deferred=False):  # the draft is saved: nothing to wait for
+                summary["eval_after"] = measure_after(cfg, final, run_dir)
+        except Stopped as e:
+            print(
+                f"\nstopped by {signal.Signals(e.signum).name} while measuring: the draft is "
+                f"saved in {final}; measure it with: specdraft-eval draft={final}",
+                file=sys.stderr,
+            )
+            sys.exit(e.exit_code)
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     from flow.serve import serve_hint
 

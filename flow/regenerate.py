@@ -36,7 +36,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from conf.cli import check_command_line
+from conf.cli import StopSignals, check_command_line, exit_code_of
 from data.chat import prompt_ids
 from data.conversations import Conversation, DataError, load_conversations
 from decoding.batch import BatchDecoder
@@ -548,18 +548,20 @@ ConfigStore.instance().store(name="prepare_schema", node=PrepareConfig)
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare")
 def _main(cfg: DictConfig) -> None:
     try:
-        regenerate(cfg)
+        # at once: every finished conversation is already in its part file
+        with StopSignals(deferred=False):
+            regenerate(cfg)
     except (DataError, TargetError, PrepareError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or a scheduler's SIGTERM
         parts = _parts_dir(Path(cfg.out).expanduser().resolve())
         print(
             f"\nstopped: the replies written so far are kept in {parts}; the same command "
             "continues from them",
             file=sys.stderr,
         )
-        sys.exit(130)
+        sys.exit(exit_code_of(e))
 
 
 def main() -> None:

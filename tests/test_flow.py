@@ -60,3 +60,47 @@ def test_app_trains_measures_and_says_how_to_serve(data_file, tmp_path):
 def test_old_module_path_says_where_the_app_went():
     r = run_module("trainer.train", ["debug=default"])
     assert r.returncode != 0 and "python -m flow" in r.stderr
+
+
+def test_a_signal_while_measuring_says_the_draft_is_saved(data_file, tmp_path):
+    """Ctrl-C during the measurement after training: one line naming the saved draft and the
+    command that measures it later, exit 130 (it was a traceback)."""
+    import signal
+
+    out = tmp_path / "run"
+    code = (
+        "import os, signal, sys\n"
+        "from decoding.decoder import SpeculativeDecoder\n"
+        "def generate(self, *a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"  # the first decode of the measurement
+        "    return []\n"
+        "SpeculativeDecoder.generate = generate\n"
+        "from flow.app import main\n"
+        "sys.argv = ['specdraft-train', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    args = tiny_overrides(
+        data_file,
+        out,
+        **{
+            "train.max_steps": 2,
+            "train.eval_after.enabled": "true",
+            "train.eval_after.num_prompts": 1,
+            "train.eval_after.compare": "[]",
+        },
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert r.returncode == 130, r.stderr[-2000:]
+    final = out / "final"
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"stopped by SIGINT while measuring: the draft is saved in {final}; measure it with: "
+        f"specdraft-eval draft={final}"
+    )
+    assert (final / "config.json").exists() and "Traceback" not in r.stderr

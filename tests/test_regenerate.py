@@ -352,10 +352,11 @@ def test_an_out_that_is_not_preparess_own_is_refused_before_anything_runs(tmp_pa
     assert len(ours.read_text().splitlines()) == 2
 
 
-def test_ctrl_c_keeps_the_replies_and_says_how_to_continue(tmp_path, data_file):
-    """SIGINT part way: one line saying where the replies are and that the same command goes
-    on (it was a traceback), exit 130; the same command then writes the file an uninterrupted
-    run writes."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_keeps_the_replies_and_says_how_to_continue(tmp_path, data_file, sig):
+    """SIGINT (Ctrl-C) or a scheduler's SIGTERM part way: one line saying where the replies
+    are and that the same command goes on (it was a traceback; SIGTERM ended it silently), exit
+    128 + the signal; the same command then writes the file an uninterrupted run writes."""
     import os
     import signal
     import subprocess
@@ -383,6 +384,9 @@ def test_ctrl_c_keeps_the_replies_and_says_how_to_continue(tmp_path, data_file):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # SIGINT at its default whatever this process inherited (a background job of a
+        # script starts with it ignored, and the command leaves it so)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
@@ -390,15 +394,17 @@ def test_ctrl_c_keeps_the_replies_and_says_how_to_continue(tmp_path, data_file):
             break
         time.sleep(0.05)
     assert p.poll() is None, "finished before it could be interrupted: give it more work"
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-2000:]
+    assert p.returncode == 128 + getattr(signal, sig), err[-2000:]
     lines = [x for x in err.splitlines() if x.strip()]
     assert lines[-1] == (
         f"stopped: the replies written so far are kept in {out}.parts; the same command "
         "continues from them"
     ), err[-2000:]
     assert "Traceback" not in err and not out.exists()
+    if sig == "SIGTERM":
+        return  # the same stop; the continuation is checked once
     r = run_module("flow.regenerate", [*args, f"out={out}"], timeout=600)
     assert r.returncode == 0, r.stderr
     full = tmp_path / "full.jsonl"

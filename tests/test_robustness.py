@@ -498,3 +498,126 @@ def test_a_sweeps_output_dir_is_its_folder_and_one_swept_over_is_refused():
     )
     with pytest.raises(ConfigError, match="output_dir=a,b: a sweep writes each job"):
         sweep_into_output_dir(["-m", "output_dir=a,b"])
+
+
+# -- signals: a long command stops at a boundary and keeps what it has -------------------------
+
+
+def test_stop_signals_defer_the_first_signal_and_raise_on_the_second():
+    from conf.cli import Stopped, StopSignals, exit_code_of
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as sig:
+        assert StopSignals.requested() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs at the next bytecode boundary
+        assert sig.caught == signal.SIGTERM and StopSignals.requested() == signal.SIGTERM
+        with pytest.raises(Stopped) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+        assert exit_code_of(e.value) == 130
+    assert signal.getsignal(signal.SIGTERM) is before and StopSignals.requested() is None
+    assert exit_code_of(KeyboardInterrupt()) == 130
+
+
+def test_stop_signals_at_once_nested_and_an_ignored_sigint_left_ignored():
+    from conf.cli import Stopped, StopSignals
+
+    with StopSignals() as outer:
+        with StopSignals(deferred=False), pytest.raises(Stopped) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        assert e.value.exit_code == 143
+        assert outer.caught is None  # the inner one ruled while open
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as sig:  # a background job of a script: Ctrl-C is not for it
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == sig._handle
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+# SIGTERM after the second prompt's speculative decode, from inside the run: no race with time
+_SIGNAL_AFTER = """
+import os, signal, sys
+from decoding.decoder import SpeculativeDecoder
+gen, calls = SpeculativeDecoder.generate, []
+def generate(self, *a, **k):
+    out = gen(self, *a, **k)
+    if self.proposer.__class__.__name__ != "NoDraft":
+        calls.append(1)
+        if len(calls) == {after}:
+            os.kill(os.getpid(), signal.{sig})
+    return out
+SpeculativeDecoder.generate = generate
+from decoding.eval import main
+sys.argv = ["specdraft-eval", *sys.argv[1:]]
+main()
+"""
+
+
+def _eval_signalled(tmp_path, after: int, sig: str, *args: str):
+    code = _SIGNAL_AFTER.replace("{after}", str(after)).replace("{sig}", sig)
+    # a child whose SIGINT is at its default whatever this process inherited
+    return subprocess.run(
+        [sys.executable, "-c", code, "target=tiny_random", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def test_eval_stopped_by_a_signal_writes_its_report_on_the_prompts_finished(tmp_path):
+    rep = tmp_path / "r.json"
+    args = ["draft=ngram", "num_prompts=6", "max_new_tokens=12", "turns=1", f"report={rep}"]
+    # the warm-up is the first speculative decode, so the signal lands in prompt 2
+    r = _eval_signalled(tmp_path, 3, "SIGTERM", *args)
+    assert r.returncode == 143, r.stderr[-2000:]
+    assert "SIGTERM: stopping after this prompt" in r.stderr
+    assert "STOPPED by SIGTERM after 2 of 6 prompts" in r.stdout
+    d = json.loads(rep.read_text())
+    assert d["stopped"] == {"signal": "SIGTERM", "prompts": 2, "asked": 6}
+    assert len(d["outputs"]) == 2 and d["lossless"] is True
+    # the figures are those two prompts' only: every emitted token is one of their outputs
+    assert d["new_tokens"] == sum(t["spec_tokens"] for o in d["outputs"] for t in o["turns"])
+    # stopped before any prompt finished: one line, nothing written
+    rep.unlink()
+    r = _eval_signalled(tmp_path, 1, "SIGINT", *args)
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "stopped by SIGINT: no report written"
+    assert "Traceback" not in r.stderr and not rep.exists()
+
+
+def test_an_engine_run_stops_between_prompts_on_a_signal(tiny_target):
+    from types import SimpleNamespace
+
+    from conf.cli import Stopped, StopSignals
+    from decoding.engines.base import Completion, run_bench
+
+    class Echo:  # an engine answering with its prompt's last token; a signal at call ``at``
+        def __init__(self, at: int):
+            self.calls, self.at = 0, at
+
+        def complete(self, prompt, n_predict, **kw):
+            self.calls += 1
+            if self.calls == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return Completion([prompt[-1]] * 3, {"predicted_n": 3, "predicted_ms": 1.0})
+
+    cfg = SimpleNamespace(
+        temperature=0.5, sample_top_k=0, top_p=1.0, turns=1, max_new_tokens=3, seed=0
+    )
+    qs = [{"question_id": i, "category": "c", "turns": [f"q{i}"]} for i in range(5)]
+    tok = tiny_target.tokenizer
+    with StopSignals():  # signalled in prompt 2's plain request: prompt 2 finishes, 3 never starts
+        run = run_bench(Echo(2), Echo(0), qs, cfg, tok, set(), "echo")
+    assert run.stopped == signal.SIGTERM and run.finished
+    assert [o["question_id"] for o in run.outputs] == [0, 1]
+    assert run.pooled.requests == 2 and run.pooled.tokens == 6
+    with StopSignals(), pytest.raises(Stopped):  # signalled before prompt 1: nothing to report
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        run_bench(Echo(0), Echo(0), qs, cfg, tok, set(), "echo")

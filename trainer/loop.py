@@ -5,7 +5,6 @@ schedule, validation, logging, checkpoints and signals, and never names a method
 from __future__ import annotations
 
 import math
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from conf.cli import StopSignals
 from models.base import add_metrics, metric, reduce_metrics
 
 from .checkpoint import save_checkpoint
@@ -68,34 +68,6 @@ def progress(state: LoopState, total: int, max_seconds: float | None) -> float:
     if max_seconds:
         p = max(p, state.elapsed / max_seconds)
     return min(max(p, 0.0), 1.0)
-
-
-class _Signals:
-    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next step boundary and exits."""
-
-    def __init__(self):
-        self.caught: int | None = None
-        self._old = {}
-
-    def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[s] = signal.signal(s, self._handle)
-            except ValueError:  # not the main thread (e.g. some launchers): leave defaults
-                pass
-        return self
-
-    #: the signal this process was last stopped by (its exit status says so: 128 + it)
-    last: int | None = None
-
-    def _handle(self, signum, frame):
-        if self.caught is not None:  # second signal: stop now (the checkpoint is atomic)
-            raise KeyboardInterrupt
-        self.caught = _Signals.last = signum
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def attach_features(batch: dict, method: Any, target: Any) -> dict:
@@ -247,7 +219,9 @@ def fit(
         validate()  # where the weights it starts from stand: a continued curve's first point
     method.train()
     t_last = time.perf_counter()
-    with _Signals() as sig:
+    # one notice a launch (every process gets the terminal's Ctrl-C)
+    notice = "stopping at the next step, with a checkpoint (again: at once)"
+    with StopSignals(notice=notice if accelerator.is_main_process else "") as sig:
         # (a run resumed from its last step has none left)
         while state.epoch < tc.epochs and reason == "finished" and state.step < tc.max_steps:
             loader = train_loader

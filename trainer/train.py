@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from conf.cli import StopSignals
 from data.conversations import DataError
 from data.dataset import (
     Collator,
@@ -40,7 +41,7 @@ from .checkpoint import (
 )
 from .config import register_configs
 from .features import build_feature_store, feature_cache_key
-from .loop import LoopState, _Signals, fit, make_schedule
+from .loop import LoopState, fit, make_schedule
 from .optim import OptimizerError, build_optimizer
 from .shard import ShardError, check_shard, shard_target
 from .sweep import SUMMARY
@@ -257,7 +258,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     summary = {
         "reason": reason,
         # the signal that stopped it, where this process caught it (another rank may have)
-        "signal": _Signals.last if reason == "signal" else None,
+        "signal": StopSignals.last if reason == "signal" else None,
         "step": state.step,
         "epoch": state.epoch,
         "tokens_per_s": state.tokens * accelerator.num_processes / max(wall, 1e-9),

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from conf.cli import Stopped, StopSignals
 from data.chat import prompt_ids
 
 
@@ -219,6 +220,7 @@ class BenchRun:
     compared: int
     finished: bool = True  # False: the engine failed and the run stopped early
     error: str | None = None
+    stopped: int | None = None  # the signal that ended it after the prompts in ``outputs``
     # T > 0: (prompt ids, sampled ids) of every turn, plain ("ar") and speculative ("spec"),
     # for decoding.sample_check
     samples: dict[str, list[tuple[list[int], list[int]]]] = field(
@@ -246,11 +248,15 @@ def run_bench(
 ) -> BenchRun:
     """Every prompt (and turn) to both engines, interleaved: plain first, then speculative,
     each turn's history its own engine's answers. An ``EngineError`` part way stops the run
-    with what finished kept (``finished`` False, ``error`` the engine's last line)."""
+    with what finished kept (``finished`` False, ``error`` the engine's last line); a stop asked
+    for by a signal (``StopSignals``) ends it between prompts (``stopped``)."""
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     greedy = cfg.temperature == 0
     run = BenchRun(EngineStats(), {}, [], [], 0)
     for q in tqdm(questions, desc=f"prompts ({desc})", dynamic_ncols=True, file=sys.stderr):
+        run.stopped = StopSignals.requested()
+        if run.stopped is not None:
+            break
         hist = {"ar": [], "spec": []}
         rec = {"question_id": q["question_id"], "category": q["category"], "turns": []}
         try:
@@ -298,6 +304,8 @@ def run_bench(
                 run.outputs.append(rec)
             break
         run.outputs.append(rec)
+    if run.stopped is not None and not run.outputs:
+        raise Stopped(run.stopped)  # nothing to report
     return run
 
 

@@ -36,6 +36,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from conf.cli import StopSignals
+
 from .base import (
     Completion,
     EngineError,
@@ -563,9 +565,13 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     )
     if not greedy:
         report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
-    if cfg.engine_compare and run.finished:
-        report["ours"] = _ours_beside(cfg, readback, rule, pooled, log)
-        report["engine_flag"] = engine_flag(report["ours"], pooled)
+    if cfg.engine_compare and run.finished and run.stopped is None:  # a stop: report now
+        ours = _ours_beside(cfg, readback, rule, pooled, log)
+        if StopSignals.requested() is None:
+            report["ours"] = ours
+            report["engine_flag"] = engine_flag(ours, pooled)
+        else:  # on fewer prompts than the engine's: no comparison
+            report["stopped"] = {"left_out": "the built-in decoder's comparison (engine_compare)"}
     return report
 
 
@@ -643,6 +649,7 @@ def _ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log)
     theirs = pooled.alpha_per_position()
     mine = r["alpha_per_position"] or []
     return {
+        "prompts": len(r["outputs"]),  # fewer than the engine's where a signal stopped it
         "tau": r["tau"],
         "alpha": r["alpha"],
         "alpha_per_position": mine,
