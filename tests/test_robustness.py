@@ -507,15 +507,20 @@ def test_stop_signals_defer_the_first_signal_and_raise_on_the_second():
     from conf.cli import Stopped, StopSignals, exit_code_of
 
     before = signal.getsignal(signal.SIGTERM)
-    with StopSignals() as sig:
-        assert StopSignals.requested() is None
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)  # the handler runs at the next bytecode boundary
-        assert sig.caught == signal.SIGTERM and StopSignals.requested() == signal.SIGTERM
-        with pytest.raises(Stopped) as e:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.01)
-        assert exit_code_of(e.value) == 130
+    # SIGINT as in a terminal's foreground job, whatever this test process inherited
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals() as sig:
+            assert StopSignals.requested() is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs at the next bytecode boundary
+            assert sig.caught == signal.SIGTERM and StopSignals.requested() == signal.SIGTERM
+            with pytest.raises(Stopped) as e:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)
+            assert exit_code_of(e.value) == 130
+    finally:
+        signal.signal(signal.SIGINT, old_int)
     assert signal.getsignal(signal.SIGTERM) is before and StopSignals.requested() is None
     assert exit_code_of(KeyboardInterrupt()) == 130
 
