@@ -649,7 +649,6 @@ def _ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log)
     theirs = pooled.alpha_per_position()
     mine = r["alpha_per_position"] or []
     return {
-        "prompts": len(r["outputs"]),  # fewer than the engine's where a signal stopped it
         "tau": r["tau"],
         "alpha": r["alpha"],
         "alpha_per_position": mine,
