@@ -4,19 +4,16 @@ ids through its ``/completion`` endpoint, read its own timings and draft counter
 The engine is optional (``bash scripts/install.sh engine`` builds llama.cpp b11434 once into
 ``~/.cache/specdraft/llama.cpp-b11434/bin``; ``SPECDRAFT_LLAMA_CPP=<bin dir>`` names another
 build). Every server started here is stopped when its ``with`` block ends, when the process
-exits (``atexit``) and on SIGTERM: none is left running after the evaluator.
+exits and on SIGTERM (``process.EngineProcess``): none is left running after the evaluator.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import Completion, EngineError, cache_root, default_threads, engine_draft_dir
+from .process import EngineProcess
 
 BUILD = 11434  # the llama.cpp build scripts/install_engine.sh installs (EAGLE-3 since b9606)
 PROGRAMS = ("llama-server", "llama-bench")
@@ -205,54 +203,17 @@ def spec_args(spec_type: str, n_max: int, p_min: float, ngram: int = 3) -> list[
     return []
 
 
-_RUNNING: set[subprocess.Popen] = set()
-
-
-def _stop_all(*_: Any) -> None:
-    for p in list(_RUNNING):
-        _terminate(p)
-
-
-def _terminate(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    _RUNNING.discard(p)
-
-
-atexit.register(_stop_all)
-
-
-def _on_sigterm(signum, frame):  # pragma: no cover - exercised by hand
-    # stop the servers, then die of the signal as if no handler were installed (raising
-    # SystemExit instead could be swallowed by a caller's except clause)
-    _stop_all()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _stop_servers_on_sigterm() -> None:
-    """A SIGTERM to this process stops its servers first (where nobody else handles it)."""
-    try:
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread
-        pass
-
-
 STEP_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
-class LlamaServer:
+class LlamaServer(EngineProcess):
     """``llama-server`` on 127.0.0.1 for one model (and, optionally, a draft), one slot.
 
     with LlamaServer(target_gguf, draft_gguf, spec_type="draft-eagle3") as srv:
         out = srv.complete(prompt_ids, n_predict=128, temperature=0.0)
     """
+
+    log_prefix = "llama-server-"
 
     def __init__(
         self,
@@ -295,38 +256,25 @@ class LlamaServer:
             args += ["--no-repack"]
         self.args = args + list(extra or [])
         self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(name)
-        #: the log outlives the server only where an error named it (else it is removed)
-        self.keep_log = False
+        super().__init__()
 
-    # -- life cycle ------------------------------------------------------------------------
-
-    def __enter__(self) -> LlamaServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.keep_log |= exc[0] is not None
-        self.stop()
+    # -- life cycle (the log, ``with`` and the stop at exit: process.EngineProcess) ------------
 
     def start(self) -> None:
-        _stop_servers_on_sigterm()
         env = {**os.environ, "LLAMA_TRACE": "1"}  # one "accepted a/n draft tokens" line a step
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        log = self.open_log("wb")
+        proc = self.launch(
+            subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         )
-        _RUNNING.add(self.proc)
         t0 = time.monotonic()
         while True:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 tail = self.log_tail()
-                self.stop()
+                self.close()
                 raise EngineError(
-                    f"llama-server exited with code {self.proc.returncode} while starting "
+                    f"llama-server exited with code {proc.returncode} while starting "
                     f"({' '.join(self.args[1:5])}...): {tail}"
                 )
             try:
@@ -337,34 +285,15 @@ class LlamaServer:
                 pass
             if time.monotonic() - t0 > self.startup_timeout:
                 tail = self.log_tail()
-                self.stop()
+                self.close()
                 raise EngineError(
                     f"llama-server did not answer /health within {self.startup_timeout:.0f} s: {tail}"
                 )
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            _terminate(self.proc)
-        if getattr(self, "_log", None) is not None:
-            self._log.close()
-            self._log = None
-        if not self.keep_log:
-            self.log_path.unlink(missing_ok=True)
-
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, n: int = 6) -> str:
-        """The log's last ``n`` lines and its path, for an error message (the log is kept)."""
-        self.keep_log = True
-        try:
-            lines = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return "(no log)"
-        keep = [ln for ln in lines if ln.strip()][-n:]
-        return " | ".join(keep) + f" (log: {self.log_path})"
 
     # -- requests --------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ that predicts, the report flags the engine (``engine_flag``) rather than the dra
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
@@ -30,7 +29,6 @@ import platform
 import queue
 import re
 import subprocess
-import tempfile
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +48,7 @@ from .base import (
     run_bench,
     steps_from_positions,
 )
+from .process import EngineProcess
 from .vllm_zygote import fork_worker
 
 VERSION = "0.32.0"  # the vLLM release scripts/install_vllm.sh installs
@@ -107,26 +106,15 @@ def vllm_python(required: bool = True) -> Path | None:
     return None
 
 
-_RUNNING: set[subprocess.Popen] = set()
-
-
-def _stop_all() -> None:
-    for p in list(_RUNNING):
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-atexit.register(_stop_all)
-
-
-class VLLMWorker:
+class VLLMWorker(EngineProcess):
     """One vLLM ``LLM`` in a subprocess of vLLM's own environment.
 
     with VLLMWorker(model_dir, speculative={"method": "eagle3", "model": d,
                     "num_speculative_tokens": 3}) as eng:
         out = eng.complete(prompt_ids, 128, temperature=0.0)
     """
+
+    log_prefix = "specdraft-vllm-"
 
     def __init__(
         self,
@@ -159,24 +147,11 @@ class VLLMWorker:
             **(extra or {}),
         }
         self.kv_cache_gib = kv_cache_gib
-        self.proc: subprocess.Popen | None = None
         self.version = self.device = None
         self.load_seconds = float("nan")
-        fd, name = tempfile.mkstemp(prefix="specdraft-vllm-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(name)
-        #: the log outlives the engine only where an error named it (else it is removed)
-        self.keep_log = False
+        super().__init__()
 
-    # -- the process ------------------------------------------------------------------------
-    def __enter__(self) -> VLLMWorker:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.keep_log |= exc[0] is not None
-        self.close()
-
+    # -- the process (the log, ``with`` and the stop at exit: process.EngineProcess) ---------
     def start(self) -> None:
         env = {
             **os.environ,
@@ -190,17 +165,19 @@ class VLLMWorker:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         }
-        self._log = open(self.log_path, "w")
+        log = self.open_log("w")
         # forked from a zygote that imported vLLM already, where one is named (vllm_zygote.py)
-        self.proc = fork_worker(self.python, env, self.log_path) or subprocess.Popen(
-            [str(self.python), str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
+        self.launch(
+            fork_worker(self.python, env, self.log_path)
+            or subprocess.Popen(
+                [str(self.python), str(WORKER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
         )
-        _RUNNING.add(self.proc)
         self._answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         try:
@@ -220,31 +197,18 @@ class VLLMWorker:
             self._answers.put(line)
         self._answers.put(None)  # the process closed its output: it ended
 
-    def close(self) -> None:
-        p = self.proc
-        if p is not None:
-            if p.poll() is None:
-                try:
-                    self.ask({"cmd": "exit"}, timeout=30)
-                    p.wait(timeout=30)
-                except (EngineError, subprocess.TimeoutExpired):
-                    p.kill()
-                    p.wait()
-            _RUNNING.discard(p)
-            self._log.close()
-            self.proc = None
-        if not self.keep_log:
-            self.log_path.unlink(missing_ok=True)
+    def end_now(self, p) -> None:
+        p.kill()  # nothing of it to save; a forked worker (vllm_zygote.Forked) has only kill
+        p.wait()
 
-    def last_error(self) -> str:
-        """The engine's last error line in its log (else its last line)."""
+    def shutdown(self, p: subprocess.Popen) -> None:
+        # asked to exit, it leaves at once (vllm_worker.py); killed where it does not answer
         try:
-            lines = [s.strip() for s in self.log_path.read_text(errors="replace").splitlines()]
-        except OSError:
-            return "(no log)"
-        lines = [s for s in lines if s and not s.startswith("For further information")]
-        errs = [s for s in lines if re.search(r"\w*(Error|error)\b[:,]", s)]
-        return (errs or lines or ["(empty log)"])[-1][:400]
+            self.ask({"cmd": "exit"}, timeout=30)
+            p.wait(timeout=30)
+        except (EngineError, subprocess.TimeoutExpired):
+            p.kill()
+            p.wait()
 
     def ask(self, msg: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
         try:
