@@ -70,6 +70,9 @@ def exit_code(summary: dict) -> int:
 
 #: sweep jobs that stopped on non-finite losses: the sweep goes on, and ends with status 1
 _FAILED: list[str] = []
+#: sweep jobs refused for their settings or inputs (one line each): the sweep goes on, its
+#: summary names them, and it ends with status 2
+_REFUSED: list[str] = []
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -82,11 +85,21 @@ def _hydra_main(cfg: DictConfig) -> dict:
     # per job (sweep dir / job number) under -m.
     with open_dict(cfg):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         summary = train_measure_serve(cfg)
     except USER_ERRORS + (ConfigError,) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if not multirun:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        # one job's value (train.max_steps=-5 among others): the other jobs still run, and
+        # the sweep's summary says what refused this one
+        print(f"error: {cfg.output_dir}: {e}", file=sys.stderr)
+        (Path(cfg.output_dir) / SUMMARY).write_text(
+            json.dumps({"reason": "refused", "error": str(e)}, indent=1)
+        )
+        _REFUSED.append(cfg.output_dir)
+        return {"reason": "refused", "error": str(e)}
     code = exit_code(summary)
     if code == 1 and PartialState().is_main_process:
         print(
@@ -94,7 +107,7 @@ def _hydra_main(cfg: DictConfig) -> dict:
             "a row, no draft saved (its last checkpoint is kept)",
             file=sys.stderr,
         )
-    if code == 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if code == 1 and multirun:
         _FAILED.append(cfg.output_dir)  # the other jobs still run
     elif code:
         sys.exit(code)  # a signal stops a sweep too
@@ -154,6 +167,14 @@ def main() -> None:
             + ", ".join(_FAILED),
             file=sys.stderr,
         )
+    if _REFUSED:
+        print(
+            f"error: {len(_REFUSED)} job(s) of the sweep were refused (see each one's error "
+            "above, and the summary): " + ", ".join(_REFUSED),
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    if _FAILED:
         sys.exit(1)
 
 

@@ -272,18 +272,9 @@ def resolve_format(fmt_name: str, method: str) -> str:
     return fmt_name
 
 
-def export(
-    draft: DraftMethod,
-    fmt_name: str,
-    out: str | Path,
-    dtype: str | None = None,
-    force: bool = False,
-    log=print,
-    **opts: Any,
-) -> dict[str, Any]:
-    """Write ``draft`` in ``fmt_name`` to ``out``, checked and re-imported first (see module
-    docstring). Returns a summary. ``out`` is replaced only with ``force``. ``opts`` go to the
-    format (``gamma``: speculators' speculative_tokens; ``merge``: Medusa-2's merged base)."""
+def check_method(fmt_name: str, draft: DraftMethod) -> str:
+    """The format ``fmt_name`` resolves to for ``draft``'s method; ExportError where that format
+    does not export this method (checked before anything is converted or written)."""
     fmt_name = resolve_format(fmt_name, draft.cfg.name)
     fmt = formats()[fmt_name]
     if draft.cfg.name not in fmt.methods:
@@ -299,11 +290,13 @@ def export(
         raise ExportError(
             f"--format {fmt_name} exports {which} drafts; this is {draft.cfg.name}{hint}"
         )
-    dtype = dtype or fmt.default_dtype
-    if dtype not in fmt.dtypes:
-        raise ExportError(f"--dtype {dtype}: --format {fmt_name} takes {', '.join(fmt.dtypes)}")
-    dt = fmt.torch_dtype(dtype)
-    out = Path(out)
+    return fmt_name
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse, before anything is written, an ``out`` that is a file or lies under one, that
+    exists without ``force``, or that ``force`` would replace but is no earlier export: a
+    training run, a trained draft or any folder of other files."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: a file, not a folder; an export is a folder")
     above = file_above(out)
@@ -312,16 +305,41 @@ def export(
     if out.exists() and not force:
         raise ExportError(f"{out}: already exists (pass --force to replace it)")
     if out.is_dir():
-        kept = _trained_files(out)
+        kept = _trained_files(out) or _other_files(out)
         if kept:
             raise ExportError(
                 f"{out}: holds {kept}, which --force would delete; --force replaces an "
                 "earlier export only: choose another --out"
             )
+
+
+def export(
+    draft: DraftMethod,
+    fmt_name: str,
+    out: str | Path,
+    dtype: str | None = None,
+    force: bool = False,
+    log=print,
+    **opts: Any,
+) -> dict[str, Any]:
+    """Write ``draft`` in ``fmt_name`` to ``out``, checked and re-imported first (see module
+    docstring). Returns a summary. ``out`` is replaced only with ``force``. ``opts`` go to the
+    format (``gamma``: speculators' speculative_tokens; ``merge``: Medusa-2's merged base)."""
+    fmt_name = check_method(fmt_name, draft)
+    fmt = formats()[fmt_name]
+    dtype = dtype or fmt.default_dtype
+    if dtype not in fmt.dtypes:
+        raise ExportError(f"--dtype {dtype}: --format {fmt_name} takes {', '.join(fmt.dtypes)}")
+    dt = fmt.torch_dtype(dtype)
+    out = Path(out)
+    check_out(out, force)
     draft = draft.eval()
     target = draft.target
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     opts = {**opts, "out": out}
     try:
         extra = fmt.extra(draft, tmp, dt, **opts)
@@ -419,6 +437,23 @@ def _trained_files(folder: Path) -> str | None:
         except DraftError:
             pass
     return None
+
+
+def _other_files(folder: Path) -> str | None:
+    """What in ``folder`` is not an earlier export (None: it is one, or it is empty): an
+    export's README.md says so on its first line."""
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return None
+    readme = folder / "README.md"
+    try:
+        first = readme.read_text(errors="replace").splitlines()[0] if readme.is_file() else ""
+    except (OSError, IndexError):
+        first = ""
+    if first.startswith("# ") and first.endswith("exported by specdraft"):
+        return None
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+    return f"files that are not an earlier export ({shown})"
 
 
 def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMethod:
@@ -532,15 +567,17 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     from .target import TargetError
 
+    out = a.out or a.draft
     try:
         if a.gamma < 1:
             raise ExportError(f"--gamma {a.gamma}: must be >= 1 (draft tokens a step)")
         head = load_trained_head(a.draft)
-        fmt = resolve_format(a.format, head.cfg.name)
+        fmt = check_method(a.format, head)
         out = a.out or str(Path(a.draft) / f"export-{fmt}")
         src, dest = Path(a.draft).resolve(), Path(out).resolve()
         if dest == src or dest in src.parents:
             raise ExportError(f"--out {out}: holds the draft being exported ({a.draft})")
+        check_out(Path(out), a.force)  # before a target is converted for --format gguf
         is_gguf = "gguf" in (fmt, formats()[fmt].family)
         if a.target_gguf and not is_gguf:
             raise ExportError("--target-gguf is for --format gguf")
@@ -553,6 +590,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ExportError, DraftError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # the disk filled, a folder became unwritable: nothing was replaced
+        print(f"error: export of {a.draft} to {out} failed: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

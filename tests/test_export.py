@@ -401,11 +401,14 @@ def test_cli_export_then_evaluate_the_export(data_file, tmp_path):
     assert r.returncode == 2 and "no saved draft" in r.stderr
 
 
-def test_force_never_replaces_the_run_or_the_draft_it_exports(data_file, tmp_path, capsys):
-    """--force replaces an earlier export only: an --out that is the run, its draft or a
-    folder above them is refused in one line and nothing is deleted; so are a bad --gamma,
-    an export passed as the draft and a run that has not written final/ yet (which names
-    its newest checkpoint)."""
+def test_force_never_replaces_the_run_or_the_draft_it_exports(
+    data_file, tmp_path, capsys, monkeypatch
+):
+    """--force replaces an earlier export only: an --out that is the run, its draft, a folder
+    above them, its checkpoints or any folder of other files is refused in one line and
+    nothing is deleted; so are a bad --gamma, an --out nothing can be written to, a format of
+    another method (before a target is converted for it), an export passed as the draft and
+    a run that has not written final/ yet (which names its newest checkpoint)."""
     from conftest import compose, tiny_overrides
 
     from models.export import main
@@ -437,6 +440,28 @@ def test_force_never_replaces_the_run_or_the_draft_it_exports(data_file, tmp_pat
         run_dir, "--out", other, "--force"
     )
     assert "--gamma 0: must be >= 1" in refused(run_dir, "--gamma", "0")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    assert "holds files that are not an earlier export (notes.txt)" in refused(
+        run_dir, "--out", mine, "--force"
+    )
+    assert (mine / "notes.txt").read_text() == "kept"
+    assert "not an earlier export (step_1, step_2)" in refused(
+        run_dir, "--out", run_dir / "checkpoints", "--force"
+    )
+    if os.path.isdir("/proc/self"):
+        assert "cannot write there" in refused(run_dir, "--out", "/proc/specdraft-x/out")
+
+    def converted(*_):
+        raise AssertionError("a target was converted for a format this draft has not")
+
+    monkeypatch.setattr("models.export.cli_target_gguf", converted)
+    with pytest.raises(SystemExit):
+        main([str(run_dir), "--format", "gguf"])
+    assert "--format gguf exports eagle3, hass, dflash or dspark drafts; this is eagle1" in (
+        capsys.readouterr().err
+    )
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
     main([str(run_dir), "--format", "eagle1"])
     main([str(run_dir), "--format", "eagle1", "--force"])  # an earlier export is replaced

@@ -573,6 +573,48 @@ def test_a_sweep_runs_every_job_and_fails_where_one_diverged(tmp_path, monkeypat
     assert "stopped on 10 non-finite losses in a row" in capsys.readouterr().err
 
 
+def test_a_sweep_runs_every_job_and_its_summary_names_the_one_refused(
+    tmp_path, monkeypatch, capsys
+):
+    """Under -m a job refused for its value (checked when it starts) does not end the sweep:
+    the jobs after it run, the summary is written with the refused job's error in its row,
+    and the sweep ends with status 2 naming it."""
+    import json
+
+    import flow.app as app
+    from trainer.train import ConfigError
+
+    ran = []
+
+    def fake(cfg):
+        ran.append(cfg.optim.lr)
+        if cfg.optim.lr == 0.002:
+            raise ConfigError("optim.lr=0.002: refused here")
+        summary = {"reason": "finished", "final": None, "step": 3, "val": {"loss": cfg.optim.lr}}
+        with open(f"{cfg.output_dir}/summary.json", "w") as f:
+            f.write(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(app, "train_measure_serve", fake)
+    monkeypatch.setattr(app, "_FAILED", [])
+    monkeypatch.setattr(app, "_REFUSED", [])
+    sweep = tmp_path / "sweep"
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["specdraft-train", "-m", "optim.lr=0.001,0.002,0.003", f"hydra.sweep.dir={sweep}"],
+    )
+    with pytest.raises(SystemExit) as e:
+        app.main()
+    assert e.value.code == 2 and ran == [0.001, 0.002, 0.003]
+    err = capsys.readouterr().err
+    assert f"error: {sweep / '1'}: optim.lr=0.002: refused here" in err
+    assert "1 job(s) of the sweep were refused" in err and str(sweep / "1") in err
+    table = (sweep / "summary.md").read_text()
+    assert "| refused |" in table and "optim.lr=0.002: refused here" in table
+    assert table.count("| finished |") == 2
+
+
 def test_a_multi_process_launchs_checkpoint_is_checked_by_the_names_it_saves(tmp_path):
     """Under a multi-process launch the prepared draft is DDP-wrapped (``module.``-prefixed
     names) while accelerate saves its weights unwrapped: resuming a draft with frozen weights

@@ -23,7 +23,7 @@ SUMMARY = "summary.json"  # written by every training run into its output folder
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job folder under ``sweep_dir`` (a job without ``summary.json`` did not
-    finish: its row says so)."""
+    finish: its row says so; a job refused for its settings says why, under ``error``)."""
     rows = []
     jobs = sorted(
         (p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()),
@@ -40,10 +40,14 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
                 {
                     "reason": summ.get("reason"),
                     "step": summ.get("step"),
-                    "tokens_per_s": round(summ.get("tokens_per_s") or 0.0, 1),
+                    "tokens_per_s": None
+                    if summ.get("tokens_per_s") is None
+                    else round(summ["tokens_per_s"], 1),
                 }
             )
             row.update({f"val/{k}": v for k, v in sorted((summ.get("val") or {}).items())})
+            if summ.get("error"):  # refused before training: what refused it
+                row["error"] = summ["error"]
         else:
             row["reason"] = "did not finish"
         rows.append(row)
