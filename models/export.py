@@ -456,11 +456,15 @@ def _other_files(folder: Path) -> str | None:
     return f"files that are not an earlier export ({shown})"
 
 
-def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMethod:
+def load_trained_head(
+    path: str | Path, target: Target | None = None, target_path: str | None = None
+) -> DraftMethod:
     """The saved draft behind a run dir, draft dir or checkpoint dir (its target loaded from
-    the draft's config unless given)."""
+    the draft's config unless given; ``target_path``: from there instead, a folder or hub id,
+    for a target that has moved). The target loaded must hold the weights the draft was
+    trained for (its folder's name may differ)."""
     from . import METHODS
-    from .target import load_target, saved_target_config
+    from .target import TargetError, load_target, saved_target_config
 
     p = Path(path)
     for cand in (p / "final", p / "draft", p):
@@ -475,8 +479,18 @@ def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMe
             if target is None:
                 t = cfg["target"]
                 tcfg = saved_target_config(t)  # tiny targets: the seed and layers it had
-                target = load_target(tcfg)
-                if target.identity != t.get("identity"):
+                if target_path:
+                    tcfg.path = target_path
+                try:
+                    target = load_target(tcfg)
+                except TargetError as e:
+                    if target_path:
+                        raise
+                    raise TargetError(
+                        f"{e} (the target {cand} was trained for; where it has moved, pass "
+                        "--target <its folder or hub id>)"
+                    ) from None
+                if _weights_of(target.identity) != _weights_of(t.get("identity")):
                     raise DraftError(
                         f"{cand}: trained for target {t.get('identity')}, but loading "
                         f"{tcfg.path or tcfg.name} gives {target.identity} (weights changed?)"
@@ -494,6 +508,12 @@ def load_trained_head(path: str | Path, target: Target | None = None) -> DraftMe
             "training run, its final/ folder or a checkpoint"
         )
     raise DraftError(f"{p}: no saved draft here (looked for final/, draft/ and config.json)")
+
+
+def _weights_of(identity: str | None) -> str | None:
+    """What an identity says of the weights, less the folder's name (``name:hash`` -> hash): a
+    target moved or renamed is the same target."""
+    return identity.rsplit(":", 1)[-1] if identity and ":" in identity else identity
 
 
 def cli_target_gguf(target: Target) -> Path | None:
@@ -560,7 +580,14 @@ def main(argv: list[str] | None = None) -> None:
         default=3,
         help="draft tokens a step in the printed serve lines (and speculators: speculative_tokens)",
     )
-    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ap.add_argument(
+        "--target",
+        help="the target's HF folder or hub id, where it is no longer where the draft's "
+        "config.json says (moved, or trained on another machine); its weights must be the same",
+    )
+    ap.add_argument(
+        "--force", action="store_true", help="replace --out where it holds an earlier export"
+    )
     ap.add_argument(
         "--merge", action="store_true", help="Medusa-2: write the adapter-merged model in base/"
     )
@@ -571,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if a.gamma < 1:
             raise ExportError(f"--gamma {a.gamma}: must be >= 1 (draft tokens a step)")
-        head = load_trained_head(a.draft)
+        head = load_trained_head(a.draft, target_path=a.target)
         fmt = check_method(a.format, head)
         out = a.out or str(Path(a.draft) / f"export-{fmt}")
         src, dest = Path(a.draft).resolve(), Path(out).resolve()

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,7 @@ def describe_target(cfg: TargetConfig) -> tuple[Any, str, Path, set[int]]:
     """(tokenizer, identity, HF folder, end-of-reply token ids) of the configured target
     without loading its weights (for an engine that loads them itself): the identity is the
     one ``load_target`` gives. A tiny random target is built (it exists only in memory)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     if cfg.path is None and cfg.name == "tiny_random":
         t = load_target(cfg)
@@ -139,8 +139,8 @@ def describe_target(cfg: TargetConfig) -> tuple[Any, str, Path, set[int]]:
         eos = {t.tokenizer.eos_token_id}
         return t.tokenizer, t.identity, folder, eos
     where = _where(cfg)
+    tok = _tokenizer(where, cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
         config = AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
     except OSError as e:
         raise TargetError(f"target.path={where}: cannot load ({str(e).splitlines()[0]})") from None
@@ -583,9 +583,40 @@ def _where(cfg: TargetConfig) -> str:
             f"target.name={cfg.name!r} is not built in (smollm2_135m, tiny_random); "
             "set target.path=<HF folder or hub id> for any other model"
         )
-    if (os.path.sep in where or where.startswith(".")) and not Path(where).expanduser().exists():
+    local = Path(where).expanduser()
+    if (os.path.sep in where or where.startswith(".")) and not local.exists():
         raise TargetError(f"target.path={where}: no such folder")
-    return where
+    if not local.exists():
+        return where  # a hub id
+    if not local.is_dir():
+        raise TargetError(f"target.path={where}: a file, not a Hugging Face model folder")
+    config = local / "config.json"
+    if not config.is_file():
+        raise TargetError(f"target.path={where}: not a Hugging Face model folder (no config.json)")
+    try:
+        draft = "specdraft" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        draft = False  # transformers says what is wrong with it
+    if draft:
+        raise TargetError(
+            f"target.path={where}: a draft trained by specdraft, not a target (pass the model "
+            "it was trained for)"
+        )
+    # absolute: a draft saved for it names the folder wherever it is later loaded from
+    return os.path.abspath(local)  # links kept: the folder's name is in the target's identity
+
+
+def _tokenizer(where: str, cfg: TargetConfig):
+    """The target's tokenizer; TargetError (one line) where its folder has none that loads."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(
+            f"target.path={where}: its tokenizer cannot be loaded ({first})"
+        ) from None
 
 
 #: what a draft reads from a target's config (``layer_shape``, feature indices)
@@ -614,7 +645,7 @@ def check_target_config(config: Any, where: str) -> None:
 
 def load_target(cfg: TargetConfig) -> Target:
     """Load the configured target, frozen, on its device and dtype."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -642,8 +673,10 @@ def load_target(cfg: TargetConfig) -> Target:
             layers += f", family={cfg.family}"
         return Target(model, tok, f"tiny_random(seed={cfg.seed}{layers})", cfg)
     where = _where(cfg)
+    if cfg.path is not None:
+        cfg = replace(cfg, path=where)  # a local folder as an absolute path
+    tok = _tokenizer(where, cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
         check_target_config(
             AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code), where
         )  # before any weight is read

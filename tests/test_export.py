@@ -337,8 +337,14 @@ def test_existing_output_is_kept_without_force(target4, tmp_path):
     with pytest.raises(ExportError, match="already exists"):
         export(eagle3(target4), "vllm", out, log=lambda *_: None)
     assert (out / "keep.txt").read_text() == "mine"
-    export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
-    assert not (out / "keep.txt").exists() and detect_format(out) == "vllm"
+    # nor with --force: it replaces an earlier export only, never files of the user's
+    with pytest.raises(ExportError, match=r"not an earlier export \(keep.txt\)"):
+        export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)  # an empty folder
+    export(eagle3(target4), "speculators", out, force=True, log=lambda *_: None)
+    assert detect_format(out) == "speculators"  # an earlier export, replaced
 
 
 def test_an_out_that_is_a_file_is_refused_even_with_force(target4, tmp_path):
@@ -495,3 +501,43 @@ def test_medusa_export_round_trips(target4, tmp_path, fmt):
     assert back.tree == heads.candidate_tree()
     with pytest.raises(ExportError, match="--merge"):
         export(heads, fmt, tmp_path / "m", merge=True, log=lambda *_: None)
+
+
+def test_a_draft_whose_target_moved_is_exported_with_target(data_file, tmp_path, capsys):
+    """A draft names its target's folder (absolute, however it was typed); where the folder has
+    moved, export says to pass --target, and --target loads it there (the same weights under
+    another name are the same target; other weights are refused)."""
+    from conftest import compose, tiny_overrides
+
+    from models.export import main
+    from models.target import TargetConfig, load_target, target_folder
+    from trainer.train import run
+
+    tiny = load_target(TargetConfig(name="tiny_random", cache_dir=str(tmp_path / "cache")))
+    shutil.copytree(target_folder(tiny), tmp_path / "tgt")
+    run_dir = tmp_path / "run"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:  # typed relative to where training ran
+        run(
+            compose(
+                tiny_overrides(data_file, run_dir, **{"train.max_steps": 2, "target.path": "tgt"})
+            )
+        )
+    finally:
+        os.chdir(cwd)
+    saved = json.loads((run_dir / "final" / "config.json").read_text())["target"]["path"]
+    assert saved == str(tmp_path / "tgt")
+    (tmp_path / "tgt").rename(tmp_path / "moved")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(run_dir), "--format", "eagle1"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err
+    assert f"target.path={tmp_path / 'tgt'}: no such folder" in err and "--target" in err
+    main([str(run_dir), "--format", "eagle1", "--target", str(tmp_path / "moved")])
+    assert (run_dir / "export-eagle1" / "config.json").is_file()
+    other = load_target(TargetConfig(name="tiny_random", seed=1, cache_dir=str(tmp_path / "c1")))
+    with pytest.raises(SystemExit):
+        main([str(run_dir), "--format", "eagle1", "--force", "--target", str(target_folder(other))])
+    assert "weights changed?" in capsys.readouterr().err

@@ -77,3 +77,45 @@ def test_an_attention_the_architecture_lacks_is_one_line(tmp_path):
     msg = str(e.value)
     assert msg.startswith("target.attn_implementation=sdpa: GptOssForCausalLM does not support")
     assert "\n" not in msg and "attn_implementation=auto" in msg
+
+
+def test_a_folder_that_is_not_a_model_is_one_line(tmp_path):
+    """An empty folder, a file, a model folder without its tokenizer and a trained draft passed
+    as the target are each refused in one line naming the path and what is missing."""
+    import json
+
+    tiny = load_target(TargetConfig(name="tiny_random", cache_dir=str(tmp_path / "cache")))
+    model = tmp_path / "model"
+    shutil.copytree(target_folder(tiny), model)
+    for f in model.glob("tokenizer*"):
+        f.unlink()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.bin").write_bytes(b"x")
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps({"specdraft": {}, "target": {}}))
+    cases = {
+        "empty": "not a Hugging Face model folder (no config.json)",
+        "file.bin": "a file, not a Hugging Face model folder",
+        "model": "its tokenizer cannot be loaded (",
+        "draft": "a draft trained by specdraft, not a target",
+    }
+    for name, why in cases.items():
+        for load in (load_target, describe_target):
+            with pytest.raises(TargetError) as e:
+                load(TargetConfig(path=str(tmp_path / name)))
+            msg = str(e.value)
+            assert msg.startswith(f"target.path={tmp_path / name}") and why in msg, msg
+            assert "\n" not in msg
+
+
+def test_a_relative_target_path_is_kept_absolute(tmp_path, monkeypatch):
+    """``target.path=models/t`` is loaded as the absolute folder, so a draft saved for it
+    names the folder wherever it is later loaded from; the identity is the same either way."""
+    tiny = load_target(TargetConfig(name="tiny_random", cache_dir=str(tmp_path / "cache")))
+    shutil.copytree(target_folder(tiny), tmp_path / "models" / "t")
+    monkeypatch.chdir(tmp_path)
+    rel = load_target(TargetConfig(path="models/t", dtype="float32"))
+    assert rel.cfg.path == str(tmp_path / "models" / "t")
+    monkeypatch.chdir(tmp_path / "models")
+    absolute = load_target(TargetConfig(path=str(tmp_path / "models" / "t"), dtype="float32"))
+    assert rel.identity == absolute.identity == describe_target(absolute.cfg)[1]

@@ -399,6 +399,40 @@ def test_wandb_logger_offline(data_file, tmp_path):
     assert s["step"] == 2 and env_mode == "offline"
     assert list((out / "wandb").glob("offline-run-*")), "no offline W&B run written"
     assert (out / "metrics.jsonl").exists()  # written with any logger
+    # resumed, it logs into the same W&B run (its id kept in the run directory)
+    run_id = (out / "wandb_id").read_text().strip()
+    s = _run(
+        data_file,
+        out,
+        **{"logger": "wandb", "train.max_steps": 4, "train.eval_every": 0, "resume": "true"},
+    )
+    assert s["step"] == 4
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+
+
+def test_wandb_without_an_account_is_one_line(tmp_path, monkeypatch):
+    """Online W&B with no API key: one line saying how to log without an account, not
+    wandb's traceback."""
+    from omegaconf import OmegaConf
+
+    from trainer.tracking import Tracker, TrackerError
+
+    pytest.importorskip("wandb")
+    for k in ("WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no saved login
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    cfg = OmegaConf.create(
+        {"name": "wandb", "project": "p", "entity": None, "run_name": None, "mode": "online"}
+    )
+    with pytest.raises(TrackerError) as e:
+        Tracker(tmp_path / "run", cfg, {}, enabled=True)
+    msg = str(e.value)
+    assert msg.startswith("logger=wandb logger.mode=online: ") and "\n" not in msg
+    assert "logger.mode=offline" in msg
 
 
 def test_accelerate_launch_runs_the_same_app(data_file, tmp_path):

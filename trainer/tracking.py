@@ -10,6 +10,11 @@ from pathlib import Path
 from typing import Any
 
 
+class TrackerError(RuntimeError):
+    """The logger could not start (``logger=wandb`` without the package or an account); the
+    message says what to do."""
+
+
 class Tracker:
     def __init__(self, run_dir: str | Path, logger_cfg: Any, config: dict, enabled: bool):
         self.enabled = enabled
@@ -22,19 +27,30 @@ class Tracker:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError(
+                raise TrackerError(
                     "logger=wandb needs the wandb package: pip install wandb"
                 ) from None
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.wandb = wandb.init(
-                project=logger_cfg.project,
-                entity=logger_cfg.entity,
-                name=logger_cfg.run_name,
-                mode=logger_cfg.mode,
-                dir=str(run_dir),
-                config=config,
-                resume="allow",
-            )
+            try:
+                self.wandb = wandb.init(
+                    project=logger_cfg.project,
+                    entity=logger_cfg.entity,
+                    name=logger_cfg.run_name,
+                    mode=logger_cfg.mode,
+                    dir=str(run_dir),
+                    config=config,
+                    # one W&B run per run directory: a resumed run continues its curves
+                    id=wandb_run_id(Path(run_dir)),
+                    resume="allow",
+                )
+            except Exception as e:  # wandb's own errors (no API key, no network, bad entity)
+                if not type(e).__module__.startswith("wandb"):
+                    raise
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise TrackerError(
+                    f"logger=wandb logger.mode={logger_cfg.mode}: {first} (logger.mode=offline "
+                    "logs without an account or network; `wandb sync` uploads it later)"
+                ) from None
         elif logger_cfg.name != "none":
             raise ValueError(f"logger.name={logger_cfg.name!r}: use none or wandb")
 
@@ -99,3 +115,16 @@ class SampleLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, "epoch": epoch, "index": index}) + "\n")
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of ``run_dir``: made on its first start and kept in ``wandb_id`` there,
+    so that ``resume=true`` logs into the same W&B run rather than a new one."""
+    f = run_dir / "wandb_id"
+    if f.is_file() and f.read_text().strip():
+        return f.read_text().strip()
+    import uuid
+
+    run_id = uuid.uuid4().hex[:12]
+    f.write_text(run_id + "\n")
+    return run_id

@@ -45,9 +45,17 @@ from .loop import LoopState, fit, make_schedule
 from .optim import OptimizerError, build_optimizer
 from .shard import ShardError, check_shard, shard_target
 from .sweep import SUMMARY
-from .tracking import SampleLog, Tracker
+from .tracking import SampleLog, Tracker, TrackerError
 
-USER_ERRORS = (DataError, TargetError, DraftError, CheckpointError, OptimizerError, ShardError)
+USER_ERRORS = (
+    DataError,
+    TargetError,
+    DraftError,
+    CheckpointError,
+    OptimizerError,
+    ShardError,
+    TrackerError,
+)
 
 
 class ConfigError(ValueError):
