@@ -486,8 +486,10 @@ def test_medusa_export_round_trips(target4, tmp_path, fmt):
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     out = tmp_path / fmt
-    export(heads, fmt, out, dtype="float32", log=lambda *_: None)
+    summary = export(heads, fmt, out, dtype="float32", gamma=5, log=lambda *_: None)
     assert detect_format(out) == fmt
+    # either layout is served with one token a head, whatever --gamma says
+    assert '"num_speculative_tokens": 3' in summary["vllm_serve"]
     cfg = json.loads((out / "config.json").read_text())
     if fmt == "medusa":
         assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, 2)

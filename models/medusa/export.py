@@ -32,6 +32,9 @@ class MedusaFormat(ExportFormat):
         """(weight name, bias name) of head k's residual block j, or of its LM head (j None)."""
         raise NotImplementedError
 
+    def vllm_tokens(self, config: dict, gamma: int) -> int:
+        return int(self.counts(config)[0])  # one token a head, in either layout
+
     def counts(self, config: dict) -> tuple[Any, Any]:
         raise NotImplementedError
 
@@ -146,9 +149,6 @@ class MedusaVLLM(MedusaFormat):
     weights_file = "model.safetensors"
     description = "Medusa heads for vLLM"
     vllm_method = "medusa"
-
-    def vllm_tokens(self, config: dict, gamma: int) -> int:
-        return int(self.counts(config)[0])  # one token a head
 
     def names(self, k, j, num_layers):
         if j is None:
