@@ -372,6 +372,9 @@ def test_sweep_writes_a_sortable_summary(data_file, tmp_path):
     assert all("val/top1_pos1" in r and r["reason"] == "finished" for r in rows)
     md = (sweep / "summary.md").read_text()
     assert "sorted by val/alpha_pos1" in md and md.count("\n| ") >= 3
+    # the table says once what every job shares; its rows, what sets them apart
+    assert "Every job: `debug=default" in md and "optim.lr=" in md.splitlines()[1]
+    assert "| train.max_steps=2 |" in md and "| train.max_steps=4 |" in md
 
 
 def test_feature_cache_is_built_in_shards_by_every_process(data_file, tmp_path):

@@ -54,6 +54,17 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def common_overrides(sweep_dir: Path) -> list[str]:
+    """The overrides every job of the sweep in ``sweep_dir`` shares, in the first job's order."""
+    lists = [
+        OmegaConf.to_container(OmegaConf.load(ov))
+        for ov in sorted(sweep_dir.glob("*/.hydra/overrides.yaml"))
+    ]
+    if len(lists) < 2:
+        return []
+    return [o for o in lists[0] if all(o in other for other in lists[1:])]
+
+
 def default_sort_key(rows: list[dict[str, Any]]) -> str | None:
     """The metric that best says how good a draft is, among those present: acceptance first."""
     keys = {k for r in rows for k in r}
@@ -81,8 +92,15 @@ def write_summary(sweep_dir: Path, sort_by: str | None = None) -> Path | None:
     def cell(v):
         return f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))
 
+    # the table says once what every job shares; each row, what sets it apart (the CSV keeps
+    # every job's whole line)
+    common = common_overrides(sweep_dir)
+    for r in rows:
+        r["overrides"] = " ".join(o for o in r["overrides"].split(" ") if o not in common)
+
     lines = [
         f"Sweep {sweep_dir}: {len(rows)} jobs" + (f", sorted by {key} (best first)" if key else ""),
+        *([f"Every job: `{' '.join(common)}`"] if common else []),
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
