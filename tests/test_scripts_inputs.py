@@ -1,0 +1,344 @@
+"""What the offline bundle, the learning-curve plot and the GPU training summary do with input
+they cannot use: one line saying what is wrong (naming the file, field or value), nothing the
+user wrote lost, no plot or summary made of nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _one_line(text: str) -> str:
+    assert text.count("\n") == 1 and "Traceback" not in text, text
+    return text
+
+
+# ------------------------------------------------------------------------------ offline bundle
+
+
+def _git(repo: Path, *args: str) -> None:
+    cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*cmd, *args], cwd=repo, check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A small checkout holding the bundle script: what it packs as the source is this."""
+    r = tmp_path / "repo"
+    (r / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "offline_bundle.py", r / "scripts")
+    (r / "README").write_text("a checkout\n")
+    (r / "pkg").mkdir()
+    (r / "pkg" / "a.py").write_text("A = 1\n")
+    (r / "pkg" / "old.py").write_text("OLD = 1\n")
+    _git(r, "init", "-q")
+    _git(r, "add", "-A")
+    _git(r, "commit", "-qm", "one")
+    return r
+
+
+def _bundle(root: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(root / "scripts" / "offline_bundle.py"), *args]
+    return subprocess.run(cmd, cwd=cwd or root, capture_output=True, text=True)
+
+
+def _pack(root: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    return _bundle(root, "pack", "--out", str(out), "--wheels", "none", "--target", "none", *args)
+
+
+def test_pack_force_replaces_an_earlier_bundle_and_nothing_else(repo, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's notes")
+    r = _pack(repo, mine, "--force")
+    assert r.returncode == 2
+    assert str(mine) in _one_line(r.stderr) and "notes.txt" in r.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert (mine / "notes.txt").read_text() == "the user's notes"
+    # an empty folder takes a bundle; an earlier bundle is replaced only with --force
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _pack(repo, empty).returncode == 0
+    first = (empty / "bundle.json").read_text()
+    r = _pack(repo, empty)
+    assert r.returncode == 2 and "--force" in _one_line(r.stderr)
+    (repo / "README").write_text("a change\n")
+    _git(repo, "commit", "-qam", "two")
+    assert _pack(repo, empty, "--force").returncode == 0
+    assert (empty / "bundle.json").read_text() != first
+    assert sorted(p.name for p in empty.iterdir()) == ["bundle.json", "part_00"]
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+@pytest.mark.parametrize(
+    "out, extra, says",
+    [
+        ("file", [], "a file, not a folder"),
+        (".", ["--force"], "the current folder"),
+        ("b", ["--part-size", "inf"], "--part-size 'inf'"),
+        ("b", ["--part-size", "1"], "would make"),
+    ],
+)
+def test_pack_refuses_bad_arguments_in_one_line(repo, tmp_path, out, extra, says):
+    (tmp_path / "file").write_text("not a folder")
+    where = tmp_path / out if out != "." else Path(".")
+    r = _bundle(repo, "pack", "--out", str(where), "--wheels", "none", "--target", "none", *extra)
+    assert r.returncode == 2 and says in _one_line(r.stderr)
+    assert (tmp_path / "file").read_text() == "not a folder"
+    assert not (tmp_path / "b").exists()
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]
+    if says == "would make":  # how many parts, and a size that makes few enough
+        size = r.stderr.split("use --part-size ")[1].split()[0]
+        assert _pack(repo, tmp_path / "b", "--part-size", size).returncode == 0
+        assert len(json.loads((tmp_path / "b" / "bundle.json").read_text())["parts"]) <= 1000
+
+
+def test_a_part_size_beyond_the_bundle_makes_one_part(repo, tmp_path):
+    r = _pack(repo, tmp_path / "b", "--part-size", "1e30T")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["bundle.json", "part_00"]
+
+
+def test_pack_says_what_the_source_leaves_out_and_needs_a_checkout(repo, tmp_path):
+    (repo / "pkg" / "a.py").write_text("A = 2  # not committed\n")
+    r = _pack(repo, tmp_path / "b1")
+    assert r.returncode == 0
+    assert "uncommitted" in _one_line(r.stderr) and "pkg/a.py" in r.stderr
+    shutil.rmtree(repo / ".git")  # as in an unpacked bundle's source
+    r = _pack(repo, tmp_path / "b2")
+    assert r.returncode == 2 and "not a git checkout" in _one_line(r.stderr)
+    assert "--no-source" in r.stderr and not (tmp_path / "b2").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda m: m.pop("parts"), "'parts'"),
+        (lambda m: m.update(parts="part_00"), "parts is 'part_00'"),
+        (lambda m: m["parts"][0].update(bytes="12"), "parts[0].bytes"),
+        (lambda m: m["parts"][0].pop("sha256"), "parts[0].sha256"),
+        (lambda m: m["parts"][0].update(name="../../x"), "parts[0].name"),
+        (lambda m: m.pop("sha256"), "'sha256'"),
+        (lambda m: m.update(contents=[]), "contents"),
+    ],
+)
+def test_a_damaged_manifest_is_named_in_one_line(repo, tmp_path, damage, says):
+    assert _pack(repo, tmp_path / "b").returncode == 0
+    m = json.loads((tmp_path / "b" / "bundle.json").read_text())
+    damage(m)
+    (tmp_path / "b" / "bundle.json").write_text(json.dumps(m))
+    r = _bundle(repo, "unpack", str(tmp_path / "b"), "--into", str(tmp_path / "there"))
+    assert r.returncode == 2 and says in _one_line(r.stderr)
+    assert "bundle.json" in r.stderr
+
+
+def test_a_second_bundle_replaces_the_first_only_with_force(repo, tmp_path):
+    into = tmp_path / "there"
+    data = tmp_path / "data"
+    r = _bundle(
+        ROOT,
+        *("pack", "--out", str(data), "--wheels", "none", "--target", "none", "--no-source"),
+        *("--data-slice", "0:2"),
+    )
+    assert r.returncode == 0, r.stderr
+    r = _bundle(repo, "unpack", str(data), "--into", str(into))
+    assert r.returncode == 0 and "export DATA=" in r.stdout
+    # a source-only bundle: refused while the data bundle is unpacked there
+    src = tmp_path / "src"
+    assert _pack(repo, src).returncode == 0
+    r = _bundle(repo, "unpack", str(src), "--into", str(into))
+    assert r.returncode == 2 and "--force" in _one_line(r.stderr) and "--into" in r.stderr
+    assert not (into / "specdraft").exists() and (into / "content" / "data").is_dir()
+    r = _bundle(repo, "unpack", str(src), "--into", str(into), "--force")
+    assert r.returncode == 0, r.stderr
+    assert "export DATA=" not in r.stdout and not (into / "content" / "data").exists()
+    assert (into / "specdraft" / "pkg" / "old.py").is_file()
+    # the user edits the unpacked source; the next bundle drops a file and changes another
+    (into / "specdraft" / "pkg" / "a.py").write_text("A = 'edited here'\n")
+    _git(repo, "rm", "-q", "pkg/old.py")
+    (repo / "pkg" / "a.py").write_text("A = 3\n" + "# padding\n" * 2000)
+    _git(repo, "commit", "-qam", "two")
+    src2 = tmp_path / "src2"
+    assert _pack(repo, src2, "--part-size", "16K").returncode == 0
+    parts = sorted(p.name for p in src2.glob("part_*"))
+    assert len(parts) >= 2
+    # its parts arrive over several calls, as before; once whole, it is refused
+    r = _bundle(
+        repo, "unpack", str(src2 / parts[0]), str(src2 / "bundle.json"), "--into", str(into)
+    )
+    assert r.returncode == 3 and f"missing: {parts[1]}" in r.stdout
+    r = _bundle(repo, "unpack", *[str(src2 / p) for p in parts[1:]], "--into", str(into))
+    assert r.returncode == 2 and str(into / "parts") in _one_line(r.stderr)
+    assert (into / "specdraft" / "pkg" / "old.py").is_file()
+    r = _bundle(repo, "unpack", str(into / "parts"), "--into", str(into), "--force")
+    assert r.returncode == 0, r.stderr
+    assert not (into / "specdraft" / "pkg" / "old.py").exists()
+    assert (into / "specdraft" / "pkg" / "a.py").read_text().startswith("A = 3\n")
+    kept = list(into.glob("specdraft.replaced-*"))
+    assert len(kept) == 1 and f"kept {kept[0]}" in r.stdout
+    assert (kept[0] / "pkg" / "a.py").read_text() == "A = 'edited here'\n"
+    assert not (into / "parts").exists()
+    # the same bundle again changes nothing
+    (into / "specdraft" / "README").write_text("edited again\n")
+    r = _bundle(repo, "unpack", str(src2), "--into", str(into))
+    assert r.returncode == 0 and "already unpacked" in r.stdout and "cd " in r.stdout
+    assert (into / "specdraft" / "README").read_text() == "edited again\n"
+
+
+def test_unpack_does_not_write_over_a_folder_it_did_not_unpack(repo, tmp_path):
+    into = tmp_path / "home"
+    (into / "specdraft").mkdir(parents=True)
+    (into / "specdraft" / "mine.py").write_text("mine\n")
+    assert _pack(repo, tmp_path / "src").returncode == 0
+    for force in ([], ["--force"]):
+        r = _bundle(repo, "unpack", str(tmp_path / "src"), "--into", str(into), *force)
+        assert r.returncode == 2 and "specdraft/" in _one_line(r.stderr)
+    assert [p.name for p in (into / "specdraft").iterdir()] == ["mine.py"]
+
+
+# ------------------------------------------------------------------------------ learning curves
+
+
+def _rows(per_row) -> str:
+    return "".join(
+        json.dumps({"step": s, **per_row(s), "tokens": 1000 * s}) + "\n" for s in (2, 4, 6)
+    )
+
+
+MEDUSA = _rows(
+    lambda s: {f"val/top{r}_head{k}": 0.1 * k + s / 100 for r in (1, 10) for k in (1, 2)}
+)
+MLP = _rows(
+    lambda s: {
+        f"val/{m}{k}": 0.1 * k + s / 100 for m in ("top1_stage", "alpha_pos") for k in (1, 2)
+    }
+)
+
+
+def _plot(monkeypatch, *args: str) -> None:
+    import plot_curves
+
+    monkeypatch.setattr(sys, "argv", ["plot_curves.py", *args])
+    plot_curves.main()
+
+
+@pytest.mark.parametrize("text", [MEDUSA, MLP], ids=["medusa", "mlp_speculator"])
+def test_curves_of_medusa_heads_and_speculator_stages(tmp_path, text):
+    from plot_curves import curves
+
+    (tmp_path / "metrics.jsonl").write_text(text)
+    got = curves(tmp_path, "top1", 5)
+    assert [len(got[k]) for k in (1, 2, 3)] == [3, 3, 0]
+    assert got[2][0] == (2000, pytest.approx(0.22))
+
+
+def test_a_run_with_nothing_to_plot_is_an_error_not_an_empty_plot(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text(MEDUSA)
+    png = tmp_path / "curves.png"
+    with pytest.raises(SystemExit) as e:
+        _plot(monkeypatch, str(tmp_path), "--metric", "alpha", "--out", str(png))
+    msg = str(e.value.code)
+    assert "\n" not in msg and str(tmp_path / "metrics.jsonl") in msg
+    assert "val/alpha_pos" in msg and "val/top1_head1..2" in msg
+    assert not png.exists()
+    _plot(monkeypatch, str(tmp_path), "--out", str(png))
+    assert png.stat().st_size > 10_000
+
+
+def test_a_last_line_cut_short_is_left_out_one_in_the_middle_is_named(tmp_path, monkeypatch):
+    run = tmp_path / "metrics.jsonl"
+    run.write_text(MLP + MLP.splitlines()[0][:40])  # a run still writing
+    png = tmp_path / "curves.png"
+    _plot(monkeypatch, str(run), "--out", str(png))
+    assert png.is_file()
+    lines = MLP.splitlines()
+    run.write_text("\n".join([lines[0], lines[1][:40], lines[2]]) + "\n")
+    with pytest.raises(SystemExit) as e:
+        _plot(monkeypatch, str(run), "--out", str(tmp_path / "other.png"))
+    assert str(e.value.code).startswith(f"{run}:2: ") and "\n" not in str(e.value.code)
+
+
+@pytest.mark.parametrize("text", [None, "", "{cut", '{"runs": []}', '{"curves": [["a.jsonl"]]}'])
+def test_a_missing_or_malformed_lineage_is_one_line(tmp_path, monkeypatch, text):
+    lin = tmp_path / "lineage.json"
+    if text is not None:
+        lin.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        _plot(monkeypatch, "--lineage", str(lin), "--out", str(tmp_path / "c.png"))
+    assert str(e.value.code).startswith(f"{lin}: ") and "\n" not in str(e.value.code)
+
+
+# ------------------------------------------------------------------------- GPU training summary
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A finished training run as gpu_train.sh leaves it, small."""
+    import torch
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    save_file({"w": torch.zeros(4, 4)}, str(run / "final" / "model.safetensors"))
+    cfg = {"specdraft": {"method": "eagle3"}, "method": {"ttt_steps": 2}, "target": "tiny"}
+    (run / "final" / "config.json").write_text(json.dumps(cfg))
+    (run / "summary.json").write_text(json.dumps({"target_params": 1000, "reason": "max_steps"}))
+    rows = [{"step": s, "tokens_per_s": 100.0, "tokens": 64 * s} for s in (1, 2)]
+    rows.append({"step": 2, "tokens": 128, "val/alpha_pos1": 0.5})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def _summary(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    import gpu_train_summary
+
+    monkeypatch.setattr(sys, "argv", ["gpu_train_summary.py", *args])
+    try:
+        gpu_train_summary.main()
+        rc = 0
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_the_summary_leaves_out_a_metrics_line_cut_short(run, tmp_path, monkeypatch, capsys):
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "tokens_per_s": 1')  # the run stopped while writing it
+    rc, _, err = _summary(monkeypatch, capsys, "--run", str(run), "--out", str(tmp_path / "s"))
+    assert rc == 0, err
+    s = json.loads((tmp_path / "s").read_text())
+    assert s["train"]["steps"] == 2 and s["validation"] == [
+        {"step": 2, "tokens": 128, "val/alpha_pos1": 0.5}
+    ]
+    assert (run / "lineage.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "flag, make, says",
+    [
+        ("--run", None, "no such folder"),
+        ("--eval", "", "empty"),
+        ("--regen", "", "empty"),
+        ("--eval", None, "no such file"),
+        ("--slice", "[1, 2]", "not a JSON object"),
+    ],
+)
+def test_the_summary_names_input_it_cannot_use(
+    run, tmp_path, monkeypatch, capsys, flag, make, says
+):
+    given = tmp_path / "given"
+    if make is not None:
+        given.write_text(make)
+    args = {"--run": str(run), "--out": str(tmp_path / "s"), flag: str(given)}
+    rc, _, err = _summary(monkeypatch, capsys, *[x for kv in args.items() for x in kv])
+    assert rc == 2 and f"{flag} {given}: {says}" in _one_line(err)
+    assert not (tmp_path / "s").exists()
