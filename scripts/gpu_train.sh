@@ -114,5 +114,11 @@ python3 scripts/gpu_train_summary.py --run "$out/run" --regen "$out/regen.jsonl.
   --out "$out/summary.json" | tee -a "$log"
 echo "draft: $out/run/final"
 echo "  measure:  specdraft-eval draft=$out/run/final tree=chain gamma=3 adaptive=false"
-echo "  curve:    python scripts/plot_curves.py --lineage $out/run/lineage.json --metric alpha --out $out/curves.png"
+# a curve where there is one: this run's validation, or the curves behind the weights it began from
+curve=false
+grep -q '"val/alpha_pos1"' "$out/run/metrics.jsonl" 2>/dev/null && curve=true
+[ "$init" != null ] && curve=true
+if $curve; then
+  echo "  curve:    python scripts/plot_curves.py --lineage $out/run/lineage.json --metric alpha --out $out/curves.png"
+fi
 echo "  continue: SKIP=$((skip + count)) COUNT=$count INIT=$out/run/final bash scripts/gpu_train.sh"

@@ -61,6 +61,8 @@ def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     assert f"SKIP=12 COUNT=12 INIT={out}/run/final" in r.stdout
     curves = json.loads((out / "run" / "lineage.json").read_text())["curves"]
     assert [Path(p).name for p, _ in curves] == ["metrics.jsonl"] and curves[0][1] == 0
+    # no validation logged, no weights it began from: no curve to offer
+    assert "curve:" not in r.stdout
 
 
 def test_a_run_continues_the_learning_curve_of_the_weights_it_started_from(tmp_path):
