@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.base import SIGNAL_NAMES, file_above
+from models.base import SIGNAL_NAMES, file_above, resolve_draft_dir
 from models.export import readable_by_others
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -266,8 +266,10 @@ class DiscoStop:
     """The stop rule the decoder hands to a proposer: True (stop drafting) when the classifier
     gives the token just drafted P(accepted) < threshold."""
 
-    def __init__(self, model: DiscoClassifier, threshold: float, path: str = ""):
+    def __init__(self, model: DiscoClassifier, threshold: float, path: str = "", trained_on=None):
         self.model, self.threshold, self.path = model.eval().requires_grad_(False), threshold, path
+        #: what the traces it was fit on came from (draft, target, temperature, gamma)
+        self.trained_on: dict = dict(trained_on or {})
 
     @torch.no_grad()
     def __call__(self, signals: torch.Tensor) -> bool:
@@ -283,19 +285,30 @@ def load_disco(path: str | Path, threshold: float | None = None) -> DiscoStop:
     if not f.is_file() or not (p / WEIGHTS).is_file():
         raise DiscoError(f"{p}: no DISCO classifier ({CONFIG} and {WEIGHTS} expected)")
     try:
-        cfg = json.loads(f.read_text())["disco"]
-    except (json.JSONDecodeError, KeyError) as e:
+        whole = json.loads(f.read_text())
+        cfg = whole["disco"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise DiscoError(f"{f}: not a DISCO classifier config ({e})") from None
     if cfg.get("signal_names") != list(SIGNAL_NAMES):
         raise DiscoError(f"{f}: trained on signals {cfg.get('signal_names')}, not these")
     model = DiscoClassifier(len(SIGNAL_NAMES), cfg["hidden"])
     model.load_state_dict(load_file(str(p / WEIGHTS)))
-    return DiscoStop(model, cfg["threshold"] if threshold is None else threshold, str(p))
+    thr = cfg["threshold"] if threshold is None else threshold
+    return DiscoStop(model, thr, str(p), whole.get("trained_on"))
+
+
+def is_classifier(folder: Path) -> bool:
+    """Whether ``folder`` holds a classifier ``specdraft-disco`` wrote (and nothing it may not
+    replace: a trained draft's ``config.json`` is not one)."""
+    try:
+        cfg = json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "disco" in cfg and "specdraft" not in cfg
 
 
 def default_disco_dir(draft: str) -> Path | None:
     """``<draft folder>/disco`` for a draft given as a run, saved draft or shipped name."""
-    from models.base import resolve_draft_dir
     from models.shipped import shipped_draft
 
     base = shipped_draft(draft) or Path(draft).expanduser()
@@ -324,13 +337,32 @@ def load_stop_rule(path: str | None, draft: str, proposer) -> DiscoStop:
             else f"stop=disco: draft={draft} does not report per-token signals (EAGLE chains "
             "and draft LMs do)"
         )
+    inside = resolve_draft_dir(where) if where.is_dir() else None
+    if inside is not None:  # disco=<a trained draft>: its classifier is in its disco/ folder
+        where = inside / "disco"
     try:
-        return load_disco(where)
+        stop = load_disco(where)
     except DiscoError as e:
         raise DraftError(
             f"stop=disco: {e}. Train one: specdraft-eval draft={draft} adaptive=false "
             f"traces=t.jsonl, then specdraft-disco t.jsonl --out {where}"
         ) from None
+    fit_for = stop.trained_on.get("draft")
+    if fit_for is not None and not _same_draft(str(fit_for), draft):
+        print(
+            f"warning: disco={where} was fit on traces of draft={fit_for}, not draft={draft}: "
+            "its stop rule reads another draft's signals"
+        )
+    return stop
+
+
+def _same_draft(a: str, b: str) -> bool:
+    """Whether two ``draft=`` values name the same draft (a run, its final/ folder or the same
+    shipped name)."""
+    if a == b:
+        return True
+    da, db = default_disco_dir(a), default_disco_dir(b)
+    return da is not None and db is not None and da.resolve() == db.resolve()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,10 +406,13 @@ def main(argv: list[str] | None = None) -> None:
         above = file_above(out)
         if above is not None:
             raise DiscoError(f"--out {out}: {above} is a file, not a folder")
-        if out.is_dir() and any(out.iterdir()) and not (out / WEIGHTS).is_file():
+        if out.is_dir() and any(out.iterdir()) and not is_classifier(out):
+            inside = resolve_draft_dir(out)
+            where = f" (its classifier's folder is {inside / 'disco'})" if inside else ""
             raise DiscoError(
-                f"--out {out}: a folder holding something else than a DISCO classifier; choose "
-                "another (an earlier classifier there is replaced)"
+                f"--out {out}: a folder holding something else than a DISCO classifier"
+                f"{' (a trained draft)' if inside else ''}; choose another{where}; an earlier "
+                "classifier there is replaced"
             )
         c = a.c if a.c is not None else meta.get("c")
         if c is None:

@@ -232,3 +232,38 @@ def test_cli_errors_are_one_line(tmp_path):
     r = run_module("decoding.disco", [str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)])
     assert r.returncode == 2 and "no such traces file" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_classifier_never_replaces_a_draft_and_is_found_beside_it(tmp_path, capsys):
+    """``--out`` a trained draft is refused (naming its classifier's folder) and the draft is
+    left whole; ``disco=<the draft>`` reads the classifier in its ``disco/`` folder; one fit on
+    another draft's traces is used with a warning."""
+    from types import SimpleNamespace
+
+    from decoding.disco import load_stop_rule, main
+
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text(json.dumps({"specdraft": {"method": "eagle3"}}))
+    (final / "model.safetensors").write_bytes(b"weights")
+    meta = {"draft": str(tmp_path / "other"), "c": 0.2, "signal_names": list(SIGNAL_NAMES)}
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(
+        "".join(json.dumps(x) + "\n" for x in [{"meta": meta}, *_synthetic_rows(200)])
+    )
+    for out in (final, tmp_path / "run"):
+        with pytest.raises(SystemExit) as e:
+            main([str(traces), "--out", str(out), "--epochs", "5"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "(a trained draft)" in err and str(final / "disco") in err
+    assert (final / "model.safetensors").read_bytes() == b"weights"
+    main([str(traces), "--out", str(final / "disco"), "--epochs", "5"])
+    capsys.readouterr()
+    chain = SimpleNamespace(gives_signals=True, tree_depth=None)
+    stop = load_stop_rule(str(tmp_path / "run"), str(tmp_path / "run"), chain)
+    assert stop.path == str(final / "disco")
+    assert f"fit on traces of draft={tmp_path / 'other'}" in capsys.readouterr().out
+    (tmp_path / "other").mkdir()
+    meta_same = load_stop_rule(str(final / "disco"), str(tmp_path / "other"), chain)
+    assert meta_same.trained_on["draft"] == str(tmp_path / "other")
+    assert "warning" not in capsys.readouterr().out
