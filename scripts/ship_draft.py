@@ -1,7 +1,11 @@
 """Put a trained draft into the repository as a shipped draft (``models/shipped/<name>/``),
 loadable by its short name (``specdraft-eval draft=<name>``).
 
-    python scripts/ship_draft.py runs/e3long/final smollm2-eagle3 [--max-mb 25]
+    python scripts/ship_draft.py runs/e3long/final smollm2-eagle3 [--max-mb 25] [--new-target]
+
+The draft is checked before anything is written: a draft trained by specdraft (a run, its
+``final/`` or a checkpoint), for the target the shipped name serves (``--new-target`` ships one
+for another target).
 
 Floating-point tensors are stored in bf16 (the draft is cast to the target's dtype when it
 decodes, so nothing is lost on a bf16 target; on an fp32 target the bf16 weights are widened).
@@ -23,8 +27,47 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.base import DRAFT_WEIGHTS  # noqa: E402
+from models.base import (  # noqa: E402
+    DRAFT_WEIGHTS,
+    DraftError,
+    read_draft_config,
+    resolve_draft_dir,
+    unfinished_run,
+)
 from models.shipped import SHIPPED  # noqa: E402
+
+
+def checked_draft(src: Path, dst: Path, new_target: bool) -> tuple[Path, dict]:
+    """The saved draft behind ``src`` (a run, its final/ or a checkpoint) and its config,
+    checked before anything is written: a specdraft draft with its weights, trained for the
+    target the shipped draft at ``dst`` serves (unless ``new_target``)."""
+    if not src.is_dir():
+        sys.exit(f"{src}: no such folder (a run, its final/ folder or a checkpoint)")
+    found = resolve_draft_dir(src)
+    if found is None:
+        step = unfinished_run(src)
+        hint = f"; its newest checkpoint is {step}" if step else ""
+        sys.exit(
+            f"{src}: not a draft trained by specdraft (a run, its final/ or a checkpoint){hint}"
+        )
+    try:
+        cfg = read_draft_config(found)
+    except DraftError as e:
+        sys.exit(str(e))
+    if not (found / DRAFT_WEIGHTS).is_file():
+        sys.exit(f"{found / DRAFT_WEIGHTS}: missing (expected a saved draft folder)")
+    if (dst / "config.json").is_file() and not new_target:
+        try:
+            was = json.loads((dst / "config.json").read_text())["target"]["identity"]
+        except (ValueError, KeyError, TypeError):
+            was = None
+        now = cfg.get("target", {}).get("identity")
+        if was is not None and now != was:
+            sys.exit(
+                f"{found}: trained for target {now}, but {dst.name} serves {was}; pass "
+                "--new-target to ship it for its own target"
+            )
+    return found, cfg
 
 
 def main() -> None:
@@ -32,19 +75,21 @@ def main() -> None:
     ap.add_argument("draft", type=Path, help="a saved draft folder (a run's final/ or draft/)")
     ap.add_argument("name", help=f"short name, one of {sorted(SHIPPED)}")
     ap.add_argument("--max-mb", type=float, default=25.0)
+    ap.add_argument(
+        "--new-target",
+        action="store_true",
+        help="ship a draft trained for another target than the one this name serves",
+    )
     args = ap.parse_args()
     if args.name not in SHIPPED:
         sys.exit(f"{args.name}: add it to SHIPPED in models/shipped/__init__.py first")
-    src = args.draft
-    for f in ("config.json", DRAFT_WEIGHTS):
-        if not (src / f).is_file():
-            sys.exit(f"{src / f}: missing (expected a saved draft folder)")
+    dst = SHIPPED[args.name]
+    src, _ = checked_draft(args.draft, dst, args.new_target)
     state = load_file(str(src / DRAFT_WEIGHTS))
     state = {
         k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
         for k, v in state.items()
     }
-    dst = SHIPPED[args.name]
     dst.mkdir(parents=True, exist_ok=True)
     tmp = dst / (DRAFT_WEIGHTS + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})
@@ -58,6 +103,12 @@ def main() -> None:
     print(
         f"shipped {src} as {args.name}: {dst} ({mb:.1f} MB, bf16; method {cfg['specdraft']['method']})"
     )
+    if (dst / "disco").is_dir():
+        print(
+            f"note: {dst / 'disco'} was fit on the previous head's traces: fit it again "
+            f"(specdraft-eval draft={args.name} adaptive=false traces=t.jsonl, then "
+            f"specdraft-disco t.jsonl --out {dst / 'disco'}); the README is kept as it was"
+        )
 
 
 if __name__ == "__main__":

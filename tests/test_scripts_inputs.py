@@ -342,3 +342,43 @@ def test_the_summary_names_input_it_cannot_use(
     rc, _, err = _summary(monkeypatch, capsys, *[x for kv in args.items() for x in kv])
     assert rc == 2 and f"{flag} {given}: {says}" in _one_line(err)
     assert not (tmp_path / "s").exists()
+
+
+# ------------------------------------------------------------------------------ ship_draft
+
+
+def test_ship_draft_checks_the_draft_before_it_writes(tmp_path):
+    """Shipping replaced the shipped head's weights before it looked at what it was given:
+    a model folder, an export or a draft for another target are refused first, in one line."""
+    from ship_draft import checked_draft
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    serves = {"specdraft": {"method": "eagle3"}, "target": {"identity": "smol:aaa"}}
+    (shipped / "config.json").write_text(json.dumps(serves))
+    (shipped / "model.safetensors").write_bytes(b"shipped weights")
+
+    def draft(where: Path, identity: str) -> Path:
+        where.mkdir(parents=True)
+        cfg = {"specdraft": {"method": "eagle3", "format_version": 1}, "method": {}}
+        (where / "config.json").write_text(json.dumps({**cfg, "target": {"identity": identity}}))
+        (where / "model.safetensors").write_bytes(b"w")
+        return where
+
+    def refused(src: Path, new_target: bool = False) -> str:
+        with pytest.raises(SystemExit) as e:
+            checked_draft(src, shipped, new_target)
+        return str(e.value.code)
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "model.safetensors").write_bytes(b"m")
+    assert "not a draft trained by specdraft" in refused(model)
+    assert "no such folder" in refused(tmp_path / "nowhere")
+    other = draft(tmp_path / "other" / "final", "tiny:bbb")
+    assert "trained for target tiny:bbb, but shipped serves smol:aaa" in refused(other.parent)
+    assert checked_draft(other.parent, shipped, True)[0] == other  # --new-target
+    ours = draft(tmp_path / "run" / "final", "smol:aaa")
+    assert checked_draft(tmp_path / "run", shipped, False)[0] == ours  # a run: its final/
+    assert (shipped / "model.safetensors").read_bytes() == b"shipped weights"
