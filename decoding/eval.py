@@ -61,7 +61,15 @@ from .report import (
 )
 from .runner import compile_mode
 from .sample_check import check_run
-from .settings import EvalConfig, EvalError, bench_questions, sampling_of, stop_ids, validate
+from .settings import (
+    ENGINE_ONLY,
+    EvalConfig,
+    EvalError,
+    bench_questions,
+    sampling_of,
+    stop_ids,
+    validate,
+)
 from .stats import Stats, acceptance_where
 
 
@@ -537,6 +545,12 @@ def dropped_settings(cfg: DictConfig, given: set[str]) -> list[str]:
             f"note: acceptance={cfg.acceptance} decides at T > 0 only; at temperature=0 a "
             "drafted token is accepted where it is the target's argmax, under every rule"
         )
+    for key, engines in ENGINE_ONLY.items():
+        if key in given and cfg.engine not in engines:
+            notes.append(
+                f"note: {key} is read by engine={' and engine='.join(engines)} only, unused "
+                f"with engine={cfg.engine}"
+            )
     if "tree" in given and cfg.tree == "chain" and str(cfg.draft) == "lookahead":
         notes.append(
             "note: draft=lookahead verifies its n-gram candidates as one tree (a trie) whatever "

@@ -635,6 +635,12 @@ def report_paths(cfg) -> tuple[Path, Path]:
     outs = [("report", path, _is_report), ("plot", png, _is_png)]
     if cfg.get("traces"):
         outs.append(("traces", Path(cfg.traces).expanduser(), _is_traces))
+    seen: dict[Path, str] = {}
+    for key, p, _ in outs:  # each its own file: one written over another loses it
+        same = seen.setdefault(p.resolve(), key)
+        if same != key:
+            hint = " (the plot defaults to the report's name with .png)" if not cfg.plot else ""
+            raise EvalError(f"{same}= and {key}= name the same file, {p}{hint}; give each its own")
     for key, p, ours in outs:
         if p.is_dir():
             raise EvalError(f"{key}={p} is a folder; name a file in it ({key}={p / path.name})")
@@ -646,6 +652,14 @@ def report_paths(cfg) -> tuple[Path, Path]:
                 f"{key}={p} exists and is no {key} of specdraft-eval; choose another path, or "
                 "remove the file"
             )
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if png.suffix.lstrip(".").lower() not in kinds:
+        raise EvalError(
+            f"plot={png}: a plot is written as {', '.join('.' + k for k in sorted(kinds))} "
+            "(by its name's ending)"
+        )
     return path, png
 
 

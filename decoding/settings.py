@@ -204,6 +204,27 @@ def stop_ids(cfg: DictConfig, tok) -> set[int]:
     return {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
 
 
+#: the settings only a serving engine reads, and which engines read them (any other engine
+#: leaves them unused: ``specdraft-eval`` says so where one is typed)
+ENGINE_ONLY = {
+    "engine_format": ("vllm",),
+    "engine_rule": ("vllm",),
+    "engine_dtype": ("vllm",),
+    "engine_compare": ("vllm",),
+    "engine_repair": ("vllm",),
+    "engine_repack": ("llama.cpp",),
+    "engine_ngram": ("llama.cpp",),
+    "target_gguf": ("llama.cpp",),
+    "plan": ("llama.cpp",),
+    "plan_max": ("llama.cpp",),
+    "p_min": ("llama.cpp",),
+    "engine_threads": ("llama.cpp", "vllm"),
+    "engine_tie_tolerance": ("llama.cpp", "vllm"),
+    "predict": ("llama.cpp", "vllm"),
+    "calibration_tokens": ("llama.cpp", "vllm"),
+}
+
+
 def validate(cfg: DictConfig) -> None:
     """Every setting of the built-in decoder's run that can be judged without a model, at
     once, before anything loads: ``EvalError`` naming the key and the value."""
@@ -254,3 +275,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if not 0 <= cfg.confidence_threshold <= 1:
         raise EvalError(f"confidence_threshold={cfg.confidence_threshold}: must be in [0, 1]")
+    if cfg.engine_threads is not None and cfg.engine_threads < 1:
+        raise EvalError(
+            f"engine_threads={cfg.engine_threads}: must be >= 1 (unset: OMP_NUM_THREADS, else "
+            "every core)"
+        )

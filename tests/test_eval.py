@@ -416,6 +416,10 @@ def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
         ({"report": str(tmp_path / "r.json"), "plot": str(data)}, "is no plot of specdraft-eval"),
         ({"traces": str(data)}, "is no traces of specdraft-eval"),
         ({"traces": str(data / "t.jsonl")}, f"{data} is a file, not a folder"),
+        # each its own file, and a plot of a kind matplotlib writes
+        ({"report": str(tmp_path / "r.png")}, "report= and plot= name the same file"),
+        ({"report": str(tmp_path / "s.json"), "plot": str(tmp_path / "s.json")}, "same file"),
+        ({"plot": str(tmp_path / "p.json")}, "a plot is written as "),
     ]
     for over, needle in cases:
         with pytest.raises(EvalError, match=re.escape(needle)):
@@ -482,6 +486,24 @@ def test_settings_a_run_cannot_use_are_each_one_note():
         )
         == 3
     )
+    # a setting only another engine reads
+    assert notes(["engine_format"], engine="llama.cpp", engine_format="speculators") == [
+        "note: engine_format is read by engine=vllm only, unused with engine=llama.cpp"
+    ]
+    (threads,) = notes(["engine_threads"], engine_threads=2)
+    assert threads.endswith(
+        "read by engine=llama.cpp and engine=vllm only, unused with engine=torch"
+    )
+    assert notes(["engine_format", "engine_threads"], engine="vllm", engine_format="vllm") == []
+
+
+@pytest.mark.parametrize("threads", [0, -1])
+def test_engine_threads_out_of_range_is_one_line(threads):
+    from decoding.eval import EvalError
+    from decoding.settings import validate
+
+    with pytest.raises(EvalError, match=f"^engine_threads={threads}: must be >= 1 "):
+        validate(_eval_cfg(engine="llama.cpp", engine_threads=threads))
 
 
 @pytest.mark.parametrize(
