@@ -74,8 +74,12 @@ def write_traces(path: str | Path, rows: list[dict], report: dict, draft_desc: s
 
 def read_traces(path: str | Path) -> tuple[dict, list[dict]]:
     p = Path(path)
+    if p.is_dir():
+        raise DiscoError(f"{p}: a folder; name the traces file specdraft-eval traces=... wrote")
     if not p.is_file():
         raise DiscoError(f"{p}: no such traces file (write one with specdraft-eval traces=...)")
+    if p.stat().st_size == 0:
+        raise DiscoError(f"{p}: empty (write traces with specdraft-eval traces=... adaptive=false)")
     meta, rows = None, []
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():

@@ -127,6 +127,11 @@ def load_proposer(
     path = shipped if shipped is not None else Path(spec).expanduser()
     if not path.exists() and _looks_like_a_path(spec):
         raise DraftError(f"draft={spec}: no such folder")
+    if path.is_file():
+        raise DraftError(
+            f"draft={spec}: a file; name the folder that holds it (a run, its final/ folder, a "
+            "checkpoint, an export or an HF model)"
+        )
     if path.exists():
         draft_dir = resolve_draft_dir(path)
         if draft_dir is not None:

@@ -232,6 +232,12 @@ def test_cli_errors_are_one_line(tmp_path):
     r = run_module("decoding.disco", [str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)])
     assert r.returncode == 2 and "no such traces file" in r.stderr
     assert "Traceback" not in r.stderr
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DiscoError, match=r"empty.jsonl: empty \(write traces"):
+        read_traces(empty)
+    with pytest.raises(DiscoError, match="a folder; name the traces file"):
+        read_traces(tmp_path)
 
 
 def test_a_classifier_never_replaces_a_draft_and_is_found_beside_it(tmp_path, capsys):

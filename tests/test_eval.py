@@ -109,6 +109,7 @@ def test_eval_of_a_trained_run(tmp_path, data_file):
         (["gamma=0"], "gamma=0: must be >= 1"),
         (["draft=/nonexistent/dir"], "draft=/nonexistent/dir: no such folder"),
         (["draft=runs/no-such-run/final"], "draft=runs/no-such-run/final: no such folder"),
+        (["draft=pyproject.toml"], "draft=pyproject.toml: a file; name the folder that holds it"),
         (["compile=maybe"], "compile='maybe': use auto, true, false or fused"),
         (["bench=/nonexistent.jsonl"], "no such file"),
         (["categories=[nosuch]"], "categories=['nosuch']"),

@@ -53,6 +53,33 @@ def test_a_format_vllm_does_not_serve_is_refused_in_one_line(tmp_path):
         speculative_config(tmp_path, "gguf", 3)
 
 
+@pytest.mark.slow
+def test_an_engine_format_of_another_method_is_refused_by_its_key():
+    """``engine_format=`` naming another method's layout is refused before anything is
+    exported, by the key the user typed (it said ``--format``, the export command's flag)."""
+    from omegaconf import OmegaConf
+
+    from decoding.engines.vllm_eval import vllm_draft
+    from models.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig())
+    cfg = OmegaConf.create(
+        {
+            "draft": "smollm2-eagle3",
+            "engine_format": "medusa-vllm",
+            "gamma": 3,
+            "engine_rule": "greedy_draft",
+            "ngram_max": 3,
+        }
+    )
+    with pytest.raises(EngineError) as e:
+        vllm_draft(cfg, target, print)
+    assert str(e.value) == (
+        "engine_format=medusa-vllm: the layout of medusa1, medusa2 drafts; draft=smollm2-eagle3 "
+        "is eagle3 (leave engine_format unset: vllm)"
+    )
+
+
 def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     r = run_module(

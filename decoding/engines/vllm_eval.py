@@ -401,10 +401,19 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
         if fmt is None or fmt not in served_formats():
             raise EngineError(
                 f"draft={d}: a {method} draft"
-                + (f" as --format {fmt}" if fmt else "")
+                + (f" as engine_format={fmt}" if fmt else "")
                 + f"; vLLM {VERSION} serves {', '.join(served_formats())} "
                 f"({', '.join(sorted(FORMAT_OF_METHOD))} drafts, and draft language models: "
                 "DistillSpec students, any causal LM with the target's tokenizer)"
+            )
+        from models import FORMATS
+
+        if method not in FORMATS[fmt].methods:  # engine_format= of another method's layout
+            default = FORMAT_OF_METHOD.get(method)
+            raise EngineError(
+                f"engine_format={fmt}: the layout of {', '.join(FORMATS[fmt].methods)} drafts; "
+                f"draft={d} is {method}"
+                + (f" (leave engine_format unset: {default})" if default else "")
             )
         folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
