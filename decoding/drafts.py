@@ -180,9 +180,11 @@ def load_proposer(
 
 
 def _looks_like_a_path(spec: str) -> bool:
-    """A folder, not a hub id ("namespace/name"): absolute, relative to . or ~, or deeper than
-    one slash."""
-    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1
+    """A folder, not a hub id ("namespace/name"): absolute, relative to . or ~, deeper than
+    one slash, or under a folder that is here (``runs/e3`` where ``runs/`` exists)."""
+    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
+        return True
+    return "/" in spec and Path(spec.split("/", 1)[0]).is_dir()
 
 
 def _head_proposer(head, tree: DecodeSettings, desc: str):

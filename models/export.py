@@ -167,7 +167,15 @@ def import_draft(folder: str | Path, target: Target, fmt_name: str | None = None
     if fmt_name not in formats():
         raise ExportError(f"{folder}: not a checkpoint in a known serving layout")
     fmt = formats()[fmt_name]
-    return fmt.read(folder, target, fmt.read_config(folder)).to(target.device).eval()
+    from .target import TargetError
+
+    try:
+        return fmt.read(folder, target, fmt.read_config(folder)).to(target.device).eval()
+    except TargetError as e:  # e.g. the layers it reads are not the target's
+        raise ExportError(
+            f"{folder}: a {fmt_name} export that does not fit target {target.identity} ({e}); "
+            "was it made for another target?"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -110,6 +110,8 @@ def test_eval_of_a_trained_run(tmp_path, data_file):
         (["draft=/nonexistent/dir"], "draft=/nonexistent/dir: no such folder"),
         (["draft=runs/no-such-run/final"], "draft=runs/no-such-run/final: no such folder"),
         (["draft=pyproject.toml"], "draft=pyproject.toml: a file; name the folder that holds it"),
+        # under a folder that is here: a path, not a hub id to ask the network for
+        (["draft=tests/no-such-run"], "draft=tests/no-such-run: no such folder"),
         (["compile=maybe"], "compile='maybe': use auto, true, false or fused"),
         (["bench=/nonexistent.jsonl"], "no such file"),
         (["categories=[nosuch]"], "categories=['nosuch']"),

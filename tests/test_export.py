@@ -543,3 +543,14 @@ def test_a_draft_whose_target_moved_is_exported_with_target(data_file, tmp_path,
     with pytest.raises(SystemExit):
         main([str(run_dir), "--format", "eagle1", "--force", "--target", str(target_folder(other))])
     assert "weights changed?" in capsys.readouterr().err
+
+
+def test_an_export_for_another_target_is_named_as_such(target4, tiny_target, tmp_path):
+    """An EAGLE-3 export read against a target whose layers it cannot take (made for another
+    target) is one line naming the export and the target, not a bare index error."""
+    export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
+    with pytest.raises(ExportError) as e:
+        import_draft(tmp_path / "v", tiny_target)
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / 'v'}: a vllm export that does not fit target ")
+    assert "was it made for another target?" in msg and "\n" not in msg
