@@ -8,7 +8,34 @@ decoding only (acceptance at T=0 does not depend on timing, so plain decoding is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
+
+#: the report's settings that pick the target and the prompts
+KEYS = ("target", "draft", "bench", "categories", "num_prompts")
+
+
+def read_report(path: Path) -> dict:
+    """The report at ``path``, refused in one line unless it is an ``engine=llama.cpp`` report."""
+    try:
+        r = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: not a specdraft-eval report ({e})") from None
+    s = r.get("settings") if isinstance(r, dict) else None
+    if not isinstance(s, dict) or not isinstance(r.get("outputs"), list):
+        raise SystemExit(f"{path}: not a specdraft-eval report (no settings and outputs)")
+    if s.get("engine") != "llama.cpp":
+        raise SystemExit(
+            f"{path}: a report of engine={s.get('engine')}, not of engine=llama.cpp (its "
+            "acceptance is what this compares ours with)"
+        )
+    missing = [k for k in ("target", "draft", "bench", "n_max", "max_new_tokens") if k not in s]
+    if missing:
+        raise SystemExit(f"{path}: settings has no {', '.join(missing)}")
+    return {**r, "settings": s}
 
 
 def main() -> None:
@@ -18,6 +45,7 @@ def main() -> None:
     a = ap.parse_args()
     # imported once the arguments are parsed: --help answers without loading torch
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from data.chat import prompt_ids
     from decoding.decoder import SpeculativeDecoder
@@ -25,14 +53,24 @@ def main() -> None:
     from decoding.eval import EvalConfig, bench_questions
     from models.base import DecodeSettings
     from models.sampling import Sampling
-    from models.target import load_target
+    from models.target import TargetError, load_target
 
-    r = json.load(open(a.report))
+    r = read_report(Path(a.report))
     s = r["settings"]
-    cfg = OmegaConf.structured(
-        EvalConfig(draft=s["draft"], bench=s["bench"], num_prompts=s["num_prompts"])
-    )
-    target = load_target(OmegaConf.to_object(cfg.target))
+    names = {f.name for f in dataclasses.fields(EvalConfig)}
+    try:  # the report's target and prompts, as its evaluation loaded them
+        cfg = OmegaConf.merge(
+            OmegaConf.structured(EvalConfig),
+            {k: s[k] for k in KEYS if k in s and k in names},
+        )
+        target = load_target(OmegaConf.to_object(cfg.target))
+    except (OmegaConfBaseException, TargetError) as e:
+        raise SystemExit(f"{a.report}: settings: {str(e).splitlines()[0]}") from None
+    if s.get("target_identity") not in (None, target.identity):
+        raise SystemExit(
+            f"{a.report}: made for target {s['target_identity']}, but its settings.target "
+            f"loads {target.identity} here"
+        )
     tok = target.tokenizer
     questions = bench_questions(cfg)[: a.num]
     prop, desc = load_proposer(s["draft"], target, tree=DecodeSettings(tree="chain"))
@@ -59,6 +97,7 @@ def main() -> None:
                 },
                 "engine_same_prompts": {"draft_acceptance_rate": acc / max(1, d), "drafted": d},
                 "draft": desc,
+                "target": target.identity,
             },
             indent=1,
         )

@@ -49,6 +49,29 @@ METHODS = [
 ]
 
 COLORS = {"built-in": "#1f77b4", "vLLM": "#2ca02c", "llama.cpp": "#ff7f0e"}
+PLOTS = ("results_speedup.png", "results_acceptance.png", "results_methods.png")
+PNG = b"\x89PNG\r\n\x1a\n"  # the signature every PNG file starts with
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse, in one line, an --out that is not a folder, or one where a plot's name holds a
+    file that is not a PNG (unless --force); earlier plots, PNGs, are replaced."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out}: a file, not a folder")
+    for name in PLOTS:
+        f = out / name
+        if f.is_dir():
+            raise SystemExit(f"--out {out}: {name} is a folder")
+        if f.exists() and not force:
+            try:
+                with f.open("rb") as fh:
+                    png = fh.read(len(PNG)) == PNG
+            except OSError as e:
+                raise SystemExit(f"--out {out}: cannot read {name} ({e.strerror})") from None
+            if not png:
+                raise SystemExit(
+                    f"--out {out}: {name} is there and is not a PNG; use --force to replace it"
+                )
 
 
 def plot_speedup(out: Path) -> None:
@@ -110,12 +133,19 @@ def plot_methods(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("docs/figures"))
+    ap.add_argument(
+        "--out", type=Path, default=Path("docs/figures"), help="the folder of the plots"
+    )
+    ap.add_argument("--force", action="store_true", help="replace files that are not PNGs too")
     a = ap.parse_args()
+    check_out(a.out, a.force)
     import matplotlib
 
     matplotlib.use("Agg")
-    a.out.mkdir(parents=True, exist_ok=True)
+    try:
+        a.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {a.out}: cannot make the folder ({e.strerror})") from None
     plot_speedup(a.out)
     plot_acceptance(a.out)
     plot_methods(a.out)

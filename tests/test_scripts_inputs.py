@@ -382,3 +382,240 @@ def test_ship_draft_checks_the_draft_before_it_writes(tmp_path):
     ours = draft(tmp_path / "run" / "final", "smol:aaa")
     assert checked_draft(tmp_path / "run", shipped, False)[0] == ours  # a run: its final/
     assert (shipped / "model.safetensors").read_bytes() == b"shipped weights"
+
+
+# ------------------------------------------------------------------------------ family matrix
+
+STAMP = {
+    "date": "2026-01-02",
+    "machine": "Zen 9, 2 cores",
+    "command": "python scripts/family_matrix.py -k qwen3",
+    "subset": True,
+    "engines": {"vllm": True, "llama.cpp": True},
+}
+QWEN3 = [
+    {"family": "qwen3", "method": "eagle3", "column": c, "value": "Y"}
+    for c in ("trains", "exact", "exports", "trees")
+]
+
+
+def _matrix(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "scripts" / "family_matrix.py"), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_family_matrix_subset_runs_as_documented_and_leaves_the_page_alone(
+    tmp_path, monkeypatch, capsys
+):
+    """`-k qwen3`, as the usage shows it, runs those tests only and writes its page beside the
+    cells it recorded, not over docs/families.md."""
+    import family_matrix
+
+    page = tmp_path / "docs" / "families.md"
+    page.parent.mkdir()
+    page.write_text("# Model families\n\nthe whole matrix\n")
+    given = []
+
+    def run_tests(cells: Path, extra: list[str]) -> tuple[int, list[str]]:
+        given.append(extra)
+        with cells.open("a") as f:
+            f.write("".join(json.dumps(c) + "\n" for c in QWEN3))
+        return 0, []
+
+    monkeypatch.setattr(family_matrix, "ROOT", tmp_path)
+    monkeypatch.setattr(family_matrix, "run_tests", run_tests)
+    monkeypatch.setattr(sys, "argv", ["family_matrix.py", "-k", "qwen3"])
+    family_matrix.main()
+    assert given == [["-k", "qwen3"]]
+    assert page.read_text() == "# Model families\n\nthe whole matrix\n"
+    out = Path(capsys.readouterr().out.split("wrote ")[1].split(" (")[0])
+    text = out.read_text()
+    assert "`python scripts/family_matrix.py -k qwen3`" in text and "| `qwen3` |" in text
+    assert "no: " not in text and "not installed" not in text
+
+
+@pytest.mark.parametrize("engines", [{"vllm": True, "llama.cpp": True}, {"vllm": False}])
+def test_families_a_subset_did_not_run_are_not_shown_failing(engines):
+    from family_matrix import render
+
+    text = render(QWEN3, [], "2026-01-02", "Zen 9", "python scripts/family_matrix.py", engines)
+    rows = {ln.split(" | ")[0]: ln for ln in text.splitlines() if ln.startswith("| `")}
+    assert "no: " not in text
+    assert ("not run (vLLM not installed)" in rows["| `qwen3`"]) == (engines["vllm"] is False)
+    assert text.count("not installed") == (1 if engines["vllm"] is False else 0)
+    assert "Run for 1 of" in text
+    # a test that ran and failed before recording anything still says so
+    failed = ["FAILED tests/test_families.py::test_each_method_trains[qwen2-hass] - boom"]
+    text = render(QWEN3, failed, "2026-01-02", "Zen 9", "python scripts/family_matrix.py")
+    assert text.count("no: trains, exact, exports") == 1
+
+
+def test_rendered_cells_keep_the_date_and_machine_of_their_recording(tmp_path):
+    import os
+
+    cells = _jsonl(tmp_path / "c.jsonl", [{"run": STAMP}, *QWEN3, {"failed": ["FAILED x"]}])
+    r = _matrix("--cells", str(cells), "--out", str(tmp_path / "p.md"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "p.md").read_text()
+    assert "Measured 2026-01-02 on Zen 9, 2 cores: `python scripts/family_matrix.py -k qwen3`" in (
+        text
+    )
+    assert "- `FAILED x`" in text
+    # cells recorded by the tests alone: the date they were written, no machine made up
+    bare = _jsonl(tmp_path / "bare.jsonl", QWEN3)
+    os.utime(bare, (1767312000, 1767312000))  # 2026-01-02 (UTC)
+    r = _matrix("--cells", str(bare), "--out", str(tmp_path / "p.md"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "p.md").read_text()
+    assert "Measured 2026-01-0" in text and "a machine the cells do not name" in text
+    # a subset's cells are written beside them by default
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.jsonl", "c.jsonl", "p.md"]
+    r = _matrix("--cells", str(cells), cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "c.md").read_text().startswith("# Model families\n")
+
+
+def test_the_family_matrix_replaces_only_its_own_pages(tmp_path):
+    cells = _jsonl(tmp_path / "c.jsonl", [{"run": STAMP}, *QWEN3])
+    mine = tmp_path / "mine.md"
+    mine.write_text("# My notes\n")
+    r = _matrix("--cells", str(cells), "--out", str(mine), cwd=tmp_path)
+    assert r.returncode == 1 and "--force" in _one_line(r.stderr) and str(mine) in r.stderr
+    assert mine.read_text() == "# My notes\n"
+    assert (
+        _matrix("--cells", str(cells), "--out", str(mine), "--force", cwd=tmp_path).returncode == 0
+    )
+    assert mine.read_text().startswith("# Model families\n")
+    # its own page: replaced without asking
+    mine.write_text("# Model families\n\nan earlier page\n")
+    assert _matrix("--cells", str(cells), "--out", str(mine), cwd=tmp_path).returncode == 0
+    assert "an earlier page" not in mine.read_text()
+
+
+@pytest.mark.parametrize(
+    "cells, out, says",
+    [
+        (None, "p.md", "c.jsonl: no such file"),
+        ("{cut\n", "p.md", "c.jsonl:1: not a JSON line"),
+        ('{"family": "qwen3"}\n', "p.md", "c.jsonl:1: not a cell"),
+        ("", "nowhere/p.md", "no such folder"),
+    ],
+)
+def test_family_matrix_input_it_cannot_use_is_one_line(tmp_path, cells, out, says):
+    if cells is not None:
+        (tmp_path / "c.jsonl").write_text(cells)
+    r = _matrix("--cells", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / out), cwd=tmp_path)
+    assert r.returncode == 1 and says in _one_line(r.stderr)
+    assert not (tmp_path / "p.md").exists()
+
+
+def test_a_family_matrix_subset_checks_its_out_before_running_tests(tmp_path):
+    r = _matrix("-k", "qwen3", "--out", str(tmp_path / "nowhere" / "p.md"), cwd=tmp_path)
+    assert r.returncode == 1 and "--out" in _one_line(r.stderr) and "no such folder" in r.stderr
+
+
+# ------------------------------------------------------------------------------ engine agreement
+
+
+def _agreement(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    import engine_agreement
+
+    monkeypatch.setattr(sys, "argv", ["engine_agreement.py", *args])
+    try:
+        engine_agreement.main()
+        rc = 0
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _engine_report(engine: str = "llama.cpp") -> dict:
+    target = {"name": "tiny_random", "tiny_layers": 4, "device": "cpu", "dtype": "float32"}
+    settings = {"engine": engine, "target": target, "draft": "ngram", "bench": "mt_bench"}
+    settings |= {"num_prompts": 1, "n_max": 3, "max_new_tokens": 8}
+    settings["target_identity"] = "tiny_random(seed=0, layers=4)"
+    timings = {"draft_n": 4, "draft_n_accepted": 2}
+    return {"settings": settings, "outputs": [{"turns": [{"engine_timings": timings}]}]}
+
+
+def test_engine_agreement_loads_the_target_its_report_names(tmp_path, monkeypatch, capsys):
+    import models.target
+
+    loaded = []
+
+    def load_target(cfg):
+        loaded.append(cfg)
+        return real(cfg)
+
+    real = models.target.load_target
+    monkeypatch.setattr(models.target, "load_target", load_target)
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(_engine_report()))
+    rc, out, err = _agreement(monkeypatch, capsys, str(report), "--num", "1")
+    assert rc == 0, err
+    assert [(c.name, c.tiny_layers) for c in loaded] == [("tiny_random", 4)]
+    got = json.loads(out)
+    assert got["target"] == "tiny_random(seed=0, layers=4)" and got["chain"] == 3
+    assert got["engine_same_prompts"]["drafted"] == 4
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (None, "no such file"),
+        ("{cut", "not a specdraft-eval report"),
+        ("[1, 2]", "not a specdraft-eval report"),
+        (json.dumps(_engine_report("torch")), "engine=torch, not of engine=llama.cpp"),
+    ],
+)
+def test_engine_agreement_refuses_what_is_not_a_llama_cpp_report(
+    tmp_path, monkeypatch, capsys, text, says
+):
+    report = tmp_path / "r.json"
+    if text is not None:
+        report.write_text(text)
+    rc, out, err = _agreement(monkeypatch, capsys, str(report))
+    assert str(rc).startswith(f"{report}: ") and says in str(rc) and "\n" not in str(rc)
+    assert out == ""
+
+
+# ------------------------------------------------------------------------------ results plots
+
+
+def _plot_results(monkeypatch, *args: str) -> None:
+    import plot_results
+
+    monkeypatch.setattr(sys, "argv", ["plot_results.py", *args])
+    plot_results.main()
+
+
+def test_results_plots_need_a_folder_not_a_file(tmp_path, monkeypatch):
+    afile = tmp_path / "a.png"
+    afile.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        _plot_results(monkeypatch, "--out", str(afile))
+    assert "a file, not a folder" in str(e.value.code) and "\n" not in str(e.value.code)
+    assert afile.read_text() == "not a folder"
+
+
+def test_results_plots_replace_earlier_plots_but_not_other_files(tmp_path, monkeypatch):
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    (figs / "results_methods.png").write_text("the user's notes")
+    with pytest.raises(SystemExit) as e:
+        _plot_results(monkeypatch, "--out", str(figs))
+    msg = str(e.value.code)
+    assert "results_methods.png" in msg and "--force" in msg and "\n" not in msg
+    assert sorted(p.name for p in figs.iterdir()) == ["results_methods.png"]
+    assert (figs / "results_methods.png").read_text() == "the user's notes"
+    _plot_results(monkeypatch, "--out", str(figs), "--force")
+    assert (figs / "results_methods.png").read_bytes().startswith(b"\x89PNG")
+    # its own earlier plots are replaced without asking
+    (figs / "results_speedup.png").write_bytes(b"\x89PNG\r\n\x1a\n an earlier plot")
+    _plot_results(monkeypatch, "--out", str(figs))
+    assert (figs / "results_speedup.png").stat().st_size > 1000
