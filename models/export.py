@@ -280,9 +280,10 @@ def resolve_format(fmt_name: str, method: str) -> str:
     return fmt_name
 
 
-def check_method(fmt_name: str, draft: DraftMethod) -> str:
+def check_method(fmt_name: str, draft: DraftMethod, flag: str = "--format ") -> str:
     """The format ``fmt_name`` resolves to for ``draft``'s method; ExportError where that format
-    does not export this method (checked before anything is converted or written)."""
+    does not export this method (checked before anything is converted or written), naming it
+    as the user typed it (``flag``: ``--format `` here, ``engine_format=`` in an engine)."""
     fmt_name = resolve_format(fmt_name, draft.cfg.name)
     fmt = formats()[fmt_name]
     if draft.cfg.name not in fmt.methods:
@@ -296,7 +297,7 @@ def check_method(fmt_name: str, draft: DraftMethod) -> str:
         kin = list(dict.fromkeys(kin))
         which = " or ".join([", ".join(kin[:-1]), kin[-1]] if len(kin) > 1 else kin)
         raise ExportError(
-            f"--format {fmt_name} exports {which} drafts; this is {draft.cfg.name}{hint}"
+            f"{flag}{fmt_name} exports {which} drafts; this is {draft.cfg.name}{hint}"
         )
     return fmt_name
 

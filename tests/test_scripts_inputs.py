@@ -4,6 +4,7 @@ user wrote lost, no plot or summary made of nothing."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -19,6 +20,24 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def _one_line(text: str) -> str:
     assert text.count("\n") == 1 and "Traceback" not in text, text
     return text
+
+
+def _call(script: str, monkeypatch, *args: str) -> None:
+    """``scripts/<script>.py``'s ``main()`` with ``args`` as its command line."""
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    module.main()
+
+
+def _outcome(script: str, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Its exit status, standard output and standard error."""
+    try:
+        _call(script, monkeypatch, *args)
+        rc = 0
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
 # ------------------------------------------------------------------------------ offline bundle
@@ -223,13 +242,6 @@ MLP = _rows(
 )
 
 
-def _plot(monkeypatch, *args: str) -> None:
-    import plot_curves
-
-    monkeypatch.setattr(sys, "argv", ["plot_curves.py", *args])
-    plot_curves.main()
-
-
 @pytest.mark.parametrize("text", [MEDUSA, MLP], ids=["medusa", "mlp_speculator"])
 def test_curves_of_medusa_heads_and_speculator_stages(tmp_path, text):
     from plot_curves import curves
@@ -244,12 +256,12 @@ def test_a_run_with_nothing_to_plot_is_an_error_not_an_empty_plot(tmp_path, monk
     (tmp_path / "metrics.jsonl").write_text(MEDUSA)
     png = tmp_path / "curves.png"
     with pytest.raises(SystemExit) as e:
-        _plot(monkeypatch, str(tmp_path), "--metric", "alpha", "--out", str(png))
+        _call("plot_curves", monkeypatch, str(tmp_path), "--metric", "alpha", "--out", str(png))
     msg = str(e.value.code)
     assert "\n" not in msg and str(tmp_path / "metrics.jsonl") in msg
     assert "val/alpha_pos" in msg and "val/top1_head1..2" in msg
     assert not png.exists()
-    _plot(monkeypatch, str(tmp_path), "--out", str(png))
+    _call("plot_curves", monkeypatch, str(tmp_path), "--out", str(png))
     assert png.stat().st_size > 10_000
 
 
@@ -257,12 +269,12 @@ def test_a_last_line_cut_short_is_left_out_one_in_the_middle_is_named(tmp_path, 
     run = tmp_path / "metrics.jsonl"
     run.write_text(MLP + MLP.splitlines()[0][:40])  # a run still writing
     png = tmp_path / "curves.png"
-    _plot(monkeypatch, str(run), "--out", str(png))
+    _call("plot_curves", monkeypatch, str(run), "--out", str(png))
     assert png.is_file()
     lines = MLP.splitlines()
     run.write_text("\n".join([lines[0], lines[1][:40], lines[2]]) + "\n")
     with pytest.raises(SystemExit) as e:
-        _plot(monkeypatch, str(run), "--out", str(tmp_path / "other.png"))
+        _call("plot_curves", monkeypatch, str(run), "--out", str(tmp_path / "other.png"))
     assert str(e.value.code).startswith(f"{run}:2: ") and "\n" not in str(e.value.code)
 
 
@@ -272,7 +284,7 @@ def test_a_missing_or_malformed_lineage_is_one_line(tmp_path, monkeypatch, text)
     if text is not None:
         lin.write_text(text)
     with pytest.raises(SystemExit) as e:
-        _plot(monkeypatch, "--lineage", str(lin), "--out", str(tmp_path / "c.png"))
+        _call("plot_curves", monkeypatch, "--lineage", str(lin), "--out", str(tmp_path / "c.png"))
     assert str(e.value.code).startswith(f"{lin}: ") and "\n" not in str(e.value.code)
 
 
@@ -297,23 +309,12 @@ def run(tmp_path):
     return run
 
 
-def _summary(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    import gpu_train_summary
-
-    monkeypatch.setattr(sys, "argv", ["gpu_train_summary.py", *args])
-    try:
-        gpu_train_summary.main()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def test_the_summary_leaves_out_a_metrics_line_cut_short(run, tmp_path, monkeypatch, capsys):
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 3, "tokens_per_s": 1')  # the run stopped while writing it
-    rc, _, err = _summary(monkeypatch, capsys, "--run", str(run), "--out", str(tmp_path / "s"))
+    rc, _, err = _outcome(
+        "gpu_train_summary", monkeypatch, capsys, "--run", str(run), "--out", str(tmp_path / "s")
+    )
     assert rc == 0, err
     s = json.loads((tmp_path / "s").read_text())
     assert s["train"]["steps"] == 2 and s["validation"] == [
@@ -339,7 +340,9 @@ def test_the_summary_names_input_it_cannot_use(
     if make is not None:
         given.write_text(make)
     args = {"--run": str(run), "--out": str(tmp_path / "s"), flag: str(given)}
-    rc, _, err = _summary(monkeypatch, capsys, *[x for kv in args.items() for x in kv])
+    rc, _, err = _outcome(
+        "gpu_train_summary", monkeypatch, capsys, *[x for kv in args.items() for x in kv]
+    )
     assert rc == 2 and f"{flag} {given}: {says}" in _one_line(err)
     assert not (tmp_path / "s").exists()
 
@@ -521,19 +524,6 @@ def test_a_family_matrix_subset_checks_its_out_before_running_tests(tmp_path):
 # ------------------------------------------------------------------------------ engine agreement
 
 
-def _agreement(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    import engine_agreement
-
-    monkeypatch.setattr(sys, "argv", ["engine_agreement.py", *args])
-    try:
-        engine_agreement.main()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def _engine_report(engine: str = "llama.cpp") -> dict:
     target = {"name": "tiny_random", "tiny_layers": 4, "device": "cpu", "dtype": "float32"}
     settings = {"engine": engine, "target": target, "draft": "ngram", "bench": "mt_bench"}
@@ -556,7 +546,7 @@ def test_engine_agreement_loads_the_target_its_report_names(tmp_path, monkeypatc
     monkeypatch.setattr(models.target, "load_target", load_target)
     report = tmp_path / "r.json"
     report.write_text(json.dumps(_engine_report()))
-    rc, out, err = _agreement(monkeypatch, capsys, str(report), "--num", "1")
+    rc, out, err = _outcome("engine_agreement", monkeypatch, capsys, str(report), "--num", "1")
     assert rc == 0, err
     assert [(c.name, c.tiny_layers) for c in loaded] == [("tiny_random", 4)]
     got = json.loads(out)
@@ -579,7 +569,7 @@ def test_engine_agreement_refuses_what_is_not_a_llama_cpp_report(
     report = tmp_path / "r.json"
     if text is not None:
         report.write_text(text)
-    rc, out, err = _agreement(monkeypatch, capsys, str(report))
+    rc, out, err = _outcome("engine_agreement", monkeypatch, capsys, str(report))
     assert str(rc).startswith(f"{report}: ") and says in str(rc) and "\n" not in str(rc)
     assert out == ""
 
@@ -587,18 +577,11 @@ def test_engine_agreement_refuses_what_is_not_a_llama_cpp_report(
 # ------------------------------------------------------------------------------ results plots
 
 
-def _plot_results(monkeypatch, *args: str) -> None:
-    import plot_results
-
-    monkeypatch.setattr(sys, "argv", ["plot_results.py", *args])
-    plot_results.main()
-
-
 def test_results_plots_need_a_folder_not_a_file(tmp_path, monkeypatch):
     afile = tmp_path / "a.png"
     afile.write_text("not a folder")
     with pytest.raises(SystemExit) as e:
-        _plot_results(monkeypatch, "--out", str(afile))
+        _call("plot_results", monkeypatch, "--out", str(afile))
     assert "a file, not a folder" in str(e.value.code) and "\n" not in str(e.value.code)
     assert afile.read_text() == "not a folder"
 
@@ -608,14 +591,14 @@ def test_results_plots_replace_earlier_plots_but_not_other_files(tmp_path, monke
     figs.mkdir()
     (figs / "results_methods.png").write_text("the user's notes")
     with pytest.raises(SystemExit) as e:
-        _plot_results(monkeypatch, "--out", str(figs))
+        _call("plot_results", monkeypatch, "--out", str(figs))
     msg = str(e.value.code)
     assert "results_methods.png" in msg and "--force" in msg and "\n" not in msg
     assert sorted(p.name for p in figs.iterdir()) == ["results_methods.png"]
     assert (figs / "results_methods.png").read_text() == "the user's notes"
-    _plot_results(monkeypatch, "--out", str(figs), "--force")
+    _call("plot_results", monkeypatch, "--out", str(figs), "--force")
     assert (figs / "results_methods.png").read_bytes().startswith(b"\x89PNG")
     # its own earlier plots are replaced without asking
     (figs / "results_speedup.png").write_bytes(b"\x89PNG\r\n\x1a\n an earlier plot")
-    _plot_results(monkeypatch, "--out", str(figs))
+    _call("plot_results", monkeypatch, "--out", str(figs))
     assert (figs / "results_speedup.png").stat().st_size > 1000

@@ -75,7 +75,7 @@ def test_an_engine_format_of_another_method_is_refused_by_its_key():
     with pytest.raises(EngineError) as e:
         vllm_draft(cfg, target, print)
     assert str(e.value) == (
-        "engine_format=medusa-vllm: the layout of medusa1, medusa2 drafts; draft=smollm2-eagle3 "
+        "draft=smollm2-eagle3: engine_format=medusa-vllm exports medusa1 or medusa2 drafts; this "
         "is eagle3 (leave engine_format unset: vllm)"
     )
 

@@ -32,7 +32,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for job in jobs:
         ov = job / ".hydra" / "overrides.yaml"
         overrides = OmegaConf.to_container(OmegaConf.load(ov)) if ov.exists() else []
-        row: dict[str, Any] = {"job": job.name, "overrides": " ".join(overrides)}
+        row: dict[str, Any] = {"job": job.name, "overrides": list(overrides)}
         s = job / SUMMARY
         if s.exists():
             summ = json.loads(s.read_text())
@@ -54,15 +54,11 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def common_overrides(sweep_dir: Path) -> list[str]:
-    """The overrides every job of the sweep in ``sweep_dir`` shares, in the first job's order."""
-    lists = [
-        OmegaConf.to_container(OmegaConf.load(ov))
-        for ov in sorted(sweep_dir.glob("*/.hydra/overrides.yaml"))
-    ]
-    if len(lists) < 2:
+def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    """The overrides every job shares (none for a single job), in the first job's order."""
+    if len(rows) < 2:
         return []
-    return [o for o in lists[0] if all(o in other for other in lists[1:])]
+    return [o for o in rows[0]["overrides"] if all(o in r["overrides"] for r in rows[1:])]
 
 
 def default_sort_key(rows: list[dict[str, Any]]) -> str | None:
@@ -84,19 +80,18 @@ def write_summary(sweep_dir: Path, sort_by: str | None = None) -> Path | None:
     cols: list[str] = []
     for r in rows:
         cols += [c for c in r if c not in cols]
+    # the CSV keeps every job's whole line; the table says once what every job shares, and in
+    # each row what sets it apart
+    common = common_overrides(rows)
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({**r, "overrides": " ".join(r["overrides"])} for r in rows)
+    for r in rows:
+        r["overrides"] = " ".join(o for o in r["overrides"] if o not in common)
 
     def cell(v):
         return f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))
-
-    # the table says once what every job shares; each row, what sets it apart (the CSV keeps
-    # every job's whole line)
-    common = common_overrides(sweep_dir)
-    for r in rows:
-        r["overrides"] = " ".join(o for o in r["overrides"].split(" ") if o not in common)
 
     lines = [
         f"Sweep {sweep_dir}: {len(rows)} jobs" + (f", sorted by {key} (best first)" if key else ""),

@@ -121,8 +121,9 @@ def wandb_run_id(run_dir: Path) -> str:
     """The W&B run id of ``run_dir``: made on its first start and kept in ``wandb_id`` there,
     so that ``resume=true`` logs into the same W&B run rather than a new one."""
     f = run_dir / "wandb_id"
-    if f.is_file() and f.read_text().strip():
-        return f.read_text().strip()
+    kept = f.read_text().strip() if f.is_file() else ""
+    if kept:
+        return kept
     import uuid
 
     run_id = uuid.uuid4().hex[:12]

@@ -362,8 +362,8 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     ``cfg.draft``: vLLM's n-gram speculation, a draft language model (a DistillSpec run's
     student, any causal LM with the target's tokenizer: vLLM's ``draft_model``), an export
     folder as it is, or a trained draft exported once (cached) to the layout vLLM loads."""
-    from models.base import DraftError
-    from models.export import detect_format, load_trained_head
+    from models.base import DraftError, ExportError
+    from models.export import check_method, detect_format, load_trained_head
     from models.shipped import shipped_draft
 
     from ..drafts import standalone_lm
@@ -406,15 +406,12 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
                 f"({', '.join(sorted(FORMAT_OF_METHOD))} drafts, and draft language models: "
                 "DistillSpec students, any causal LM with the target's tokenizer)"
             )
-        from models import FORMATS
-
-        if method not in FORMATS[fmt].methods:  # engine_format= of another method's layout
+        try:  # engine_format= of another method's layout: refused before anything is exported
+            check_method(fmt, head, flag="engine_format=")
+        except ExportError as e:
             default = FORMAT_OF_METHOD.get(method)
-            raise EngineError(
-                f"engine_format={fmt}: the layout of {', '.join(FORMATS[fmt].methods)} drafts; "
-                f"draft={d} is {method}"
-                + (f" (leave engine_format unset: {default})" if default else "")
-            )
+            unset = f" (leave engine_format unset: {default})" if default else ""
+            raise EngineError(f"draft={d}: {e}{unset}") from None
         folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
     return spec, f"{fmt} export ({folder})", str(folder)
