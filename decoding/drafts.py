@@ -31,7 +31,7 @@ from models.base import (
     unfinished_run,
 )
 from models.draft_lm import load_same_vocabulary_lm
-from models.export import detect_format, import_draft
+from models.export import detect_format, import_draft, made_for, made_for_note
 from models.quant import check_mode
 from models.shipped import SHIPPED, shipped_draft
 from models.target import Target
@@ -141,21 +141,23 @@ def load_proposer(
                 raise DraftError(
                     f"{draft_dir}: unknown draft kind {method!r} (known: {sorted(METHODS)})"
                 )
-            trained_for = cfg.get("target", {}).get("identity")
-            if trained_for and trained_for != target.identity:
-                print(
-                    f"warning: {draft_dir} was trained for target {trained_for}, "
-                    f"evaluating against {target.identity}"
-                )
+            note = made_for_note(made_for(draft_dir), target)
+            if note:
+                print(f"warning: {draft_dir}: {note}")
             head = METHODS[method].load_draft(draft_dir, target)
-            return _head_proposer(head, tree, f"{method} ({draft_dir})")
+            return _head_proposer(head, tree, f"{method} ({draft_dir}" + _noted(note) + ")")
         fmt = detect_format(path)
         if fmt is not None:  # an exported or third-party EAGLE checkpoint (serving layout)
             try:
                 head = import_draft(path, target, fmt)
             except ExportError as e:
                 raise DraftError(str(e)) from None
-            return _head_proposer(head, tree, f"{head.cfg.name} ({path}, {fmt} layout)")
+            note = made_for_note(made_for(path), target)
+            if note:
+                print(f"warning: {path}: {note}")
+            return _head_proposer(
+                head, tree, f"{head.cfg.name} ({path}, {fmt} layout" + _noted(note) + ")"
+            )
         if not (path / "config.json").exists():
             step = unfinished_run(path)
             if step is not None:
@@ -177,6 +179,11 @@ def load_proposer(
                 "'specdraft' nor 'model_type')"
             )
     return _hf_draft(spec, target)
+
+
+def _noted(note: str | None) -> str:
+    """The made-for warning as it is kept in the report's draft description."""
+    return f"; warning: {note}" if note else ""
 
 
 def _looks_like_a_path(spec: str) -> bool:

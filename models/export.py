@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from .base import (
     ExportFormat,
     file_above,
     read_draft_config,
+    resolve_draft_dir,
     run_files,
     unfinished_run,
 )
@@ -53,9 +55,13 @@ __all__ = [
     "default_prompt",
     "detect_format",
     "export",
+    "exported_for",
     "import_draft",
     "load_trained_head",
+    "made_for",
+    "made_for_note",
     "proposals",
+    "same_weights",
 ]
 
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded target is a copy of
@@ -499,7 +505,7 @@ def load_trained_head(
                         f"{e} (the target {cand} was trained for; where it has moved, pass "
                         "--target <its folder or hub id>)"
                     ) from None
-                if _weights_of(target.identity) != _weights_of(t.get("identity")):
+                if not same_weights(target.identity, t.get("identity")):
                     raise DraftError(
                         f"{cand}: trained for target {t.get('identity')}, but loading "
                         f"{tcfg.path or tcfg.name} gives {target.identity} (weights changed?)"
@@ -523,6 +529,47 @@ def _weights_of(identity: str | None) -> str | None:
     """What an identity says of the weights, less the folder's name (``name:hash`` -> hash): a
     target moved or renamed is the same target."""
     return identity.rsplit(":", 1)[-1] if identity and ":" in identity else identity
+
+
+def same_weights(a: str | None, b: str | None) -> bool:
+    """Whether two target identities name the same weights (wherever the folders are)."""
+    return _weights_of(a) == _weights_of(b)
+
+
+def exported_for(folder: str | Path) -> str | None:
+    """The identity of the target an export by specdraft was made for, from its README (None:
+    not one of ours, or one that does not say): a third-party checkpoint records none."""
+    readme = Path(folder) / "README.md"
+    try:
+        lines = readme.read_text(errors="replace").splitlines() if readme.is_file() else []
+    except OSError:
+        return None
+    if not lines or not lines[0].endswith("exported by specdraft"):
+        return None
+    for line in lines[1:]:
+        m = re.match(r"- draft method: [^;]+; target: (\S+) \(serve with", line)
+        if m:
+            return m.group(1)
+    return None
+
+
+def made_for(folder: str | Path) -> str | None:
+    """The identity of the target a draft was made for: a trained draft's (its run, final/ or
+    checkpoint folder) from its config, an export by specdraft's from its README; None where
+    nothing says (a third-party checkpoint, an HF model)."""
+    draft_dir = resolve_draft_dir(Path(folder))
+    if draft_dir is not None:
+        return read_draft_config(draft_dir).get("target", {}).get("identity")
+    return exported_for(folder)
+
+
+def made_for_note(made_for: str | None, target: Target) -> str | None:
+    """A warning where a draft was trained or exported for a target whose weights are not
+    ``target``'s (None: the same weights, or nothing recorded): its acceptance here is not
+    the acceptance it would have with the target it was made for."""
+    if not made_for or same_weights(made_for, target.identity):
+        return None
+    return f"made for target {made_for}, evaluated against {target.identity}"
 
 
 def cli_target_gguf(target: Target) -> Path | None:

@@ -554,3 +554,52 @@ def test_an_export_for_another_target_is_named_as_such(target4, tiny_target, tmp
     msg = str(e.value)
     assert msg.startswith(f"{tmp_path / 'v'}: a vllm export that does not fit target ")
     assert "was it made for another target?" in msg and "\n" not in msg
+
+
+def test_a_draft_made_for_other_weights_is_evaluated_with_a_warning(target4, tmp_path, capsys):
+    """An export whose shapes fit a target whose weights are not the ones it was made for
+    decodes (a base model's head on its fine-tune is a fair question), but with a warning that
+    the report keeps; the same weights in another folder are the same target."""
+    from decoding.drafts import load_proposer
+
+    made = Target(target4.model, target4.tokenizer, "/a/smol:abc123", TargetConfig(name="x"))
+    moved = Target(target4.model, target4.tokenizer, "/b/copy:abc123", TargetConfig(name="x"))
+    other = Target(target4.model, target4.tokenizer, "/a/tuned:def456", TargetConfig(name="x"))
+    export(eagle3(made), "vllm", tmp_path / "v", log=lambda *_: None)
+    assert ex.exported_for(tmp_path / "v") == "/a/smol:abc123"
+    assert ex.made_for_note(ex.made_for(tmp_path / "v"), moved) is None
+    _, desc = load_proposer(str(tmp_path / "v"), moved)
+    assert "warning" not in desc and "warning" not in capsys.readouterr().out
+    _, desc = load_proposer(str(tmp_path / "v"), other)
+    note = "made for target /a/smol:abc123, evaluated against /a/tuned:def456"
+    assert note in desc and note in capsys.readouterr().out
+    # the same in the engine's report: the export as vLLM is given it
+    from omegaconf import OmegaConf
+
+    from decoding.engines.vllm_eval import vllm_draft
+
+    cfg = OmegaConf.create(
+        {"draft": str(tmp_path / "v"), "gamma": 3, "engine_rule": "greedy_draft"}
+    )
+    logged = []
+    assert note in vllm_draft(cfg, other, logged.append)[1] and note in logged[0]
+    assert "warning" not in vllm_draft(cfg, moved, logged.append)[1] and len(logged) == 1
+    # a third-party checkpoint (no README of ours) records no target: nothing to compare
+    (tmp_path / "v" / "README.md").unlink()
+    assert ex.exported_for(tmp_path / "v") is None
+    assert "warning" not in load_proposer(str(tmp_path / "v"), other)[1]
+
+
+def test_a_trained_draft_for_a_moved_target_is_not_warned_about(target4, tmp_path, capsys):
+    """A saved draft's recorded target is compared by its weights, not its folder's name."""
+    from decoding.drafts import load_proposer
+
+    made = Target(target4.model, target4.tokenizer, "/a/smol:abc123", TargetConfig(name="x"))
+    head = eagle3(made)
+    head.save_draft(tmp_path / "final")
+    assert ex.made_for(tmp_path) == "/a/smol:abc123"
+    moved = Target(target4.model, target4.tokenizer, "/b/copy:abc123", TargetConfig(name="x"))
+    assert "warning" not in load_proposer(str(tmp_path), moved)[1]
+    assert "warning" not in capsys.readouterr().out  # it was, by the folder's name alone
+    other = Target(target4.model, target4.tokenizer, "/a/tuned:def456", TargetConfig(name="x"))
+    assert "made for target /a/smol:abc123" in load_proposer(str(tmp_path), other)[1]

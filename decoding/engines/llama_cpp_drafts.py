@@ -31,7 +31,21 @@ def draft_gguf(
 ) -> tuple[str, Path | None, str, int | None]:
     """(spec type, draft GGUF or None, description, the draft's block size or None) for
     ``cfg.draft``; ``target_gguf``: the target's GGUF the server loads (a head's GGUF copies
-    its tokenizer; default ``cfg.target_gguf``)."""
+    its tokenizer; default ``cfg.target_gguf``). A draft made for another target's weights is
+    run with a warning, kept in its description."""
+    from models.export import made_for, made_for_note
+    from models.shipped import shipped_draft
+
+    kind, gguf, desc, block = _draft_gguf(cfg, target, log, target_gguf)
+    p = shipped_draft(str(cfg.draft)) or Path(str(cfg.draft)).expanduser()
+    note = made_for_note(made_for(p if p.is_dir() else p.parent), target) if gguf else None
+    if note:
+        log(f"warning: {p}: {note}")
+        desc += f"; warning: {note}"
+    return kind, gguf, desc, block
+
+
+def _draft_gguf(cfg: DictConfig, target, log, target_gguf: Path | None):
     from models.export import formats, load_trained_head, resolve_format
     from models.shipped import shipped_draft
 

@@ -363,7 +363,13 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     student, any causal LM with the target's tokenizer: vLLM's ``draft_model``), an export
     folder as it is, or a trained draft exported once (cached) to the layout vLLM loads."""
     from models.base import DraftError, ExportError
-    from models.export import check_method, detect_format, load_trained_head
+    from models.export import (
+        check_method,
+        detect_format,
+        load_trained_head,
+        made_for,
+        made_for_note,
+    )
     from models.shipped import shipped_draft
 
     from ..drafts import standalone_lm
@@ -386,6 +392,9 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     p = shipped_draft(d) or Path(d).expanduser()
     if not p.exists():
         raise DraftError(f"draft={d}: no such folder")
+    note = made_for_note(made_for(p), target)
+    if note:
+        log(f"warning: {p}: {note}")
     fmt = detect_format(p) if (p / "config.json").is_file() else None
     if fmt is not None:
         if fmt not in served_formats():
@@ -414,7 +423,8 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
             raise EngineError(f"draft={d}: {e}{unset}") from None
         folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
-    return spec, f"{fmt} export ({folder})", str(folder)
+    warn = f"; warning: {note}" if note else ""
+    return spec, f"{fmt} export ({folder}{warn})", str(folder)
 
 
 # -- the evaluation -------------------------------------------------------------------------
