@@ -34,7 +34,7 @@ from models.draft_lm import load_same_vocabulary_lm
 from models.export import detect_format, import_draft, made_for, made_for_note
 from models.quant import check_mode
 from models.shipped import SHIPPED, shipped_draft
-from models.target import Target
+from models.target import Target, looks_like_a_path
 
 from .decoder import NoDraft
 from .lookahead import LookaheadProposer
@@ -125,7 +125,7 @@ def load_proposer(
     if spec in SHIPPED and shipped is None:
         raise DraftError(f"draft={spec}: the shipped draft is missing from {SHIPPED[spec]}")
     path = shipped if shipped is not None else Path(spec).expanduser()
-    if not path.exists() and _looks_like_a_path(spec):
+    if not path.exists() and looks_like_a_path(spec):
         raise DraftError(f"draft={spec}: no such folder")
     if path.is_file():
         raise DraftError(
@@ -184,14 +184,6 @@ def load_proposer(
 def _noted(note: str | None) -> str:
     """The made-for warning as it is kept in the report's draft description."""
     return f"; warning: {note}" if note else ""
-
-
-def _looks_like_a_path(spec: str) -> bool:
-    """A folder, not a hub id ("namespace/name"): absolute, relative to . or ~, deeper than
-    one slash, or under a folder that is here (``runs/e3`` where ``runs/`` exists)."""
-    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
-        return True
-    return "/" in spec and Path(spec.split("/", 1)[0]).is_dir()
 
 
 def _head_proposer(head, tree: DecodeSettings, desc: str):
@@ -259,7 +251,7 @@ def standalone_lm(spec: str, target: Target) -> tuple[Path, str] | None:
         return None
     path = shipped_draft(spec) or Path(spec).expanduser()
     if not path.exists():
-        if _looks_like_a_path(spec) or spec.count("/") != 1:
+        if looks_like_a_path(spec) or spec.count("/") != 1:
             return None  # the caller says what is missing
         path = _hub_folder(spec)
     if not path.is_dir():

@@ -5,6 +5,7 @@ vocabulary is the target's) and proposing with it. Shared by DistillSpec student
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from .base import (
     rollback_cache,
 )
 from .sampling import greedy_tokens, sample, warp
-from .target import Target, TargetError, check_same_vocabulary
+from .target import Target, TargetError, check_same_vocabulary, hub_unreachable
 
 
 def load_same_vocabulary_lm(path: str, target: Target, what: str) -> nn.Module:
@@ -31,6 +32,9 @@ def load_same_vocabulary_lm(path: str, target: Target, what: str) -> nn.Module:
     tokenizer's vocabulary is the target's (named after ``what`` in errors)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    why = None if Path(path).expanduser().exists() else hub_unreachable(path)
+    if why:
+        raise DraftError(f"{what}: {why}")
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype)

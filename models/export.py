@@ -547,7 +547,7 @@ def exported_for(folder: str | Path) -> str | None:
     if not lines or not lines[0].endswith("exported by specdraft"):
         return None
     for line in lines[1:]:
-        m = re.match(r"- draft method: [^;]+; target: (\S+) \(serve with", line)
+        m = re.match(r"- draft method: [^;]+; target: (.+?) \(serve with `", line)
         if m:
             return m.group(1)
     return None

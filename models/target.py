@@ -584,9 +584,12 @@ def _where(cfg: TargetConfig) -> str:
             "set target.path=<HF folder or hub id> for any other model"
         )
     local = Path(where).expanduser()
-    if (os.path.sep in where or where.startswith(".")) and not local.exists():
+    if looks_like_a_path(where) and not local.exists():
         raise TargetError(f"target.path={where}: no such folder")
     if not local.exists():
+        why = hub_unreachable(where)
+        if why:
+            raise TargetError(f"target.path={where}: {why}")
         return where  # a hub id
     if not local.is_dir():
         raise TargetError(f"target.path={where}: a file, not a Hugging Face model folder")
@@ -604,6 +607,47 @@ def _where(cfg: TargetConfig) -> str:
         )
     # absolute: a draft saved for it names the folder wherever it is later loaded from
     return os.path.abspath(local)  # links kept: the folder's name is in the target's identity
+
+
+def looks_like_a_path(spec: str) -> bool:
+    """A folder, not a hub id ("namespace/name" or "name"): absolute, relative to . or ~,
+    deeper than one slash, or under a folder that is here (``runs/e3`` where ``runs/``
+    exists)."""
+    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
+        return True
+    return "/" in spec and Path(spec.split("/", 1)[0]).is_dir()
+
+
+def hub_unreachable(repo_id: str) -> str | None:
+    """Why the hub id ``repo_id`` cannot load here (None: it may): not a folder here, not in
+    the Hugging Face cache, and the hub offline (``HF_HUB_OFFLINE``) or not reachable. Said at
+    once: transformers would retry for about a minute, then fail with a page of traceback.
+    Behind a proxy (``HTTPS_PROXY`` and the like) the hub is not probed: the download says."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # huggingface_hub's HFValidationError: not a hub id either
+        return "no such folder, and not a valid hub id"
+    if isinstance(cached, str):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "no such folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=5).close()
+    except (OSError, UnicodeError):
+        return (
+            f"no such folder, not in the Hugging Face cache, and {constants.ENDPOINT} cannot be "
+            "reached (offline?): pass the model's folder"
+        )
+    return None
 
 
 def _tokenizer(where: str, cfg: TargetConfig):

@@ -119,3 +119,81 @@ def test_a_relative_target_path_is_kept_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "models")
     absolute = load_target(TargetConfig(path=str(tmp_path / "models" / "t"), dtype="float32"))
     assert rel.identity == absolute.identity == describe_target(absolute.cfg)[1]
+
+
+def _hub(monkeypatch, tmp_path, endpoint="http://127.0.0.1:1", offline=False):
+    """A Hugging Face cache in ``tmp_path`` and a hub at ``endpoint`` (port 1: refused at
+    once, as an unreachable hub is), no proxy."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_a_hub_id_that_cannot_load_is_one_line_at_once(tmp_path, monkeypatch):
+    """A hub id (or a mistyped folder with no slash) neither cached nor reachable is refused
+    before transformers retries the hub for a minute; where the hub may answer, or the model
+    is cached, it is left to load."""
+    import time
+
+    from models.target import hub_unreachable
+
+    _hub(monkeypatch, tmp_path)
+    t0 = time.perf_counter()
+    with pytest.raises(TargetError) as e:
+        load_target(TargetConfig(path="someorg/no-such-model"))
+    assert time.perf_counter() - t0 < 30  # seconds, not a minute of retries
+    assert str(e.value) == (
+        "target.path=someorg/no-such-model: no such folder, not in the Hugging Face cache, and "
+        "http://127.0.0.1:1 cannot be reached (offline?): pass the model's folder"
+    )
+    assert hub_unreachable("a b") == "no such folder, and not a valid hub id"
+    _hub(monkeypatch, tmp_path, offline=True)
+    assert "HF_HUB_OFFLINE is set" in hub_unreachable("someorg/no-such-model")
+    # cached: loads from the cache, whatever the network
+    snap = tmp_path / "hub" / "models--someorg--cached" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc")
+    assert hub_unreachable("someorg/cached") is None
+    # behind a proxy the hub is not probed
+    _hub(monkeypatch, tmp_path)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert hub_unreachable("someorg/no-such-model") is None
+
+
+def test_a_draft_hub_id_that_cannot_load_is_one_line(tmp_path, monkeypatch, tiny_target):
+    from decoding.drafts import load_proposer
+    from models.base import DraftError
+
+    _hub(monkeypatch, tmp_path)
+    with pytest.raises(DraftError) as e:
+        load_proposer("someorg/no-such-draft", tiny_target)
+    assert str(e.value).startswith("draft=someorg/no-such-draft: no such folder, not in the ")
+
+
+def test_a_hub_id_is_passed_to_the_hub_not_refused_as_a_folder(tmp_path, monkeypatch):
+    """``target.path=Qwen/Qwen3-8B`` (the README's own example) goes to the hub where it may
+    answer; ``runs/x`` where ``runs/`` is here, or a deeper path, is a folder that is not."""
+    import socket
+
+    from models.target import _where
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    try:
+        _hub(monkeypatch, tmp_path, endpoint=f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.chdir(tmp_path)
+        assert _where(TargetConfig(path="Qwen/Qwen3-8B")) == "Qwen/Qwen3-8B"
+        assert _where(TargetConfig(path="gpt2")) == "gpt2"
+        (tmp_path / "runs").mkdir()
+        for folder in ("runs/x", "a/b/c", "./x", "/no/such"):
+            with pytest.raises(TargetError, match="no such folder$"):
+                _where(TargetConfig(path=folder))
+    finally:
+        server.close()
