@@ -296,6 +296,11 @@ def _hub_folder(repo_id: str, what: str = "draft") -> Path:
     the setting that named it, for the error."""
     from huggingface_hub import snapshot_download
 
+    from models.target import hub_unreachable
+
+    why = hub_unreachable(repo_id)
+    if why:
+        raise DraftError(f"{what}={repo_id}: {why}")
     try:
         return Path(snapshot_download(repo_id))
     except Exception as e:  # offline, gated, missing: one line

@@ -174,6 +174,11 @@ def test_a_draft_hub_id_that_cannot_load_is_one_line(tmp_path, monkeypatch, tiny
     with pytest.raises(DraftError) as e:
         load_proposer("someorg/no-such-draft", tiny_target)
     assert str(e.value).startswith("draft=someorg/no-such-draft: no such folder, not in the ")
+    # what the engines fetch (a draft LM, a target to convert): the same line, no retries
+    from decoding.drafts import _hub_folder
+
+    with pytest.raises(DraftError, match="^target.path=someorg/t: no such folder, not in the "):
+        _hub_folder("someorg/t", "target.path")
 
 
 def test_a_hub_id_is_passed_to_the_hub_not_refused_as_a_folder(tmp_path, monkeypatch):
