@@ -2,9 +2,10 @@
 
 ``prepare_tokenized`` turns conversation files into two Arrow datasets (train, validation)
 with columns ``id``, ``input_ids``, ``loss_mask``, ``length``. The result is saved under a
-cache folder keyed by the data files (path, size, mtime), the tokenizer (vocabulary and chat
-template) and the settings, so a second run skips reading and tokenising. The load report
-(records read and skipped per reason) is stored with it and printed on every run.
+cache folder keyed by the data files (paths and contents), the tokenizer (vocabulary, chat
+template, its whole pipeline) and the settings, so a second run skips reading and tokenising.
+The load report (records read and skipped per reason) is stored with it and printed on every
+run.
 """
 
 from __future__ import annotations
@@ -35,21 +36,58 @@ class TokenizedData:
     too_long: int  # conversations whose assistant tokens all fell past max_length
     cache_dir: Path
     key: str
+    #: the data files (names under data.path, contents) and the settings that choose and
+    #: split the records: a resumed run must see the same
+    source: str = ""
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """What turns text into ids: the vocabulary, the chat template and, for a fast tokenizer,
+    its whole pipeline (merges, normaliser, pre-tokeniser, added tokens), less the truncation
+    and padding state that calls leave behind. Two tokenizers with one vocabulary can split
+    text differently (a lower-casing normaliser, other merges)."""
     h = hashlib.sha256()
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(str(tokenizer.chat_template).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        for k in ("truncation", "padding"):
+            spec.pop(k, None)
+        h.update(json.dumps(spec, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
-def _files_fingerprint(path: str) -> str:
-    h = hashlib.sha256()
+def _file_digests(path: str) -> list[tuple[Path, str, str]]:
+    """(file, its name under ``path``, sha256 of its bytes) of each data file: contents, not
+    times (``cp -p``, ``tar`` and ``rsync -t`` keep a file's time through an edit). Hashing
+    reads every byte: about a second per GB."""
+    root = Path(path).expanduser()
+    out = []
     for f in data_files(path):
-        st = f.stat()
-        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+        name = f.relative_to(root).as_posix() if root.is_dir() else f.name
+        out.append((f, name, h.hexdigest()))
+    return out
+
+
+def _fingerprint(parts: list[str]) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _nothing_to_train(path: str, max_length: int, report: LoadReport, too_long: int, val: int):
+    """Why no conversation is left to train on, every cause counted."""
+    why = []
+    if too_long:
+        why.append(f"{too_long} with no assistant token within data.max_length={max_length}")
+    if report.rejected:
+        why.append("skipped " + ", ".join(f"{k}={v}" for k, v in sorted(report.rejected.items())))
+    if val:
+        why.append(f"{val} in validation (data.val_fraction)")
+    return f"{path}: no conversation left to train on ({'; '.join(why) or 'none read'})"
 
 
 def _is_val(conv_id: str, index: int, seed: int, val_fraction: float) -> bool:
@@ -113,10 +151,23 @@ def prepare_tokenized(
         raise DataError(f"data.max_length={max_length}: must be at least 8 tokens")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction}: must be in [0, 1)")
+    digests = _file_digests(path)
+    settings = {
+        "max_length": max_length,
+        "val_fraction": val_fraction,
+        "max_val_records": max_val_records,
+        "max_records": max_records,
+        "skip_records": skip_records,
+        "reasoning": reasoning,
+        "seed": seed,
+    }
+    # what a resumed run must train on again: the files by their names under data.path (the
+    # folder may move) and contents, and the settings that pick and split the records
+    source = _fingerprint([f"{n}:{d}" for _, n, d in digests] + [json.dumps(settings)])
     key_src = json.dumps(
         {
             "v": CACHE_VERSION,
-            "files": _files_fingerprint(path),
+            "files": _fingerprint([f"{f.resolve()}:{d}" for f, _, d in digests]),
             "tok": tokenizer_fingerprint(tokenizer),
             "max_length": max_length,
             "val_fraction": val_fraction,
@@ -138,7 +189,13 @@ def prepare_tokenized(
         train = datasets.load_from_disk(str(cache_dir / "train"))
         val = datasets.load_from_disk(str(cache_dir / "val"))
         return TokenizedData(
-            train, val, LoadReport.from_dict(meta["report"]), meta["too_long"], cache_dir, key
+            train,
+            val,
+            LoadReport.from_dict(meta["report"]),
+            meta["too_long"],
+            cache_dir,
+            key,
+            source,
         )
 
     convs, report = load_conversations(path, max_records=max_records, skip_records=skip_records)
@@ -171,6 +228,9 @@ def prepare_tokenized(
         new_fingerprint=key,
     )
     datasets.disable_progress_bars()  # the split and save below are instant; keep logs clean
+    if "skip" not in tok.column_names:  # every row left out: no assistant token in max_length
+        datasets.enable_progress_bars()
+        raise DataError(_nothing_to_train(path, max_length, report, len(raw), 0))
     skips = [s for s in tok["skip"] if s]
     for s in skips:  # records the template cannot render, counted by reason
         report.rejected[s] += 1
@@ -186,9 +246,8 @@ def prepare_tokenized(
         lambda s: [x == "val" for x in s], input_columns="split", batched=True, desc="split"
     ).remove_columns("split")
     if len(train) == 0:
-        raise DataError(
-            f"{path}: no conversation has an assistant token within max_length={max_length}"
-        )
+        datasets.enable_progress_bars()
+        raise DataError(_nothing_to_train(path, max_length, report, too_long, len(val)))
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache_dir.parent))
     try:
@@ -215,7 +274,7 @@ def prepare_tokenized(
     train = datasets.load_from_disk(str(cache_dir / "train"))
     val = datasets.load_from_disk(str(cache_dir / "val"))
     datasets.enable_progress_bars()
-    return TokenizedData(train, val, report, too_long, cache_dir, key)
+    return TokenizedData(train, val, report, too_long, cache_dir, key, source)
 
 
 class LengthGroupedBatches(torch.utils.data.Sampler[list[int]]):

@@ -90,7 +90,15 @@ class PrepareConfig:
     engine_chunk: int = 512
 
 
-COUNTS = ("replies", "truncated", "reply_tokens", "stopped_context", "dropped")
+COUNTS = (
+    "replies",
+    "truncated",
+    "reply_tokens",
+    "stopped_context",
+    "stopped_template",  # the target's chat template refused the conversation's prompt
+    "empty_replies",  # replies of white space only: training skips such a turn's record
+    "dropped",
+)
 
 # Settings that change the output; a resumed run must use the same ones.
 _OUTPUT_SETTINGS = (
@@ -150,7 +158,10 @@ _ADDED_LATER = {"skip_records": 0, "engine": "torch", "reasoning": "keep"}
 
 
 def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
-    if not meta_file.exists():
+    """Record the settings, or check them against the earlier parts' (a run that wrote no
+    reply yet, e.g. one stopped by an error, binds nothing)."""
+    written = any(f.stat().st_size for f in meta_file.parent.glob("rank*-of-*.jsonl"))
+    if not meta_file.exists() or not written:
         meta_file.parent.mkdir(parents=True, exist_ok=True)
         meta_file.write_text(json.dumps({"settings": settings}, indent=1))
         return
@@ -188,7 +199,10 @@ class _Conversations:
         idx = [j for j, m in enumerate(ms) if m["role"] == "assistant"]
         if r >= len(idx) or (cfg.max_turns is not None and r >= cfg.max_turns):
             return None
-        p = prompt_ids(self.tok, ms[: idx[r]], self.convs[i].tools, cfg.data.reasoning)
+        p = _prompt(self.tok, ms[: idx[r]], self.convs[i].tools, cfg.data.reasoning)
+        if p is None:
+            self.counts[i]["stopped_template"] += 1
+            return None
         if len(p) + 1 >= cfg.data.max_length:
             self.counts[i]["stopped_context"] += 1
             return None
@@ -209,6 +223,7 @@ class _Conversations:
         n["replies"] += 1
         n["truncated"] += int(truncated)
         n["reply_tokens"] += len(reply)
+        n["empty_replies"] += int(not self.msgs[i][j]["content"].strip())
         return self.next_request(i)
 
     def record(self, i: int) -> tuple[dict, dict[str, int]]:
@@ -233,12 +248,25 @@ class _Conversations:
         return {"id": c.id, "conversations": turns}, n
 
 
+def _prompt(tok, messages, tools, reasoning: str) -> list[int] | None:
+    """The prompt's token ids, or None where the target's chat template refuses the
+    conversation (roles that must alternate, a system turn it does not take...): that
+    conversation stops there and is counted, as training skips such a record."""
+    try:
+        return prompt_ids(tok, messages, tools, reasoning)
+    except DataError:
+        raise
+    except Exception:  # noqa: BLE001 - jinja's own errors, raised by the template's text
+        return None
+
+
 def _first_prompt_len(tok, conv: Conversation, reasoning: str = "keep") -> int:
-    """Tokens of the prompt that the first assistant reply answers."""
+    """Tokens of the prompt that the first assistant reply answers (0: none, or a prompt the
+    template refuses: counted when its turn comes)."""
     i = next((j for j, m in enumerate(conv.messages) if m["role"] == "assistant"), None)
     if i is None:
         return 0
-    return len(prompt_ids(tok, conv.messages[:i], conv.tools, reasoning))
+    return len(_prompt(tok, conv.messages[:i], conv.tools, reasoning) or [])
 
 
 def regenerate(cfg: DictConfig) -> dict[str, Any]:
@@ -274,6 +302,11 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     source = data_path(cfg.data)
     if out.exists() and Path(source).resolve() == out:
         raise PrepareError(f"out={out} is the input file; choose another path")
+    if Path(source).is_dir() and out.is_relative_to(Path(source).resolve()):
+        raise PrepareError(
+            f"out={out} is inside data.path={source}: the next run would read its output as "
+            "input; choose a path outside that folder"
+        )
     if out.is_dir():
         raise PrepareError(f"out={out} is a folder; name a file in it (out={out}/regen.jsonl)")
     ours = out.with_name(out.name + ".meta.json").exists() or _parts_dir(out).exists()
@@ -396,9 +429,19 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         print(
             f"wrote {summary['records']} conversations ({summary['replies']} replies, "
             f"{summary['truncated']} cut at max_new_tokens, {summary['dropped']} dropped: "
-            f"prompt longer than data.max_length) to {out}",
+            f"first prompt longer than data.max_length or refused by the chat template) to "
+            f"{out}",
             flush=True,
         )
+        notes = [
+            f"{summary.get('stopped_template', 0)} conversations stopped where the target's chat "
+            "template refused their prompt",
+            f"{summary.get('empty_replies', 0)} replies were white space only (training skips "
+            "a turn with no text)",
+        ]
+        for note in notes:
+            if not note.startswith("0 "):
+                print(f"note: {note}", flush=True)
         if summary["not_reached"]:
             print(
                 f"stopped at max_minutes={cfg.max_minutes}: {summary['not_reached']} "
@@ -535,7 +578,7 @@ def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str,
     os.replace(tmp, out)
     reached = sum(1 for c in convs if c.id in recs)
     meta = {"settings": settings, "input_conversations": kept, "records": n, **counts}
-    meta["dropped"] = reached - n  # prompts longer than data.max_length
+    meta["dropped"] = reached - n  # first prompts too long, or refused by the template
     meta["not_reached"] = kept - reached  # left by max_minutes
     out.with_name(out.name + ".meta.json").write_text(json.dumps(meta, indent=1))
     return meta

@@ -411,3 +411,50 @@ def test_ctrl_c_keeps_the_replies_and_says_how_to_continue(tmp_path, data_file, 
     r = run_module("flow.regenerate", [*args, f"out={full}"], timeout=600)
     assert r.returncode == 0, r.stderr
     assert out.read_text() == full.read_text()
+
+
+def test_an_out_inside_the_input_folder_is_refused(tmp_path, data_file):
+    """The next run (the documented way to continue) would read the output, and its parts,
+    as more input."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "conv.jsonl").write_text(data_file.read_text())
+    out = folder / "sub" / "regen.jsonl"
+    r = run_module("flow.regenerate", ["target=tiny_random", f"data.path={folder}", f"out={out}"])
+    assert r.returncode == 2 and not out.parent.exists()
+    assert r.stderr.strip().splitlines() == [
+        f"error: out={out} is inside data.path={folder}: the next run would read its output as "
+        "input; choose a path outside that folder"
+    ]
+
+
+def test_a_prompt_the_template_refuses_stops_its_conversation_counted(tmp_path, data_file):
+    """A template that refuses a conversation (Gemma's and Mistral's refuse a system turn or
+    roles that do not alternate) stops that conversation, counted, as training skips such a
+    record; the others are regenerated. A run stopped before any reply binds no settings."""
+    from types import SimpleNamespace
+
+    from flow.regenerate import _check_settings, _Conversations, _first_prompt_len
+    from models.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}" + tok.chat_template
+    )
+    convs, _ = load_conversations(data_file, max_records=2)
+    sys_turn = {"role": "system", "content": "be brief"}
+    convs[1].messages.insert(0, sys_turn)
+    assert _first_prompt_len(tok, convs[1]) == 0 and _first_prompt_len(tok, convs[0]) > 0
+    cfg = _cfg(data_file, tmp_path / "o.jsonl")
+    work = _Conversations(SimpleNamespace(tokenizer=tok), list(enumerate(convs)), cfg)
+    assert work.next_request(0) is not None and work.next_request(1) is None
+    rec, n = work.record(1)
+    assert rec == {"id": convs[1].id, "dropped": True} and n["stopped_template"] == 1
+    # settings of a run that wrote nothing are replaced, not held against the next
+    meta = tmp_path / "o.jsonl.parts" / "settings.json"
+    _check_settings(meta, {"max_new_tokens": 4})
+    _check_settings(meta, {"max_new_tokens": 5})
+    (meta.parent / "rank0-of-1.jsonl").write_text('{"id": "x"}\n')
+    with pytest.raises(ValueError, match="max_new_tokens=5"):
+        _check_settings(meta, {"max_new_tokens": 6})

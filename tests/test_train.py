@@ -680,3 +680,29 @@ def test_a_multi_process_launchs_checkpoint_is_checked_by_the_names_it_saves(tmp
             _check_saved_weights(wrapped, ck)
     finally:
         dist.destroy_process_group()
+
+
+def test_resume_on_other_data_is_refused_naming_init_from(data_file, tmp_path):
+    """A resumed run continues a data position: on other data (another file, an edited one,
+    another max_records) that position means nothing, so it is refused, saying how to carry
+    the weights over instead. The same data in a moved folder resumes."""
+    from trainer.checkpoint import CheckpointError
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    shutil.copy(data_file, folder / "conv.jsonl")
+    out = tmp_path / "run"
+    kw = {"train.max_steps": 2, "train.save_every": 2, "train.eval_every": 0}
+    _run(folder, out, **kw)
+    with pytest.raises(CheckpointError) as e:
+        _run(folder, out, **{**kw, "train.max_steps": 4, "data.max_records": 30, "resume": "true"})
+    assert "trained on other data" in str(e.value)
+    assert f"train.init_from={out / 'checkpoints' / 'step_2'}" in str(e.value)
+    moved = tmp_path / "moved"
+    folder.rename(moved)
+    s = _run(moved, out, **{**kw, "train.max_steps": 4, "resume": "true"})
+    assert s["step"] == 4
+    lines = (moved / "conv.jsonl").read_text().splitlines(keepends=True)
+    (moved / "conv.jsonl").write_text("".join(lines[:-1]))  # an edited file
+    with pytest.raises(CheckpointError, match="trained on other data"):
+        _run(moved, out, **{**kw, "train.max_steps": 6, "resume": "true"})

@@ -34,6 +34,7 @@ class LoopState:
     last_val: dict[str, float] = field(default_factory=dict)
     last_val_step: int = -1
     planned_steps: int = 0  # min(max_steps, the steps the epochs allow); set by fit()
+    data_source: str = ""  # the data trained on (``TokenizedData.source``): resumed only on it
 
 
 def make_schedule(cfg: Any, max_steps: int, max_seconds: float | None, state: LoopState):

@@ -215,7 +215,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # A method may ask for parameter groups (e.g. Medusa-2: heads at a multiple of the LoRA lr)
     groups = method.param_groups(cfg.optim.lr)
     optimizer = build_optimizer(OmegaConf.to_object(cfg.optim), method, groups)
-    state = LoopState(world_size=accelerator.num_processes)
+    state = LoopState(world_size=accelerator.num_processes, data_source=data.source)
     max_seconds = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, make_schedule(cfg.optim, cfg.train.max_steps, max_seconds, state)
@@ -448,6 +448,14 @@ def _resume(cfg, accelerator, method, state, tracker, samples, run_dir: Path, lo
         raise CheckpointError(
             f"{ck}: saved by {saved['world_size']} process(es) mid-epoch; resuming with "
             f"{accelerator.num_processes} is supported only from an epoch boundary"
+        )
+    was = saved.get("data_source")  # checkpoints from before it was saved: not checked
+    if was and was != state.data_source:
+        raise CheckpointError(
+            f"{ck}: trained on other data (data.path, its files' contents or the settings that "
+            "choose records: max_records, skip_records, val_fraction, max_length, reasoning, "
+            "seed) than this run's; resume with the same data, or start a new run with "
+            f"train.init_from={ck} to continue its weights on these"
         )
     for k, v in saved.items():
         if hasattr(state, k):
