@@ -92,22 +92,31 @@ def turn_end(tokenizer: Any) -> str | None:
 
 
 def for_template(tokenizer: Any, messages: list[Message], reasoning: str) -> list[Message]:
-    """The messages as the template should see them under ``reasoning`` (keep | drop)."""
+    """The messages as the template should see them under ``reasoning`` (keep | drop).
+
+    A reply whose text holds ``</think>`` (one that mentions the tag: reading already took any
+    trace apart) gets an empty ``reasoning_content`` where the template reads that field, since
+    a template that finds none splits the text at the tag itself (Qwen3's does), turning the
+    words before it into a trace."""
     template_kwargs(reasoning)
-    if not any("reasoning_content" in m for m in messages):
+    mentions = [m["role"] == "assistant" and THINK_CLOSE in m["content"] for m in messages]
+    if not any("reasoning_content" in m for m in messages) and not any(mentions):
         return messages
     out = []
-    inline = reasoning == "keep" and not template_reads_reasoning(tokenizer)
-    for m in messages:
+    reads = template_reads_reasoning(tokenizer)
+    inline = reasoning == "keep" and not reads
+    for m, mention in zip(messages, mentions, strict=True):
         r = m.get("reasoning_content")
         if r is None:
-            out.append(m)
+            out.append({**m, "reasoning_content": ""} if mention and reads else m)
             continue
         m = {k: v for k, v in m.items() if k != "reasoning_content"}
         if inline:
             m["content"] = f"{THINK_OPEN}\n{r}\n{THINK_CLOSE}\n\n{m['content']}"
         elif reasoning == "keep":
             m["reasoning_content"] = r
+        elif mention and reads:
+            m["reasoning_content"] = ""
         out.append(m)
     return out
 
@@ -119,8 +128,9 @@ def assistant_char_spans(
     reasoning: str = "keep",
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the ``[start, end)`` character span of every assistant reply.
-    ``TemplateSkip`` where the template fails on the record or leaves out its tool calls or
-    tool results."""
+    ``TemplateSkip`` where the template fails on the record, leaves out its tool calls or tool
+    results, or renders a reply where it cannot be told apart from the turns around it
+    (``reply_not_located``): a span never covers the text of another turn."""
     messages = for_template(tokenizer, messages, reasoning)
 
     def rend(ms, gen=False):
@@ -134,7 +144,13 @@ def assistant_char_spans(
     text = rend(messages)
     term = turn_end(tokenizer)
     spans: list[tuple[int, int]] = []
+    # where the text of the user and tool turns so far ends: no reply starts before it (its
+    # words may also be in the tool result before it). Not the system turn's: templates move
+    # it (Mistral's into the last user turn).
+    floor = 0
     for i, m in enumerate(messages):
+        if m["role"] in ("user", "tool"):
+            floor = _after(text, m["content"], floor)
         if m["role"] != "assistant":
             continue
         prev = spans[-1][1] if spans else 0
@@ -149,15 +165,12 @@ def assistant_char_spans(
                 start -= 1
         if start == 0 or (spans and start <= prev):
             # Templates that rewrite earlier turns (e.g. strip reasoning) are not prefix
-            # stable; locate the reply itself after the previous span.
+            # stable; locate the reply itself after the previous span and the turns since.
             calls = [c["function"]["name"] for c in m.get("tool_calls", [])]
             key = next((s for s in [m["content"].strip(), *calls] if s), "")
-            start = text.find(key, prev) if key else -1
+            start = text.find(key, max(prev, floor)) if key else -1
             if start < 0:
-                raise DataError(
-                    "the chat template does not reproduce assistant replies verbatim; "
-                    "cannot build a loss mask"
-                )
+                raise TemplateSkip("reply_not_located", "not rendered as written")
         if text.startswith(through) and len(through) > start:
             end = len(through)
         else:
@@ -170,6 +183,14 @@ def assistant_char_spans(
             end = at + len(term)
         while end > start and text[end - 1].isspace():
             end -= 1
+        nxt = next(
+            (n["content"].strip() for n in messages[i + 1 :] if n["role"] != "assistant"), ""
+        )
+        if nxt and text.find(nxt, max(prev, floor), start + len(nxt) - 1) >= 0:
+            # the next turn's text starts before the reply: what was found is no reply of
+            # this turn (its words in a later turn), and the mask would cover that turn
+            raise TemplateSkip("reply_not_located", "found after the turn that follows it")
+        floor = end
         for c in m.get("tool_calls", []):
             if c["function"]["name"] not in text[start:end]:
                 raise TemplateSkip("template_drops_tool_calls", c["function"]["name"])
@@ -178,6 +199,15 @@ def assistant_char_spans(
         if m["role"] == "tool" and m["content"].strip() and m["content"].strip() not in text:
             raise TemplateSkip("template_drops_tool_results")
     return text, spans
+
+
+def _after(text: str, content: str, start: int) -> int:
+    """Where ``content`` (stripped) first ends in ``text`` from ``start``; ``start`` where it
+    is not there (a template that rewrites the turn: the bound stays where it was; the check
+    that the next turn does not start before a reply still holds)."""
+    key = content.strip()
+    at = text.find(key, start) if key else -1
+    return at + len(key) if at >= 0 else start
 
 
 def tokenize_conversation(

@@ -25,7 +25,7 @@ import torch
 from .chat import TemplateSkip, template_kwargs, tokenize_conversation
 from .conversations import DataError, LoadReport, data_files, load_conversations
 
-CACHE_VERSION = 2  # 2: reasoning traces, tool calls, template skips counted by reason
+CACHE_VERSION = 3  # 2: reasoning, tool calls, template skips; 3: unique ids, replies located safely
 
 
 @dataclass

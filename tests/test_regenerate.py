@@ -126,6 +126,7 @@ def test_outputs_written_before_skip_records_existed_still_resume(tmp_path):
     meta = tmp_path / "regen.jsonl.parts" / "meta.json"
     meta.parent.mkdir()
     meta.write_text(json.dumps({"settings": {"max_new_tokens": 8, "source": "a.jsonl"}}))
+    (meta.parent / "rank0-of-1.jsonl").write_text('{"id": "a"}\n')  # replies written
     _check_settings(meta, {"max_new_tokens": 8, "source": "a.jsonl", "skip_records": 0})
     with pytest.raises(PrepareError, match="skip_records=0, now skip_records=2"):
         _check_settings(meta, {"max_new_tokens": 8, "source": "a.jsonl", "skip_records": 2})

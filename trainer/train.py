@@ -337,8 +337,8 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
     )
     if data.report.first_bad is not None:
         log(f"data: {data.report.first_skipped()}")
-    for f in data.report.truncated:
-        log(f"data: {data.report.cut_note(f)}")
+    for note in data.report.notes():  # files cut off, empty files passed over, ids renamed
+        log(f"data: {note}")
     return target, data
 
 
