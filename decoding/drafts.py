@@ -148,11 +148,13 @@ def load_proposer(
             return _head_proposer(head, tree, f"{method} ({draft_dir}" + _noted(note) + ")")
         fmt = detect_format(path)
         if fmt is not None:  # an exported or third-party EAGLE checkpoint (serving layout)
+            note = made_for_note(made_for(path), target)
             try:
                 head = import_draft(path, target, fmt)
-            except ExportError as e:
-                raise DraftError(str(e)) from None
-            note = made_for_note(made_for(path), target)
+            except (ExportError, DraftError) as e:  # made for another target: say that first
+                raise DraftError(
+                    f"{path}: {note}; it does not fit ({e})" if note else str(e)
+                ) from None
             if note:
                 print(f"warning: {path}: {note}")
             return _head_proposer(

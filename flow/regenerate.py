@@ -165,9 +165,13 @@ def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
         meta_file.parent.mkdir(parents=True, exist_ok=True)
         meta_file.write_text(json.dumps({"settings": settings}, indent=1))
         return
+    from models.export import same_weights
+
     old = json.loads(meta_file.read_text()).get("settings", {})
     for k, now in settings.items():
         was = old.get(k, _ADDED_LATER.get(k))
+        if k == "target" and same_weights(was, now):
+            continue  # the same weights, moved or renamed
         if was != now:
             raise PrepareError(
                 f"{meta_file.parent}: earlier parts were generated with {k}={was!r}, "

@@ -539,3 +539,60 @@ def test_the_sample_check_says_what_a_pass_means_under_a_lossy_rule():
         assert (r["sample_check"].get("lossy_rule") == "typical acceptance") == (
             acceptance == "typical"
         )
+
+
+def test_a_draft_is_evaluated_against_the_target_it_was_trained_for(tmp_path):
+    """``specdraft-eval draft=<run>`` with no target on the command line loads the target the
+    draft was trained for (not the default SmolLM2, which a head for another target does not
+    fit); ``target=...`` still chooses; a target folder that has gone is one line naming it."""
+    import shutil
+
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from decoding.eval import apply_saved_target
+    from models.eagle import Eagle1Config, EagleHead
+    from models.target import TargetConfig, TargetError, load_target, target_folder
+
+    tiny = load_target(TargetConfig(name="tiny_random", seed=3, cache_dir=str(tmp_path / "c")))
+    folder = tmp_path / "mymodel"
+    shutil.copytree(target_folder(tiny), folder)
+    mine = load_target(TargetConfig(path=str(folder), dtype="float32"))
+    EagleHead(mine, Eagle1Config()).save_draft(tmp_path / "run" / "final")
+    import decoding.eval  # noqa: F401  registers the schema
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"draft={tmp_path / 'run'}"])
+        line = apply_saved_target(cfg, set())
+        assert cfg.target.path == str(folder)  # the path wins over the name
+        assert line.startswith(f"target: {folder}, the target {tmp_path / 'run' / 'final'} was")
+        chosen = compose("eval", overrides=[f"draft={tmp_path / 'run'}", "target=tiny_random"])
+        assert apply_saved_target(chosen, {"draft", "target"}) is None
+        assert chosen.target.name == "tiny_random" and chosen.target.path is None
+        shipped = compose("eval", overrides=["draft=smollm2-eagle3"])
+        assert apply_saved_target(shipped, {"draft"}) is None  # trained for the default
+        folder.rename(tmp_path / "moved")
+        cfg = compose("eval", overrides=[f"draft={tmp_path / 'run'}"])
+        with pytest.raises(TargetError, match="which is not there any more; pass target=hf"):
+            apply_saved_target(cfg, set())
+
+
+def test_an_export_for_another_target_says_so_when_it_does_not_fit(tmp_path, tiny_target):
+    """An export read against a target it cannot fit leads with the target it was made for."""
+    from models.eagle import Eagle3Config, Eagle3Head
+    from models.export import export
+    from models.target import TargetConfig, load_target
+
+    t4 = load_target(TargetConfig(name="tiny_random", tiny_layers=4, dtype="float32"))
+    head = Eagle3Head(t4, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
+    with torch.no_grad():  # a chosen vocabulary (every other token)
+        head.d2t.copy_(torch.arange(64))
+        head.t2d.zero_()
+        head.t2d[torch.arange(64) * 2] = True
+    export(head, "vllm", tmp_path / "v", log=lambda *_: None)
+    with pytest.raises(DraftError) as e:
+        load_proposer(str(tmp_path / "v"), tiny_target)
+    assert str(e.value).startswith(
+        f"{tmp_path / 'v'}: made for target {t4.identity}, evaluated against "
+        f"{tiny_target.identity}; it does not fit ("
+    )

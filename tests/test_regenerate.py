@@ -459,3 +459,16 @@ def test_a_prompt_the_template_refuses_stops_its_conversation_counted(tmp_path, 
     (meta.parent / "rank0-of-1.jsonl").write_text('{"id": "x"}\n')
     with pytest.raises(ValueError, match="max_new_tokens=5"):
         _check_settings(meta, {"max_new_tokens": 6})
+
+
+def test_a_moved_target_continues_its_regeneration(tmp_path):
+    """The target's folder renamed (the same weights) is the same target; other weights are
+    not."""
+    from flow.regenerate import PrepareError, _check_settings
+
+    meta = tmp_path / "regen.jsonl.parts" / "settings.json"
+    _check_settings(meta, {"target": "/a/mymodel:86dd61b9ed35"})
+    (meta.parent / "rank0-of-1.jsonl").write_text('{"id": "a"}\n')
+    _check_settings(meta, {"target": "/b/renamed:86dd61b9ed35"})
+    with pytest.raises(PrepareError, match="target="):
+        _check_settings(meta, {"target": "/b/renamed:0123456789ab"})
