@@ -10,6 +10,7 @@ with how to export and serve it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -18,8 +19,9 @@ import hydra
 from omegaconf import DictConfig, open_dict
 
 from conf.cli import Stopped, StopSignals, check_command_line
+from models.base import run_files
 from trainer.sweep import SUMMARY
-from trainer.train import USER_ERRORS, ConfigError, run
+from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("target", "data", "method", "optim", "logger", "experiment", "debug")
@@ -86,18 +88,25 @@ def _hydra_main(cfg: DictConfig) -> dict:
     with open_dict(cfg):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    run_dir = Path(cfg.output_dir)
     try:
+        if cfg.resume in (False, None, "false", "False"):
+            check_fresh_run_dir(run_dir)  # before anything is written there
+        write_run_record(cfg, run_dir)
         summary = train_measure_serve(cfg)
     except USER_ERRORS + (ConfigError,) as e:
         if not multirun:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         # one job's value (train.max_steps=-5 among others): the other jobs still run, and
-        # the sweep's summary says what refused this one
+        # the sweep's summary says what refused this one (in its own folder; a folder that
+        # holds a finished run keeps that run's records and summary)
         print(f"error: {cfg.output_dir}: {e}", file=sys.stderr)
-        (Path(cfg.output_dir) / SUMMARY).write_text(
-            json.dumps({"reason": "refused", "error": str(e)}, indent=1)
-        )
+        if not run_files(run_dir) and _main_process():
+            write_run_record(cfg, run_dir)
+            (run_dir / SUMMARY).write_text(
+                json.dumps({"reason": "refused", "error": str(e)}, indent=1)
+            )
         _REFUSED.append(cfg.output_dir)
         return {"reason": "refused", "error": str(e)}
     code = exit_code(summary)
@@ -112,6 +121,28 @@ def _hydra_main(cfg: DictConfig) -> dict:
     elif code:
         sys.exit(code)  # a signal stops a sweep too
     return summary
+
+
+def _main_process() -> bool:
+    """Rank 0 of a launch (read from the launcher's environment: no process group needed)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def write_run_record(cfg: DictConfig, run_dir: Path) -> None:
+    """``run_dir/.hydra/``: the composed config, Hydra's own and the command line's overrides
+    (what a sweep's summary reads), as Hydra writes them; written here, once the run is known
+    to start in ``run_dir``, so that a refused command never rewrites another run's record."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not _main_process():
+        return
+    hc = HydraConfig.get()
+    d = run_dir / ".hydra"
+    d.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, d / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), d / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), d / "overrides.yaml")
 
 
 def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> str | None:

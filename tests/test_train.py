@@ -706,3 +706,38 @@ def test_resume_on_other_data_is_refused_naming_init_from(data_file, tmp_path):
     (moved / "conv.jsonl").write_text("".join(lines[:-1]))  # an edited file
     with pytest.raises(CheckpointError, match="trained on other data"):
         _run(moved, out, **{**kw, "train.max_steps": 6, "resume": "true"})
+
+
+def test_a_sweep_run_again_keeps_its_finished_jobs_records(tmp_path, monkeypatch, capsys):
+    """The same sweep again with one value more: the jobs whose folders hold a run are refused
+    without a word written there (their summary, metrics and .hydra records stay what they
+    were: a refused job's overrides never label another's results), the new job runs, and the
+    summary lists all three finished."""
+    import json
+
+    import flow.app as app
+
+    def fake(cfg):
+        summary = {"reason": "finished", "final": None, "step": 3, "val": {"loss": cfg.optim.lr}}
+        with open(f"{cfg.output_dir}/summary.json", "w") as f:
+            f.write(json.dumps(summary))
+        with open(f"{cfg.output_dir}/metrics.jsonl", "w") as f:
+            f.write(json.dumps({"step": 3, "loss": cfg.optim.lr}) + "\n")
+        return summary
+
+    monkeypatch.setattr(app, "train_measure_serve", fake)
+    monkeypatch.setattr(app, "_FAILED", [])
+    monkeypatch.setattr(app, "_REFUSED", [])
+    sweep = tmp_path / "sweep"
+    line = ["specdraft-train", "-m", f"hydra.sweep.dir={sweep}"]
+    monkeypatch.setattr(sys, "argv", [*line, "optim.lr=0.001,0.003"])
+    app.main()
+    before = {p: p.read_bytes() for p in sweep.glob("[01]/**/*") if p.is_file()}
+    assert sweep / "0" / ".hydra" / "overrides.yaml" in before
+    monkeypatch.setattr(sys, "argv", [*line, "optim.lr=0.001,0.003,0.005"])
+    with pytest.raises(SystemExit) as e:
+        app.main()
+    assert e.value.code == 2 and "holds a run already" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sweep.glob("[01]/**/*") if p.is_file()} == before
+    table = (sweep / "summary.md").read_text()
+    assert table.count("| finished |") == 3 and "refused" not in table
