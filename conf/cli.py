@@ -24,11 +24,41 @@ CONF_DIR = Path(__file__).resolve().parent
 
 
 def _overrides(argv: list[str]) -> list[str] | None:
-    """The key=value arguments Hydra would apply, or None where the line is not one plain
-    run's (a sweep, another config, a help or print flag)."""
-    if any(a.startswith("-") for a in argv):
-        return None  # -m, --cfg job, --config-name, --help, ...: Hydra's own
-    return [a for a in argv if "=" in a and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    """The key=value arguments Hydra would apply, or None where the line is not a run's or a
+    sweep's (another config, a help or print flag). A sweep's are its first job's (``a=1,2``:
+    ``a=1``; a value swept by a function, ``range(...)``, is left to Hydra): a misspelled key is
+    misspelled in every job."""
+    flags = [a for a in argv if a.startswith("-")]
+    if any(f not in ("-m", "--multirun") for f in flags):
+        return None  # --cfg job, --config-name, --help, ...: Hydra's own
+    ovs = [a for a in argv if "=" in a and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    if flags:
+        ovs = [o for o in map(_first_job, ovs) if o is not None]
+    return ovs
+
+
+_SWEEP_FUNCTIONS = ("range(", "choice(", "glob(", "interval(", "tag(", "sort(", "shuffle(")
+
+
+def _first_job(override: str) -> str | None:
+    """``key=a,b,c`` -> ``key=a`` (commas inside brackets or quotes are a value's own); None
+    for a value a sweep function makes."""
+    key, _, value = override.partition("=")
+    if value.strip().startswith(_SWEEP_FUNCTIONS):
+        return None
+    depth, quote = 0, ""
+    for i, ch in enumerate(value):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return f"{key}={value[:i]}"
+    return override
 
 
 def _unknown_keys(node, prefix: str = "") -> list[str]:

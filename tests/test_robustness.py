@@ -629,3 +629,23 @@ def test_an_engine_run_stops_between_prompts_on_a_signal(tiny_target):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
         run_bench(Echo(0), Echo(0), qs, cfg, tok, set(), "echo")
+
+
+def test_a_sweeps_keys_are_checked_as_a_single_runs_are():
+    """``-m +optim.lrr=1e-4,3e-4`` (Hydra's own advice for a key it does not know) trained
+    every job with the default lr under a summary showing them as different: a sweep's line
+    is checked by its first job's values; lists, quoted commas and sweep functions pass."""
+    from conf.cli import check_command_line
+
+    assert check_command_line("train", ["-m", "+optim.lrr=1e-4,3e-4"]) == (
+        "+optim.lrr: no such setting (the command would ignore it); did you mean optim.lr?"
+    )
+    assert check_command_line("train", ["-m", "optim.lrr=1e-4,3e-4"]).startswith(
+        "optim.lrr=1e-4: no such setting"
+    )
+    assert check_command_line("train", ["--multirun", "train.max_steps=ten,5"]).startswith(
+        "train.max_steps=ten: "
+    )
+    good = ["-m", "method=eagle1,eagle3", "optim.lr=range(1,3)", "train.seed=choice(1,2)"]
+    assert check_command_line("train", good) is None
+    assert check_command_line("eval", ["-m", "batch_sizes=[1,4],[16]", "gamma=2,3"]) is None
