@@ -525,6 +525,29 @@ def load_trained_head(
     raise DraftError(f"{p}: no saved draft here (looked for final/, draft/ and config.json)")
 
 
+def default_out(draft: Path, fmt: str) -> Path:
+    """Where ``specdraft-export <draft>`` writes without ``--out``: ``<run>/export-<fmt>`` for a
+    run or its ``final/``, ``<run>/export-<fmt>-step_N`` for a checkpoint (or its ``draft/``),
+    else ``<draft>/export-<fmt>``: never inside a folder training replaces."""
+    p = Path(draft)
+    if p.name == "draft" and p.parent.parent.name == "checkpoints":
+        p = p.parent
+    if p.parent.name == "checkpoints" and p.name.startswith("step_"):
+        return p.parent.parent / f"export-{fmt}-{p.name}"
+    if p.name == "final" and run_files(p.parent):
+        return p.parent / f"export-{fmt}"
+    return p / f"export-{fmt}"
+
+
+def replaced_by_training(dest: Path) -> Path | None:
+    """The run's ``final/`` or ``checkpoints/`` folder that holds ``dest`` (training replaces
+    the one when a resumed run ends, and prunes the other), or None."""
+    for anc in Path(dest).resolve().parents:
+        if anc.name in ("final", "checkpoints") and run_files(anc.parent):
+            return anc
+    return None
+
+
 def _weights_of(identity: str | None) -> str | None:
     """What an identity says of the weights, less the folder's name (``name:hash`` -> hash): a
     target moved or renamed is the same target."""
@@ -618,7 +641,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("draft", help="a training run dir, its final/ folder or a checkpoint")
     ap.add_argument("--format", required=True, choices=sorted(formats()))
-    ap.add_argument("--out", help="output folder (default: <draft>/export-<format>)")
+    ap.add_argument(
+        "--out",
+        help="output folder (default: <run>/export-<format>; for a checkpoint "
+        "<run>/export-<format>-step_N)",
+    )
     ap.add_argument(
         "--dtype",
         choices=sorted({d for f in formats().values() for d in f.dtypes}),
@@ -656,10 +683,17 @@ def main(argv: list[str] | None = None) -> None:
             raise ExportError(f"--gamma {a.gamma}: must be >= 1 (draft tokens a step)")
         head = load_trained_head(a.draft, target_path=a.target)
         fmt = check_method(a.format, head)
-        out = a.out or str(Path(a.draft) / f"export-{fmt}")
+        out = a.out or str(default_out(Path(a.draft), fmt))
         src, dest = Path(a.draft).resolve(), Path(out).resolve()
         if dest == src or dest in src.parents:
             raise ExportError(f"--out {out}: holds the draft being exported ({a.draft})")
+        kept_by = replaced_by_training(dest)
+        if kept_by is not None:
+            raise ExportError(
+                f"--out {out}: inside {kept_by}, which training replaces (final/ on a resumed "
+                "run, checkpoints as they are pruned) and the export with it; choose a folder "
+                "beside it"
+            )
         check_out(Path(out), a.force)  # before a target is converted for --format gguf
         is_gguf = "gguf" in (fmt, formats()[fmt].family)
         if a.target_gguf and not is_gguf:

@@ -603,3 +603,35 @@ def test_a_trained_draft_for_a_moved_target_is_not_warned_about(target4, tmp_pat
     assert "warning" not in capsys.readouterr().out  # it was, by the folder's name alone
     other = Target(target4.model, target4.tokenizer, "/a/tuned:def456", TargetConfig(name="x"))
     assert "made for target /a/smol:abc123" in load_proposer(str(tmp_path), other)[1]
+
+
+def test_an_export_of_final_or_a_checkpoint_lands_beside_the_run_never_inside(
+    data_file, tmp_path, capsys
+):
+    """``specdraft-export <run>/final`` wrote into final/, which a resumed run replaces (and
+    the export with it); a checkpoint's export went where pruning deletes it. By default they
+    land beside the run, and an --out inside those folders is refused."""
+    from conftest import compose, tiny_overrides
+
+    from models.export import default_out, main
+    from trainer.train import run
+
+    run_dir = tmp_path / "run"
+    kw = {"train.max_steps": 2, "train.save_every": 2, "train.eval_every": 0}
+    run(compose(tiny_overrides(data_file, run_dir, **kw)))
+    step = run_dir / "checkpoints" / "step_2"
+    assert default_out(run_dir, "vllm") == run_dir / "export-vllm"
+    assert default_out(run_dir / "final", "vllm") == run_dir / "export-vllm"
+    assert default_out(step, "vllm") == run_dir / "export-vllm-step_2"
+    assert default_out(step / "draft", "vllm") == run_dir / "export-vllm-step_2"
+    assert default_out(tmp_path / "somedraft", "vllm") == tmp_path / "somedraft" / "export-vllm"
+    main([str(run_dir / "final"), "--format", "eagle1"])
+    assert (run_dir / "export-eagle1" / "config.json").is_file()
+    assert not (run_dir / "final" / "export-eagle1").exists()
+    main([str(step), "--format", "eagle1"])
+    assert (run_dir / "export-eagle1-step_2" / "config.json").is_file()
+    for inside in (run_dir / "final" / "e", step.parent / "e"):
+        with pytest.raises(SystemExit) as e:
+            main([str(run_dir), "--format", "eagle1", "--out", str(inside)])
+        assert e.value.code == 2 and not inside.exists()
+        assert "which training replaces" in capsys.readouterr().err
