@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from conf.cli import Stopped, StopSignals, check_command_line
 from models.base import run_files
@@ -83,11 +83,20 @@ def _hydra_main(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    stamped = "${now:" in str(OmegaConf.to_container(cfg, resolve=False).get("output_dir"))
+    if stamped and not multirun and str(cfg.resume).lower() == "true":
+        # a new time-stamped folder every time: resume=true there would always start afresh
+        print(
+            "error: resume=true continues the run in output_dir; name it (output_dir=runs/x): "
+            "the default is a new time-stamped folder each time",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     # The run directory is Hydra's job directory: output_dir for a single run, one folder
     # per job (sweep dir / job number) under -m.
     with open_dict(cfg):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(cfg.output_dir)
     try:
         if cfg.resume in (False, None, "false", "False"):

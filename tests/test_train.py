@@ -741,3 +741,20 @@ def test_a_sweep_run_again_keeps_its_finished_jobs_records(tmp_path, monkeypatch
     assert {p: p.read_bytes() for p in sweep.glob("[01]/**/*") if p.is_file()} == before
     table = (sweep / "summary.md").read_text()
     assert table.count("| finished |") == 3 and "refused" not in table
+
+
+def test_resume_true_into_the_time_stamped_default_is_refused(tmp_path, monkeypatch, capsys):
+    """Without output_dir every run gets a new time-stamped folder, where resume=true could
+    only ever start afresh (a silent new run): refused, asking for the folder."""
+    import flow.app as app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(app, "train_measure_serve", lambda cfg: pytest.fail("it trained"))
+    monkeypatch.setattr(sys, "argv", ["specdraft-train", "resume=true", "target=tiny_random"])
+    with pytest.raises(SystemExit) as e:
+        app.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: resume=true continues the run in output_dir; name it (output_dir=runs/x): the "
+        "default is a new time-stamped folder each time"
+    )
