@@ -160,12 +160,39 @@ def load_weights_draft(cls, path: str | Path, target):
         state = load_file(str(Path(path) / DRAFT_WEIGHTS))
     except Exception as e:  # safetensors raises several types for damaged files
         raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+    check_shapes(draft, state, path, made_for=cfg["target"].get("identity"))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DraftError(
             f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
         )
     return draft.to(target.device)
+
+
+def check_shapes(
+    module: nn.Module,
+    state: dict[str, torch.Tensor],
+    where: str | Path,
+    made_for: str | None = None,
+    error: type[Exception] = DraftError,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Before ``module.load_state_dict(state)``: ``error`` (one line naming ``where``) for the
+    first tensor, in the module's order, whose saved shape is not the one ``module`` (built for
+    its target) has. A hidden size can match while the layers' shapes do not (another target's
+    KV heads, head width or MLP width), which ``load_state_dict`` reports as a traceback.
+    ``made_for``: the target the draft was saved for, named in the message when known;
+    ``names``: how the file spells a key, where not as the module does (an export's layout)."""
+    target = getattr(module, "target", None)
+    mine = f"target {target.identity}" if target is not None else "this target"
+    for k, v in module.state_dict().items():
+        if k in state and tuple(state[k].shape) != tuple(v.shape):
+            name = (names or {}).get(k, k)
+            made = f" ({made_for})" if made_for and mine != f"target {made_for}" else ""
+            raise error(
+                f"{where}: {name} has shape {tuple(state[k].shape)}, {mine} implies "
+                f"{tuple(v.shape)}: the draft was made for another target{made}"
+            )
 
 
 def read_draft_config(path: str | Path) -> dict:

@@ -29,12 +29,33 @@ class LoopState:
     batch_in_epoch: int = 0  # micro-batches of this epoch already consumed (this process)
     elapsed: float = 0.0  # seconds of training so far, over every resumption of the run
     tokens: int = 0  # tokens seen by this process
+    # training tokens so far, every process's (their batches differ in length), summed across
+    # them when logged, validated or checkpointed; None: a checkpoint from before it was kept
+    tokens_all: int | None = None
     nonfinite_skipped: int = 0
     world_size: int = 1
     last_val: dict[str, float] = field(default_factory=dict)
     last_val_step: int = -1
     planned_steps: int = 0  # min(max_steps, the steps the epochs allow); set by fit()
     data_source: str = ""  # the data trained on (``TokenizedData.source``): resumed only on it
+
+
+def tokens_so_far(state: LoopState) -> int:
+    """Training tokens so far over every process and every resumption. A checkpoint from before
+    ``tokens_all`` was kept counts this process's tokens times the processes (what its
+    ``metrics.jsonl`` said then)."""
+    if state.tokens_all is not None:
+        return state.tokens_all
+    return state.tokens * state.world_size
+
+
+def sum_tokens(accelerator: Any, n: int) -> int:
+    """``n`` (this process's tokens) summed over every process. It waits for every process, so
+    it runs where they all meet anyway (logging, validation, checkpoints), not every step."""
+    if accelerator.num_processes == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.long, device=accelerator.device)
+    return int(accelerator.gather(t).sum())
 
 
 def make_schedule(cfg: Any, max_steps: int, max_seconds: float | None, state: LoopState):
@@ -164,7 +185,9 @@ def fit(
     unwrapped = accelerator.unwrap_model(method)
     max_seconds = tc.max_minutes * 60 if tc.max_minutes else None
     window: dict[str, torch.Tensor] = {}
-    window_tokens = 0
+    state.tokens_all = tokens_so_far(state)
+    unsummed = 0  # this process's tokens not yet in state.tokens_all
+    window_from = state.tokens_all  # tokens_all where this logging window began
     window_start = time.perf_counter()
     consecutive_bad = 0
     reason = "finished"
@@ -191,7 +214,14 @@ def fit(
         )
     shown_elapsed = int(bar.n)
 
+    def count_tokens():
+        # every process calls this at the same points (log, validation and checkpoint steps)
+        nonlocal unsummed
+        state.tokens_all += sum_tokens(accelerator, unsummed)
+        unsummed = 0
+
     def checkpoint():
+        count_tokens()
         snapshot = {**state.__dict__, "last_val": dict(state.last_val)}
         path = save_checkpoint(
             accelerator, run_dir, state.step, snapshot, unwrapped.save_draft, tc.keep_checkpoints
@@ -201,6 +231,7 @@ def fit(
     def validate():
         if val_loader is None:
             return
+        count_tokens()
         res = evaluate(accelerator, method, target, val_loader, tc.eval_batches)
         state.last_val = res
         state.last_val_step = state.step
@@ -208,7 +239,7 @@ def fit(
             state.step,
             {
                 **{f"val/{k}": v for k, v in res.items()},
-                "tokens": state.tokens * accelerator.num_processes,
+                "tokens": state.tokens_all,
                 "elapsed_s": state.elapsed,
             },
         )
@@ -239,7 +270,7 @@ def fit(
                     samples.log(state.step + 1, state.epoch, batch["index"].tolist())
                 ntok = int(batch["attention_mask"].sum())
                 state.tokens += ntok
-                window_tokens += ntok
+                unsummed += ntok
                 updated = False  # an optimizer step happened (a skipped batch is no step)
                 with accelerator.accumulate(method), target.gathered():
                     unwrapped.set_progress(progress(state, total, max_seconds))
@@ -289,13 +320,14 @@ def fit(
                 if state.step % tc.log_every == 0:
                     # every process's micro-batches: the loss of the global batch
                     row = reduce_metrics(sum_across_processes(accelerator, window))
+                    count_tokens()
                     dt = max(now - window_start, 1e-9)
-                    row["tokens_per_s"] = window_tokens * accelerator.num_processes / dt
+                    row["tokens_per_s"] = (state.tokens_all - window_from) / dt
                     row["lr"] = step_lr
                     row["epoch"] = state.epoch
                     # training tokens so far (all processes) and seconds of training: the
                     # x-axes of learning curves that survive resumes
-                    row["tokens"] = state.tokens * accelerator.num_processes
+                    row["tokens"] = state.tokens_all
                     row["elapsed_s"] = state.elapsed
                     tracker.log(state.step, row)
                     bar.set_postfix(
@@ -307,7 +339,7 @@ def fit(
                             "tok_s": f"{row['tokens_per_s']:.0f}",
                         }
                     )
-                    window, window_tokens, window_start = {}, 0, now
+                    window, window_from, window_start = {}, state.tokens_all, now
                 paused = time.perf_counter()
                 if tc.eval_every and state.step % tc.eval_every == 0:
                     validate()
@@ -335,6 +367,7 @@ def fit(
                 continue
             break
     bar.close()
+    count_tokens()  # the run's summary reads them
     if reason == "steps":
         reason = "finished"
     if reason in ("finished", "time") and state.last_val_step != state.step:

@@ -41,7 +41,7 @@ from .checkpoint import (
 )
 from .config import register_configs
 from .features import build_feature_store, feature_cache_key
-from .loop import LoopState, fit, make_schedule
+from .loop import LoopState, fit, make_schedule, tokens_so_far
 from .optim import OptimizerError, build_optimizer
 from .shard import ShardError, check_shard, shard_target
 from .sweep import SUMMARY
@@ -240,6 +240,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
+    tokens_start = tokens_so_far(state)  # a resumed run's earlier sessions are not this one's
     t_start = time.perf_counter()
     reason = fit(
         cfg=cfg,
@@ -269,7 +270,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "signal": StopSignals.last if reason == "signal" else None,
         "step": state.step,
         "epoch": state.epoch,
-        "tokens_per_s": state.tokens * accelerator.num_processes / max(wall, 1e-9),
+        # this session's tokens (every process's) over this session's time, validation and
+        # checkpoints included
+        "tokens_per_s": (tokens_so_far(state) - tokens_start) / max(wall, 1e-9),
         "val": state.last_val,
         "final": str(final) if final else None,
     }
@@ -519,7 +522,10 @@ def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
         raise DraftError(
             f"train.init_from={spec}: {folder} is a {kind} draft; this run trains {name}"
         )
-    src = METHODS[kind].load_draft(folder, target)
+    try:  # a draft for another target: its folder, first tensor and both shapes, one line
+        src = METHODS[kind].load_draft(folder, target)
+    except DraftError as e:
+        raise DraftError(f"train.init_from={spec}: {e}") from None
     mine, theirs = method.state_dict(), src.state_dict()
     bad = [k for k in mine if k in theirs and mine[k].shape != theirs[k].shape]
     missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))

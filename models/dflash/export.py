@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..base import ExportError, ExportFormat
+from ..base import ExportError, ExportFormat, check_shapes
 from ..eagle.export import check_vocab_chosen, llama_config, target_dims
 from ..export import cast, verifier_name
 from .config import DFlashConfig
@@ -192,6 +192,13 @@ class SpeculatorsDFlash(ExportFormat):
             tensors["t2d"] = torch.ones(V, dtype=torch.bool)
         own = draft.state_dict()
         tensors = {k: v.to(own[k].dtype) if k in own else v for k, v in tensors.items()}
+        # another target's layer shapes (same hidden size): one line, not a traceback
+        check_shapes(
+            draft,
+            tensors,
+            folder / self.weights_file,
+            error=ExportError,
+        )
         missing, unexpected = draft.load_state_dict(tensors, strict=False)
         if missing or unexpected:
             raise ExportError(

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..base import ExportError, ExportFormat
+from ..base import ExportError, ExportFormat, check_shapes
 from ..export import cast, load_tensors, verifier_name
 from ..target import layer_shape
 from .config import Eagle1Config, Eagle3Config
@@ -315,9 +315,19 @@ class EagleFormat(ExportFormat):
 
     def _load(self, head: EagleHead, tensors: dict, dst: str, folder: Path) -> EagleHead:
         p = self.layer_prefix
-        renamed = {(dst + k[len(p) :] if k.startswith(p) else k): v for k, v in tensors.items()}
+        spelled = {(dst + k[len(p) :] if k.startswith(p) else k): k for k in tensors}
+        renamed = {ours: tensors[theirs] for ours, theirs in spelled.items()}
         own = head.state_dict()
         renamed = {k: v.to(own[k].dtype) if k in own else v for k, v in renamed.items()}
+        # another target's layer shapes (same hidden size): one line, not load_state_dict's
+        # traceback, naming the tensor as the file spells it
+        check_shapes(
+            head,
+            renamed,
+            folder / self.weights_file,
+            error=ExportError,
+            names=spelled,
+        )
         missing, unexpected = head.load_state_dict(renamed, strict=False)
         if missing or unexpected:
             raise ExportError(

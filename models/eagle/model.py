@@ -43,6 +43,7 @@ from ..base import (
     DraftMethod,
     StepOutput,
     cache_kw,
+    check_shapes,
     metric,
     read_draft_config,
     save_weights_draft,
@@ -411,6 +412,7 @@ class EagleHead(DraftMethod):
             state["fc.weight"] = torch.cat(
                 [state["fc.weight"][:, H:], state["fc.weight"][:, :H]], 1
             )
+        check_shapes(head, state, path, made_for=cfg["target"].get("identity"))
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise DraftError(

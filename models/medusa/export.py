@@ -71,6 +71,13 @@ class MedusaFormat(ExportFormat):
                 f"{folder / self.weights_file}: missing keys {missing[:5]}, unexpected keys "
                 f"{unexpected[:5]} for {K} heads of {L} layers on {target.identity}"
             )
+        for k, shape in want.items():  # copy_ would broadcast or raise a bare RuntimeError
+            if tuple(tensors[k].shape) != tuple(shape):
+                raise ExportError(
+                    f"{folder / self.weights_file}: {k} has shape {tuple(tensors[k].shape)}, "
+                    f"target {target.identity} implies {tuple(shape)}: the draft was made for "
+                    "another target"
+                )
         heads = MedusaHeads(target, Medusa1Config(num_heads=K, num_layers=L))
         with torch.no_grad():
             for k, head in enumerate(heads.heads):

@@ -40,6 +40,7 @@ from ..base import (
     DraftError,
     DraftMethod,
     StepOutput,
+    check_shapes,
     lora_modules,
     metric,
     read_draft_config,
@@ -286,6 +287,7 @@ class MedusaHeads(DraftMethod):
             state = load_file(str(path / DRAFT_WEIGHTS))
         except Exception as e:  # safetensors raises several types for damaged files
             raise DraftError(f"{path / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+        check_shapes(head, state, path, made_for=cfg["target"].get("identity"))
         missing, unexpected = head.load_state_dict(state, strict=False)
         missing = [k for k in missing if k.startswith(("heads.", "rank_"))]
         if missing or unexpected:
@@ -401,7 +403,46 @@ class Medusa2Heads(MedusaHeads):
         adapter = path / ADAPTER_DIR
         if not (adapter / "adapter_config.json").exists():
             raise DraftError(f"{path}: a medusa2 draft needs its LoRA adapter in {ADAPTER_DIR}/")
+        check_adapter_shapes(target, adapter, read_draft_config(path)["target"].get("identity"))
         return cls(target, cfg, adapter=adapter)
+
+
+def check_adapter_shapes(target: Target, adapter: Path, made_for: str | None = None) -> None:
+    """Before peft loads ``adapter`` into the target (in place: a failed load leaves the target
+    half-adapted, and peft's error is a traceback): ``DraftError`` naming the first LoRA tensor
+    whose layer the target lacks or whose shape the target's layer does not imply
+    (lora_A: (r, in_features), lora_B: (out_features, r))."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    f = adapter / "adapter_model.safetensors"
+    if not f.exists() or isinstance(target.model, PeftModel):
+        return  # an older peft's .bin: peft checks it (an adapted target: refused after this)
+    layers = dict(target.model.named_modules())
+    made = f" ({made_for})" if made_for and made_for != target.identity else ""
+    try:
+        with safe_open(str(f), "pt") as st:
+            shapes = {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+    except Exception as e:  # safetensors raises several types for damaged files
+        raise DraftError(f"{f}: cannot read the adapter ({e})") from None
+    for k, shape in shapes.items():
+        if ".lora_A." not in k and ".lora_B." not in k:
+            continue
+        name = k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        layer = layers.get(name)
+        if layer is None:
+            raise DraftError(
+                f"{f}: {k} adapts {name}, which target {target.identity} has not: the draft "
+                f"was made for another target{made}"
+            )
+        if not isinstance(layer, nn.Linear):
+            continue  # not a layer whose shape this reads: peft checks it
+        want = (shape[0], layer.in_features) if ".lora_A." in k else (layer.out_features, shape[1])
+        if shape != want:
+            raise DraftError(
+                f"{f}: {k} has shape {shape}, target {target.identity} implies {want}: the "
+                f"draft was made for another target{made}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
