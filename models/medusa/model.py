@@ -429,6 +429,9 @@ def check_adapter_shapes(target: Target, adapter: Path, made_for: str | None = N
         if ".lora_A." not in k and ".lora_B." not in k:
             continue
         name = k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        # peft nests a module adapted in several parameters (an MoE's fused experts) as
+        # ``.base_layer`` wrappers: the target's module is the one under them
+        name = name.replace(".base_layer", "")
         layer = layers.get(name)
         if layer is None:
             raise DraftError(
