@@ -31,7 +31,7 @@ from models.base import (
     unfinished_run,
 )
 from models.draft_lm import load_same_vocabulary_lm
-from models.export import detect_format, import_draft, made_for, made_for_note
+from models.export import detect_format, import_draft, made_for, made_for_note, noted
 from models.quant import check_mode
 from models.shipped import SHIPPED, shipped_draft
 from models.target import Target, looks_like_a_path
@@ -145,7 +145,7 @@ def load_proposer(
             if note:
                 print(f"warning: {draft_dir}: {note}")
             head = METHODS[method].load_draft(draft_dir, target)
-            return _head_proposer(head, tree, f"{method} ({draft_dir}" + _noted(note) + ")")
+            return _head_proposer(head, tree, f"{method} ({draft_dir}" + noted(note) + ")")
         fmt = detect_format(path)
         if fmt is not None:  # an exported or third-party EAGLE checkpoint (serving layout)
             note = made_for_note(made_for(path), target)
@@ -158,7 +158,7 @@ def load_proposer(
             if note:
                 print(f"warning: {path}: {note}")
             return _head_proposer(
-                head, tree, f"{head.cfg.name} ({path}, {fmt} layout" + _noted(note) + ")"
+                head, tree, f"{head.cfg.name} ({path}, {fmt} layout" + noted(note) + ")"
             )
         if not (path / "config.json").exists():
             step = unfinished_run(path)
@@ -181,11 +181,6 @@ def load_proposer(
                 "'specdraft' nor 'model_type')"
             )
     return _hf_draft(spec, target)
-
-
-def _noted(note: str | None) -> str:
-    """The made-for warning as it is kept in the report's draft description."""
-    return f"; warning: {note}" if note else ""
 
 
 def _head_proposer(head, tree: DecodeSettings, desc: str):

@@ -18,7 +18,6 @@ import sys
 import time
 from collections import defaultdict
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -66,6 +65,7 @@ from .settings import (
     ENGINE_ONLY,
     EvalConfig,
     EvalError,
+    apply_saved_target,
     bench_questions,
     sampling_of,
     stop_ids,
@@ -512,44 +512,6 @@ ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
 ConfigStore.instance().store(group="target", name="target_schema", node=TargetConfig)
 
 USER_ERRORS = (DataError, DraftError, TargetError, BenchError, EvalError, EngineError, ExportError)
-
-
-def apply_saved_target(cfg: DictConfig, given: set[str]) -> str | None:
-    """Where the command line names no target (``target=`` or ``target.*``) and ``draft=`` is
-    a trained draft (a run, its final/, a checkpoint or a shipped name) saved for another
-    target than the default, evaluate against the target it was trained for; returns a line
-    saying so, or None. A target whose folder is not there any more is one line naming it."""
-    from models.base import read_draft_config, resolve_draft_dir
-    from models.shipped import shipped_draft
-    from models.target import looks_like_a_path, saved_target_config
-
-    if any(k == "target" or k.startswith("target.") for k in given):
-        return None
-    d = str(cfg.draft)
-    p = shipped_draft(d) or Path(d).expanduser()
-    try:
-        draft_dir = resolve_draft_dir(p) if p.is_dir() else None
-    except DraftError:
-        return None  # said in one line when the draft is loaded
-    if draft_dir is None:
-        return None
-    saved = read_draft_config(draft_dir).get("target") or {}
-    want = saved_target_config(saved)
-    now = OmegaConf.to_object(cfg.target)
-    fields = ("name", "path", "seed", "tiny_layers", "tiny_head_dim", "family")
-    if all(getattr(want, k) == getattr(now, k) for k in fields):
-        return None
-    if want.path and looks_like_a_path(want.path) and not Path(want.path).expanduser().exists():
-        raise TargetError(
-            f"draft={d}: trained for target.path={want.path}, which is not there any more; pass "
-            "target=hf target.path=<where it is now>"
-        )
-    for k in fields:
-        cfg.target[k] = getattr(want, k)
-    return (
-        f"target: {want.path or saved.get('identity') or want.name}, the target {draft_dir} was "
-        "trained for (target=... to choose another)"
-    )
 
 
 def apply_saved_decode(cfg: DictConfig, given: set[str]) -> str | None:

@@ -5,6 +5,7 @@ config selects (the benchmark's questions, the tokens that end a reply)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -280,3 +281,43 @@ def validate(cfg: DictConfig) -> None:
             f"engine_threads={cfg.engine_threads}: must be >= 1 (unset: OMP_NUM_THREADS, else "
             "every core)"
         )
+
+
+def apply_saved_target(cfg: DictConfig, given: set[str]) -> str | None:
+    """Where the command line names no target (``target=`` or ``target.*``) and ``draft=`` is
+    a trained draft (a run, its final/, a checkpoint or a shipped name) saved for another
+    target than the default, evaluate against the target it was trained for; returns a line
+    saying so, or None. A target whose folder is not there any more is one line naming it."""
+    from omegaconf import OmegaConf
+
+    from models.base import DraftError, read_draft_config, resolve_draft_dir
+    from models.shipped import shipped_draft
+    from models.target import TargetError, looks_like_a_path, saved_target_config
+
+    if any(k == "target" or k.startswith("target.") for k in given):
+        return None
+    d = str(cfg.draft)
+    p = shipped_draft(d) or Path(d).expanduser()
+    try:
+        draft_dir = resolve_draft_dir(p) if p.is_dir() else None
+    except DraftError:
+        return None  # said in one line when the draft is loaded
+    if draft_dir is None:
+        return None
+    saved = read_draft_config(draft_dir).get("target") or {}
+    want = saved_target_config(saved)
+    now = OmegaConf.to_object(cfg.target)
+    fields = ("name", "path", "seed", "tiny_layers", "tiny_head_dim", "family")
+    if all(getattr(want, k) == getattr(now, k) for k in fields):
+        return None
+    if want.path and looks_like_a_path(want.path) and not Path(want.path).expanduser().exists():
+        raise TargetError(
+            f"draft={d}: trained for target.path={want.path}, which is not there any more; pass "
+            "target=hf target.path=<where it is now>"
+        )
+    for k in fields:
+        cfg.target[k] = getattr(want, k)
+    return (
+        f"target: {want.path or saved.get('identity') or want.name}, the target {draft_dir} was "
+        "trained for (target=... to choose another)"
+    )

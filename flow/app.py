@@ -111,8 +111,7 @@ def _hydra_main(cfg: DictConfig) -> dict:
         # the sweep's summary says what refused this one (in its own folder; a folder that
         # holds a finished run keeps that run's records and summary)
         print(f"error: {cfg.output_dir}: {e}", file=sys.stderr)
-        if not run_files(run_dir) and _main_process():
-            write_run_record(cfg, run_dir)
+        if not run_files(run_dir) and _main_process():  # its record is written: it started
             (run_dir / SUMMARY).write_text(
                 json.dumps({"reason": "refused", "error": str(e)}, indent=1)
             )

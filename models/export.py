@@ -60,6 +60,7 @@ __all__ = [
     "load_trained_head",
     "made_for",
     "made_for_note",
+    "noted",
     "proposals",
     "same_weights",
 ]
@@ -584,6 +585,11 @@ def made_for(folder: str | Path) -> str | None:
     if draft_dir is not None:
         return read_draft_config(draft_dir).get("target", {}).get("identity")
     return exported_for(folder)
+
+
+def noted(note: str | None) -> str:
+    """A made-for warning as a draft's description (a report's ``draft`` line) keeps it."""
+    return f"; warning: {note}" if note else ""
 
 
 def made_for_note(made_for: str | None, target: Target) -> str | None:

@@ -550,7 +550,7 @@ def test_a_draft_is_evaluated_against_the_target_it_was_trained_for(tmp_path):
     from conftest import CONF
     from hydra import compose, initialize_config_dir
 
-    from decoding.eval import apply_saved_target
+    from decoding.settings import apply_saved_target
     from models.eagle import Eagle1Config, EagleHead
     from models.target import TargetConfig, TargetError, load_target, target_folder
 

@@ -131,7 +131,7 @@ def test_init_from_a_draft_for_other_layers_is_refused_naming_the_tensor(wide, n
 
 def _fake_clock(monkeypatch):
     """``trainer.train``'s clock (not the loop's) advances one second a reading: the summary's
-    session then lasts exactly one second."""
+    launch then lasts exactly one second."""
     import time
 
     import trainer.train
@@ -142,7 +142,7 @@ def _fake_clock(monkeypatch):
     monkeypatch.setattr(trainer.train, "time", fake)
 
 
-def test_summary_tokens_per_s_after_a_resume_counts_this_session_only(
+def test_summary_tokens_per_s_after_a_resume_counts_this_launch_only(
     data_file, tmp_path, monkeypatch
 ):
     from trainer.train import run

@@ -240,7 +240,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    tokens_start = tokens_so_far(state)  # a resumed run's earlier sessions are not this one's
+    tokens_start = tokens_so_far(state)  # a resumed run's earlier launches are not this one's
     t_start = time.perf_counter()
     reason = fit(
         cfg=cfg,
@@ -270,7 +270,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "signal": StopSignals.last if reason == "signal" else None,
         "step": state.step,
         "epoch": state.epoch,
-        # this session's tokens (every process's) over this session's time, validation and
+        # this launch's tokens (every process's) over this launch's time, validation and
         # checkpoints included
         "tokens_per_s": (tokens_so_far(state) - tokens_start) / max(wall, 1e-9),
         "val": state.last_val,

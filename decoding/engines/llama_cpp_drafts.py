@@ -33,7 +33,7 @@ def draft_gguf(
     ``cfg.draft``; ``target_gguf``: the target's GGUF the server loads (a head's GGUF copies
     its tokenizer; default ``cfg.target_gguf``). A draft made for another target's weights is
     run with a warning, kept in its description."""
-    from models.export import made_for, made_for_note
+    from models.export import made_for, made_for_note, noted
     from models.shipped import shipped_draft
 
     kind, gguf, desc, block = _draft_gguf(cfg, target, log, target_gguf)
@@ -41,7 +41,7 @@ def draft_gguf(
     note = made_for_note(made_for(p if p.is_dir() else p.parent), target) if gguf else None
     if note:
         log(f"warning: {p}: {note}")
-        desc += f"; warning: {note}"
+        desc += noted(note)
     return kind, gguf, desc, block
 
 

@@ -369,6 +369,7 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
         load_trained_head,
         made_for,
         made_for_note,
+        noted,
     )
     from models.shipped import shipped_draft
 
@@ -423,8 +424,7 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
             raise EngineError(f"draft={d}: {e}{unset}") from None
         folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
-    warn = f"; warning: {note}" if note else ""
-    return spec, f"{fmt} export ({folder}{warn})", str(folder)
+    return spec, f"{fmt} export ({folder}{noted(note)})", str(folder)
 
 
 # -- the evaluation -------------------------------------------------------------------------
