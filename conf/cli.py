@@ -61,6 +61,24 @@ def _first_job(override: str) -> str | None:
     return override
 
 
+def home_expanded(argv: list[str]) -> list[str]:
+    """``key=~/path`` with ``~`` expanded to the home folder, as a shell does for a word of its
+    own: a value starting with ``~`` is not in Hydra's grammar (its error reads
+    ``LexerNoViableAltException``), and shells leave ``~`` after ``=`` alone. Each value of a
+    sweep's list (``key=~/a,~/b``) too; ``~key`` (Hydra's delete) is a key's, not a value's."""
+    out = []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if eq and not a.startswith("-") and "~" in value:
+            value = ",".join(
+                os.path.expanduser(v) if v == "~" or v.startswith(("~/", "~" + os.sep)) else v
+                for v in value.split(",")
+            )
+            a = f"{key}={value}"
+        out.append(a)
+    return out
+
+
 def _unknown_keys(node, prefix: str = "") -> list[str]:
     """Keys of ``node`` (a composed config) that its typed schema does not declare."""
     from omegaconf import DictConfig, OmegaConf

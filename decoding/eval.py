@@ -26,7 +26,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from conf.cli import Stopped, StopSignals, check_command_line, exit_code_of
+from conf.cli import Stopped, StopSignals, check_command_line, exit_code_of, home_expanded
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError, ExportError
@@ -602,6 +602,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    sys.argv[1:] = home_expanded(sys.argv[1:])
     msg = check_command_line("eval", sys.argv[1:])
     if msg:
         print(f"error: {msg}", file=sys.stderr)

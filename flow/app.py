@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from conf.cli import Stopped, StopSignals, check_command_line
+from conf.cli import Stopped, StopSignals, check_command_line, home_expanded
 from models.base import run_files
 from trainer.sweep import SUMMARY
 from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run
@@ -187,6 +187,7 @@ def sweep_into_output_dir(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def main() -> None:
+    sys.argv[1:] = home_expanded(sys.argv[1:])
     msg = check_group_choices(sys.argv[1:]) or check_command_line("train", sys.argv[1:])
     if msg:
         print(f"error: {msg}", file=sys.stderr)

@@ -36,7 +36,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from conf.cli import StopSignals, check_command_line, exit_code_of
+from conf.cli import StopSignals, check_command_line, exit_code_of, home_expanded
 from data.chat import prompt_ids
 from data.conversations import Conversation, DataError, load_conversations
 from decoding.batch import BatchDecoder
@@ -612,6 +612,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    sys.argv[1:] = home_expanded(sys.argv[1:])
     msg = check_command_line("prepare", sys.argv[1:])
     if msg:
         print(f"error: {msg}", file=sys.stderr)

@@ -649,3 +649,31 @@ def test_a_sweeps_keys_are_checked_as_a_single_runs_are():
     good = ["-m", "method=eagle1,eagle3", "optim.lr=range(1,3)", "train.seed=choice(1,2)"]
     assert check_command_line("train", good) is None
     assert check_command_line("eval", ["-m", "batch_sizes=[1,4],[16]", "gamma=2,3"]) is None
+
+
+def test_a_path_starting_with_a_tilde_is_the_home_folder_on_every_command_line(tmp_path):
+    """Shells leave ``~`` after ``=`` alone and Hydra's grammar has no value starting with it
+    (its error reads LexerNoViableAltException): the commands expand it themselves."""
+    from conf.cli import check_command_line, home_expanded
+
+    home = os.path.expanduser("~")
+    assert home_expanded(["draft=~/runs/x", "~optim.lr", "gamma=2", "-m", "data.path=~"]) == [
+        f"draft={home}/runs/x",
+        "~optim.lr",
+        "gamma=2",
+        "-m",
+        f"data.path={home}",
+    ]
+    assert home_expanded(["output_dir=~/a,~/b,c~/d"]) == [f"output_dir={home}/a,{home}/b,c~/d"]
+    assert check_command_line("eval", home_expanded(["draft=~/runs/x"])) is None
+    # the whole command: the draft is looked for in the home folder
+    env = {**os.environ, "HOME": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "decoding.eval", "draft=~/no-such-run", "target=tiny_random"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    assert f"draft={tmp_path}/no-such-run: no such folder" in r.stderr, r.stderr

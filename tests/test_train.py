@@ -285,26 +285,30 @@ def _cli(args, timeout=120):
     return run_module("flow", args, timeout)
 
 
-def test_cli_tiny_run_under_a_minute(data_file, tmp_path):
+def test_cli_tiny_run_then_one_into_its_folder_touches_nothing(data_file, tmp_path):
+    """The command trains and writes its run; the same command again is refused before
+    anything in the folder is written (Hydra's own app.log included: logs go to the console)."""
     out = tmp_path / "cli"
-    t = time.time()
-    r = _cli(
-        [
-            "target=tiny_random",
-            "method=eagle1",
-            "train.max_steps=20",
-            f"output_dir={out}",
-            f"data.path={data_file}",
-            "data.max_length=256",
-            "train.progress=false",
-            "train.epochs=100",
-            f"data.cache_dir={tmp_path / 'cache'}",
-        ]
-    )
+    args = [
+        "target=tiny_random",
+        "method=eagle1",
+        "train.max_steps=20",
+        f"output_dir={out}",
+        f"data.path={data_file}",
+        "data.max_length=256",
+        "train.progress=false",
+        "train.epochs=100",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    r = _cli(args)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert time.time() - t < 60
     assert (out / "metrics.jsonl").exists() and (out / "final" / "model.safetensors").exists()
     assert "data:" in r.stdout and "skipped" in r.stdout  # the load report is printed
+    assert (out / ".hydra" / "overrides.yaml").exists() and not (out / "app.log").exists()
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    again = _cli(args)
+    assert again.returncode == 2 and "holds a run already" in again.stderr, again.stderr[-2000:]
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == files
 
 
 @pytest.mark.parametrize(
