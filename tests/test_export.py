@@ -605,6 +605,32 @@ def test_a_trained_draft_for_a_moved_target_is_not_warned_about(target4, tmp_pat
     assert "made for target /a/smol:abc123" in load_proposer(str(tmp_path), other)[1]
 
 
+def test_a_distillspec_student_for_other_weights_is_warned_about_in_vllms_report(
+    target4, tmp_path, capsys
+):
+    """vLLM serves a DistillSpec run's student as a draft model, with no export in between:
+    the warning that the student was distilled from other weights is in its description too,
+    as it is in the built-in decoder's."""
+    from omegaconf import OmegaConf
+
+    from decoding.drafts import load_proposer
+    from decoding.engines.vllm_eval import vllm_draft
+    from models.distillspec import DistillSpecConfig, DistillSpecStudent
+
+    made = Target(target4.model, target4.tokenizer, "/a/smol:abc123", TargetConfig(name="x"))
+    other = Target(target4.model, target4.tokenizer, "/a/tuned:def456", TargetConfig(name="x"))
+    moved = Target(target4.model, target4.tokenizer, "/b/copy:abc123", TargetConfig(name="x"))
+    DistillSpecStudent(made, DistillSpecConfig(num_layers=1)).save_draft(tmp_path / "final")
+    note = "made for target /a/smol:abc123, evaluated against /a/tuned:def456"
+    assert note in load_proposer(str(tmp_path), other)[1]
+    cfg = OmegaConf.create({"draft": str(tmp_path), "gamma": 3, "engine_rule": "greedy_draft"})
+    logged: list[str] = []
+    spec, desc, _ = vllm_draft(cfg, other, logged.append)
+    assert spec["method"] == "draft_model" and note in desc and note in logged[0]
+    spec, desc, _ = vllm_draft(cfg, moved, logged.append)
+    assert "warning" not in desc and len(logged) == 1
+
+
 def test_an_export_of_final_or_a_checkpoint_lands_beside_the_run_never_inside(
     data_file, tmp_path, capsys
 ):

@@ -386,16 +386,17 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
             "prompt_lookup_min": 1,
         }
         return spec, f"vLLM ngram (prompt lookup, n <= {cfg.ngram_max})", None
-    lm = standalone_lm(d, target)
-    if lm is not None:  # a draft language model: vLLM's draft_model method
-        folder, desc = lm
-        return _speculative("draft_model", folder, cfg.gamma, cfg.engine_rule), desc, str(folder)
     p = shipped_draft(d) or Path(d).expanduser()
-    if not p.exists():
-        raise DraftError(f"draft={d}: no such folder")
-    note = made_for_note(made_for(p), target)
+    note = made_for_note(made_for(p), target) if p.is_dir() else None
+    lm = standalone_lm(d, target)
     if note:
         log(f"warning: {p}: {note}")
+    if lm is not None:  # a draft language model: vLLM's draft_model method
+        folder, desc = lm
+        spec = _speculative("draft_model", folder, cfg.gamma, cfg.engine_rule)
+        return spec, desc + noted(note), str(folder)
+    if not p.exists():
+        raise DraftError(f"draft={d}: no such folder")
     fmt = detect_format(p) if (p / "config.json").is_file() else None
     if fmt is not None:
         if fmt not in served_formats():
