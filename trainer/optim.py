@@ -35,10 +35,7 @@ class OptimizerError(ValueError):
 def build_optimizer(cfg: OptimConfig, model: nn.Module, groups: list[Any]) -> torch.optim.Optimizer:
     """``groups``: trainable parameters, or param-group dicts (a method's ``param_groups``,
     e.g. Medusa-2's heads at a multiple of the LoRA lr); ``model`` names them."""
-    if cfg.name not in OPTIMIZERS:
-        raise OptimizerError(f"optim.name={cfg.name!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if cfg.lr <= 0:
-        raise OptimizerError(f"optim.lr={cfg.lr}: must be > 0")
+    check_optim(cfg)
     groups = [g if isinstance(g, dict) else {"params": [g]} for g in groups]
     if cfg.name == "adamw":
         return _adamw(cfg, groups)
@@ -65,6 +62,33 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, groups: list[Any]) -> to
         adjust_lr_fn=cfg.muon_adjust_lr_fn,
     )
     return Combined([muon] + ([_adamw(cfg, adamw_groups)] if adamw_groups else []))
+
+
+def check_optim(cfg: OptimConfig) -> None:
+    """Every ``optim.`` setting in range, else an ``OptimizerError`` naming the first one out
+    (before a target loads; torch's own refusal comes at the first step, as a traceback)."""
+    if cfg.name not in OPTIMIZERS:
+        raise OptimizerError(f"optim.name={cfg.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    betas = list(cfg.betas)
+    rules = [
+        ("lr", cfg.lr, cfg.lr > 0, "must be > 0"),
+        ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas),
+         "two values in [0, 1)"),
+        ("eps", cfg.eps, cfg.eps >= 0, "must be >= 0"),
+        ("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, "must be >= 0"),
+        ("min_lr_ratio", cfg.min_lr_ratio, 0 <= cfg.min_lr_ratio <= 1, "must be in [0, 1]"),
+        ("muon_lr", cfg.muon_lr, cfg.muon_lr is None or cfg.muon_lr > 0, "must be > 0"),
+        ("muon_momentum", cfg.muon_momentum, 0 <= cfg.muon_momentum < 1, "must be in [0, 1)"),
+        ("muon_weight_decay", cfg.muon_weight_decay, cfg.muon_weight_decay >= 0,
+         "must be >= 0"),
+        ("muon_ns_steps", cfg.muon_ns_steps, cfg.muon_ns_steps >= 1, "must be >= 1"),
+        ("muon_adjust_lr_fn", cfg.muon_adjust_lr_fn,
+         cfg.muon_adjust_lr_fn in ("match_rms_adamw", "original"),
+         "use match_rms_adamw or original"),
+    ]  # fmt: skip
+    for key, value, ok, why in rules:
+        if not ok:
+            raise OptimizerError(f"optim.{key}={value}: {why}")
 
 
 def goes_to_muon(name: str, p: torch.Tensor) -> bool:

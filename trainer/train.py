@@ -42,7 +42,7 @@ from .checkpoint import (
 from .config import register_configs
 from .features import build_feature_store, feature_cache_key
 from .loop import LoopState, fit, make_schedule, tokens_so_far
-from .optim import OptimizerError, build_optimizer
+from .optim import OptimizerError, build_optimizer, check_optim
 from .shard import ShardError, check_shard, shard_target
 from .sweep import SUMMARY
 from .tracking import SampleLog, Tracker, TrackerError
@@ -93,7 +93,6 @@ def check_config(cfg: DictConfig) -> None:
             "must be >= 1",
         ),
         ("data.skip_records", d.skip_records, d.skip_records >= 0, "must be >= 0"),
-        ("optim.lr", o.lr, o.lr > 0, "must be > 0"),
         ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, "must be >= 0"),
         (
             "optim.schedule",
@@ -111,6 +110,10 @@ def check_config(cfg: DictConfig) -> None:
     for key, value, ok, why in rules:
         if not ok:
             raise ConfigError(f"{key}={value}: {why}")
+    try:
+        check_optim(o)
+    except OptimizerError as e:
+        raise ConfigError(str(e)) from None
     if cfg.method.name not in METHODS:
         raise ConfigError(f"method.name={cfg.method.name!r}: known methods are {sorted(METHODS)}")
 
