@@ -326,6 +326,28 @@ def test_bad_cli_values_give_one_line_errors(tmp_path, args, needle):
     assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
+@pytest.mark.parametrize(
+    "method,key,value,said",
+    [
+        ("eagle3", "ttt_steps", 0, "must be >= 1"),  # was torch.cat of nothing
+        ("eagle1", "lm_head_chunk", 0, "must be >= 1"),  # was range() with step 0
+        ("dflash", "val_positions", 0, "must be >= 1"),  # was an IndexError at validation
+        ("eagle3", "step_decay", -1.0, "must be >= 0"),  # trained, away from the target
+        ("medusa2", "head_decay", -0.5, "must be >= 0"),
+        ("eagle1", "noise", -0.1, "must be >= 0"),
+    ],
+)
+def test_shared_method_settings_out_of_range_are_one_line(tmp_path, method, key, value, said):
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import ConfigError, check_config
+
+    over = tiny_overrides(tmp_path / "d.jsonl", tmp_path / "o", **{f"method.{key}": value})
+    with pytest.raises(ConfigError) as e:
+        check_config(compose([f"method={method}", *over]))
+    assert str(e.value) == f"method.{key}={value}: {said}"
+
+
 def test_not_json_data_file_is_one_clear_error(tmp_path):
     bad = tmp_path / "notjson.json"
     bad.write_text("this is not json")

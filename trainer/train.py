@@ -62,6 +62,12 @@ class ConfigError(ValueError):
     """A config value out of range; the message names the key and the value."""
 
 
+#: method settings that count something (steps, positions, rows): 0 failed as a traceback
+_METHOD_COUNTS = ("ttt_steps", "val_positions", "lm_head_chunk", "chunk", "gen_max_new_tokens")
+#: loss weights and noise: a negative one trained the head away from the target
+_METHOD_WEIGHTS = ("step_decay", "head_decay", "stage_decay", "noise", "w_reg", "w_cls")
+
+
 def check_config(cfg: DictConfig) -> None:
     t, d, o = cfg.train, cfg.data, cfg.optim
     rules = [
@@ -114,6 +120,13 @@ def check_config(cfg: DictConfig) -> None:
         check_optim(o)
     except OptimizerError as e:
         raise ConfigError(str(e)) from None
+    m = cfg.method  # settings several methods share; each method checks its own
+    for key in _METHOD_COUNTS:
+        if key in m and m[key] is not None and m[key] < 1:
+            raise ConfigError(f"method.{key}={m[key]}: must be >= 1")
+    for key in _METHOD_WEIGHTS:
+        if key in m and m[key] is not None and m[key] < 0:
+            raise ConfigError(f"method.{key}={m[key]}: must be >= 0")
     if cfg.method.name not in METHODS:
         raise ConfigError(f"method.name={cfg.method.name!r}: known methods are {sorted(METHODS)}")
 
