@@ -23,6 +23,8 @@ class BenchError(ValueError):
 def read_bench_file(path: Path) -> list[dict]:
     if not path.exists():
         raise BenchError(f"bench={path}: no such file")
+    if path.is_dir():
+        raise BenchError(f"bench={path}: a folder; name a .jsonl file of questions in it")
     out = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):

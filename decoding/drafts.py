@@ -92,6 +92,8 @@ def load_proposer(
     tree = tree or DecodeSettings()
     if tree.tree not in ("auto", "chain") and (spec in NO_MODEL or spec.startswith("truncate:")):
         raise DraftError(f"draft={spec}: tree={tree.tree} needs a trained draft (EAGLE or Medusa)")
+    if tree.draft_weights == "int8" and (spec in NO_MODEL or spec.startswith("truncate:")):
+        raise DraftError(f"draft={spec}: {_NO_INT8}")
     if spec in ("none", "ar"):
         return NoDraft(), "none (plain autoregressive decoding)"
     if spec in ("ngram", "pld"):
@@ -180,7 +182,16 @@ def load_proposer(
                 f"{path}: unknown checkpoint kind (config.json has neither "
                 "'specdraft' nor 'model_type')"
             )
+    if tree.draft_weights == "int8":
+        raise DraftError(f"draft={spec}: a draft language model; {_NO_INT8}")
     return _hf_draft(spec, target)
+
+
+#: draft_weights=int8 on a draft with no head to quantize
+_NO_INT8 = (
+    "draft_weights=int8 quantizes a trained head's layers (EAGLE family); this draft has none "
+    "(use draft_weights=auto or full)"
+)
 
 
 def _head_proposer(head, tree: DecodeSettings, desc: str):

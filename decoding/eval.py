@@ -44,7 +44,7 @@ from .drafts import (
     machine_kind,
     saved_decode_settings,
 )
-from .engines.base import EngineError
+from .engines.base import EngineError, cpu_name
 from .report import (
     CONVENTION,
     NEAR_TIE_TOLERANCE,
@@ -62,11 +62,13 @@ from .report import (
 from .runner import compile_mode
 from .sample_check import check_run
 from .settings import (
+    BUILT_IN_ONLY,
     ENGINE_ONLY,
     EvalConfig,
     EvalError,
     apply_saved_target,
     bench_questions,
+    check_engine_rules,
     sampling_of,
     stop_ids,
     validate,
@@ -89,13 +91,23 @@ def confidence_stop(proposer, cfg) -> str:
     return f", confidence stop (running product >= {cfg.confidence_threshold})"
 
 
+def gpu_of(device: torch.device) -> dict[str, str]:
+    """``{"gpu": its name}`` where the run was on a CUDA device, else nothing."""
+    if device.type != "cuda":
+        return {}
+    return {"gpu": torch.cuda.get_device_name(device)}
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from .engines import ENGINES
 
     if cfg.engine != "torch" and cfg.engine not in ENGINES:
         raise EvalError(f"engine={cfg.engine!r}: use torch (built in), {' or '.join(ENGINES)}")
+    validate(cfg)
     if cfg.engine != "torch":
         from .engines import evaluate_in_engine
+
+        check_engine_rules(cfg)
 
         if wants_batch(cfg):
             raise EvalError(
@@ -105,7 +117,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         if cfg.ignore_eos:
             raise EvalError("ignore_eos=true is for the built-in decoder (engine=torch)")
         return json_safe(evaluate_in_engine(cfg))
-    validate(cfg)
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
     questions = bench_questions(cfg)
@@ -156,6 +167,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "dtype": str(target.dtype),
             "torch_threads": torch.get_num_threads(),
             "machine": platform.machine(),
+            "cpu": cpu_name(),
+            **gpu_of(target.device),
             "date": datetime.now(timezone.utc).isoformat(),
         }
         return json_safe(report)
@@ -391,6 +404,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 "dtype": str(target.dtype),
                 "torch_threads": torch.get_num_threads(),
                 "machine": platform.machine(),
+                "cpu": cpu_name(),
+                **gpu_of(target.device),
                 "date": datetime.now(timezone.utc).isoformat(),
             },
             "outputs": outputs,
@@ -463,7 +478,9 @@ def _hf_assisted(target, proposer, questions, cfg, stop, report) -> dict[str, An
     else:  # ignore_eos: transformers has no such switch; a minimum length does the same
         kw["min_new_tokens"] = cfg.max_new_tokens
     if cfg.temperature > 0:
-        kw.update(temperature=cfg.temperature, top_k=cfg.sample_top_k or None, top_p=cfg.top_p)
+        # top_k 0 is off in transformers too; None would leave a model's generation_config
+        # default (often 50) in place, a filter our decoder does not apply
+        kw.update(temperature=cfg.temperature, top_k=cfg.sample_top_k, top_p=cfg.top_p)
     ours = SpeculativeDecoder(
         target,
         proposer,
@@ -525,9 +542,15 @@ def apply_saved_decode(cfg: DictConfig, given: set[str]) -> str | None:
     found = saved_decode_settings(str(cfg.draft), kind)
     if not found:
         return None
+    shown = " ".join(f"{k}={v}" for k, v in found.items())
+    if cfg.stop in ("disco", "confidence") and found.get("tree", "chain") != "chain":
+        # measured for the gamma controller; a learned stop drafts chains
+        return (
+            f"decode settings saved with the draft for {kind} machines ({shown}) not taken: "
+            f"stop={cfg.stop} drafts a chain of up to gamma={cfg.gamma}"
+        )
     for k, v in found.items():
         cfg[k] = v
-    shown = " ".join(f"{k}={v}" for k, v in found.items())
     return (
         f"decode settings saved with the draft for {kind} machines: {shown} (set any to override)"
     )
@@ -552,6 +575,13 @@ def dropped_settings(cfg: DictConfig, given: set[str]) -> list[str]:
                 f"note: {key} is read by engine={' and engine='.join(engines)} only, unused "
                 f"with engine={cfg.engine}"
             )
+    if cfg.engine != "torch":
+        for key in BUILT_IN_ONLY:
+            if key in given and not any(n.startswith(f"note: {key}=") for n in notes):
+                notes.append(
+                    f"note: {key} is the built-in decoder's (engine=torch), unused with "
+                    f"engine={cfg.engine}"
+                )
     if "tree" in given and cfg.tree == "chain" and str(cfg.draft) == "lookahead":
         notes.append(
             "note: draft=lookahead verifies its n-gram candidates as one tree (a trie) whatever "

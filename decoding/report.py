@@ -284,9 +284,9 @@ def print_report(r: dict[str, Any], out=print) -> None:
     if sc:
         out(
             "sample check (T > 0, decoding/sample_check.py): z of argmax hits / of log p, "
-            f"speculative {sc['spec']['z_argmax']:+.1f} / {sc['spec']['z_logp']:+.1f} over "
-            f"{sc['spec']['tokens']} tokens, plain {sc['plain']['z_argmax']:+.1f} / "
-            f"{sc['plain']['z_logp']:+.1f} over {sc['plain']['tokens']}: "
+            f"speculative {_z(sc['spec']['z_argmax'])} / {_z(sc['spec']['z_logp'])} over "
+            f"{sc['spec']['tokens']} tokens, plain {_z(sc['plain']['z_argmax'])} / "
+            f"{_z(sc['plain']['z_logp'])} over {sc['plain']['tokens']}: "
             + (
                 f"SAMPLER FLAGGED: {sc['flag']}"
                 if sc["flag"]
@@ -338,15 +338,33 @@ def mark_stopped(r: dict[str, Any], signum: int, asked: int) -> None:
     }
 
 
+def run_label(r: dict[str, Any]) -> str:
+    """Where and how a report's figures were taken, for a plot's title: the engine, the target,
+    the bench and temperature, the machine (GPU, else CPU) and the date."""
+    s = r["settings"]
+    where = s.get("gpu") or s.get("cpu") or s.get("machine") or "?"
+    parts = [
+        r.get("engine") or "built-in decoder",
+        f"target {s.get('target_identity') or s.get('target', {}).get('name', '?')}",
+        f"{s.get('bench')}, T={s.get('temperature')}",
+        where,
+        str(s.get("date", ""))[:10],
+    ]
+    return " · ".join(p for p in parts if p)
+
+
 def plot_report(r: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    alphas = [x if x is not None else 0.0 for x in (r["alpha_per_position"] or [])]
-    a.bar(range(1, len(alphas) + 1), alphas, color="#4878d0")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.1))
+    alphas = list(r["alpha_per_position"] or [])
+    a.bar(range(1, len(alphas) + 1), [x or 0.0 for x in alphas], color="#4878d0")
+    for k, x in enumerate(alphas, start=1):  # no token reached it: not a measured 0
+        if x is None:
+            a.text(k, 0.02, "not\nreached", ha="center", va="bottom", fontsize=7, color="gray")
     a.set_xticks(range(1, len(alphas) + 1))
     a.set_xlabel("draft position k")
     a.set_ylabel("P(accepted | 1..k-1 accepted)")
@@ -359,7 +377,7 @@ def plot_report(r: dict[str, Any], path: Path) -> None:
     b.set_ylabel("iterations")
     b.set_xticks(xs)
     b.set_title(f"accepted length (tau {r['tau'] or 0:.2f})")
-    fig.suptitle(r["settings"]["draft_description"], fontsize=9)
+    fig.suptitle(f"{r['settings']['draft_description']}\n{run_label(r)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -369,6 +387,12 @@ def _f(x, nd=2, signed=False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return f"{x:+.{nd}f}" if signed else f"{x:.{nd}f}"
+
+
+def _z(x) -> str:
+    """A z-score, or n/a where the statistic has no variance (every step one-hot: top-k 1, a
+    temperature near 0), so nothing tells samples apart."""
+    return _f(x, 1, signed=True)
 
 
 def has_rates(rows: list[dict]) -> bool:
@@ -566,7 +590,7 @@ def _finish(plt, fig, r: dict[str, Any], path, xlabel: str, labels: list[tuple[s
         ax.legend(fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-    fig.suptitle(r["settings"]["draft_description"], fontsize=9)
+    fig.suptitle(f"{r['settings']['draft_description']}\n{run_label(r)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -632,7 +656,7 @@ def report_paths(cfg) -> tuple[Path, Path]:
 
     path = Path(cfg.report).expanduser()
     png = Path(cfg.plot).expanduser() if cfg.plot else path.with_suffix(".png")
-    outs = [("report", path, _is_report), ("plot", png, _is_png)]
+    outs = [("report", path, _is_report), ("plot", png, _is_plot)]
     if cfg.get("traces"):
         outs.append(("traces", Path(cfg.traces).expanduser(), _is_traces))
     seen: dict[Path, str] = {}
@@ -652,23 +676,22 @@ def report_paths(cfg) -> tuple[Path, Path]:
                 f"{key}={p} exists and is no {key} of specdraft-eval; choose another path, or "
                 "remove the file"
             )
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    kinds = FigureCanvasBase.get_supported_filetypes()
-    if png.suffix.lstrip(".").lower() not in kinds:
+    if png.suffix.lstrip(".").lower() not in _PLOT_HEADS:
         raise EvalError(
-            f"plot={png}: a plot is written as {', '.join('.' + k for k in sorted(kinds))} "
+            f"plot={png}: a plot is written as {', '.join('.' + k for k in _PLOT_HEADS)} "
             "(by its name's ending)"
         )
     return path, png
 
 
 def _is_report(p: Path) -> bool:
+    """A report this command wrote: its settings and the conventions its figures follow (a
+    file of another command's with settings, prepare's ``.meta.json``, is not one)."""
     try:
         r = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(r, dict) and "settings" in r
+    return isinstance(r, dict) and "settings" in r and "convention" in r
 
 
 def _is_traces(p: Path) -> bool:
@@ -681,6 +704,20 @@ def _is_traces(p: Path) -> bool:
     return isinstance(first, dict) and "signal_names" in (first.get("meta") or {})
 
 
-def _is_png(p: Path) -> bool:
+#: the plot formats written, each with how its file begins (a plot there is replaced: a file
+#: that begins otherwise is someone's data)
+_PLOT_HEADS: dict[str, tuple[bytes, ...]] = {
+    "png": (b"\x89PNG\r\n\x1a\n",),
+    "pdf": (b"%PDF",),
+    "svg": (b"<?xml", b"<svg"),
+    "jpg": (b"\xff\xd8\xff",),
+    "jpeg": (b"\xff\xd8\xff",),
+    "eps": (b"%!PS",),
+    "ps": (b"%!PS",),
+}
+
+
+def _is_plot(p: Path) -> bool:
     with open(p, "rb") as f:
-        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+        head = f.read(16)
+    return head.startswith(_PLOT_HEADS.get(p.suffix.lstrip(".").lower(), (b"\x89PNG",)))

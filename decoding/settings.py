@@ -226,13 +226,87 @@ ENGINE_ONLY = {
 }
 
 
+#: the built-in decoder's settings, which no serving engine reads (``specdraft-eval`` notes
+#: one typed with an engine); those that change what is accepted are refused there instead
+BUILT_IN_ONLY = (
+    "adaptive",
+    "compile",
+    "draft_weights",
+    "draft_sampling",
+    "depth",
+    "top_k",
+    "total_tokens",
+    "min_prob",
+    "tree_nodes",
+    "tree_file",
+    "typical_epsilon",
+    "typical_delta",
+    "compare_original",
+    "lookahead_window",
+    "lookahead_ngram",
+    "lookahead_guesses",
+    "stream_sinks",
+    "stream_window",
+    "disco",
+    "confidence_threshold",
+    "compare_hf",
+)
+
+
+def check_engine_rules(cfg: DictConfig) -> None:
+    """An engine verifies by its own rule (llama.cpp: exact; vLLM: ``engine_rule``) with its
+    own stop: a lossy or learned rule of the built-in decoder's, asked of an engine, would be
+    reported as if the engine had run it. ``EvalError`` naming the setting."""
+    e = cfg.engine
+    d = str(cfg.draft)
+    if d in ("lookahead", "streaming") or d.startswith("truncate:"):
+        raise EvalError(
+            f"draft={d}: a drafter of the built-in decoder's (engine=torch); engine={e} serves "
+            "trained drafts, draft language models and n-gram speculation (draft=ngram)"
+        )
+    rule = "its rule is engine_rule= (greedy_draft, exact, block)" if e == "vllm" else "exact"
+    if cfg.lenience != 1:
+        raise EvalError(
+            f"lenience={cfg.lenience}: lenient acceptance is the built-in decoder's "
+            f"(engine=torch); engine={e} verifies by its own rule ({rule})"
+        )
+    if cfg.acceptance != "exact":
+        hint = " (vLLM's block verification: engine_rule=block)" if e == "vllm" else ""
+        raise EvalError(
+            f"acceptance={cfg.acceptance}: the built-in decoder's rule (engine=torch); "
+            f"engine={e} verifies by its own ({rule}){hint}"
+        )
+    if cfg.stop != "gamma":
+        raise EvalError(
+            f"stop={cfg.stop}: the built-in decoder's stop rule (engine=torch); engine={e} "
+            "drafts gamma tokens a step" + (" (or stops at p_min=)" if e == "llama.cpp" else "")
+        )
+    if cfg.traces:
+        raise EvalError(f"traces={cfg.traces}: recorded by the built-in decoder (engine=torch)")
+
+
 def validate(cfg: DictConfig) -> None:
-    """Every setting of the built-in decoder's run that can be judged without a model, at
-    once, before anything loads: ``EvalError`` naming the key and the value."""
+    """Every setting of an evaluation that can be judged without a model, at once, before
+    anything loads (every engine's): ``EvalError`` naming the key and the value."""
     if cfg.gamma < 1:
         raise EvalError(f"gamma={cfg.gamma}: must be >= 1 (use draft=none for plain decoding)")
-    if cfg.max_new_tokens < 1:
-        raise EvalError(f"max_new_tokens={cfg.max_new_tokens}: must be >= 1")
+    for key, lo, why in (
+        ("max_new_tokens", 1, ""),
+        ("turns", 1, " (turns per question fed)"),
+        ("ngram_max", 1, " (the longest n-gram looked up)"),
+        ("warmup_tokens", 0, ""),
+        ("plan_max", 1, ""),
+        ("calibration_tokens", 1, ""),
+    ):
+        if cfg[key] < lo:
+            raise EvalError(f"{key}={cfg[key]}: must be >= {lo}{why}")
+    if cfg.num_prompts is not None and cfg.num_prompts < 1:
+        raise EvalError(f"num_prompts={cfg.num_prompts}: must be >= 1 (null: all)")
+    if cfg.compare_hf and cfg.num_prompts == 1:
+        raise EvalError(
+            "compare_hf=true with num_prompts=1: the first prompt warms both decoders up "
+            "untimed; give num_prompts >= 2"
+        )
     if not cfg.temperature >= 0:
         raise EvalError(f"temperature={cfg.temperature}: must be >= 0")
     if not 0 < cfg.top_p <= 1:

@@ -373,6 +373,16 @@ def test_a_drafts_saved_decode_settings_apply_when_none_is_given(tmp_path):
     cfg.target.device = "cpu"
     with pytest.raises(DraftError, match=r"decode\.cpu_\w+ has \['beam'\]"):
         apply_saved_decode(cfg, set())
+    # a learned stop drafts chains: a saved tree is not taken (it was, then refused)
+    c["decode"][kind] = {"tree": "dynamic", "depth": 4, "adaptive": False}
+    (d / "config.json").write_text(json.dumps(c))
+    cfg = OmegaConf.structured(EvalConfig(draft=str(d), stop="disco"))
+    cfg.target.device = "cpu"
+    assert "not taken: stop=disco drafts a chain" in apply_saved_decode(cfg, {"stop"})
+    assert cfg.tree == "auto" and cfg.adaptive is True
+    cfg = OmegaConf.structured(EvalConfig(draft=str(d)))
+    cfg.target.device = "cpu"
+    assert "tree=dynamic" in apply_saved_decode(cfg, set()) and cfg.tree == "dynamic"
     # drafts without a saved section (n-gram, a run dir) keep the defaults
     cfg = OmegaConf.structured(EvalConfig(draft="ngram"))
     assert apply_saved_decode(cfg, set()) is None
@@ -429,12 +439,44 @@ def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
             report_paths(_eval_cfg(**over))
     assert data.read_text() == '{"id": 1}\n'
     mine = tmp_path / "r.json"
-    mine.write_text(json.dumps({"settings": {}}))
+    mine.write_text(json.dumps({"settings": {}, "convention": "..."}))
     (tmp_path / "r.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"0" * 8)
     assert report_paths(_eval_cfg(report=str(mine))) == (mine, tmp_path / "r.png")
+    # a plot in another format it writes is replaced too (a .jpg was refused as no plot)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for kind in ("jpg", "pdf", "svg"):
+        plt.figure().savefig(tmp_path / f"r.{kind}")
+        assert report_paths(_eval_cfg(report=str(mine), plot=str(tmp_path / f"r.{kind}")))
+    plt.close("all")
+    # another command's JSON with settings (prepare's .meta.json) is no report: kept
+    meta = tmp_path / "regen.jsonl.meta.json"
+    meta.write_text(json.dumps({"settings": {"target": "x"}, "records": 3}))
+    with pytest.raises(EvalError, match="exists and is no report of specdraft-eval"):
+        report_paths(_eval_cfg(report=str(meta)))
     earlier = tmp_path / "t.jsonl"  # an earlier traces file is replaced
     earlier.write_text(json.dumps({"meta": {"signal_names": ["p"]}}) + "\n")
     report_paths(_eval_cfg(report=str(mine), traces=str(earlier)))
+
+
+def test_a_sample_check_with_no_variance_prints_its_report(tmp_path):
+    """T > 0 with sample_top_k=1: every step one-hot, so the sample check's log-p score has no
+    variance; the report printed a traceback (exit 1) instead of its table."""
+    rep = tmp_path / "r.json"
+    r = _eval(
+        ["target=tiny_random", "draft=ngram", "num_prompts=1", "max_new_tokens=8",
+         "temperature=1", "sample_top_k=1", f"report={rep}"]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "sample check" in r.stdout and "n/a" in r.stdout and rep.is_file()
+
+
+def test_a_bench_that_is_a_folder_is_one_line(tmp_path):
+    with pytest.raises(BenchError, match=f"^bench={tmp_path}: a folder; name a .jsonl file"):
+        read_bench_file(tmp_path)
 
 
 def test_more_prompts_asked_than_the_bench_holds_is_said(tmp_path, capsys):
@@ -519,6 +561,82 @@ def test_lookahead_settings_are_refused_by_their_own_keys(key, value, lo):
 
     with pytest.raises(EvalError, match=f"^{key}={value}: must be >= {lo}$"):
         validate(_eval_cfg(draft="lookahead", **{key: value}))
+
+
+@pytest.mark.parametrize(
+    "over,said",
+    [
+        # each ran the engine's whole evaluation first, then failed or reported nothing
+        ({"temperature": -1}, "temperature=-1.0: must be >= 0"),
+        ({"turns": 0}, "turns=0: must be >= 1"),
+        ({"turns": -1}, "turns=-1: must be >= 1"),
+        ({"plan_max": 0}, "plan_max=0: must be >= 1"),
+        ({"calibration_tokens": 0}, "calibration_tokens=0: must be >= 1"),
+        ({"warmup_tokens": -5}, "warmup_tokens=-5: must be >= 0"),
+        ({"ngram_max": 0}, "ngram_max=0: must be >= 1"),
+        ({"num_prompts": 0}, "num_prompts=0: must be >= 1"),
+        # rules an engine does not run were reported as if it had
+        ({"lenience": 0.5}, "lenience=0.5: lenient acceptance is the built-in decoder's"),
+        ({"acceptance": "typical"}, "acceptance=typical: the built-in decoder's rule"),
+        ({"stop": "disco"}, "stop=disco: the built-in decoder's stop rule"),
+        ({"traces": "t.jsonl"}, "traces=t.jsonl: recorded by the built-in decoder"),
+        # was "no such file or folder"
+        ({"draft": "truncate:1"}, "draft=truncate:1: a drafter of the built-in decoder's"),
+        ({"draft": "lookahead"}, "draft=lookahead: a drafter of the built-in decoder's"),
+    ],
+)
+@pytest.mark.parametrize("engine", ["llama.cpp", "vllm"])
+def test_an_engine_runs_settings_are_checked_before_anything_loads(engine, over, said, tmp_path):
+    """Every engine's settings are checked as the built-in decoder's are, before a target or
+    an engine loads (the engine need not be installed for the refusal)."""
+    from decoding.eval import EvalError, evaluate
+
+    cfg = _eval_cfg(engine=engine, report=str(tmp_path / "r.json"), **over)
+    with pytest.raises(EvalError) as e:
+        evaluate(cfg)
+    assert str(e.value).startswith(said), str(e.value)
+    if engine == "vllm" and "acceptance" in over:
+        assert "engine_rule=block" in str(e.value)
+
+
+def test_the_built_in_decoders_settings_typed_for_an_engine_are_noted():
+    from decoding.eval import dropped_settings
+
+    notes = dropped_settings(
+        _eval_cfg(engine="vllm", draft_weights="int8", adaptive=False, tree="chain"),
+        {"draft_weights", "adaptive", "tree"},
+    )
+    assert notes == [
+        "note: adaptive is the built-in decoder's (engine=torch), unused with engine=vllm",
+        "note: draft_weights is the built-in decoder's (engine=torch), unused with engine=vllm",
+    ]
+    assert dropped_settings(_eval_cfg(adaptive=False), {"adaptive"}) == []
+
+
+@pytest.mark.parametrize("draft", ["ngram", "lookahead", "truncate:1"])
+def test_int8_draft_weights_on_a_draft_without_a_head_is_refused(draft, tiny_target):
+    from models.base import DecodeSettings
+
+    with pytest.raises(DraftError, match=f"^draft={draft}: draft_weights=int8 quantizes"):
+        load_proposer(draft, tiny_target, tree=DecodeSettings(draft_weights="int8"))
+
+
+def test_one_token_outputs_add_no_time_to_an_engines_rate():
+    """llama.cpp times predicted_n - 1 forwards (the first token is the prompt's): a request
+    of one token took ~1 us and read as a million tokens/s; it adds no time and no token."""
+    from decoding.engines.base import Completion, EngineStats
+
+    st = EngineStats()
+    one = Completion([5], {"predicted_n": 1, "predicted_ms": 0.001, "timed_n": 0})
+    st.add(one, one)
+    assert st.row()["tokens_per_second"] != st.row()["tokens_per_second"]  # nan: nothing timed
+    eleven = Completion(list(range(11)), {"predicted_n": 11, "predicted_ms": 100.0, "timed_n": 10})
+    plain = Completion(list(range(11)), {"predicted_n": 11, "predicted_ms": 200.0, "timed_n": 10})
+    st.add(eleven, plain)
+    row = st.row()
+    assert row["tokens_per_second"] == pytest.approx(100.0)
+    assert row["ar_tokens_per_second"] == pytest.approx(50.0)
+    assert row["speedup"] == pytest.approx(2.0) and row["new_tokens"] == 12
 
 
 def test_the_sample_check_says_what_a_pass_means_under_a_lossy_rule():

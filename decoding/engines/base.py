@@ -150,11 +150,17 @@ class EngineStats:
         n = int(spec.timings.get("predicted_n") or len(spec.tokens))
         n_ar = int(ar.timings.get("predicted_n") or len(ar.tokens))
         self.tokens += n
-        self.timed += int(spec.timings.get("timed_n", n))
-        self.ms += spec.predicted_ms
         self.ar_tokens += n_ar
-        self.ar_timed += int(ar.timings.get("timed_n", n_ar))
-        self.ar_ms += ar.predicted_ms
+        # a request whose time covers no token (one token, from the prompt's forward) adds
+        # neither tokens nor time to the rate
+        timed = int(spec.timings.get("timed_n", n))
+        ar_timed = int(ar.timings.get("timed_n", n_ar))
+        if timed > 0:
+            self.timed += timed
+            self.ms += spec.predicted_ms
+        if ar_timed > 0:
+            self.ar_timed += ar_timed
+            self.ar_ms += ar.predicted_ms
         self.drafted += spec.drafted
         self.accepted += spec.accepted
         self.steps += spec.steps

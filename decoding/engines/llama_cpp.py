@@ -322,7 +322,13 @@ class LlamaServer(EngineProcess):
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         out = self.post(body, timeout)
         steps = self._steps_since(start)
-        return Completion(list(out.get("tokens") or []), dict(out.get("timings") or {}), steps)
+        tokens = list(out.get("tokens") or [])
+        timings = dict(out.get("timings") or {})
+        # predicted_ms runs from the first token (sampled from the prompt's forward) to the
+        # last: it times predicted_n - 1 forwards, as llama.cpp's own tokens/s counts them
+        # (one token in 1 us read as a million tokens/s)
+        timings["timed_n"] = max(0, int(timings.get("predicted_n") or len(tokens)) - 1)
+        return Completion(tokens, timings, steps)
 
     def top_logprobs(self, prompt: list[int], k: int) -> dict[int, float]:
         """The top-``k`` next-token log-probs after ``prompt`` (a request of its own)."""

@@ -207,7 +207,8 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
             "acceptance": "greedy" if greedy else "llama.cpp sampling",
             "verifier_changed": None,
             "convention": CONVENTION
-            + " In llama.cpp: tokens/s from its timings (predicted_n / predicted_ms); alpha per "
+            + " In llama.cpp: tokens/s from its timings ((predicted_n - 1) / predicted_ms, the "
+            "first token being the prompt's forward's, as llama.cpp counts); alpha per "
             "position from its per-step 'accepted a/n draft tokens' log; draft_acceptance_rate "
             "from draft_n_accepted / draft_n.",
             "per_category": {c: s.row() for c, s in sorted(run.per_category.items())},
@@ -264,7 +265,7 @@ def _calibrate(cfg, plain, spec_server, tgt_gguf, prompt, threads, log, repack, 
     n = cfg.calibration_tokens
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     ar = plain.complete(prompt, n, **sampling, seed=cfg.seed)
-    plain_ms = ar.predicted_ms / max(1, int(ar.timings.get("predicted_n") or 1))
+    plain_ms = ar.predicted_ms / max(1, int(ar.timings.get("timed_n") or 1))  # per forward
     top = int(cfg.plan_max) if block is None else min(int(cfg.plan_max), block - 1)
     longest = max(top, n_max)
     log(f"calibrating: the target's forward over 1..{longest + 1} tokens (llama-bench)")

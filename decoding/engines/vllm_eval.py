@@ -623,6 +623,9 @@ def _ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log)
             "engine_compare": False,
             "draft_sampling": "greedy" if rule in ("greedy_draft", "block") else "sample",
             "acceptance": "block" if rule == "block" else "exact",
+            "lenience": 1.0,  # vLLM's rules are exact (refused before the engine runs)
+            "stop": "gamma",
+            "traces": None,
         },
     )
     log("the built-in decoder on the same prompts and settings, for comparison")
