@@ -564,3 +564,27 @@ def test_prepare_through_vllm_writes_the_targets_greedy_answers(tmp_path, data_f
     for out in (s1, s2):
         assert _prepare(data, out, "vllm", "temperature=1.0", "seed=3").returncode == 0
     assert s1.read_text() == s2.read_text() != ours.read_text()
+
+
+def test_a_layout_that_fixes_its_draft_length_is_reported_at_it(tmp_path):
+    """A DFlash export drafts its block - 1 tokens a step in vLLM whatever gamma says: the
+    report, its prediction and the built-in decoder's comparison are at that length (they
+    said gamma's), and a line says so."""
+    from models import METHODS
+    from models.export import export
+    from models.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig(name="tiny_random", tiny_head_dim=64))
+    cls = METHODS["dflash"]
+    torch.manual_seed(0)
+    head = cls(target, cls.config_class(block_size=4, mask_token_id=256)).eval()
+    export(head, "dflash", tmp_path / "x", dtype="float32", log=lambda *_: None)
+    r = _eval_with(
+        _fake_vllm(tmp_path, die_after=99), tmp_path, f"draft={tmp_path / 'x'}", "gamma=5"
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "gamma=5: this draft drafts 3 tokens a step in vLLM" in r.stdout
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["settings"]["n_max"] == 3
+    assert rep["settings"]["speculative_config"]["num_speculative_tokens"] == 3
+    assert "3 speculative tokens" in rep["settings"]["draft_description"]

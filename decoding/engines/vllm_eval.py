@@ -466,6 +466,10 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
     spec_cfg, desc, readback = vllm_draft(cfg, target, log)
+    n_max = int(spec_cfg["num_speculative_tokens"])
+    if n_max != cfg.gamma:  # a DFlash block, Medusa's heads: the layout fixes it
+        log(f"gamma={cfg.gamma}: this draft drafts {n_max} tokens a step in vLLM (its layout "
+            f"fixes it); measured, and compared with ours, at {n_max}")  # fmt: skip
     questions = bench_questions(cfg)
     stop = stop_ids(cfg, tok)
     model_dir = target_folder(target)
@@ -520,7 +524,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
             "engine_error": run.error,
             "engine_repairs": repairs,
             "engine_last_log_line": last,
-            **_prediction(costs, pooled, int(cfg.gamma)),
+            **_prediction(costs, pooled, n_max),
             "convention": CONVENTION
             + " In vLLM: tokens/s from each request's first and last token timestamps; alpha "
             "per position from its spec-decode counters (accepted per position over drafts); "
@@ -528,11 +532,11 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
             "per_category": {c: s.row() for c, s in sorted(run.per_category.items())},
             "settings": {
                 **OmegaConf.to_container(cfg, resolve=True),
-                "n_max": int(cfg.gamma),
+                "n_max": n_max,
                 "spec_type": spec_cfg["method"],
                 "speculative_config": spec_cfg,
                 "draft_description": f"{desc}; vLLM {spec_cfg['method']}, "
-                f"{cfg.gamma} speculative tokens, rule {rule}",
+                f"{n_max} speculative tokens, rule {rule}",
                 "target_identity": target.identity,
                 "target_folder": str(model_dir),
                 "engine_dtype": dtype,
@@ -547,7 +551,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     if not greedy:
         report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
     if cfg.engine_compare and run.finished and run.stopped is None:  # a stop: report now
-        ours = _ours_beside(cfg, readback, rule, pooled, log)
+        ours = _ours_beside(cfg, readback, rule, pooled, log, n_max)
         if StopSignals.requested() is None:
             report["ours"] = ours
             report["engine_flag"] = engine_flag(ours, pooled)
@@ -605,9 +609,12 @@ def _rule_text(rule: str) -> str:
     }[rule]
 
 
-def _ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log) -> dict:
+def _ours_beside(
+    cfg, readback: str | None, rule: str, pooled: EngineStats, log, n_max: int
+) -> dict:
     """The built-in decoder on the same prompts and settings, with the same draft (the export
-    vLLM loaded, read back), a fixed chain of gamma, under the rule vLLM ran."""
+    vLLM loaded, read back), a fixed chain of the ``n_max`` tokens vLLM drafted, under the
+    rule vLLM ran."""
     from omegaconf import OmegaConf
 
     from ..eval import evaluate as evaluate_ours
@@ -617,6 +624,7 @@ def _ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log)
         {
             "engine": "torch",
             "draft": readback or "ngram",
+            "gamma": n_max,
             "tree": "chain",
             "adaptive": False,
             "draft_weights": "full",  # the weights vLLM serves (int8 would move acceptance)
