@@ -439,6 +439,28 @@ def test_eval_converts_an_hf_target_and_refuses_a_pair_the_engine_cannot_serve(t
     assert "Traceback" not in r.stderr
 
 
+def test_the_servers_hold_the_longest_prompt_and_its_answer(tiny_target):
+    """The servers held llama.cpp's default 4096 tokens of context: a longer bench prompt was
+    refused by the server ("request (5524 tokens) exceeds the available context size (4096
+    tokens)", seen with the embedded target); they hold what the longest prompt, its earlier
+    turns and the longest request need."""
+    from omegaconf import OmegaConf
+
+    from decoding.engines.llama_cpp_eval import context_size
+
+    tok = tiny_target.tokenizer  # byte-level: a character a token
+    cfg = OmegaConf.create(
+        {"turns": 1, "max_new_tokens": 128, "calibration_tokens": 96, "warmup_tokens": 16}
+    )
+    short = [{"turns": ["hello"]}]
+    assert context_size(cfg, tok, short) == 4096
+    long = [{"turns": ["x" * 6000, "y" * 10]}, {"turns": ["hello"]}]
+    n = context_size(cfg, tok, long)
+    assert 6000 + 128 < n < 6000 + 128 + 200
+    cfg.turns = 2
+    assert context_size(cfg, tok, long) >= 2 * (6000 + 128)
+
+
 @pytest.mark.slow
 def test_at_t1_the_engines_samples_are_checked_against_the_target(tmp_path):
     """`engine=llama.cpp temperature=1`: every output of both servers is scored by the target,

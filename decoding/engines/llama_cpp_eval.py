@@ -118,6 +118,19 @@ class CostModel:
         }
 
 
+def context_size(cfg: DictConfig, tok, questions: list[dict]) -> int:
+    """The context each server holds: every turn fed with the answers before it, and the
+    longest request (llama.cpp's default, 4096, which a long bench prompt and its answer
+    can pass: the server refuses the request)."""
+    room = max(
+        len(prompt_ids(tok, [{"role": "user", "content": t}]))
+        for q in questions
+        for t in q["turns"][: cfg.turns]
+    )
+    longest = max(cfg.max_new_tokens, cfg.calibration_tokens, cfg.warmup_tokens)
+    return max(4096, cfg.turns * (room + longest) + 64)
+
+
 def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
 
     if cfg.max_new_tokens < 1:
@@ -150,6 +163,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
             )
         n_max = min(n_max, block - 1)
     warm = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
+    ctx = context_size(cfg, tok, questions)
 
     def spec_server(n: int, p: float | None = None) -> LlamaServer:
         return LlamaServer(
@@ -161,9 +175,10 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
             threads=threads,
             ngram=cfg.ngram_max,
             repack=repack,
+            ctx_size=ctx,
         )
 
-    with LlamaServer(tgt_gguf, threads=threads, repack=repack) as plain:
+    with LlamaServer(tgt_gguf, threads=threads, repack=repack, ctx_size=ctx) as plain:
         plain.complete(warm, cfg.warmup_tokens, **sampling, seed=cfg.seed)
         costs = plan = None
         if cfg.predict or cfg.plan:
