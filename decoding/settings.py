@@ -359,9 +359,10 @@ def validate(cfg: DictConfig) -> None:
 
 def apply_saved_target(cfg: DictConfig, given: set[str]) -> str | None:
     """Where the command line names no target (``target=`` or ``target.*``) and ``draft=`` is
-    a trained draft (a run, its final/, a checkpoint or a shipped name) saved for another
-    target than the default, evaluate against the target it was trained for; returns a line
-    saying so, or None. A target whose folder is not there any more is one line naming it."""
+    a trained draft (a run, its final/, a checkpoint or a shipped name) or an export by
+    specdraft, saved for another target than the default, evaluate against the target it was
+    trained (or, with its own merged base, exported) for; returns a line saying so, or None. A
+    target whose folder is not there any more is one line naming it."""
     from omegaconf import OmegaConf
 
     from models.base import DraftError, read_draft_config, resolve_draft_dir
@@ -376,9 +377,17 @@ def apply_saved_target(cfg: DictConfig, given: set[str]) -> str | None:
         draft_dir = resolve_draft_dir(p) if p.is_dir() else None
     except DraftError:
         return None  # said in one line when the draft is loaded
-    if draft_dir is None:
-        return None
-    saved = read_draft_config(draft_dir).get("target") or {}
+    if draft_dir is not None:
+        saved = read_draft_config(draft_dir).get("target") or {}
+    else:  # an export by specdraft records its target in its README
+        from models.export import exported_target
+
+        saved = (exported_target(p) if p.is_dir() else None) or {}
+        if not saved.get("name"):
+            return None  # nothing says which target (a third-party checkpoint, an HF model)
+        if saved.get("path") and not Path(saved["path"]).is_absolute():
+            saved = {**saved, "path": str(p.resolve() / saved["path"])}  # its own base/
+        draft_dir = p
     want = saved_target_config(saved)
     now = OmegaConf.to_object(cfg.target)
     fields = ("name", "path", "seed", "tiny_layers", "tiny_head_dim", "family")
@@ -393,5 +402,5 @@ def apply_saved_target(cfg: DictConfig, given: set[str]) -> str | None:
         cfg.target[k] = getattr(want, k)
     return (
         f"target: {want.path or saved.get('identity') or want.name}, the target {draft_dir} was "
-        "trained for (target=... to choose another)"
+        "made for (target=... to choose another)"
     )

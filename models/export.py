@@ -56,6 +56,7 @@ __all__ = [
     "detect_format",
     "export",
     "exported_for",
+    "exported_target",
     "import_draft",
     "load_trained_head",
     "made_for",
@@ -375,7 +376,10 @@ def export(
         )
         vllm = vllm_serve_line(fmt, target, out.resolve(), config, opts.get("gamma") or 3)
         sglang = sglang_launch_line(fmt, target, out.resolve(), opts.get("gamma") or 3)
-        (tmp / "README.md").write_text(_readme(fmt, draft, config, same, vllm, sglang))
+        evaluated_with = _export_target(draft.target, config, tmp)
+        (tmp / "README.md").write_text(
+            _readme(fmt, draft, config, same, vllm, sglang, evaluated_with)
+        )
         readable_by_others(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -412,15 +416,65 @@ def readable_by_others(folder: Path) -> None:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
+#: the README line recording the target an export is evaluated against (JSON after it)
+_TARGET_LINE = "- specdraft-eval target: "
+
+
+def _export_target(target: Target, config: dict, tmp: Path) -> dict[str, Any]:
+    """The target an export decodes with, as a draft's config records it (identity, name,
+    path): the target, or where the export carries its own base model (Medusa-2's adapter
+    merged into ``base/``) that one, its path relative to the export."""
+    base = tmp / "base"
+    if (base / "config.json").is_file():
+        from transformers import AutoConfig
+
+        from .target import target_identity
+
+        config = AutoConfig.from_pretrained(str(base)).to_dict()
+        return {"identity": target_identity(str(base), config), "name": "hf", "path": "base"}
+    return {"identity": target.identity, "name": target.cfg.name, "path": target.cfg.path}
+
+
+def exported_target(folder: str | Path) -> dict[str, Any] | None:
+    """The target an export by specdraft was made for, as ``write_draft_config`` records a
+    draft's (``identity``, ``name``, ``path``; a relative path is inside the export), or None
+    (not ours). Exports written before the line was recorded: the identity, and the name where
+    it tells (a tiny random target, the embedded one)."""
+    ident = exported_for(folder)
+    if ident is None:
+        return None
+    for line in (Path(folder) / "README.md").read_text(errors="replace").splitlines():
+        if line.startswith(_TARGET_LINE):
+            try:
+                saved = json.loads(line[len(_TARGET_LINE) :])
+            except json.JSONDecodeError:
+                break
+            if isinstance(saved, dict):
+                return saved
+    if ident.startswith("tiny_random("):
+        return {"identity": ident, "name": "tiny_random", "path": None}
+    if ident.startswith("smollm2-135m-instruct-q4_1:"):
+        return {"identity": ident, "name": "smollm2_135m", "path": None}
+    return {"identity": ident}
+
+
 def _readme(
-    fmt: ExportFormat, draft: DraftMethod, config: dict, same: dict, vllm=None, sglang=None
+    fmt: ExportFormat,
+    draft: DraftMethod,
+    config: dict,
+    same: dict,
+    vllm=None,
+    sglang=None,
+    evaluated_with: dict[str, Any] | None = None,
 ) -> str:
     t = draft.target
+    made = evaluated_with or {"identity": t.identity, "name": t.cfg.name, "path": t.cfg.path}
     lines = [
         f"# {fmt.description} exported by specdraft",
         "",
-        f"- draft method: {draft.cfg.name}; target: {t.identity} (serve with "
+        f"- draft method: {draft.cfg.name}; target: {made['identity']} (serve with "
         f"`{config.get('base_model_name_or_path') or verifier_name(t)}`)",
+        f"{_TARGET_LINE}{json.dumps(made)}",
         f"- weights: `{fmt.weights_file}`; config: `config.json`",
         *fmt.readme_lines(draft, config),
         f"- re-imported and checked: {same['checked']}; greedy proposal {same['chain']} on a "

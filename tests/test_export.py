@@ -631,6 +631,38 @@ def test_a_distillspec_student_for_other_weights_is_warned_about_in_vllms_report
     assert "warning" not in desc and len(logged) == 1
 
 
+def test_an_export_is_evaluated_against_the_target_it_was_made_for(tmp_path):
+    """`specdraft-eval draft=<export>` with no target= used the embedded target, and an export
+    of a head for another one did not fit; it takes the target the export records, as a run's
+    draft does (an export written before the record: by its identity, where that tells)."""
+    from omegaconf import OmegaConf
+
+    from decoding.eval import EvalConfig
+    from decoding.settings import apply_saved_target
+    from models.target import load_target
+
+    t4 = load_target(TargetConfig(name="tiny_random", tiny_layers=4, dtype="float32"))
+    export(eagle3(t4), "vllm", tmp_path / "v", log=lambda *_: None)
+    assert ex.exported_target(tmp_path / "v")["name"] == "tiny_random"
+    cfg = OmegaConf.structured(EvalConfig(draft=str(tmp_path / "v")))
+    assert "made for" in apply_saved_target(cfg, set())
+    assert cfg.target.name == "tiny_random" and cfg.target.tiny_layers == 4
+    cfg = OmegaConf.structured(EvalConfig(draft=str(tmp_path / "v")))
+    assert apply_saved_target(cfg, {"target"}) is None and cfg.target.name == "smollm2_135m"
+    # an export written before the record
+    readme = tmp_path / "v" / "README.md"
+    readme.write_text(
+        "\n".join(x for x in readme.read_text().splitlines() if "specdraft-eval target" not in x)
+    )
+    cfg = OmegaConf.structured(EvalConfig(draft=str(tmp_path / "v")))
+    apply_saved_target(cfg, set())
+    assert cfg.target.name == "tiny_random" and cfg.target.tiny_layers == 4
+    # a third-party checkpoint says nothing: the default stays
+    readme.unlink()
+    cfg = OmegaConf.structured(EvalConfig(draft=str(tmp_path / "v")))
+    assert apply_saved_target(cfg, set()) is None and cfg.target.name == "smollm2_135m"
+
+
 def test_an_export_of_final_or_a_checkpoint_lands_beside_the_run_never_inside(
     data_file, tmp_path, capsys
 ):

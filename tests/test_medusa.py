@@ -6,6 +6,7 @@ import copy
 import itertools
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -264,6 +265,22 @@ def test_medusa2_trains_adapter_and_heads_and_keeps_the_original(fresh_tiny, tmp
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m" / "base")).eval()
     with torch.no_grad():
         assert torch.allclose(merged(input_ids=ids).logits, adapted, atol=1e-4)
+    # evaluated against its merged base (it was: the target the adapter changed, silently),
+    # which is the target it was made for, wherever the export is moved
+    from omegaconf import OmegaConf
+
+    from decoding.eval import EvalConfig
+    from decoding.settings import apply_saved_target
+    from models.export import made_for, made_for_note
+
+    shutil.move(tmp_path / "m", tmp_path / "moved")
+    cfg = OmegaConf.structured(EvalConfig(draft=str(tmp_path / "moved")))
+    line = apply_saved_target(cfg, set())
+    assert cfg.target.name == "hf" and cfg.target.path == str((tmp_path / "moved/base").resolve())
+    assert "made for" in line
+    base = load_target(OmegaConf.to_object(cfg.target))
+    assert made_for_note(made_for(tmp_path / "moved"), base) is None
+    assert "made for target base:" in made_for_note(made_for(tmp_path / "moved"), target)
 
 
 # -- end to end --------------------------------------------------------------------------------
