@@ -33,8 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.base import SIGNAL_NAMES, file_above, resolve_draft_dir
-from models.export import readable_by_others
+from models.base import SIGNAL_NAMES, file_above, readable_by_others, resolve_draft_dir
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 

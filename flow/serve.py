@@ -20,6 +20,18 @@ def llama_cpp_spec_type(method: str) -> str | None:
     )
 
 
+def _n_max(run_dir: Path) -> int:
+    """The chain a llama.cpp server drafts for the run's draft: a DFlash-family block's
+    ``block_size - 1`` (the block it was trained on), else 3."""
+    import json
+
+    try:
+        cfg = json.loads((Path(run_dir) / "final" / "config.json").read_text())
+        return int(cfg["method"]["block_size"]) - 1
+    except (OSError, ValueError, KeyError, TypeError):
+        return 3
+
+
 def serve_hint(method: str, run_dir: Path) -> str:
     """Lines telling how to export the draft of ``run_dir`` and serve it: in llama.cpp (CPU)
     where it serves the method, in vLLM where it does, else the export formats."""
@@ -28,11 +40,14 @@ def serve_hint(method: str, run_dir: Path) -> str:
     lines = [""]
     spec_type = llama_cpp_spec_type(method)
     if spec_type:
+        from models.export import default_out, resolve_format
+
+        gguf = default_out(run_dir, resolve_format("gguf", method)) / "draft.gguf"
         lines += [
             "serve it in llama.cpp (CPU; `bash scripts/install.sh engine` installs it once):",
             f"  specdraft-export {run_dir} --format gguf",
-            f"  llama-server -m <target.gguf> -md {run_dir}/export-gguf/draft.gguf "
-            f"--spec-type {spec_type} --spec-draft-n-max 3",
+            f"  llama-server -m <target.gguf> -md {gguf} --spec-type {spec_type} "
+            f"--spec-draft-n-max {_n_max(run_dir)} --spec-draft-p-min 0",
             "  (add --no-repack where llama.cpp crashes with its repacked weights, as b11434 did "
             "on an AMX Xeon; specdraft-eval finds that by itself)",
             f"measure it there: specdraft-eval engine=llama.cpp draft={run_dir}",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,16 @@ def write_draft_config(
         **extra,
     }
     (Path(path) / DRAFT_CONFIG).write_text(json.dumps(cfg, indent=1))
+
+
+def readable_by_others(folder: Path) -> None:
+    """Give a written folder the modes a plain ``mkdir``/``open`` would have (0777/0666 less
+    the umask): ``mkdtemp`` and safetensors' files are private (0700/0600), which a serving
+    engine running as another user could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def save_weights_draft(draft, path: str | Path, format_version: int, **extra) -> None:

@@ -42,6 +42,7 @@ from .base import (
     ExportFormat,
     file_above,
     read_draft_config,
+    readable_by_others,
     resolve_draft_dir,
     run_files,
     unfinished_run,
@@ -404,16 +405,6 @@ def export(
         "sglang_serve": sglang,
         **same,
     }
-
-
-def readable_by_others(folder: Path) -> None:
-    """Give the export the modes a plain ``mkdir``/``open`` would have (0777/0666 less the
-    umask): ``mkdtemp`` and safetensors' temporary files are private (0700/0600), which a
-    serving engine running as another user could not read."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in [folder, *folder.rglob("*")]:
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 #: the README line recording the target an export is evaluated against (JSON after it)

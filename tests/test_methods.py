@@ -5,6 +5,7 @@ here; one that forgets a required hook cannot even be built, and the error names
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -208,4 +209,21 @@ def test_the_hint_after_training_names_formats_the_method_exports(method, tmp_pa
     assert ("--format gguf" in hint) == (spec_type is not None)
     if spec_type is not None:
         assert spec_type.startswith("draft-") and f"--spec-type {spec_type}" in hint
+        # the file the export writes (a DFlash draft's went to export-gguf-dflash/, the hint
+        # said export-gguf/), and a DFlash-family block's own length
+        fmt = resolve_format("gguf", method)
+        assert f"-md {tmp_path / 'run' / f'export-{fmt}' / 'draft.gguf'} " in hint
+        assert "--spec-draft-n-max 3 " in hint  # no run there: the default chain
+        from dataclasses import asdict
+
+        final = tmp_path / "run" / "final"
+        final.mkdir(parents=True)
+        saved = asdict(METHODS[method].config_class())
+        if "block_size" in saved:
+            saved["block_size"] = 8
+        (final / "config.json").write_text(json.dumps({"method": saved}))
+        n = 7 if "block_size" in saved else 3
+        assert f"--spec-draft-n-max {n} --spec-draft-p-min 0" in serve_hint(
+            method, tmp_path / "run"
+        )
     assert ("--merge" in hint) == (method == "medusa2")

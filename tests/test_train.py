@@ -308,7 +308,9 @@ def test_cli_tiny_run_then_one_into_its_folder_touches_nothing(data_file, tmp_pa
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
     again = _cli(args)
     assert again.returncode == 2 and "holds a run already" in again.stderr, again.stderr[-2000:]
-    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == files
+    assert {
+        p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()
+    } == files
 
 
 @pytest.mark.parametrize(
@@ -784,3 +786,27 @@ def test_resume_true_into_the_time_stamped_default_is_refused(tmp_path, monkeypa
         "error: resume=true continues the run in output_dir; name it (output_dir=runs/x): the "
         "default is a new time-stamped folder each time"
     )
+
+
+def test_the_trained_draft_and_checkpoints_are_readable_by_others(data_file, tmp_path):
+    """safetensors writes its files 0600: final/ (which vLLM serves as it is, a DistillSpec
+    student) and checkpoints were unreadable to a server running as another user. They get
+    the modes a plain open() gives under the umask, as exports do."""
+    import stat
+
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import run
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "run"
+        run(
+            compose(tiny_overrides(data_file, out, **{"train.max_steps": 2, "train.save_every": 2}))
+        )
+    finally:
+        os.umask(old)
+    files = [p for d in ("final", "checkpoints") for p in (out / d).rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    private = [str(p) for p in files if stat.S_IMODE(p.stat().st_mode) != 0o644]
+    assert not private, private

@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from models.base import readable_by_others
+
 STATE_FILE = "trainer_state.json"
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -100,6 +102,7 @@ def save_checkpoint(
                 if f.is_file()
             }
             _fsync_write(tmp / COMPLETE, json.dumps({"files": files}))
+            readable_by_others(tmp)  # safetensors writes 0600; the draft/ is served as it is
             if final.exists():  # a re-run of the same step (after resume); replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)

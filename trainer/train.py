@@ -29,7 +29,7 @@ from data.dataset import (
     validation_batches,
 )
 from models import METHODS
-from models.base import DraftError, run_files
+from models.base import DraftError, readable_by_others, run_files
 from models.target import TargetError, default_dtype, load_target
 
 from .checkpoint import (
@@ -494,6 +494,7 @@ def _save_final(method, run_dir: Path) -> Path:
     final, tmp = run_dir / "final", run_dir / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     method.save_draft(tmp)
+    readable_by_others(tmp)  # safetensors writes 0600: a server running as another user
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
