@@ -23,6 +23,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
+def report_name(draft: str, tag: str, t: float, taken: set[str]) -> str:
+    """A report's file name for a (draft, temperature) entry, unique in the run: two drafts
+    whose folders end alike (``a/final``, ``b/final``) wrote one file, the first lost."""
+    parts = [x for x in Path(draft).parts if x not in ("/", ".")] or [draft]
+    for k in range(1, len(parts) + 1):
+        name = f"{'-'.join(parts[-k:])}{'-' + tag if tag else ''}-T{t:g}".replace(":", "")
+        if name not in taken:
+            break
+    i = 2
+    while name in taken:  # the same draft twice
+        name = f"{name.rsplit('~', 1)[0]}~{i}"
+        i += 1
+    taken.add(name)
+    return name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafts", nargs="+", required=True)
@@ -37,15 +53,17 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import decoding.eval as ev
+    from decoding.settings import apply_saved_target
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    names: set[str] = set()
     for t in args.temperatures:
         for entry in args.drafts:
             d, *own = entry.split(";")
             tag = "-".join(o.split("=")[-1] for o in own)
-            name = f"{Path(d).name or d}{'-' + tag if tag else ''}-T{t:g}".replace(":", "")
+            name = report_name(d, tag, t, names)
             overrides = [
                 f"draft={d}",
                 *own,
@@ -58,7 +76,14 @@ def main() -> None:
             ]
             with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
                 cfg = compose("eval", overrides=overrides)
-            r = ev.evaluate(cfg)
+            given = {o.split("=", 1)[0].lstrip("+~") for o in [*own, *extra]}
+            try:  # a trained draft against its own target, as specdraft-eval does
+                said = apply_saved_target(cfg, given)
+                if said:
+                    print(said)
+                r = ev.evaluate(cfg)
+            except ev.USER_ERRORS as e:
+                sys.exit(f"error: {entry}: {e}")
             (out / f"{name}.json").write_text(json.dumps(r, indent=1))
             ev.plot_report(r, out / f"{name}.png")
             ev.print_report(r)

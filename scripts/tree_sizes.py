@@ -59,15 +59,28 @@ def main() -> None:
     ap.add_argument("--draft-weights", default="auto")
     args = ap.parse_args()
     # imported once the arguments are parsed: --help answers without loading torch
+    from omegaconf import OmegaConf
+
     from data.chat import prompt_ids
     from decoding.bench import load_bench
     from decoding.decoder import NoDraft, SpeculativeDecoder
     from decoding.drafts import load_proposer
+    from decoding.eval import USER_ERRORS, EvalConfig
+    from decoding.settings import apply_saved_target
     from models.base import DecodeSettings
     from models.sampling import Sampling
-    from models.target import TargetConfig, load_target
+    from models.target import load_target
 
-    target = load_target(TargetConfig())
+    # the target the draft was made for (the embedded one for the shipped head), as
+    # specdraft-eval chooses it
+    cfg = OmegaConf.structured(EvalConfig(draft=args.draft))
+    try:
+        said = apply_saved_target(cfg, set())
+        if said:
+            print(said, file=sys.stderr)
+        target = load_target(OmegaConf.to_object(cfg.target))
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
     tok = target.tokenizer
     big = args.top_k + (args.depth - 1) * args.top_k**2  # every candidate the tree can hold
     settings = DecodeSettings(
@@ -77,7 +90,10 @@ def main() -> None:
         total_tokens=big,
         draft_weights=args.draft_weights,
     )
-    prop, desc = load_proposer(args.draft, target, tree=settings)
+    try:
+        prop, desc = load_proposer(args.draft, target, tree=settings)
+    except USER_ERRORS as e:
+        sys.exit(f"error: {e}")
     records: list = []
     level_seconds: list[float] = []
     inner = prop.propose

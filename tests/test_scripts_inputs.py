@@ -602,3 +602,50 @@ def test_results_plots_replace_earlier_plots_but_not_other_files(tmp_path, monke
     (figs / "results_speedup.png").write_bytes(b"\x89PNG\r\n\x1a\n an earlier plot")
     _call("plot_results", monkeypatch, "--out", str(figs))
     assert (figs / "results_speedup.png").stat().st_size > 1000
+
+
+def test_bench_decode_names_each_entrys_report_apart():
+    """Two drafts whose folders end alike (``a/final``, ``b/final``) wrote one report, the
+    first lost; the same draft twice gets its own file too."""
+    from bench_decode import report_name
+
+    taken: set[str] = set()
+    names = [report_name(d, "", 0.0, taken) for d in ("a/final", "b/final", "b/final", "ngram")]
+    assert names == ["final-T0", "b-final-T0", "b-final-T0~2", "ngram-T0"]
+    assert report_name("truncate:4", "dynamic", 1.0, set()) == "truncate4-dynamic-T1"
+
+
+def test_the_decode_scripts_use_the_target_a_draft_was_made_for(tmp_path, monkeypatch, capsys):
+    """tree_sizes.py and bench_decode.py decoded every draft against the embedded target: a
+    head trained for another failed with a traceback. They take the draft's own target, as
+    specdraft-eval does (an export's too), and a draft that cannot load is one line."""
+    import torch
+
+    from models.eagle import Eagle3Config, Eagle3Head
+    from models.export import export
+    from models.target import TargetConfig, load_target
+
+    t4 = load_target(TargetConfig(name="tiny_random", tiny_layers=4, dtype="float32"))
+    head = Eagle3Head(t4, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
+    with torch.no_grad():  # a chosen draft vocabulary (an export refuses an unchosen one)
+        head.d2t.copy_(torch.arange(64) * 2)
+        head.t2d.zero_()
+        head.t2d[torch.arange(64) * 3] = True
+    export(head, "vllm", tmp_path / "v", log=lambda *_: None)
+    rc, out, err = _outcome(
+        "tree_sizes", monkeypatch, capsys, "--draft", str(tmp_path / "v"), "--bench",
+        "mt_bench", "--num-prompts", "1", "--max-new-tokens", "8", "--depth", "2",
+        "--top-k", "2", "--reps", "1", "--draft-weights", "full",
+    )  # fmt: skip
+    assert rc == 0 and "target: tiny_random" in err, err[-2000:]
+    rc, out, err = _outcome(
+        "bench_decode", monkeypatch, capsys, "--drafts", str(tmp_path / "v"), "--temperatures",
+        "0", "--num-prompts", "1", "--max-new-tokens", "8", "--out", str(tmp_path / "b"),
+    )  # fmt: skip
+    assert rc == 0 and "target: tiny_random" in out, err[-2000:]
+    assert (tmp_path / "b" / f"{str(tmp_path / 'v').strip('/').split('/')[-1]}-T0.json").is_file()
+    rc, out, err = _outcome(
+        "bench_decode", monkeypatch, capsys, "--drafts", str(tmp_path / "nope"), "--temperatures",
+        "0", "--out", str(tmp_path / "b2"),
+    )  # fmt: skip
+    assert rc != 0
