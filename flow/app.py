@@ -9,8 +9,10 @@ with how to export and serve it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -34,6 +36,8 @@ def train_measure_serve(cfg: DictConfig) -> dict:
 
     summary = run(cfg)
     if not summary["final"] or not PartialState().is_main_process:
+        return summary
+    if summary.get("already_finished"):  # resume=true on a finished run: nothing new
         return summary
     final = Path(summary["final"])
     run_dir = final.parent
@@ -70,6 +74,8 @@ def exit_code(summary: dict) -> int:
     return 0
 
 
+#: whether a single run's output_dir was there before the command (Hydra makes it first)
+_OUTPUT_DIR_EXISTED = [True]
 #: sweep jobs that stopped on non-finite losses: the sweep goes on, and ends with status 1
 _FAILED: list[str] = []
 #: sweep jobs refused for their settings or inputs (one line each): the sweep goes on, its
@@ -98,6 +104,7 @@ def _hydra_main(cfg: DictConfig) -> dict:
     with open_dict(cfg):
         cfg.output_dir = HydraConfig.get().runtime.output_dir
     run_dir = Path(cfg.output_dir)
+    existed = run_dir.exists() if multirun else _OUTPUT_DIR_EXISTED[0]  # Hydra made it since
     try:
         if cfg.resume in (False, None, "false", "False"):
             check_fresh_run_dir(run_dir)  # before anything is written there
@@ -106,6 +113,8 @@ def _hydra_main(cfg: DictConfig) -> dict:
     except USER_ERRORS + (ConfigError,) as e:
         if not multirun:
             print(f"error: {e}", file=sys.stderr)
+            if _main_process():
+                drop_lone_record(run_dir, existed)
             sys.exit(2)
         # one job's value (train.max_steps=-5 among others): the other jobs still run, and
         # the sweep's summary says what refused this one (in its own folder; a folder that
@@ -134,6 +143,18 @@ def _hydra_main(cfg: DictConfig) -> dict:
 def _main_process() -> bool:
     """Rank 0 of a launch (read from the launcher's environment: no process group needed)."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def drop_lone_record(run_dir: Path, existed: bool) -> None:
+    """After a refused run, the record it wrote where it wrote nothing else (a setting refused
+    once the target loaded): a folder the command made is removed, as if never run."""
+    record = run_dir / ".hydra"
+    if not record.is_dir() or {p.name for p in run_dir.iterdir()} != {".hydra"}:
+        return
+    shutil.rmtree(record, ignore_errors=True)
+    if not existed:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
 
 
 def write_run_record(cfg: DictConfig, run_dir: Path) -> None:
@@ -200,6 +221,8 @@ def main() -> None:
     if note:
         print(note, flush=True)
         sys.argv[1:] = argv
+    outs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+").startswith("output_dir=")]
+    _OUTPUT_DIR_EXISTED[0] = Path(outs[-1]).expanduser().exists() if outs else False
     _hydra_main()
     if _FAILED:
         print(

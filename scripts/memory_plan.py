@@ -33,6 +33,7 @@ sharded weights' 1/N is measured on CPU, tests/test_shard.py).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,7 +98,22 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
             rest.append(a)
     if plan["world_size"] < 1:
         raise PlanError(f"world_size={plan['world_size']}: must be >= 1")
+    gb = plan["gpu_memory_gb"]
+    if not (math.isfinite(gb) and gb > 0):
+        raise PlanError(f"gpu_memory_gb={gb:g}: must be a number of GiB > 0")
     return plan, rest
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """The trainer's own checks of its command line (flow/app.py ``main``): a group option
+    that does not exist (``method=nope``) or a key that names no setting (``foo=1``) is one
+    line, not Hydra's screen of traceback."""
+    from conf.cli import check_command_line
+    from flow.app import check_group_choices
+
+    msg = check_group_choices(overrides) or check_command_line("train", overrides)
+    if msg:
+        raise PlanError(msg)
 
 
 def compose(overrides: list[str]):
@@ -187,8 +203,16 @@ def plan(argv: list[str]) -> Plan:
 
     from models import METHODS
 
-    opts, overrides = split_args(argv)
+    from conf.cli import home_expanded
+    from trainer.train import ConfigError, check_config
+
+    opts, overrides = split_args(home_expanded(argv))
+    check_overrides(overrides)
     cfg = compose(overrides)
+    try:  # the values specdraft-train refuses (data.batch_size=0, ...) are refused here too
+        check_config(cfg)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
     N = opts["world_size"]
     shard = cfg.target.shard
     if shard not in ("none", "fsdp"):
@@ -336,7 +360,8 @@ def main() -> None:
     try:
         p = plan(sys.argv[1:])
     except PlanError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(report(p))
     if "--json" in sys.argv:
         import json

@@ -810,3 +810,39 @@ def test_the_trained_draft_and_checkpoints_are_readable_by_others(data_file, tmp
     assert any(p.suffix == ".safetensors" for p in files)
     private = [str(p) for p in files if stat.S_IMODE(p.stat().st_mode) != 0o644]
     assert not private, private
+
+
+def test_a_run_refused_once_its_target_loads_leaves_no_folder_behind(tmp_path):
+    """A setting refused after the run's record was written (a DistillSpec student of more
+    layers than the tiny target has) left output_dir holding only .hydra/; the folder the
+    command made is removed, one given empty is left empty, and the error names the key."""
+    args = ["debug=default", "method=distillspec", "method.num_layers=4"]
+    r = _cli([*args, f"output_dir={tmp_path / 'new'}"])
+    assert r.returncode == 2 and "error: method.num_layers=4 (method.student=truncate)" in r.stderr
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    r = _cli([*args, f"output_dir={tmp_path / 'mine'}"])
+    assert r.returncode == 2 and list((tmp_path / "mine").iterdir()) == []
+
+
+def test_resume_of_a_finished_run_changes_nothing(data_file, tmp_path):
+    """resume=true on a run that finished validated again (a second row at its last step)
+    and rewrote its summary with 0 tokens/s; it says there is nothing left to train, and a
+    higher max_steps continues it."""
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import run
+
+    out = tmp_path / "run"
+    over = {"train.max_steps": 3, "train.eval_every": 2}
+    first = run(compose(tiny_overrides(data_file, out, **over)))
+    (out / "summary.json").write_text(json.dumps(first))
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    again = run(compose(tiny_overrides(data_file, out, **over, resume=True)))
+    assert again["already_finished"] and again["step"] == 3
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    assert after == files
+    more = run(
+        compose(tiny_overrides(data_file, out, **{**over, "train.max_steps": 4}, resume=True))
+    )
+    assert more["step"] == 4 and not more.get("already_finished")

@@ -252,6 +252,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     samples = SampleLog(run_dir, accelerator.process_index, cfg.train.record_samples)
     if cfg.resume not in (False, None, "false", "False"):
         _resume(cfg, accelerator, method, state, tracker, samples, run_dir, log)
+        done = _finished_before(cfg, state, run_dir)
+        if done is not None:  # validating again would add a row and rewrite the summary
+            tracker.close()
+            log(
+                f"the run finished at step {state.step} and its draft is in {run_dir / 'final'}; "
+                "nothing is left to train (raise train.max_steps or train.epochs to continue)"
+            )
+            return {**done, "already_finished": True}
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -486,6 +494,19 @@ def _resume(cfg, accelerator, method, state, tracker, samples, run_dir: Path, lo
         f"resumed from {ck}: step {state.step}, epoch {state.epoch}, "
         f"batch {state.batch_in_epoch} of the epoch"
     )
+
+
+def _finished_before(cfg, state, run_dir: Path) -> dict | None:
+    """The summary of a run that finished at the step resumed from, with no step left to
+    train under this config (its max_steps or epochs reached), else None."""
+    if state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
+        return None
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    finished = summary.get("reason") in ("finished", "time") and summary.get("step") == state.step
+    return summary if finished and (run_dir / "final").is_dir() else None
 
 
 def _save_final(method, run_dir: Path) -> Path:

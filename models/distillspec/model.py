@@ -310,7 +310,12 @@ def make_student(target: Target, cfg: DistillSpecConfig) -> nn.Module:
         try:
             return target.truncated(layers).float()
         except TargetError as e:
-            raise DraftError(f"method.student=truncate: {e}") from None
+            key = (
+                f"method.student_layers={list(cfg.student_layers)}"
+                if cfg.student_layers
+                else f"method.num_layers={cfg.num_layers}"
+            )
+            raise DraftError(f"{key} (method.student=truncate): {e}") from None
     return load_same_vocabulary_lm(cfg.student, target, f"method.student={cfg.student}").float()
 
 
