@@ -43,6 +43,21 @@ def later_turns(messages: list[dict], min_chars: int, max_turn: int) -> list[tup
     return out
 
 
+def fail(msg: str) -> None:
+    """The project's refusal: one line on stderr, exit status 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_out(out: Path) -> None:
+    """``--out`` must be a new file in a folder that exists (checked before the data is read:
+    the output is written to ``<out>.tmp`` beside it, then renamed)."""
+    if out.exists():
+        fail(f"--out {out}: exists; choose a new file")
+    if not out.parent.is_dir():
+        fail(f"--out {out}: no folder {out.parent}; create it or choose another path")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -56,31 +71,36 @@ def main() -> None:
     from data.conversations import DataError, load_conversations
     from trainer.train import data_path
 
-    if args.min_chars < 0 or args.max_turn < 2:
-        sys.exit("--min-chars must be >= 0 and --max-turn >= 2")
+    if args.min_chars < 0:
+        fail(f"--min-chars {args.min_chars}: must be >= 0")
+    if args.max_turn < 2:
+        fail(f"--max-turn {args.max_turn}: must be >= 2")
     out = Path(args.out)
-    if out.exists():
-        sys.exit(f"--out {out}: exists; choose a new file")
+    check_out(out)
     try:  # the trainer's own resolution: a path, or the packaged ShareGPT
         source = data_path(OmegaConf.create({"name": "sharegpt", "path": args.data}))
         convs, report = load_conversations(source)
     except DataError as e:
-        sys.exit(str(e))
+        fail(str(e))
     n = 0
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for c in convs:
-            for turn, text, reply in later_turns(c.messages, args.min_chars, args.max_turn):
-                rec = {
-                    "id": f"{c.id}:turn{turn}",
-                    "conversations": [
-                        {"from": "human", "value": text},
-                        {"from": "gpt", "value": reply},
-                    ],
-                }
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                n += 1
-    tmp.rename(out)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for c in convs:
+                for turn, text, reply in later_turns(c.messages, args.min_chars, args.max_turn):
+                    rec = {
+                        "id": f"{c.id}:turn{turn}",
+                        "conversations": [
+                            {"from": "human", "value": text},
+                            {"from": "gpt", "value": reply},
+                        ],
+                    }
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    n += 1
+        tmp.rename(out)
+    except OSError as e:  # a folder not writable, a full disk: the partial file goes
+        tmp.unlink(missing_ok=True)
+        fail(f"--out {out}: cannot write ({e.strerror or e})")
     print(f"{report.kept} conversations read from {source}; {n} later turns written to {out}")
 
 
