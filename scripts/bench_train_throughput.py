@@ -6,12 +6,17 @@
 
 Each mode is ``name:overrides`` (space-separated Hydra overrides on top of the shared ones) and
 is one short training run of ``--method`` on the embedded target and ShareGPT (or
-``data.path=...``). A run's tokens/s is the mean over its logged windows after the first (which
-holds warm-up); the feature cache, when a mode uses it, is built before the timed steps and its
-build time is reported apart. Model FLOPs per token are counted, not estimated: one training
-step (forward + backward of the draft, plus the target's forward when features are computed
-online) runs under ``torch.utils.flop_counter.FlopCounterMode`` on a batch of the run's own
-data. The matmul rate is measured here too (GEMMs of the target's shapes in fp32 and bf16), so
+``data.path=...``). A word with ``=`` before any ``:`` (``target=tiny_random``,
+``data.path=/a:b``) is a Hydra override shared by every mode, wherever it stands on the line,
+after ``--modes`` too. A run's tokens/s is the mean over its logged windows after the first
+(which holds warm-up), so a mode needs at least 2 windows: ``--steps`` >= 2 x
+``train.log_every`` (5 here), and data for that many steps (one epoch ends a run); a mode that
+logs fewer is refused in one line. The feature cache, when a mode uses it, is built before the
+timed steps and its build time is reported apart. Model FLOPs per token are counted, not
+estimated: one training step (forward + backward of the draft, plus the target's forward when
+features are computed online) runs under ``torch.utils.flop_counter.FlopCounterMode`` on a batch
+of the run's own data. The matmul rate is measured here too (GEMMs of the shapes of the target
+the run trained against, its own hidden size, in fp32 and bf16; once per hidden size), so
 "% of matmul peak" says how far the whole step is from what the machine's matrix units allow.
 """
 
@@ -27,6 +32,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -38,6 +44,18 @@ from omegaconf import OmegaConf  # noqa: E402
 import trainer.train as tt  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+#: the shared training settings' log interval: tokens/s needs 2 windows of it
+LOG_EVERY = 5
+
+
+class BenchError(ValueError):
+    """A mode that cannot be measured; the message says why and what to change."""
+
+
+def fail(msg: str) -> NoReturn:
+    """The project's refusal: one line on stderr, exit status 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
 
 
 def matmul_rate(dtype: torch.dtype, h: int, rows: int = 2048, reps: int = 10) -> float:
@@ -63,14 +81,25 @@ def run_mode(overrides: list[str]) -> dict:
     summary = tt.run(cfg)
     wall = time.perf_counter() - t
     out = Path(cfg.output_dir)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][1:]
-    return {"tokens_per_s": sum(tps) / max(1, len(tps)), "wall": wall, "summary": summary}
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    windows = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    k = cfg.train.log_every
+    if len(windows) < 2:
+        raise BenchError(
+            f"the run stopped at step {summary['step']} ({summary['reason']}), logging "
+            f"{len(windows)} window(s) at train.log_every={k}; tokens/s needs >= 2 (the first "
+            f"holds warm-up): >= {2 * k} steps, and data for them (--records: one epoch ends "
+            "the run)"
+        )
+    tps = windows[1:]
+    return {"tokens_per_s": sum(tps) / len(tps), "wall": wall, "summary": summary}
 
 
-def flops_per_token(overrides: list[str]) -> tuple[float, float, float]:
+def flops_per_token(overrides: list[str]) -> tuple[float, float, float, int]:
     """(draft FLOPs/token for forward + backward, target forward FLOPs/token when features are
-    computed online, else 0, mean tokens per batch), counted on the run's first batch."""
+    computed online, else 0, mean tokens per batch, the target's hidden size), counted on the
+    run's first batch."""
     from accelerate.utils import set_seed
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -113,19 +142,84 @@ def flops_per_token(overrides: list[str]) -> tuple[float, float, float]:
                 out = method(batch)
             out.loss.backward()
         draft += fc.get_total_flops()
-    return draft / tokens, target_f / tokens, tokens / len(batches)
+    return draft / tokens, target_f / tokens, tokens / len(batches), target.hidden_size
+
+
+def split_modes(words: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """``--modes``' words as (name, overrides) modes and the Hydra overrides among them: a word
+    with ``=`` before any ``:`` is an override (``target=tiny_random``, ``data.path=/a:b``),
+    so that overrides after ``--modes``, as the usage shows them, are not taken for modes."""
+    modes, overrides = [], []
+    for w in words:
+        name, _, ov = w.partition(":")
+        if "=" in name:
+            overrides.append(w)
+        else:
+            modes.append((name, ov))
+    return modes, overrides
+
+
+def check_modes(modes: list[tuple[str, str]], base: list[str], tmp: Path) -> None:
+    """Every mode's command line composed and checked before anything runs (as specdraft-train
+    checks its own), and refused in one line where it cannot give a tokens/s."""
+    from conf.cli import check_command_line
+    from flow.app import check_group_choices
+
+    if not modes:
+        fail("--modes: no mode given (a mode is name:overrides, e.g. bf16-online:)")
+    names = [n for n, _ in modes]
+    for name, ov in modes:
+        if not name or name in (".", "..") or "/" in name or name.startswith("-"):
+            fail(f"--modes {name}:{ov}: a mode needs a name (name:overrides, e.g. bf16-online:)")
+        if names.count(name) > 1:
+            fail(f"--modes: mode {name} given twice")
+        try:
+            ovs = base + shlex.split(ov) + [f"output_dir={tmp / name}"]
+        except ValueError as e:
+            fail(f"--modes {name}:{ov}: {e}")
+        msg = check_group_choices(ovs) or check_command_line("train", ovs)
+        if msg:
+            fail(f"mode {name}: {msg}")
+        cfg = compose_cfg(ovs)
+        try:
+            tt.check_config(cfg)
+        except tt.ConfigError as e:
+            fail(f"mode {name}: {e}")
+        steps, k = cfg.train.max_steps, cfg.train.log_every
+        if steps < 2 * k:
+            fail(
+                f"mode {name}: {steps} steps at train.log_every={k} log {steps // k} window(s); "
+                f"tokens/s needs >= 2 (the first holds warm-up): --steps >= {2 * k}"
+            )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Words with '=' before any ':' are Hydra overrides shared by every mode, also "
+        "after --modes.",
+    )
     ap.add_argument("--method", default="eagle3")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--records", type=int, default=300)
-    ap.add_argument("--modes", nargs="+", default=["bf16-online:"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["bf16-online:"], help="name:overrides (one run each)"
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args()
+    from conf.cli import home_expanded
+
+    modes, shared = split_modes(args.modes)
+    extra = home_expanded(extra + shared)
+    flags = [a for a in extra if a.startswith("-")]
+    if flags:
+        fail(f"{flags[0]}: no such option (see --help)")
+    if args.steps < 1:
+        fail(f"--steps {args.steps}: must be >= 1")
+    if args.records < 1:
+        fail(f"--records {args.records}: must be >= 1")
     tmp = Path(args.tmp) if args.tmp else Path(tempfile.mkdtemp(prefix="bench-train-"))
     base = [
         f"method={args.method}",
@@ -133,7 +227,7 @@ def main() -> None:
         "data.max_length=512",
         "data.batch_size=4",
         f"train.max_steps={args.steps}",
-        "train.log_every=5",
+        f"train.log_every={LOG_EVERY}",
         "train.eval_every=0",
         "train.save_every=0",
         "train.progress=false",
@@ -141,32 +235,54 @@ def main() -> None:
         f"data.cache_dir={tmp / 'cache'}",
         *extra,
     ]
-    H = 576
     tmp.mkdir(parents=True, exist_ok=True)
-    peak_file = tmp / "peak.json"
-    if peak_file.exists():
-        peak = json.loads(peak_file.read_text())
-    else:  # measured once, before any training run
-        peak = {"fp32": matmul_rate(torch.float32, H), "bf16": matmul_rate(torch.bfloat16, H)}
-        peak_file.write_text(json.dumps(peak))
     if args.one:  # one mode in this process (accelerate's precision is fixed per process)
         name, _, ov = args.one.partition(":")
-        r = measure(name, ov, base + shlex.split(ov) + [f"output_dir={tmp / name}"], tmp, peak)
+        try:
+            r = measure(name, ov, base + shlex.split(ov) + [f"output_dir={tmp / name}"], tmp)
+        except (BenchError, tt.ConfigError, *tt.USER_ERRORS) as e:
+            fail(f"mode {name}: {e}")
         Path(args.result).write_text(json.dumps(r))
         return
+    try:
+        check_modes(modes, base, tmp)
+    except SystemExit:
+        if not args.tmp:  # refused before anything ran: no empty folder left behind
+            tmp.rmdir()
+        raise
     results = []
-    for spec in args.modes:
-        res = tmp / f"{spec.partition(':')[0]}.json"
-        cmd = [sys.executable, __file__, "--one", spec, "--result", str(res), "--tmp", str(tmp)]
-        cmd += ["--method", args.method, "--steps", str(args.steps), "--records", str(args.records)]
-        subprocess.run(cmd + extra, check=True)
+    for name, ov in modes:
+        res = tmp / f"{name}.json"
+        cmd = [sys.executable, __file__, "--one", f"{name}:{ov}", "--result", str(res)]
+        cmd += ["--tmp", str(tmp), "--method", args.method]
+        cmd += ["--steps", str(args.steps), "--records", str(args.records)]
+        rc = subprocess.run(cmd + extra).returncode
+        if rc != 0:  # the mode said why on stderr; the modes done are kept
+            if results:
+                (tmp / "results.json").write_text(json.dumps(results, indent=1))
+                print(f"results of the {len(results)} mode(s) done: {tmp / 'results.json'}")
+            sys.exit(rc)
         results.append(json.loads(res.read_text()))
-    _table(args, peak, results, H)
+    _table(args, results, extra)
     (tmp / "results.json").write_text(json.dumps(results, indent=1))
     print(f"results: {tmp / 'results.json'}")
 
 
-def measure(name: str, ov: str, overrides: list[str], tmp: Path, peak: dict) -> dict:
+def matmul_peak(tmp: Path, h: int) -> dict:
+    """The machine's matmul rate at hidden size ``h`` (fp32 and bf16), measured once per size
+    and kept in ``tmp/peak.json`` for the other modes."""
+    f = tmp / "peak.json"
+    peaks = json.loads(f.read_text()) if f.exists() else {}
+    if str(h) not in peaks:
+        peaks[str(h)] = {
+            "fp32": matmul_rate(torch.float32, h),
+            "bf16": matmul_rate(torch.bfloat16, h),
+        }
+        f.write_text(json.dumps(peaks))
+    return peaks[str(h)]
+
+
+def measure(name: str, ov: str, overrides: list[str], tmp: Path) -> dict:
     """One mode: its tokens/s (cache built first, untimed), FLOPs per token and rates."""
     cached = "data.cache_features=true" in overrides
     if cached:  # build the cache first: its cost is reported apart from the timed run
@@ -175,42 +291,51 @@ def measure(name: str, ov: str, overrides: list[str], tmp: Path, peak: dict) -> 
         run_mode(warm)
         build = time.perf_counter() - t
     r = run_mode(overrides)
-    draft_f, target_f, tok_batch = flops_per_token(overrides)
+    draft_f, target_f, tok_batch, hidden = flops_per_token(overrides)
+    peak = matmul_peak(tmp, hidden)  # the shapes of the target this run trained against
     model_f = draft_f + (0.0 if cached else target_f)
     bf16 = "float32" not in ov and "mixed_precision=no" not in ov
     achieved = model_f * r["tokens_per_s"] / 1e9
     return {
         "mode": name,
         "overrides": ov,
+        "steps": r["summary"]["step"],
         "tokens_per_s": r["tokens_per_s"],
         "draft_gflop_per_token": draft_f / 1e9,
         "target_gflop_per_token": 0.0 if cached else target_f / 1e9,
         "achieved_gflops": achieved,
+        "hidden_size": hidden,
+        "matmul_rate": peak,
         "peak": peak["bf16" if bf16 else "fp32"],
         "cache_build_s": build if cached else None,
         "tokens_per_batch": tok_batch,
     }
 
 
-def _table(args, peak: dict, results: list[dict], H: int) -> None:
+def _table(args, results: list[dict], extra: list[str]) -> None:
     print(
         f"\n{date.today()}, {platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}; method {args.method}, {args.steps} steps, batch 4, "
-        f"max_length 512, {args.records} ShareGPT records"
+        f"torch {torch.__version__}; method {args.method}, --steps {args.steps}, batch 4, "
+        f"max_length 512, {args.records} "
+        + ("records" if any(a.startswith("data.path=") for a in extra) else "ShareGPT records")
+        + (f"; overrides: {' '.join(extra)}" if extra else "")
     )
+    for h in sorted({r["hidden_size"] for r in results}):
+        peak = next(r["matmul_rate"] for r in results if r["hidden_size"] == h)
+        print(
+            f"measured matmul rate ((2048 x {h}) @ ({h} x {4 * h})): fp32 {peak['fp32']:.0f} "
+            f"GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s"
+        )
     print(
-        f"measured matmul rate ((2048 x {H}) @ ({H} x {4 * H})): fp32 {peak['fp32']:.0f} "
-        f"GFLOP/s, bf16 {peak['bf16']:.0f} GFLOP/s"
+        "| mode | steps run | tokens/s | draft GFLOP/token (fwd+bwd) | target GFLOP/token "
+        "| model GFLOP/s | % of matmul rate | cache build |"
     )
-    print(
-        "| mode | tokens/s | draft GFLOP/token (fwd+bwd) | target GFLOP/token | model GFLOP/s "
-        "| % of matmul rate | cache build |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         build = f"{r['cache_build_s']:.0f} s" if r["cache_build_s"] else "-"
         print(
-            f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['draft_gflop_per_token']:.3f} | "
+            f"| {r['mode']} | {r['steps']} | {r['tokens_per_s']:.0f} | "
+            f"{r['draft_gflop_per_token']:.3f} | "
             f"{r['target_gflop_per_token']:.3f} | {r['achieved_gflops']:.0f} | "
             f"{100 * r['achieved_gflops'] / r['peak']:.0f}% | {build} |"
         )

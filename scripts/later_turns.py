@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,7 +44,7 @@ def later_turns(messages: list[dict], min_chars: int, max_turn: int) -> list[tup
     return out
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     """The project's refusal: one line on stderr, exit status 2."""
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTRUCTION = "Summarize the articles above in a few sentences each."
@@ -30,17 +32,42 @@ def articles() -> list[str]:
     return out
 
 
+def fail(msg: str) -> NoReturn:
+    """The project's refusal: one line on stderr, exit status 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_args(a: argparse.Namespace) -> Path:
+    """The arguments' own checks, before the target loads; returns ``--out``, a new file in a
+    folder that exists (an existing file is never written over, as scripts/later_turns.py)."""
+    if a.tokens < 1:
+        fail(f"--tokens {a.tokens}: must be >= 1")
+    if a.num < 1:
+        fail(f"--num {a.num}: must be >= 1 (a bench file of no prompts measures nothing)")
+    out = Path(a.out)
+    if out.exists():
+        fail(f"--out {out}: exists; choose a new file")
+    if not out.parent.is_dir():
+        fail(f"--out {out}: no folder {out.parent}; create it or choose another path")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048, help="minimum prompt tokens")
     ap.add_argument("--num", type=int, default=6)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="a new file (an existing one is refused)")
     ap.add_argument("--target", default="smollm2_135m", help="target name (its tokenizer)")
     a = ap.parse_args()
+    out = check_args(a)
     from data.chat import prompt_ids
-    from models.target import TargetConfig, load_target
+    from models.target import TargetConfig, TargetError, load_target
 
-    tok = load_target(TargetConfig(name=a.target, device="cpu")).tokenizer
+    try:
+        tok = load_target(TargetConfig(name=a.target, device="cpu")).tokenizer
+    except TargetError as e:
+        fail(f"--target {a.target}: {e}")
 
     def count(text: str) -> int:
         return len(prompt_ids(tok, [{"role": "user", "content": text}]))
@@ -70,8 +97,14 @@ def main() -> None:
         n = count(text)
         recs.append({"question_id": i, "category": f"long{a.tokens}", "turns": [text]})
         print(f"prompt {i}: {len(parts)} articles, {n} tokens")
-    Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in recs))
-    print(f"wrote {a.out}")
+    tmp = out.with_name(out.name + ".tmp")
+    try:  # whole or not at all: a partial bench file is never left under --out
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        tmp.rename(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        fail(f"--out {out}: cannot write ({e.strerror or e})")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

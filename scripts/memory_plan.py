@@ -201,9 +201,8 @@ def plan(argv: list[str]) -> Plan:
     import torch
     from omegaconf import OmegaConf
 
-    from models import METHODS
-
     from conf.cli import home_expanded
+    from models import METHODS
     from trainer.train import ConfigError, check_config
 
     opts, overrides = split_args(home_expanded(argv))
