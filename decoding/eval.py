@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from dataclasses import fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -120,17 +121,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
     questions = bench_questions(cfg)
-    keys = (
-        "tree",
-        "depth",
-        "top_k",
-        "total_tokens",
-        "min_prob",
-        "tree_nodes",
-        "tree_file",
-        "draft_weights",
-    )
-    tree = DecodeSettings(**{k: cfg[k] for k in keys})
+    tree = DecodeSettings(**{f.name: cfg[f.name] for f in fields(DecodeSettings)})
     la = (cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_guesses)
     proposer, draft_desc = load_proposer(
         cfg.draft,

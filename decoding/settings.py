@@ -4,12 +4,13 @@ config selects (the benchmark's questions, the tokens that end a reply)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from models.base import DecodeSettings
 from models.quant import check_mode
 from models.sampling import Sampling
 from models.target import TargetConfig
@@ -231,14 +232,9 @@ ENGINE_ONLY = {
 BUILT_IN_ONLY = (
     "adaptive",
     "compile",
-    "draft_weights",
+    # how a trained draft proposes (DecodeSettings), less tree=, which the engines read
+    *(f.name for f in fields(DecodeSettings) if f.name != "tree"),
     "draft_sampling",
-    "depth",
-    "top_k",
-    "total_tokens",
-    "min_prob",
-    "tree_nodes",
-    "tree_file",
     "typical_epsilon",
     "typical_delta",
     "compare_original",

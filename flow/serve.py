@@ -23,13 +23,13 @@ def llama_cpp_spec_type(method: str) -> str | None:
 def _n_max(run_dir: Path) -> int:
     """The chain a llama.cpp server drafts for the run's draft: a DFlash-family block's
     ``block_size - 1`` (the block it was trained on), else 3."""
-    import json
+    from models.base import DraftError, read_draft_config
 
     try:
-        cfg = json.loads((Path(run_dir) / "final" / "config.json").read_text())
-        return int(cfg["method"]["block_size"]) - 1
-    except (OSError, ValueError, KeyError, TypeError):
+        block = read_draft_config(Path(run_dir) / "final")["method"].get("block_size")
+    except DraftError:  # no draft saved (yet): the default chain
         return 3
+    return int(block) - 1 if block else 3
 
 
 def serve_hint(method: str, run_dir: Path) -> str:

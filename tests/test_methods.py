@@ -221,7 +221,9 @@ def test_the_hint_after_training_names_formats_the_method_exports(method, tmp_pa
         saved = asdict(METHODS[method].config_class())
         if "block_size" in saved:
             saved["block_size"] = 8
-        (final / "config.json").write_text(json.dumps({"method": saved}))
+        (final / "config.json").write_text(
+            json.dumps({"specdraft": {"method": method}, "method": saved})
+        )
         n = 7 if "block_size" in saved else 3
         assert f"--spec-draft-n-max {n} --spec-draft-p-min 0" in serve_hint(
             method, tmp_path / "run"

@@ -133,6 +133,17 @@ def steps_from_positions(drafts: int, gamma: int, accepted_per_pos: list[int]) -
     return steps
 
 
+def context_needed(cfg, tok, questions: list[dict], longest: int) -> int:
+    """The tokens a request can reach: every turn fed with the answers before it, each answer
+    up to ``longest`` tokens, and a margin (an engine's context, or vLLM's max_model_len)."""
+    room = max(
+        len(prompt_ids(tok, [{"role": "user", "content": t}]))
+        for q in questions
+        for t in q["turns"][: cfg.turns]
+    )
+    return cfg.turns * (room + longest) + 64
+
+
 class EngineStats:
     """Pooled counters of speculative requests in the engine (and of the matching plain ones)."""
 

@@ -39,7 +39,14 @@ from models.target import load_target, target_gguf
 from ..report import CONVENTION
 from ..sample_check import check_run
 from ..settings import EvalError, bench_questions, sampling_of, stop_ids
-from .base import EngineError, EngineStats, cpu_name, lossless_note, run_bench
+from .base import (
+    EngineError,
+    EngineStats,
+    context_needed,
+    cpu_name,
+    lossless_note,
+    run_bench,
+)
 from .llama_cpp import (
     BUILD,
     LlamaServer,
@@ -119,16 +126,11 @@ class CostModel:
 
 
 def context_size(cfg: DictConfig, tok, questions: list[dict]) -> int:
-    """The context each server holds: every turn fed with the answers before it, and the
-    longest request (llama.cpp's default, 4096, which a long bench prompt and its answer
-    can pass: the server refuses the request)."""
-    room = max(
-        len(prompt_ids(tok, [{"role": "user", "content": t}]))
-        for q in questions
-        for t in q["turns"][: cfg.turns]
-    )
+    """The context each server holds: what the longest request reaches, at least llama.cpp's
+    default 4096 (which a long bench prompt and its answer can pass: the server refuses the
+    request)."""
     longest = max(cfg.max_new_tokens, cfg.calibration_tokens, cfg.warmup_tokens)
-    return max(4096, cfg.turns * (room + longest) + 64)
+    return max(4096, context_needed(cfg, tok, questions, longest))
 
 
 def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:

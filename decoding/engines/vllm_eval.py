@@ -42,6 +42,7 @@ from .base import (
     EngineStats,
     cache_root,
     cached_export,
+    context_needed,
     cpu_name,
     default_threads,
     lossless_note,
@@ -479,14 +480,9 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     greedy = cfg.temperature == 0
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     warm = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
-    room = max(
-        len(prompt_ids(tok, [{"role": "user", "content": t}]))
-        for q in questions
-        for t in q["turns"][: cfg.turns]
-    )
     common = {
         "dtype": dtype,
-        "max_model_len": max(256, cfg.turns * (room + cfg.max_new_tokens) + 64),
+        "max_model_len": max(256, context_needed(cfg, tok, questions, cfg.max_new_tokens)),
         "seed": cfg.seed,
         "threads": cfg.engine_threads or None,
         "python": python,
