@@ -555,6 +555,18 @@ def dropped_settings(cfg: DictConfig, given: set[str]) -> list[str]:
             f"note: top_k={cfg.top_k} is the dynamic tree's width (tree=dynamic), unused with "
             f"tree={cfg.tree}; sampling's top-k filter is sample_top_k"
         )
+    for key in ("depth", "total_tokens", "min_prob"):
+        if key in given and cfg.tree != "dynamic":
+            notes.append(
+                f"note: {key}={cfg[key]} sizes the dynamic tree (tree=dynamic), unused with "
+                f"tree={cfg.tree}"
+            )
+    for key in ("tree_nodes", "tree_file"):
+        if key in given and cfg.tree in ("chain", "dynamic"):
+            notes.append(
+                f"note: {key}={cfg[key]} builds a static candidate tree (a Medusa draft's, "
+                f"tree=static or auto), unused with tree={cfg.tree}"
+            )
     if "acceptance" in given and cfg.acceptance != "exact" and cfg.temperature == 0:
         notes.append(
             f"note: acceptance={cfg.acceptance} decides at T > 0 only; at temperature=0 a "

@@ -717,6 +717,28 @@ _PLOT_HEADS: dict[str, tuple[bytes, ...]] = {
 }
 
 
+def plot_path_problem(p: Path) -> str | None:
+    """Why a plot cannot be written at ``p``, in a few words, or None (an earlier plot there,
+    of the format its name's ending says, is replaced): a folder, a path under a file, a name
+    no plot format has, or an existing file that is no such plot (data, say)."""
+    from models.base import file_above
+
+    if p.is_dir():
+        return "a folder; name a file in it"
+    above = file_above(p)
+    if above is not None:
+        return f"{above} is a file, not a folder"
+    if p.suffix.lstrip(".").lower() not in _PLOT_HEADS:
+        kinds = ", ".join("." + k for k in _PLOT_HEADS)
+        return f"a plot is written as {kinds} (by its name's ending)"
+    try:
+        if p.exists() and not _is_plot(p):
+            return f"exists and is no {p.suffix.lstrip('.').upper()} plot"
+    except OSError as e:
+        return f"cannot read it ({e.strerror})"
+    return None
+
+
 def _is_plot(p: Path) -> bool:
     with open(p, "rb") as f:
         head = f.read(16)

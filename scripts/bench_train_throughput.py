@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import subprocess
 import sys
@@ -312,11 +311,22 @@ def measure(name: str, ov: str, overrides: list[str], tmp: Path) -> dict:
     }
 
 
+def last_value(overrides: list[str], key: str, default: str) -> str:
+    """The value the trainer sees for ``key``: Hydra takes the last ``key=`` given."""
+    found = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    return found[-1] if found else default
+
+
 def _table(args, results: list[dict], extra: list[str]) -> None:
+    from decoding.engines.base import cpu_name
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    batch = last_value(extra, "data.batch_size", "4")
+    length = last_value(extra, "data.max_length", "512")
     print(
-        f"\n{date.today()}, {platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}; method {args.method}, --steps {args.steps}, batch 4, "
-        f"max_length 512, {args.records} "
+        f"\n{date.today()}, {gpu or cpu_name()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}; method {args.method}, --steps {args.steps}, batch {batch}, "
+        f"max_length {length}, {args.records} "
         + ("records" if any(a.startswith("data.path=") for a in extra) else "ShareGPT records")
         + (f"; overrides: {' '.join(extra)}" if extra else "")
     )

@@ -7,7 +7,7 @@
 
 Each user turn after the first (up to ``--max-turn``) becomes a conversation of its own: that
 message and the reply the dataset has for it (which ``specdraft-prepare`` replaces by the
-target's). Short messages (under ``--min-chars`` characters: "continue", "thanks", "in
+target's), after the conversation's system message if it has one. Short messages (under ``--min-chars`` characters: "continue", "thanks", "in
 Spanish") lean on the turns before them, so they are left out; longer ones mostly stand alone
 ("now write a test for the function above" does not, and the target answers it as best it can,
 which is still its own distribution over a real user's words). ``--data`` defaults to the
@@ -88,10 +88,17 @@ def main() -> None:
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             for c in convs:
+                first = c.messages[0] if c.messages else {}
+                system = (
+                    [{"from": "system", "value": first["content"]}]
+                    if first.get("role") == "system"
+                    else []
+                )  # the conversation's instructions hold for its later turns too
                 for turn, text, reply in later_turns(c.messages, args.min_chars, args.max_turn):
                     rec = {
                         "id": f"{c.id}:turn{turn}",
                         "conversations": [
+                            *system,
                             {"from": "human", "value": text},
                             {"from": "gpt", "value": reply},
                         ],

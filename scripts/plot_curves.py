@@ -172,6 +172,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.positions < 1:
         raise SystemExit(f"--positions {args.positions}: at least 1")
+    from decoding.report import plot_path_problem
+
+    why = plot_path_problem(args.out)
+    if why:
+        raise SystemExit(f"--out {args.out}: {why}")
     if args.lineage is not None:
         curves_ = read_lineage(args.lineage)
         args.runs = [Path(p) for p, _ in curves_]

@@ -39,6 +39,11 @@ def main() -> None:
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--out", default="lenience.png")
     args = ap.parse_args()
+    from decoding.report import plot_path_problem
+
+    why = plot_path_problem(Path(args.out))
+    if why:
+        raise SystemExit(f"--out {args.out}: {why}")
     lines: dict[float, list[tuple[float, float, float]]] = defaultdict(list)
     for path in args.reports:
         try:
@@ -63,6 +68,7 @@ def main() -> None:
     ax.set_title("Lenience: speed against fidelity")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
 

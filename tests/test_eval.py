@@ -542,6 +542,27 @@ def test_settings_a_run_cannot_use_are_each_one_note():
     assert notes(["engine_format", "engine_threads"], engine="vllm", engine_format="vllm") == []
 
 
+def test_tree_sizes_of_another_tree_are_each_one_note():
+    """The dynamic tree's sizes with a chain or static tree, and the static tree's with a chain
+    or dynamic tree, used to be dropped without a word."""
+    from decoding.eval import dropped_settings
+
+    def notes(given, **over):
+        return dropped_settings(_eval_cfg(**over), set(given))
+
+    (depth,) = notes(["depth", "tree"], tree="chain", depth=7)
+    assert depth == "note: depth=7 sizes the dynamic tree (tree=dynamic), unused with tree=chain"
+    assert len(notes(["total_tokens", "min_prob"], tree="static", min_prob=0.1)) == 2
+    assert notes(["depth", "total_tokens", "min_prob", "tree"], tree="dynamic", depth=7) == []
+    (nodes,) = notes(["tree_nodes", "tree"], tree="dynamic", tree_nodes=12)
+    assert nodes.startswith("note: tree_nodes=12 builds a static candidate tree")
+    assert nodes.endswith("unused with tree=dynamic")
+    assert len(notes(["tree_file"], tree="chain", tree_file="t.json")) == 1
+    assert notes(["tree_nodes", "tree_file"], tree="static", tree_nodes=12) == []
+    assert notes(["tree_nodes"], tree="auto", tree_nodes=12) == []  # a Medusa draft's auto
+    assert notes([], tree="chain", depth=7) == []  # not typed: a default, not the user's word
+
+
 @pytest.mark.parametrize("threads", [0, -1])
 def test_engine_threads_out_of_range_is_one_line(threads):
     from decoding.eval import EvalError

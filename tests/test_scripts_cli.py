@@ -111,6 +111,30 @@ def test_long_prompts_refuses_bad_arguments_in_one_line(tmp_path, monkeypatch, c
 # --------------------------------------------------------------------------------- later turns
 
 
+def test_later_turns_keep_the_conversations_system_message(tmp_path, monkeypatch, capsys):
+    """Each later turn used to lose the conversation's system message, which still holds."""
+    from data.conversations import load_conversations
+
+    long = "please explain it once more, this time with an example of each"
+    turns = [("system", "Answer as a pirate."), ("human", "hi"), ("gpt", "arr")]
+    turns += [("human", long), ("gpt", "arr, an example")]
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        json.dumps({"id": "a", "conversations": [{"from": f, "value": v} for f, v in turns]})
+        + "\n"
+        + json.dumps({"id": "b", "conversations": [{"from": f, "value": v} for f, v in turns[1:]]})
+        + "\n"
+    )
+    out = tmp_path / "lt.jsonl"
+    rc, _, err = _outcome("later_turns", monkeypatch, capsys, "--data", str(src), "--out", str(out))
+    assert rc == 0, err
+    convs, _ = load_conversations(out)
+    assert [c.id for c in convs] == ["a:turn2", "b:turn2"]
+    assert [m["role"] for m in convs[0].messages] == ["system", "user", "assistant"]
+    assert convs[0].messages[0]["content"] == "Answer as a pirate."
+    assert [m["role"] for m in convs[1].messages] == ["user", "assistant"]
+
+
 def test_later_turns_checks_the_out_folder_before_writing(tmp_path, monkeypatch, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"}]}))
@@ -212,3 +236,24 @@ def test_bench_reports_steps_run_and_the_targets_width_and_refuses_a_one_window_
     (ok,) = json.loads(done.read_text())
     assert ok["mode"] == "ok" and ok["steps"] == 4 and ok["hidden_size"] == 64
     assert ok["tokens_per_s"] > 0 and set(ok["matmul_rate"]) == {"fp32", "bf16"}
+
+
+def test_bench_table_heads_with_the_batch_trained_and_the_machine(capsys):
+    """The table's first line said batch 4, max_length 512 whatever was given, and named the
+    architecture (x86_64) instead of the machine."""
+    from argparse import Namespace
+
+    from bench_train_throughput import _table
+
+    from decoding.engines.base import cpu_name
+
+    row = {"mode": "a", "steps": 3, "tokens_per_s": 10.0, "draft_gflop_per_token": 1.0}
+    row |= {"target_gflop_per_token": 0.0, "achieved_gflops": 1.0, "peak": 2.0}
+    row |= {"hidden_size": 64, "matmul_rate": {"fp32": 2.0, "bf16": 2.0}, "cache_build_s": None}
+    args = Namespace(method="eagle1", steps=3, records=40)
+    _table(args, [row], ["data.batch_size=8", "target=tiny_random", "data.batch_size=16"])
+    head = capsys.readouterr().out.strip().splitlines()[0]
+    assert "batch 16, max_length 512," in head
+    import torch
+
+    assert (torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_name()) in head

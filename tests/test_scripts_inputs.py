@@ -278,6 +278,31 @@ def test_a_last_line_cut_short_is_left_out_one_in_the_middle_is_named(tmp_path, 
     assert str(e.value.code).startswith(f"{run}:2: ") and "\n" not in str(e.value.code)
 
 
+@pytest.mark.parametrize("script", ["plot_curves", "plot_lenience"])
+def test_a_plot_never_writes_over_a_file_that_is_no_plot(tmp_path, monkeypatch, script):
+    """--out naming data (or a folder, or a name no plot has) is one line and the file is
+    left as it was; an earlier plot of the same name is replaced."""
+    (tmp_path / "metrics.jsonl").write_text(MEDUSA)
+    first = str(tmp_path) if script == "plot_curves" else str(tmp_path / "metrics.jsonl")
+    data = tmp_path / "keep.png"
+    data.write_text("not a plot")
+    for out, why in (
+        (data, "exists and is no PNG plot"),
+        (tmp_path, "a folder; name a file in it"),
+        (tmp_path / "curves.json", "a plot is written as .png, .pdf"),
+        (data / "c.png", f"{data} is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            _call(script, monkeypatch, first, "--out", str(out))
+        assert str(e.value.code).startswith(f"--out {out}: {why}"), e.value.code
+    assert data.read_text() == "not a plot"
+    if script == "plot_curves":
+        png = tmp_path / "sub" / "curves.png"
+        _call(script, monkeypatch, first, "--out", str(png))
+        _call(script, monkeypatch, first, "--out", str(png))  # an earlier plot: replaced
+        assert png.stat().st_size > 10_000
+
+
 @pytest.mark.parametrize("text", [None, "", "{cut", '{"runs": []}', '{"curves": [["a.jsonl"]]}'])
 def test_a_missing_or_malformed_lineage_is_one_line(tmp_path, monkeypatch, text):
     lin = tmp_path / "lineage.json"
