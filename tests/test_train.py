@@ -819,6 +819,7 @@ def test_a_run_refused_once_its_target_loads_leaves_no_folder_behind(tmp_path):
     args = ["debug=default", "method=distillspec", "method.num_layers=4"]
     r = _cli([*args, f"output_dir={tmp_path / 'new'}"])
     assert r.returncode == 2 and "error: method.num_layers=4 (method.student=truncate)" in r.stderr
+    assert "the target has 2 decoder layers; a truncated student keeps 1..1 of them" in r.stderr
     assert not (tmp_path / "new").exists()
     (tmp_path / "mine").mkdir()
     r = _cli([*args, f"output_dir={tmp_path / 'mine'}"])

@@ -310,12 +310,20 @@ def make_student(target: Target, cfg: DistillSpecConfig) -> nn.Module:
         try:
             return target.truncated(layers).float()
         except TargetError as e:
-            key = (
-                f"method.student_layers={list(cfg.student_layers)}"
-                if cfg.student_layers
-                else f"method.num_layers={cfg.num_layers}"
-            )
-            raise DraftError(f"{key} (method.student=truncate): {e}") from None
+            if cfg.student_layers:
+                key = f"method.student_layers={list(cfg.student_layers)}"
+                raise DraftError(f"{key} (method.student=truncate): {e}") from None
+            n = target.num_layers
+            if n < 2:
+                raise DraftError(
+                    f"method.student=truncate: the target has {n} decoder layer, none to drop; "
+                    "give method.student=<a smaller model of its tokenizer>"
+                ) from None
+            raise DraftError(
+                f"method.num_layers={cfg.num_layers} (method.student=truncate): the target has "
+                f"{n} decoder layers; a truncated student keeps 1..{n - 1} of them (e.g. "
+                f"method.num_layers={max(1, min(cfg.num_layers, n - 1))})"
+            ) from None
     return load_same_vocabulary_lm(cfg.student, target, f"method.student={cfg.student}").float()
 
 
