@@ -847,3 +847,18 @@ def test_resume_of_a_finished_run_changes_nothing(data_file, tmp_path):
         compose(tiny_overrides(data_file, out, **{**over, "train.max_steps": 4}, resume=True))
     )
     assert more["step"] == 4 and not more.get("already_finished")
+
+
+def test_a_method_the_target_refuses_is_said_before_the_data_is_read(tmp_path):
+    """A DFlash draft on a target with no spare token id for its mask used to be refused only
+    after the whole dataset was tokenised (minutes of ShareGPT); the method is now built
+    first, so a data path that is not even there is never reached."""
+    from conftest import compose, tiny_overrides
+
+    from models.base import DraftError
+    from trainer.train import run
+
+    out = tmp_path / "run"
+    cfg = compose(tiny_overrides(tmp_path / "no-such-data.jsonl", out, method="dflash"))
+    with pytest.raises(DraftError, match="no spare token id for the mask"):
+        run(cfg)

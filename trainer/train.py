@@ -221,8 +221,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if accelerator.device.type == "cpu":
         keep_freed_memory()
     set_seed(cfg.train.seed)
-    target, data = _load_target_and_data(cfg, accelerator, log)
-    method = _build_method(cfg, target, data, accelerator, log)
+    target = _load_target(cfg, accelerator, log)
+    # the method before the data: what refuses it on this target (a DFlash draft's mask id, a
+    # head no engine serves) is said before the data is tokenised, which takes minutes
+    method = _build_method(cfg, target, accelerator, log)
+    data = _load_data(cfg, target, accelerator, log)
+    if not cfg.train.init_from:  # e.g. EAGLE-3's vocabulary, chosen from the training data
+        method.init_from_data(data.train, log)
     shard_info = (
         _shard(cfg, target, method, accelerator, log) if cfg.target.shard != "none" else None
     )
@@ -328,9 +333,8 @@ def _accelerator(cfg: DictConfig):
     )
 
 
-def _load_target_and_data(cfg: DictConfig, accelerator, log):
-    """The frozen target on the accelerator's device and the tokenised train/val splits (the
-    main process tokenises first; the others read its cache)."""
+def _load_target(cfg: DictConfig, accelerator, log):
+    """The frozen target on the accelerator's device."""
     target_cfg = OmegaConf.to_object(cfg.target)
     target_cfg.device = str(accelerator.device)
     t0 = time.perf_counter()
@@ -340,6 +344,12 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
         f"vocab {target.config.vocab_size}) on {target.device} {target.dtype}, "
         f"loaded in {time.perf_counter() - t0:.1f}s"
     )
+    return target
+
+
+def _load_data(cfg: DictConfig, target, accelerator, log):
+    """The tokenised train/val splits (the main process tokenises first; the others read its
+    cache)."""
     path = data_path(cfg.data)
     with accelerator.main_process_first():
         data = prepare_tokenized(
@@ -366,7 +376,7 @@ def _load_target_and_data(cfg: DictConfig, accelerator, log):
         log(f"data: {data.report.first_skipped()}")
     for note in data.report.notes():  # files cut off, empty files passed over, ids renamed
         log(f"data: {note}")
-    return target, data
+    return data
 
 
 def _shard(cfg: DictConfig, target, method, accelerator, log) -> dict[str, Any]:
@@ -391,8 +401,9 @@ def _shard(cfg: DictConfig, target, method, accelerator, log) -> dict[str, Any]:
     }
 
 
-def _build_method(cfg: DictConfig, target, data, accelerator, log):
-    """The configured method, started from ``train.init_from`` or from the training data."""
+def _build_method(cfg: DictConfig, target, accelerator, log):
+    """The configured method, started from ``train.init_from`` (else from the training data,
+    once it is read: ``init_from_data``), refused where no engine would serve it."""
     method_cfg = OmegaConf.to_object(cfg.method)
     method = METHODS[method_cfg.name](target, method_cfg).to(accelerator.device)
     if cfg.train.init_from:
@@ -400,8 +411,6 @@ def _build_method(cfg: DictConfig, target, data, accelerator, log):
     problem = method.serving_problem()  # before any training: a head no engine takes
     if problem is not None:
         raise ConfigError(problem)
-    if not cfg.train.init_from:  # e.g. EAGLE-3's vocabulary, chosen from the training data
-        method.init_from_data(data.train, log)
     n_params = sum(p.numel() for p in method.parameters() if p.requires_grad)
     log(f"method: {method_cfg.name}, {n_params / 1e6:.2f}M trainable parameters")
     if accelerator.num_processes > 1:
