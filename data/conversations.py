@@ -624,6 +624,8 @@ def load_conversations(
     """
     if skip_records < 0:
         raise DataError(f"data.skip_records={skip_records}: must be >= 0")
+    if max_records is not None and max_records < 1:  # 0 would still read one
+        raise DataError(f"data.max_records={max_records}: must be >= 1")
     root = Path(path).expanduser()
     files = data_files(root)
     folder = root.is_dir()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -71,35 +72,59 @@ def write_traces(path: str | Path, rows: list[dict], report: dict, draft_desc: s
     return {"path": str(p), "iterations": len(rows), "drafted": sum(r["drafted"] for r in rows)}
 
 
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def read_traces(path: str | Path) -> tuple[dict, list[dict]]:
-    p = Path(path)
+    p = Path(path).expanduser()
     if p.is_dir():
         raise DiscoError(f"{p}: a folder; name the traces file specdraft-eval traces=... wrote")
     if not p.is_file():
         raise DiscoError(f"{p}: no such traces file (write one with specdraft-eval traces=...)")
     if p.stat().st_size == 0:
         raise DiscoError(f"{p}: empty (write traces with specdraft-eval traces=... adaptive=false)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DiscoError(f"{p}: byte {e.start + 1} is not UTF-8 (not a traces file?)") from None
     meta, rows = None, []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DiscoError(f"{p}:{n}: not valid JSON ({e})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("meta", {}), dict):
+            raise DiscoError(f"{p}:{n}: not a JSON object of a traces file ({line.strip()[:40]})")
         if "meta" in rec:
             meta = rec["meta"]
             continue
         for key in ("signals", "accepted", "drafted"):
             if key not in rec:
                 raise DiscoError(f"{p}:{n}: no '{key}' field")
+        for key in ("accepted", "drafted"):
+            if not _count(rec[key]):
+                raise DiscoError(f"{p}:{n}: {key}={rec[key]!r}: must be a whole number >= 0")
         sig = rec["signals"]
-        if len(sig) != rec["drafted"] or any(len(s) != len(SIGNAL_NAMES) for s in sig):
+        if (
+            not isinstance(sig, list)
+            or len(sig) != rec["drafted"]
+            or any(not isinstance(s, list) or len(s) != len(SIGNAL_NAMES) for s in sig)
+        ):
             raise DiscoError(
                 f"{p}:{n}: 'signals' must hold {rec['drafted']} rows of {len(SIGNAL_NAMES)} "
                 f"values ({', '.join(SIGNAL_NAMES)})"
             )
-        if not 0 <= rec["accepted"] <= rec["drafted"]:
+        # a NaN would turn the standardisation, and so every prediction, into NaN
+        if not all(_number(v) for s in sig for v in s):
+            raise DiscoError(f"{p}:{n}: 'signals' must be finite numbers")
+        if not rec["accepted"] <= rec["drafted"]:
             raise DiscoError(f"{p}:{n}: accepted={rec['accepted']} outside 0..{rec['drafted']}")
         rows.append(rec)
     if meta is None:
@@ -184,8 +209,8 @@ def train_disco(
 ) -> tuple[DiscoClassifier, float, dict[str, Any]]:
     """Fit the classifier on a split of the iterations and choose the stop threshold on the
     rest by replay. Returns (classifier, threshold, summary)."""
-    if not c >= 0:
-        raise DiscoError(f"draft cost c={c}: must be >= 0")
+    if not (_number(c) and c >= 0):
+        raise DiscoError(f"draft cost c={c!r}: must be a number >= 0")
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(rows), generator=g).tolist()
     n_val = max(1, int(len(rows) * val_fraction)) if len(rows) > 1 else 0
@@ -397,12 +422,20 @@ def main(argv: list[str] | None = None) -> None:
             if not ok:
                 raise DiscoError(f"{key}={v}: out of range")
         meta, rows = read_traces(a.traces)
-        default = default_disco_dir(str(meta.get("draft", "")))
-        out = Path(a.out) if a.out else default
+        draft = meta.get("draft")
+        # no draft named: "" would be the current folder, and its disco/ the default
+        default = default_disco_dir(str(draft)) if draft else None
+        out = Path(a.out).expanduser() if a.out else default  # --out=~/x: no shell expands it
         if out is None:
             raise DiscoError(
-                f"{a.traces}: the traced draft {meta.get('draft')!r} is not a folder here; "
-                "pass --out"
+                f"{a.traces}: the traced draft {draft!r} is not a folder here; pass --out"
+            )
+        from models.shipped import HERE as shipped_home
+
+        if not a.out and out.resolve().is_relative_to(shipped_home):
+            raise DiscoError(
+                f"{a.traces}: traces of the shipped draft {draft}, whose classifier is part of "
+                "the package and is not written over; pass --out DIR (then disco=DIR)"
             )
         if out.exists() and not out.is_dir():
             raise DiscoError(f"--out {out}: a file, not a folder; name a folder for the classifier")
@@ -426,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     where = "" if default is not None and out.resolve() == default.resolve() else f" disco={out}"
-    print(f"saved: {path}  (use: specdraft-eval draft={meta['draft']} stop=disco{where})")
+    print(f"saved: {path}  (use: specdraft-eval draft={draft or '<draft>'} stop=disco{where})")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from decoding.batch import BatchDecoder
 from decoding.batch_checks import BatchError, check_batchable
 from decoding.decoder import NoDraft
 from decoding.runner import COMPILE_MODES
+from models.base import file_above
 from models.sampling import Sampling
 from models.target import (
     GenRequest,
@@ -112,6 +113,11 @@ _OUTPUT_SETTINGS = (
 )
 
 
+#: the key under which a part file's record carries its conversation's counts (left out of
+#: the merged output)
+_COUNTS_KEY = "_counts"
+
+
 class PrepareError(ValueError):
     """A bad setting or an output that cannot be resumed; the message names it."""
 
@@ -146,7 +152,8 @@ def _read_done(part: Path) -> dict[str, dict]:
 def _settings(cfg: DictConfig, target_identity: str, source: str) -> dict[str, Any]:
     s = {k: cfg[k] for k in _OUTPUT_SETTINGS}
     s["target"] = target_identity
-    s["source"] = source
+    # the whole path: a relative one names another file when the command runs elsewhere
+    s["source"] = str(Path(source).resolve())
     s["max_length"] = cfg.data.max_length
     s["skip_records"] = cfg.data.skip_records
     s["reasoning"] = cfg.data.reasoning
@@ -157,25 +164,43 @@ def _settings(cfg: DictConfig, target_identity: str, source: str) -> dict[str, A
 _ADDED_LATER = {"skip_records": 0, "engine": "torch", "reasoning": "keep"}
 
 
-def _check_settings(meta_file: Path, settings: dict[str, Any]) -> None:
+def _check_settings(meta_file: Path, settings: dict[str, Any], out: Path | None = None) -> None:
     """Record the settings, or check them against the earlier parts' (a run that wrote no
-    reply yet, e.g. one stopped by an error, binds nothing)."""
+    reply yet, e.g. one stopped by an error, binds nothing), or where there are none (parts
+    removed once merged), against those of the finished ``out`` that the run would replace."""
     written = any(f.stat().st_size for f in meta_file.parent.glob("rank*-of-*.jsonl"))
+    out_meta = None if out is None else out.with_name(out.name + ".meta.json")
+    if meta_file.exists() and written:
+        old = json.loads(meta_file.read_text()).get("settings", {})
+        where = f"{meta_file.parent}: earlier parts were"
+    elif out_meta is not None and out.exists() and out_meta.exists():
+        try:
+            old = json.loads(out_meta.read_text()).get("settings", {})
+        except ValueError:  # cut while written: nothing to hold the run to
+            old = None
+        where = f"{out}: it was"
+    else:
+        old = None
+    if old is not None:
+        _compare_settings(old, settings, where)
     if not meta_file.exists() or not written:
         meta_file.parent.mkdir(parents=True, exist_ok=True)
-        meta_file.write_text(json.dumps({"settings": settings}, indent=1))
-        return
+        _write_atomic(meta_file, json.dumps({"settings": settings}, indent=1))
+
+
+def _compare_settings(old: dict[str, Any], settings: dict[str, Any], where: str) -> None:
     from models.export import same_weights
 
-    old = json.loads(meta_file.read_text()).get("settings", {})
     for k, now in settings.items():
         was = old.get(k, _ADDED_LATER.get(k))
         if k == "target" and same_weights(was, now):
             continue  # the same weights, moved or renamed
+        if k == "source" and isinstance(was, str) and Path(was).resolve() == Path(now).resolve():
+            continue  # written as given (relative) by earlier versions
         if was != now:
             raise PrepareError(
-                f"{meta_file.parent}: earlier parts were generated with {k}={was!r}, "
-                f"now {k}={now!r}; use the same settings or another out="
+                f"{where} generated with {k}={was!r}, now {k}={now!r}; use the same settings "
+                "or another out="
             )
 
 
@@ -291,6 +316,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         ),
         ("temperature", cfg.temperature >= 0, "must be >= 0"),
         ("top_p", 0 < cfg.top_p <= 1, "must be in (0, 1]"),
+        ("top_k", cfg.top_k >= 0, "must be >= 0 (0: off)"),
         ("max_turns", cfg.max_turns is None or cfg.max_turns >= 1, "must be >= 1"),
         ("max_minutes", cfg.max_minutes is None or cfg.max_minutes > 0, "must be > 0"),
         ("compile", str(cfg.compile).lower() in COMPILE_MODES, "use auto, true, false or fused"),
@@ -299,6 +325,19 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     ]:
         if not ok:
             raise PrepareError(f"{key}={cfg[key]!r}: {why}")
+    d = cfg.data
+    for key, value, ok, why in [
+        ("max_length", d.max_length, d.max_length >= 8, "must be >= 8"),
+        ("max_records", d.max_records, d.max_records is None or d.max_records >= 1, "must be >= 1"),
+        ("skip_records", d.skip_records, d.skip_records >= 0, "must be >= 0"),
+    ]:
+        if not ok:
+            raise PrepareError(f"data.{key}={value!r}: {why}")
+    if cfg.engine != "vllm" and cfg.engine_args:
+        raise PrepareError(
+            f"engine_args={OmegaConf.to_container(cfg.engine_args)}: vLLM's arguments, and "
+            f"engine={cfg.engine}; use engine=vllm, or leave engine_args out"
+        )
     # On the CPU the processes must be told so, or each one starts as a world of its own.
     state = PartialState(cpu=str(cfg.target.device) == "cpu" or not torch.cuda.is_available())
     rank, world = state.process_index, state.num_processes
@@ -313,6 +352,9 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         )
     if out.is_dir():
         raise PrepareError(f"out={out} is a folder; name a file in it (out={out}/regen.jsonl)")
+    above = file_above(out)
+    if above is not None:
+        raise PrepareError(f"out={out}: {above} is a file, not a folder")
     ours = out.with_name(out.name + ".meta.json").exists() or _parts_dir(out).exists()
     if out.exists() and not ours:
         raise PrepareError(
@@ -350,10 +392,10 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     meta_file = _parts_dir(out) / "settings.json"
     settings = _settings(cfg, target.identity, source)
     if rank == 0:
-        _check_settings(meta_file, settings)
+        _check_settings(meta_file, settings, out)
     state.wait_for_everyone()
     if rank != 0:
-        _check_settings(meta_file, settings)
+        _check_settings(meta_file, settings, out)
 
     # Conversations go to processes round-robin, each process serving its share shortest
     # prompt first (rows that join the running batch together then need little padding); the
@@ -367,7 +409,10 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     counts_file = part.parent / f"counts-rank{rank}-of-{world}.json"
     counts = dict.fromkeys(COUNTS, 0)
     if counts_file.exists() and done:  # resumed: keep counting from where it stopped
-        counts.update(json.loads(counts_file.read_text()))
+        try:
+            counts.update(json.loads(counts_file.read_text()))
+        except ValueError:  # cut by a stop while it was written: the records hold theirs
+            pass
     todo = [i for i in mine if convs[i].id not in done]
     work = _Conversations(target, [(i, convs[i]) for i in todo], cfg)
     t0 = time.time()
@@ -388,12 +433,13 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             # crash repeats only the conversations in flight
             nonlocal new_tokens
             rec, n = work.record(i)
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            # its counts travel with it: the merge counts exactly the records it writes
+            f.write(json.dumps({**rec, _COUNTS_KEY: n}, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
             for k, v in n.items():
                 counts[k] += v
-            counts_file.write_text(json.dumps(counts))
+            _write_atomic(counts_file, json.dumps(counts))
             new_tokens += n["reply_tokens"]
             bar.update(1)
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
@@ -425,7 +471,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
                 None if cfg.max_minutes is None else lambda: time.time() > deadline,
             )
     bar.close()
-    counts_file.write_text(json.dumps(counts))
+    _write_atomic(counts_file, json.dumps(counts))
     state.wait_for_everyone()
     summary: dict[str, Any] = {"out": str(out), "rank": rank}
     if rank == 0:
@@ -563,28 +609,45 @@ def _parts_dir(out: Path) -> Path:
     return out.parent / f"{out.name}.parts"
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holds the old text or the new, never a part of either (a stop can land in the
+    middle of a write)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str, Any]:
     parts = _parts_dir(out)
     recs: dict[str, dict] = {}
     for r in range(world):
         recs.update(_read_done(_part_path(out, r, world)))
-    counts: dict[str, int] = {}
-    for f in parts.glob(f"counts-rank*-of-{world}.json"):
-        for k, v in json.loads(f.read_text()).items():
-            counts[k] = counts.get(k, 0) + v
+    mine = [recs[c.id] for c in convs if c.id in recs]
+    counts = dict.fromkeys(COUNTS, 0)
+    if all(_COUNTS_KEY in rec for rec in mine):
+        # the counts of the records written, not of every record the parts hold (a resumed run
+        # with a smaller data.max_records writes fewer)
+        for rec in mine:
+            for k, v in rec[_COUNTS_KEY].items():
+                counts[k] = counts.get(k, 0) + v
+    else:  # parts written before records carried their counts: each process's totals
+        for f in parts.glob(f"counts-rank*-of-{world}.json"):
+            for k, v in json.loads(f.read_text()).items():
+                counts[k] = counts.get(k, 0) + v
     tmp = out.with_name(out.name + ".tmp")
     n = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for c in convs:  # the input's order, whatever the sharding
-            if c.id in recs and not recs[c.id].get("dropped"):
-                f.write(json.dumps(recs[c.id], ensure_ascii=False) + "\n")
+        for rec in mine:  # the input's order, whatever the sharding
+            if not rec.get("dropped"):
+                rec = {k: v for k, v in rec.items() if k != _COUNTS_KEY}
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 n += 1
     os.replace(tmp, out)
-    reached = sum(1 for c in convs if c.id in recs)
+    reached = len(mine)
     meta = {"settings": settings, "input_conversations": kept, "records": n, **counts}
     meta["dropped"] = reached - n  # first prompts too long, or refused by the template
     meta["not_reached"] = kept - reached  # left by max_minutes
-    out.with_name(out.name + ".meta.json").write_text(json.dumps(meta, indent=1))
+    _write_atomic(out.with_name(out.name + ".meta.json"), json.dumps(meta, indent=1))
     return meta
 
 

