@@ -68,7 +68,8 @@ REASONS = (
     "missing_field",  # no "conversations"/"messages", or a turn without role/text
     "bad_type",  # a field of the wrong type (turns not a list, text not a string, ...)
     "unknown_role",  # a role outside ROLE_ALIASES
-    "empty_text",  # a turn whose text is empty or whitespace
+    "late_system",  # a system turn after the first turn
+    "empty_text",  # nothing before the first turn whose text is empty or whitespace
     "no_assistant_turn",  # nothing left to train on after normalisation
     "bad_tool_call",  # a tool call without a function name, or arguments neither object nor JSON
 )
@@ -239,7 +240,9 @@ def normalise_record(record: object) -> list[Message]:
 
     Consecutive turns of one role are joined with a blank line (many chat templates refuse
     non-alternating roles); assistant turns before the first user turn and user turns after the
-    last assistant turn carry nothing to learn and are dropped. Raises ``_Reject`` with a reason.
+    last assistant turn carry nothing to learn and are dropped. A turn of white space only ends
+    the conversation there (the turns before it are kept; an empty system message is dropped).
+    Raises ``_Reject`` with a reason (``empty_text``: nothing is left before the empty turn).
     """
     if not isinstance(record, dict):
         raise _Reject("not_a_dict")
@@ -252,6 +255,7 @@ def normalise_record(record: object) -> list[Message]:
     if not isinstance(turns, list):
         raise _Reject("bad_type")
     messages: list[Message] = []
+    cut = False
     for turn in turns:
         if not isinstance(turn, dict):
             raise _Reject("bad_type")
@@ -279,14 +283,18 @@ def normalise_record(record: object) -> list[Message]:
             if reasoning and reasoning.strip():
                 m["reasoning_content"] = reasoning.strip("\n")
         if not text.strip() and "tool_calls" not in m:
-            raise _Reject("empty_text")
+            if role == "system" and not messages:
+                continue  # an empty system message says nothing: the rest stands
+            # the turns before it still teach; those after it follow an empty turn
+            cut = True
+            break
         m["content"] = text
         if role == "tool":
             for k in ("tool_call_id", "name"):
                 if isinstance(turn.get(k), str):
                     m[k] = turn[k]
         if role == "system" and messages:
-            raise _Reject("unknown_role")  # a system turn is only meaningful first
+            raise _Reject("late_system")  # a system turn is only meaningful first
         prev = messages[-1] if messages else None
         plain = {"role", "content"}
         if prev and prev["role"] == role and role != "tool" and set(prev) == set(m) == plain:
@@ -300,7 +308,7 @@ def normalise_record(record: object) -> list[Message]:
     while body and body[-1]["role"] != "assistant":
         body = body[:-1]
     if not any(m["role"] == "assistant" for m in body):
-        raise _Reject("no_assistant_turn")
+        raise _Reject("empty_text" if cut else "no_assistant_turn")
     return system + body
 
 

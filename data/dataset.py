@@ -25,7 +25,9 @@ import torch
 from .chat import TemplateSkip, template_kwargs, tokenize_conversation
 from .conversations import DataError, LoadReport, data_files, load_conversations
 
-CACHE_VERSION = 3  # 2: reasoning, tool calls, template skips; 3: unique ids, replies located safely
+# 2: reasoning, tool calls, template skips; 3: unique ids, replies located safely; 4: a turn of
+# white space ends its conversation there instead of dropping it
+CACHE_VERSION = 4
 
 
 @dataclass

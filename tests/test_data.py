@@ -94,7 +94,25 @@ BAD = [
         {"conversations": [{"from": "human", "value": "  "}, {"from": "gpt", "value": "x"}]},
     ),
     ("no_assistant_turn", {"conversations": [{"from": "human", "value": "hi"}]}),
+    (
+        "late_system",
+        {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]},
+    ),
 ]
+
+
+def test_an_empty_turn_ends_the_conversation_and_keeps_the_turns_before_it():
+    """A reply of white space only (a target's empty answer, an export's blank turn) dropped
+    the whole conversation, its good earlier turns with it; an empty system message did too."""
+    turns = [("system", ""), ("user", "q1"), ("assistant", "a1"), ("user", "q2")]
+    turns += [("assistant", "  \n"), ("user", "q3"), ("assistant", "a3")]
+    rec = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    assert normalise_record(rec) == [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+    ]
+    rec["messages"][0]["content"] = "be brief"
+    assert [m["content"] for m in normalise_record(rec)] == ["be brief", "q1", "a1"]
 
 
 def test_bad_records_are_counted_per_reason(tmp_path):
