@@ -21,6 +21,7 @@ is refused, naming the setting, so one file never mixes two settings.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -116,6 +117,17 @@ _OUTPUT_SETTINGS = (
 #: the key under which a part file's record carries its conversation's counts (left out of
 #: the merged output)
 _COUNTS_KEY = "_counts"
+#: the key under which it carries a digest of the input it answered (the turns the target
+#: does not write: system, user, tool), so a resume after the input changed is refused
+_INPUT_KEY = "_input"
+
+
+def _input_digest(c) -> str:
+    """What a conversation asks, in a few characters: its turns other than the assistant's,
+    and its tools."""
+    asked = [m for m in c.messages if m["role"] != "assistant"]
+    text = json.dumps([asked, c.tools], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class PrepareError(ValueError):
@@ -406,6 +418,14 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     part = _part_path(out, rank, world)
     part.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(part)
+    for i in mine:  # records without ids are named by their line: an edited input renames them
+        c = convs[i]
+        was = done.get(c.id, {}).get(_INPUT_KEY)
+        if was is not None and was != _input_digest(c):
+            raise PrepareError(
+                f"{source}: conversation {c.id} is not the one answered in {part} (the input "
+                "changed since); give the input as it was, or another out="
+            )
     counts_file = part.parent / f"counts-rank{rank}-of-{world}.json"
     counts = dict.fromkeys(COUNTS, 0)
     if counts_file.exists() and done:  # resumed: keep counting from where it stopped
@@ -434,7 +454,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             nonlocal new_tokens
             rec, n = work.record(i)
             # its counts travel with it: the merge counts exactly the records it writes
-            f.write(json.dumps({**rec, _COUNTS_KEY: n}, ensure_ascii=False) + "\n")
+            rec = {**rec, _COUNTS_KEY: n, _INPUT_KEY: _input_digest(convs[i])}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
             for k, v in n.items():
@@ -639,7 +660,7 @@ def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str,
     with open(tmp, "w", encoding="utf-8") as f:
         for rec in mine:  # the input's order, whatever the sharding
             if not rec.get("dropped"):
-                rec = {k: v for k, v in rec.items() if k != _COUNTS_KEY}
+                rec = {k: v for k, v in rec.items() if k not in (_COUNTS_KEY, _INPUT_KEY)}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 n += 1
     os.replace(tmp, out)

@@ -285,3 +285,29 @@ def test_out_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
     assert (home / "d" / "config.json").is_file() and list(work.iterdir()) == []
     cfg = json.loads((home / "d" / "config.json").read_text())
     assert math.isfinite(cfg["disco"]["threshold"])
+
+
+def test_a_resume_after_the_input_changed_is_refused(tmp_path):
+    """Records without ids are named by their line: after an edit of the input (a record
+    removed, a prompt changed), a resume matched answers to other prompts without a word."""
+    from flow.regenerate import PrepareError, regenerate
+
+    src = tmp_path / "in.jsonl"
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {k}"},
+                {"from": "gpt", "value": "a"},
+            ]
+        }
+        for k in range(3)
+    ]
+    _write(src, rows)
+    out = tmp_path / "regen.jsonl"
+    regenerate(_cfg(src, out))
+    regenerate(_cfg(src, out))  # the same input: nothing left to do, nothing refused
+    _write(src, rows[1:])  # the first removed: every later line is renamed
+    with pytest.raises(PrepareError, match=r"in.jsonl:line 1 is not the one answered in .*input"):
+        regenerate(_cfg(src, out))
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(set(r) == {"id", "conversations"} for r in recs)  # the digest stays in the parts
