@@ -187,18 +187,21 @@ def prepare_tokenized(
     key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
     cache_dir = Path(cache_root).expanduser() / "tokenized" / key
     if (cache_dir / "done.json").exists():
-        meta = json.loads((cache_dir / "done.json").read_text())
-        train = datasets.load_from_disk(str(cache_dir / "train"))
-        val = datasets.load_from_disk(str(cache_dir / "val"))
-        return TokenizedData(
-            train,
-            val,
-            LoadReport.from_dict(meta["report"]),
-            meta["too_long"],
-            cache_dir,
-            key,
-            source,
-        )
+        try:
+            meta = json.loads((cache_dir / "done.json").read_text())
+            train = datasets.load_from_disk(str(cache_dir / "train"))
+            val = datasets.load_from_disk(str(cache_dir / "val"))
+            report = LoadReport.from_dict(meta["report"])
+            too_long = meta["too_long"]
+        except Exception as e:  # files lost or cut short since: tokenise again
+            log(
+                f"warning: tokenised-data cache {cache_dir} is damaged "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "tokenising again"
+            )
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        else:
+            return TokenizedData(train, val, report, too_long, cache_dir, key, source)
 
     convs, report = load_conversations(path, max_records=max_records, skip_records=skip_records)
     splits = [
@@ -268,8 +271,12 @@ def prepare_tokenized(
         )
         try:
             os.rename(tmp, cache_dir)
-        except OSError:  # another process finished first; theirs is equivalent
-            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            if (cache_dir / "done.json").exists():  # another process finished first: the same
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:  # a folder with no done.json (a copy cut short): never read, replaced
+                shutil.rmtree(cache_dir)
+                os.rename(tmp, cache_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

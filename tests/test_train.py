@@ -862,3 +862,48 @@ def test_a_method_the_target_refuses_is_said_before_the_data_is_read(tmp_path):
     cfg = compose(tiny_overrides(tmp_path / "no-such-data.jsonl", out, method="dflash"))
     with pytest.raises(DraftError, match="no spare token id for the mask"):
         run(cfg)
+
+
+def test_init_from_a_head_of_another_target_says_so(data_file, tmp_path, capsys):
+    """A head trained for other target weights of the same shapes started a run without a word
+    (the evaluator warns of the same draft); init_from says whose head it was."""
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import run
+
+    over = {"train.max_steps": 2, "train.eval_every": 0, "train.save_every": 0}
+    run(compose(tiny_overrides(data_file, tmp_path / "a", **over, **{"target.seed": 1})))
+    capsys.readouterr()
+    run(
+        compose(
+            tiny_overrides(data_file, tmp_path / "b", **over, **{"train.init_from": tmp_path / "a"})
+        )
+    )
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("init_from:"))
+    assert "(warning: made for target tiny_random(seed=1)" in line and "seed=0" in line
+    run(
+        compose(
+            tiny_overrides(data_file, tmp_path / "c", **over, **{"train.init_from": tmp_path / "b"})
+        )
+    )
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("init_from:"))
+    assert "warning" not in line
+
+
+def test_resume_of_a_run_out_of_time_changes_nothing(data_file, tmp_path):
+    """A run stopped by train.max_minutes trained one more step on each resume=true (and
+    rewrote final/); it says there is nothing left to train."""
+    from conftest import compose, tiny_overrides
+
+    from trainer.train import run
+
+    out = tmp_path / "run"
+    over = {"train.max_steps": 1000, "train.max_minutes": 0.002, "train.eval_every": 0}
+    first = run(compose(tiny_overrides(data_file, out, **over)))
+    assert first["reason"] == "time"
+    (out / "summary.json").write_text(json.dumps(first))
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    again = run(compose(tiny_overrides(data_file, out, **over, resume=True)))
+    assert again["already_finished"] and again["step"] == first["step"]
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    assert after == files

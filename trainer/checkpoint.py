@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,7 @@ def save_checkpoint(
             if final.exists():  # a re-run of the same step (after resume); replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            _prune(run_dir, step, keep, accelerator.print)
     except OSError as e:  # disk full, permissions, a vanished mount: keep what was there
         shutil.rmtree(tmp, ignore_errors=True)
         prev = list_checkpoints(run_dir)
@@ -181,15 +181,148 @@ def load_checkpoint(accelerator: Any, path: Path, model: Any = None) -> dict:
     """Restore ``path`` into the prepared objects; ``model`` (the prepared draft) is checked
     against the saved weights first, which may omit its frozen parameters."""
     state = validate_checkpoint(path)
+    log = getattr(accelerator, "print", print)
     kwargs = {}
+    if model is not None:
+        _check_same_draft(model, path, log)
     if model is not None and frozen_names(model) and (path / "model.safetensors").exists():
         _check_saved_weights(model, path)
         kwargs["strict"] = False  # frozen parameters are not in the file; checked above
+    configured = _optimizer_settings(accelerator)
     try:
         accelerator.load_state(str(path), **kwargs)
     except Exception as e:  # torch/safetensors raise many types for damaged files
         raise CheckpointError(f"{path}: cannot restore ({type(e).__name__}: {e})") from None
+    _keep_configured_optimizer(accelerator, configured, path, log)
     return state
+
+
+def _check_same_draft(model: Any, path: Path, log=print) -> None:
+    """The checkpoint's draft (``draft/config.json``) must be of this run's method and target:
+    weights of the same names and shapes (EAGLE-3 and HASS, two targets of one architecture)
+    would load without a word and go on training against another loss or target. Method
+    settings that differ (no shape changes) are named: the run continues with its own."""
+    f = path / "draft" / "config.json"
+    if not f.exists():
+        return  # a checkpoint from before drafts were saved with it
+    try:
+        saved = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable ({e})") from None
+    bare = _bare(model)
+    cfg, target = getattr(bare, "cfg", None), getattr(bare, "target", None)
+    was_method = saved.get("specdraft", {}).get("method")
+    name = getattr(cfg, "name", None)
+    if was_method and name and was_method != name:
+        raise CheckpointError(
+            f"{path}: a checkpoint of a {was_method} draft; this run trains {name} "
+            f"(resume with method={was_method}, or start a new run)"
+        )
+    from models.export import same_weights  # a target moved or renamed is the same target
+
+    was_target = saved.get("target", {}).get("identity")
+    identity = getattr(target, "identity", None)
+    if was_target and identity and not same_weights(was_target, identity):
+        raise CheckpointError(
+            f"{path}: trained for target {was_target}; this run's target is {identity} "
+            "(resume with the same target, or start a new run)"
+        )
+    if cfg is not None and is_dataclass(cfg) and isinstance(saved.get("method"), dict):
+        now = json.loads(json.dumps(asdict(cfg), default=str))
+        changed = [
+            f"method.{k}={saved['method'][k]!r} -> {now[k]!r}"
+            for k in sorted(now)
+            if k in saved["method"] and saved["method"][k] != now[k]
+        ]
+        if changed:
+            log(
+                f"resume: method settings differ from {path}'s ({', '.join(changed)}); "
+                "training continues with this run's"
+            )
+
+
+#: optimizer group keys that say how a step is computed, not what it computes
+_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _optimizer_settings(accelerator: Any) -> list[list[dict]]:
+    """Every prepared optimizer's param-group settings as this run configured them (less the
+    parameters and the current lr, which the schedule sets)."""
+    return [
+        [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in opt.param_groups]
+        for opt in getattr(accelerator, "_optimizers", [])
+    ]
+
+
+def _keep_configured_optimizer(
+    accelerator: Any, configured: list[list[dict]], path: Path, log=print
+) -> None:
+    """Loading a checkpoint also loads its optimizer's settings (lr, betas, weight decay) and
+    its scheduler's base lr, so ``resume=true optim.lr=...`` would continue at the old lr
+    without a word. This run's configured settings are put back, the ones that differ named;
+    the optimizer's state (moments, step counts) stays the checkpoint's."""
+    changed: list[str] = []
+    for o, (opt, groups) in enumerate(
+        zip(getattr(accelerator, "_optimizers", []), configured, strict=False)
+    ):
+        loaded = opt.param_groups
+        if len(loaded) != len(groups):
+            raise CheckpointError(
+                f"{path}: its optimizer has {len(loaded)} parameter groups, this run's "
+                f"{len(groups)}; was it written by another method or optimizer?"
+            )
+        for i, (g, want) in enumerate(zip(loaded, groups, strict=True)):
+            for k, v in want.items():
+                if k in g and _plain(g[k]) != _plain(v):
+                    if k not in _IMPLEMENTATION_KEYS:
+                        where = f"optimizer {o} " if len(configured) > 1 else ""
+                        changed.append(f"{where}group {i} {k} {_plain(g[k])} -> {_plain(v)}")
+                    g[k] = v
+    if not changed:
+        return
+    for sched in getattr(accelerator, "_schedulers", []):
+        inner = getattr(sched, "scheduler", sched)
+        opt = getattr(inner, "optimizer", None)
+        if opt is None or not hasattr(inner, "base_lrs"):
+            continue
+        groups = opt.param_groups
+        new = [g.get("initial_lr", b) for g, b in zip(groups, inner.base_lrs, strict=False)]
+        for g, was, base in zip(groups, inner.base_lrs, new, strict=False):
+            if was:  # the lr of the step resumed at: the schedule's factor, on the new base
+                g["lr"] = g["lr"] * base / was
+        inner.base_lrs = new
+        inner._last_lr = [g["lr"] for g in groups]
+    log(
+        f"resume: optimizer settings differ from {path}'s ({'; '.join(changed)}); "
+        "training continues with this run's (the optimizer state is the checkpoint's)"
+    )
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_RE.match(path.name).group(1))
+
+
+def _prune(run_dir: str | Path, step: int, keep: int, log=print) -> None:
+    """After ``step_{step}`` is written: drop the checkpoints of later steps (written before this
+    run was resumed from an earlier checkpoint: another history, which ``resume=true`` would
+    otherwise continue instead of this one), then keep the ``keep`` newest (0: all). The one
+    just written is never pruned."""
+    found = list_checkpoints(run_dir)
+    later = [p for p in found if _step_of(p) > step]
+    if later:
+        log(
+            f"removing checkpoints {', '.join(p.name for p in later)}: written before this run "
+            f"resumed from an earlier step (step {step} now continues from there)"
+        )
+    for p in later:
+        shutil.rmtree(p, ignore_errors=True)
+    kept = [p for p in found if _step_of(p) <= step]
+    for old in kept[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_write(path: Path, text: str) -> None:

@@ -91,7 +91,15 @@ def build_feature_store(
     this run's world size."""
     path = Path(cache_root).expanduser() / "features" / key
     if (path / "done.json").exists():
-        return FeatureStore(path)
+        problem = _damage(path, len(ds))
+        if problem is None:
+            return FeatureStore(path)
+        if rank == 0:
+            print(f"warning: feature cache {path} is damaged ({problem}); building it again")
+        barrier()  # every process has looked before done.json goes
+        if rank == 0:
+            (path / "done.json").unlink(missing_ok=True)
+        barrier()
     if dtype not in DTYPES:
         raise ValueError(f"data.feature_dtype={dtype!r}: use one of {sorted(DTYPES)}")
     path.mkdir(parents=True, exist_ok=True)
@@ -167,6 +175,26 @@ def build_feature_store(
         os.replace(tmp, path / "done.json")
     barrier()
     return FeatureStore(path)
+
+
+def _damage(path: Path, samples: int) -> str | None:
+    """What is wrong with a finished cache (a shard deleted or cut short since, an index of
+    another size), or None. Reading each shard's header is cheap; a shard that cannot be read
+    is removed, so the build that follows recomputes its samples only."""
+    try:
+        meta = json.loads((path / "done.json").read_text())
+        index = {int(k): v for k, v in meta["index"].items()}
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        return f"done.json unreadable: {type(e).__name__}"
+    if len(index) != samples or meta.get("samples") != samples:
+        return f"{len(index)} samples indexed, the data has {samples}"
+    found = _scan(path)
+    lost = sorted({shard for i, shard in index.items() if found.get(i) != shard})
+    if lost:
+        return f"{lost[0]} missing or unreadable" + (
+            f" (+{len(lost) - 1} more)" if len(lost) > 1 else ""
+        )
+    return None
 
 
 def _scan(path: Path) -> dict[int, str]:

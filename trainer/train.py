@@ -507,8 +507,10 @@ def _resume(cfg, accelerator, method, state, tracker, samples, run_dir: Path, lo
 
 def _finished_before(cfg, state, run_dir: Path) -> dict | None:
     """The summary of a run that finished at the step resumed from, with no step left to
-    train under this config (its max_steps or epochs reached), else None."""
-    if state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs:
+    train under this config (its max_steps, epochs or max_minutes reached), else None."""
+    budget = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
+    out_of_time = budget is not None and state.elapsed >= budget
+    if state.step < cfg.train.max_steps and state.epoch < cfg.train.epochs and not out_of_time:
         return None
     try:
         summary = json.loads((run_dir / SUMMARY).read_text())
@@ -586,7 +588,12 @@ def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
             f"train.init_from={spec}: {folder} does not fit this run's method settings ({what})"
         )
     method.start_from(src)
-    log(f"init_from: started from the weights of {folder}")
+    from models.export import made_for, made_for_note
+
+    note = made_for_note(made_for(folder), target)  # a warm start from another target's head
+    log(
+        f"init_from: started from the weights of {folder}" + (f" (warning: {note})" if note else "")
+    )
 
 
 def _resume_path(resume: Any, run_dir: Path, log) -> Path | None:
