@@ -262,7 +262,7 @@ def main() -> None:
                 print(f"results of the {len(results)} mode(s) done: {tmp / 'results.json'}")
             sys.exit(rc)
         results.append(json.loads(res.read_text()))
-    _table(args, results, extra)
+    _table(args, results, extra, base)
     (tmp / "results.json").write_text(json.dumps(results, indent=1))
     print(f"results: {tmp / 'results.json'}")
 
@@ -311,18 +311,14 @@ def measure(name: str, ov: str, overrides: list[str], tmp: Path) -> dict:
     }
 
 
-def last_value(overrides: list[str], key: str, default: str) -> str:
-    """The value the trainer sees for ``key``: Hydra takes the last ``key=`` given."""
-    found = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
-    return found[-1] if found else default
-
-
-def _table(args, results: list[dict], extra: list[str]) -> None:
+def _table(args, results: list[dict], extra: list[str], base: list[str]) -> None:
+    """The results as a markdown table, headed by the date, the machine and the settings every
+    mode shares (``base``: read as the trainer reads them)."""
     from decoding.engines.base import cpu_name
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    batch = last_value(extra, "data.batch_size", "4")
-    length = last_value(extra, "data.max_length", "512")
+    data = compose_cfg(base).data
+    batch, length = data.batch_size, data.max_length
     print(
         f"\n{date.today()}, {gpu or cpu_name()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}; method {args.method}, --steps {args.steps}, batch {batch}, "

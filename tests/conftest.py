@@ -106,6 +106,20 @@ def compose(overrides: list[str]):
         return hydra_compose("train", overrides=overrides)
 
 
+def compose_prepare(data_file: Path, out: Path, **extra):
+    """specdraft-prepare's config: the tiny target answering ``data_file`` into ``out``, in
+    batches of 4, no progress bar; ``extra``: more overrides (key: value)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import flow.regenerate  # noqa: F401  registers the schema
+
+    o = {"target": "tiny_random", "data.path": str(data_file), "out": str(out)}
+    o |= {"batch_size": 4, "progress": "false", **extra}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("prepare", overrides=[f"{k}={v}" for k, v in o.items()])
+
+
 def tiny_overrides(data_file: Path, out: Path, **extra) -> list[str]:
     o = {
         "debug": "default",

@@ -6,29 +6,15 @@ import json
 
 import pytest
 import torch
-from conftest import CONF, run_module
+from conftest import compose_prepare, run_module
 
 from data.chat import prompt_ids
 from data.conversations import load_conversations
 
 
 def _cfg(data_file, out, **extra):
-    from hydra import compose, initialize_config_dir
-
-    import flow.regenerate  # noqa: F401  registers the schema
-
-    o = {
-        "target": "tiny_random",
-        "data.path": str(data_file),
-        "out": str(out),
-        "max_new_tokens": 12,
-        "batch_size": 4,
-        "progress": "false",
-        "data.max_records": 10,
-    }
-    o.update(extra)
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("prepare", overrides=[f"{k}={v}" for k, v in o.items()])
+    extra = {"max_new_tokens": 12, "data.max_records": 10, **extra}
+    return compose_prepare(data_file, out, **extra)
 
 
 def test_replies_are_the_targets_greedy_answers(tmp_path, data_file, tiny_target):

@@ -183,7 +183,7 @@ def test_bench_modes_and_overrides_after_them_are_told_apart():
 
 @pytest.mark.parametrize(
     "args, says",
-    [  # the audit's line: 3 steps log no window at train.log_every=5
+    [  # 3 steps log no window at train.log_every=5
         (
             ["--steps", "3", "--modes", "fp32:train.mixed_precision=no", "target=tiny_random"],
             "mode fp32: 3 steps at train.log_every=5 log 0 window(s); tokens/s needs >= 2 "
@@ -251,7 +251,8 @@ def test_bench_table_heads_with_the_batch_trained_and_the_machine(capsys):
     row |= {"target_gflop_per_token": 0.0, "achieved_gflops": 1.0, "peak": 2.0}
     row |= {"hidden_size": 64, "matmul_rate": {"fp32": 2.0, "bf16": 2.0}, "cache_build_s": None}
     args = Namespace(method="eagle1", steps=3, records=40)
-    _table(args, [row], ["data.batch_size=8", "target=tiny_random", "data.batch_size=16"])
+    extra = ["data.batch_size=8", "target=tiny_random", "data.batch_size=16"]
+    _table(args, [row], extra, ["data.batch_size=4", "data.max_length=512", *extra])
     head = capsys.readouterr().out.strip().splitlines()[0]
     assert "batch 16, max_length 512," in head
     import torch

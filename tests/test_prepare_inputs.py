@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from conftest import CONF, run_module
+from conftest import compose_prepare, run_module
 
 from data.conversations import DataError, load_conversations
 from decoding.disco import DiscoError, read_traces
@@ -15,22 +15,8 @@ from models.base import SIGNAL_NAMES
 
 
 def _cfg(data_file, out, **extra):
-    from hydra import compose, initialize_config_dir
-
-    import flow.regenerate  # noqa: F401  registers the schema
-
-    o = {
-        "target": "tiny_random",
-        "data.path": str(data_file),
-        "out": str(out),
-        "max_new_tokens": 4,
-        "batch_size": 4,
-        "progress": "false",
-        "data.max_records": 4,
-    }
-    o.update(extra)
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("prepare", overrides=[f"{k}={v}" for k, v in o.items()])
+    extra = {"max_new_tokens": 4, "data.max_records": 4, **extra}
+    return compose_prepare(data_file, out, **extra)
 
 
 @pytest.mark.parametrize(
