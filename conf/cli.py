@@ -23,15 +23,18 @@ from pathlib import Path
 CONF_DIR = Path(__file__).resolve().parent
 
 
-def _overrides(argv: list[str]) -> list[str] | None:
-    """The key=value arguments Hydra would apply, or None where the line is not a run's or a
-    sweep's (another config, a help or print flag). A sweep's are its first job's (``a=1,2``:
+def _overrides(argv: list[str], of_hydra: bool = False) -> list[str] | None:
+    """The key=value arguments Hydra would apply to the command's config (``of_hydra``: to
+    Hydra's own, ``hydra.*`` and ``hydra/<group>``), or None where the line is not a run's or
+    a sweep's (another config, a help or print flag). A sweep's are its first job's (``a=1,2``:
     ``a=1``; a value swept by a function, ``range(...)``, is left to Hydra): a misspelled key is
     misspelled in every job."""
     flags = [a for a in argv if a.startswith("-")]
     if any(f not in ("-m", "--multirun") for f in flags):
         return None  # --cfg job, --config-name, --help, ...: Hydra's own
-    ovs = [a for a in argv if "=" in a and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    ovs = [
+        a for a in argv if "=" in a and a.lstrip("+~").startswith(("hydra.", "hydra/")) == of_hydra
+    ]
     if flags:
         ovs = [o for o in map(_first_job, ovs) if o is not None]
     return ovs
@@ -59,6 +62,22 @@ def _first_job(override: str) -> str | None:
         elif ch == "," and depth == 0:
             return f"{key}={value[:i]}"
     return override
+
+
+def _comma_in_a_path(argv: list[str]) -> str | None:
+    """A one-line message for ``key=a,b`` whose whole value names a file or folder that is
+    there (``data.path=chats,v2.jsonl``): a sweep would run one job on ``chats`` and one on
+    ``v2.jsonl``, and a single run refuses it as ambiguous. Quoted, it names the file."""
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if not eq or a.startswith("-") or _first_job(a) in (None, a):
+            continue
+        if Path(value).expanduser().exists():
+            return (
+                f"{a}: {value} is there, and a comma separates a sweep's values; quote it to name "
+                f"it (in a shell: '{key}=\"{value}\"')"
+            )
+    return None
 
 
 def home_expanded(argv: list[str]) -> list[str]:
@@ -153,40 +172,77 @@ def _modes(argv: list[str]) -> str | None:
     return f"{' and '.join(modes)}: Hydra takes one of them at a time"
 
 
+def _options(said: str) -> list[str]:
+    """The options Hydra's "Could not find" message lists for a group (not its schemas)."""
+    lines = said.split("Available options in", 1)[-1].splitlines()[1:]
+    listed = lines[: next((i for i, x in enumerate(lines) if x[:1] != "\t"), len(lines))]
+    return [x.strip() for x in listed if not x.strip().endswith("_schema")]
+
+
+def _refusal(e: Exception, overrides: list[str], composed) -> str:
+    """One line for Hydra's refusal ``e`` of ``overrides``, naming the one it is about."""
+    cause = e.__cause__ or e
+    text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    bad = next((o for o in overrides if _named(o, str(e))), None)
+    if bad is None:
+        return text
+    key, _, value = bad.lstrip("+~").partition("=")
+    if "Ambiguous value" in text:  # a comma without -m
+        return (
+            f"{bad}: a comma separates a sweep's values; add -m to run one job per value, or "
+            "give one value (a list in brackets: key=[a,b]; a text with a comma in quotes, in a "
+            "shell: 'key=\"a,b\"')"
+        )
+    if "Could not find" in text:  # no such option of a group (Hydra's own groups too)
+        group = key.rsplit("/", 1)[-1]
+        msg = f"{bad}: no such {group} (choose from {', '.join(_options(str(e)))})"
+        if key in ("hydra/launcher", "hydra/sweeper"):  # Hydra's plugins are packages
+            msg += f"; it is a package of its own: pip install hydra-{value.split('_')[0]}-{group}"
+        return msg
+    if "not in" in text:  # no such key
+        try:
+            known = _known(composed([o for o in overrides if o != bad]), key)
+        except Exception:
+            known = []
+        return f"{bad}: no such setting{_did_you_mean(key, known)}"
+    return f"{bad}: {text}"
+
+
 def check_command_line(config_name: str, argv: list[str]) -> str | None:
-    """A one-line message for the first key=value that does not compose, or None."""
+    """A one-line message for the first key=value that does not compose (the command's keys
+    first, then Hydra's own), or None."""
     two = _modes(argv)
     if two is not None:
         return two
+    comma = _comma_in_a_path(argv)
+    if comma is not None:
+        return comma
     overrides = _overrides(argv)
-    if not overrides:
+    if overrides is None:
+        return None
+    of_hydra = _overrides(argv, of_hydra=True) or []
+    if not overrides and not of_hydra:
         return None
     from hydra import compose, initialize_config_dir
 
-    def composed(ovs: list[str]):
+    def composed(ovs: list[str], with_hydra: bool = False):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name, overrides=ovs)
+            return compose(config_name, overrides=ovs, return_hydra_config=with_hydra)
 
     try:
         cfg = composed(overrides)
     except Exception as e:  # Hydra wraps OmegaConf's error; its cause names the key
-        cause = e.__cause__ or e
-        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        bad = next((o for o in overrides if _named(o, str(e))), None)
-        if bad is None:
-            return text
-        key = bad.split("=", 1)[0].lstrip("+~")
-        if "not in" in text:  # no such key
-            try:
-                known = _known(composed([o for o in overrides if o != bad]), key)
-            except Exception:
-                known = []
-            return f"{bad}: no such setting{_did_you_mean(key, known)}"
-        return f"{bad}: {text}"
+        return _refusal(e, overrides, composed)
     extra = _unknown_keys(cfg)
     if extra:
         hint = _did_you_mean(extra[0], _known(cfg, extra[0]))
         return f"+{extra[0]}: no such setting (the command would ignore it){hint}"
+    if of_hydra:  # hydra.run.dirr=x, hydra/launcher=<a plugin not installed>: a screen each
+        every = [*overrides, *of_hydra]
+        try:
+            composed(every, with_hydra=True)
+        except Exception as e:
+            return _refusal(e, of_hydra, lambda ovs: composed([*overrides, *ovs], True))
     return None
 
 

@@ -41,6 +41,9 @@ class TokenizedData:
     #: the data files (names under data.path, contents) and the settings that choose and
     #: split the records: a resumed run must see the same
     source: str = ""
+    #: the tokenizer and chat template that made the ids (``tokenizer_fingerprint``): a resumed
+    #: run must tokenise as the checkpoint's did
+    tokenizer: str = ""
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -166,11 +169,12 @@ def prepare_tokenized(
     # what a resumed run must train on again: the files by their names under data.path (the
     # folder may move) and contents, and the settings that pick and split the records
     source = _fingerprint([f"{n}:{d}" for _, n, d in digests] + [json.dumps(settings)])
+    tok_print = tokenizer_fingerprint(tokenizer)
     key_src = json.dumps(
         {
             "v": CACHE_VERSION,
             "files": _fingerprint([f"{f.resolve()}:{d}" for f, _, d in digests]),
-            "tok": tokenizer_fingerprint(tokenizer),
+            "tok": tok_print,
             "max_length": max_length,
             "val_fraction": val_fraction,
             "max_val_records": max_val_records,
@@ -201,7 +205,7 @@ def prepare_tokenized(
             )
             shutil.rmtree(cache_dir, ignore_errors=True)
         else:
-            return TokenizedData(train, val, report, too_long, cache_dir, key, source)
+            return TokenizedData(train, val, report, too_long, cache_dir, key, source, tok_print)
 
     convs, report = load_conversations(path, max_records=max_records, skip_records=skip_records)
     splits = [
@@ -283,7 +287,7 @@ def prepare_tokenized(
     train = datasets.load_from_disk(str(cache_dir / "train"))
     val = datasets.load_from_disk(str(cache_dir / "val"))
     datasets.enable_progress_bars()
-    return TokenizedData(train, val, report, too_long, cache_dir, key, source)
+    return TokenizedData(train, val, report, too_long, cache_dir, key, source, tok_print)
 
 
 class LengthGroupedBatches(torch.utils.data.Sampler[list[int]]):

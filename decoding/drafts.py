@@ -31,7 +31,14 @@ from models.base import (
     unfinished_run,
 )
 from models.draft_lm import load_same_vocabulary_lm
-from models.export import detect_format, import_draft, made_for, made_for_note, noted
+from models.export import (
+    check_saved_config,
+    detect_format,
+    import_draft,
+    made_for,
+    made_for_note,
+    noted,
+)
 from models.quant import check_mode
 from models.shipped import SHIPPED, shipped_draft
 from models.target import Target, looks_like_a_path
@@ -137,12 +144,8 @@ def load_proposer(
     if path.exists():
         draft_dir = resolve_draft_dir(path)
         if draft_dir is not None:
-            cfg = read_draft_config(draft_dir)
-            method = cfg["specdraft"].get("method")
-            if method not in METHODS:
-                raise DraftError(
-                    f"{draft_dir}: unknown draft kind {method!r} (known: {sorted(METHODS)})"
-                )
+            # its method, target section and settings, each named where missing or unknown
+            method = check_saved_config(draft_dir, read_draft_config(draft_dir))
             note = made_for_note(made_for(draft_dir), target)
             if note:
                 print(f"warning: {draft_dir}: {note}")

@@ -57,6 +57,7 @@ from .report import (
     plot_report,
     print_batch_report,
     print_report,
+    replaced_outputs,
     report_paths,
     stats_row,
 )
@@ -69,6 +70,7 @@ from .settings import (
     EvalError,
     apply_saved_target,
     bench_questions,
+    check_context,
     check_engine_rules,
     sampling_of,
     stop_ids,
@@ -90,6 +92,23 @@ def confidence_stop(proposer, cfg) -> str:
     except DraftError as e:
         raise EvalError(f"stop=confidence: {e}") from None
     return f", confidence stop (running product >= {cfg.confidence_threshold})"
+
+
+def _first_turns(questions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The questions as a batch decodes them: their first turns only."""
+    return [{**q, "turns": q["turns"][:1]} for q in questions]
+
+
+def turns_note(cfg: DictConfig, questions: list[dict[str, Any]]) -> str | None:
+    """A line where ``turns`` asks for more turns than any question has (each question is fed
+    the turns it has), else None."""
+    most = max((len(q["turns"]) for q in questions), default=0)
+    if cfg.turns <= most:
+        return None
+    return (
+        f"note: turns={cfg.turns}: bench={cfg.bench}'s questions have at most {most} "
+        f"turn{'s' if most != 1 else ''}; each is fed the turns it has"
+    )
 
 
 def gpu_of(device: torch.device) -> dict[str, str]:
@@ -121,6 +140,10 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
     questions = bench_questions(cfg)
+    check_context(cfg, target, questions if not wants_batch(cfg) else _first_turns(questions))
+    note = turns_note(cfg, questions)
+    if note:
+        print(note)
     tree = DecodeSettings(**{f.name: cfg[f.name] for f in fields(DecodeSettings)})
     la = (cfg.lookahead_window, cfg.lookahead_ngram, cfg.lookahead_guesses)
     proposer, draft_desc = load_proposer(
@@ -139,7 +162,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             )
         sampling = sampling_of(cfg)
         tok = target.tokenizer
-        stop = stop_ids(cfg, tok)
+        stop = stop_ids(cfg, tok, target)
         if cfg.stop == "confidence":
             draft_desc += confidence_stop(proposer, cfg)
         try:
@@ -150,6 +173,16 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 )
         except BatchError as e:
             raise EvalError(str(e)) from None
+        method = proposer.method
+        changed = method.changes_target() if method is not None else None
+        # a verifier changed by the draft (Medusa-2's adapter): every output, plain ones and
+        # the batch-1 reference included, follows the adapted model, as at batch 1
+        report["verifier_changed"] = changed
+        if changed:
+            report["lossless_note"] += (
+                "; against the adapted verifier, not the original target (batch_size=1 "
+                "scores the outputs under the original: against_original)"
+            )
         report["settings"] = {
             **OmegaConf.to_container(cfg, resolve=True),
             "draft_description": draft_desc,
@@ -237,7 +270,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         dec.runner.reserve(cfg.turns * (room + cfg.max_new_tokens) + 64)
     typical = cfg.acceptance == "typical" and not sampling.greedy
     lenient = cfg.lenience < 1
-    stop = stop_ids(cfg, tok)
+    stop = stop_ids(cfg, tok, target)
     # warm-up: first-call costs (allocations, kernel selection) stay out of the timings
     w = prompt_ids(tok, [{"role": "user", "content": questions[0]["turns"][0]}])
     for dec in (ar, spec):
@@ -309,6 +342,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "plain_runner": ar.runner.kind,
         "compile": compile_mode(cfg.compile),
         "drafter": type(spec.proposer).__name__,
+        # what the decoder ran, where it differs from the settings: a proposer that drafts
+        # every iteration (lookahead) is not sized by the controller, nor a learned stop's;
+        # plain decoding (draft=none) drafts nothing
+        "adaptive": spec.adaptive,
+        "gamma": spec.gamma,
         "capture_seconds": spec.runner.capture_seconds
         + ar.runner.capture_seconds
         + spec.proposer.capture_seconds,
@@ -585,12 +623,41 @@ def dropped_settings(cfg: DictConfig, given: set[str]) -> list[str]:
                     f"note: {key} is the built-in decoder's (engine=torch), unused with "
                     f"engine={cfg.engine}"
                 )
+    if not wants_batch(cfg):
+        for key in BATCH_ONLY:
+            if key in given:
+                notes.append(
+                    f"note: {key}={cfg[key]} is the serving regime's (batch_size > 1, "
+                    "batch_sizes, batch_policies, request_rates or stop=goodput), unused at "
+                    "batch_size=1"
+                )
+    elif "adaptive" in given and cfg.batch_policies:
+        notes.append(
+            f"note: adaptive={cfg.adaptive} is unused where batch_policies="
+            f"{list(cfg.batch_policies)} names the policies (adaptive is one of them)"
+        )
+    if cfg.temperature == 0:
+        for key, value, off in (
+            ("top_p", cfg.top_p, 1.0),
+            ("sample_top_k", cfg.sample_top_k, 0),
+            ("draft_sampling", cfg.draft_sampling, "sample"),
+        ):
+            said = any(n.startswith(f"note: {key}") for n in notes)
+            if key in given and value != off and not said:
+                notes.append(
+                    f"note: {key}={value} applies at temperature > 0 only; at temperature=0 "
+                    "the target and the draft take their argmax"
+                )
     if "tree" in given and cfg.tree == "chain" and str(cfg.draft) == "lookahead":
         notes.append(
             "note: draft=lookahead verifies its n-gram candidates as one tree (a trie) whatever "
             "tree= says; lookahead_guesses=1 verifies a single candidate"
         )
     return notes
+
+
+#: the serving regime's own settings (decoding/batch_eval.py), which batch_size=1 never reads
+BATCH_ONLY = ("batch_repeats", "batch_warmup", "batch_admit", "request_lengths")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
@@ -601,6 +668,8 @@ def _main(cfg: DictConfig) -> None:
     notice = "stopping after this prompt, with a report on the prompts finished (again: at once)"
     try:
         path, png = report_paths(cfg)
+        for line in replaced_outputs(cfg):
+            print(line)
         for line in (apply_saved_target(cfg, given), apply_saved_decode(cfg, given)):
             if line:
                 print(line)

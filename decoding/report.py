@@ -39,6 +39,9 @@ def adaptive_chain(r: dict) -> bool:
     """Whether the gamma controller sized the report's chains (not an engine's run, nor a stop
     rule that replaces it)."""
     st = r["settings"]
+    d = r.get("decoder") or {}
+    if "adaptive" in d:  # what the built-in decoder ran (lookahead drafts every iteration)
+        return bool(d["adaptive"]) and not r.get("engine")
     return (
         bool(st["adaptive"])
         and not r.get("engine")
@@ -176,8 +179,10 @@ def print_report(r: dict[str, Any], out=print) -> None:
         + f"   T={r['settings']['temperature']}   "
         + (
             "trees verified whole"
-            + (" (drafted while they pay: adaptive)" if r["settings"]["adaptive"] else "")
+            + (" (drafted while they pay: adaptive)" if adaptive_chain(r) else "")
             if r.get("tree_iterations")
+            else "no draft (plain decoding)"
+            if (r.get("decoder") or {}).get("gamma") == 0
             # an engine's n_max where it ran another length than asked (a DFlash block's)
             else f"gamma<={r['settings'].get('n_max', r['settings']['gamma'])}"
             f"{' (adaptive)' if adaptive_chain(r) else ''}"
@@ -533,6 +538,8 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
                     else ""
                 )
             )
+    if r.get("verifier_changed"):
+        out(f"NOTE: {r['verifier_changed']}")
     d = r.get("decoder")
     if d:
         out(
@@ -682,6 +689,32 @@ def report_paths(cfg) -> tuple[Path, Path]:
             "(by its name's ending)"
         )
     return path, png
+
+
+def replaced_outputs(cfg) -> list[str]:
+    """A line for each output of this run (report, plot, traces) that will replace an earlier
+    one of this command's at its path (``report_paths`` refused anything else there), so a
+    run's figures are not written over in silence."""
+    path = Path(cfg.report).expanduser()
+    png = Path(cfg.plot).expanduser() if cfg.plot else path.with_suffix(".png")
+    outs = [("report", path), ("plot", png)]
+    if cfg.get("traces"):
+        outs.append(("traces", Path(cfg.traces).expanduser()))
+    lines = []
+    for key, p in outs:
+        if p.is_file():
+            when = ""
+            if key == "report":
+                try:
+                    date = json.loads(p.read_text()).get("settings", {}).get("date")
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                    date = None
+                when = f" (its run of {str(date)[:19]})" if date else ""
+            lines.append(
+                f"note: {key}={p} holds an earlier {key}{when}; this run replaces it "
+                f"({key}= names another file to keep it)"
+            )
+    return lines
 
 
 def _is_report(p: Path) -> bool:

@@ -15,8 +15,19 @@ from models.quant import check_mode
 from models.sampling import Sampling
 from models.target import TargetConfig
 
+from .batch_checks import BatchError
+from .batch_eval import (
+    batch_sizes_of,
+    policies_of,
+    request_budgets,
+    request_rates_of,
+    wants_batch,
+)
 from .bench import load_bench
 from .runner import RunnerError, compile_mode
+
+#: seeds below this stay 64-bit once a batched request's own seed is derived from them
+SEED_LIMIT = 2**40
 
 
 @dataclass
@@ -143,6 +154,7 @@ class EvalConfig:
     val_fraction: float = 0.02  # for bench=sharegpt_val: must match training's split
     split_seed: int = 0  # for bench=sharegpt_val: training's train.seed
     max_val_records: int = 128  # for bench=sharegpt_val: training's data.max_val_records
+    skip_records: int = 0  # for bench=sharegpt_val: training's data.skip_records
     # the decoder: torch (the built-in one, the exact reference) or llama.cpp (llama-server,
     # installed by `bash scripts/install.sh engine`; see decoding/engines/). In llama.cpp
     # gamma is its n_max (chain length) and p_min its confidence stop.
@@ -191,6 +203,7 @@ def bench_questions(cfg: DictConfig) -> list[dict[str, Any]]:
         val_fraction=cfg.val_fraction,
         split_seed=cfg.split_seed,
         max_val_records=cfg.max_val_records,
+        skip_records=cfg.skip_records,
     )
 
 
@@ -199,11 +212,18 @@ def sampling_of(cfg: DictConfig) -> Sampling:
     return Sampling(cfg.temperature, cfg.sample_top_k, cfg.top_p)
 
 
-def stop_ids(cfg: DictConfig, tok) -> set[int]:
-    """The tokens that end a reply: EOS (and the pad token), none with ``ignore_eos``."""
+def stop_ids(cfg: DictConfig, tok, target=None) -> set[int]:
+    """The tokens that end a reply: EOS (and the pad token), none with ``ignore_eos``. With the
+    loaded ``target``, its generation config's end-of-sequence tokens too: an instruction
+    model's end of turn is often there and not the tokenizer's EOS (Gemma's
+    ``<end_of_turn>``), and without it a reply runs on past its end to ``max_new_tokens``."""
     if cfg.ignore_eos:
         return set()
-    return {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+    out = {tok.eos_token_id} | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+    gen = getattr(getattr(target, "model", None), "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    out |= set(eos if isinstance(eos, list | tuple) else [eos] if eos is not None else [])
+    return {t for t in out if t is not None}
 
 
 #: the settings only a serving engine reads, and which engines read them (any other engine
@@ -303,8 +323,12 @@ def validate(cfg: DictConfig) -> None:
             "compare_hf=true with num_prompts=1: the first prompt warms both decoders up "
             "untimed; give num_prompts >= 2"
         )
-    if not cfg.temperature >= 0:
-        raise EvalError(f"temperature={cfg.temperature}: must be >= 0")
+    if not 0 <= cfg.temperature < float("inf"):
+        raise EvalError(f"temperature={cfg.temperature}: must be >= 0 (and finite; 0: greedy)")
+    if not -SEED_LIMIT < cfg.seed < SEED_LIMIT:
+        # each batched request's stream is seeded from it (seed * 100003 + its index), which
+        # must stay a 64-bit seed
+        raise EvalError(f"seed={cfg.seed}: must be an integer between -2^40 and 2^40")
     if not 0 < cfg.top_p <= 1:
         raise EvalError(f"top_p={cfg.top_p}: must be in (0, 1] (1: off)")
     if not cfg.sample_top_k >= 0:
@@ -346,11 +370,75 @@ def validate(cfg: DictConfig) -> None:
         )
     if not 0 <= cfg.confidence_threshold <= 1:
         raise EvalError(f"confidence_threshold={cfg.confidence_threshold}: must be in [0, 1]")
+    if wants_batch(cfg):
+        check_batch_keys(cfg)
     if cfg.engine_threads is not None and cfg.engine_threads < 1:
         raise EvalError(
             f"engine_threads={cfg.engine_threads}: must be >= 1 (unset: OMP_NUM_THREADS, else "
             "every core)"
         )
+
+
+def check_batch_keys(cfg: DictConfig) -> None:
+    """The serving regime's settings (batch sizes, policies, repeats, admission, request
+    lengths and rates), checked before anything loads: a bad one used to be found only after
+    the model, the warm-up and the batch-1 reference had run."""
+    try:
+        sizes = batch_sizes_of(cfg)
+        policies_of(cfg)
+        request_rates_of(cfg)
+        request_budgets(cfg, 0)
+    except BatchError as e:
+        raise EvalError(str(e)) from None
+    if cfg.batch_repeats < 1:
+        raise EvalError(f"batch_repeats={cfg.batch_repeats}: must be >= 1")
+    if cfg.batch_admit < 1:
+        raise EvalError(f"batch_admit={cfg.batch_admit}: a number of free slots, >= 1")
+    for b in sizes:
+        if cfg.batch_admit > b:
+            where = f"batch_sizes={sizes}" if cfg.batch_sizes else f"batch_size={b}"
+            raise EvalError(
+                f"batch_admit={cfg.batch_admit}: larger than the batch of {b} ({where})"
+            )
+
+
+def context_of(target) -> int | None:
+    """The target's context in tokens (``max_position_embeddings``), or None where its config
+    names none."""
+    config = target.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "max_position_embeddings", None) or getattr(
+        config, "max_position_embeddings", None
+    )
+    return int(n) if n else None
+
+
+def check_context(cfg: DictConfig, target, questions: list[dict[str, Any]]) -> None:
+    """``EvalError`` naming the question where its prompt (with ``turns`` > 1, its user turns
+    and room for an answer of ``max_new_tokens`` to each before the last) and the
+    ``max_new_tokens`` it may generate do not fit in the target's context: decoding past it
+    would measure a model outside the positions it was trained for, in silence."""
+    from data.chat import prompt_ids
+
+    ctx = context_of(target)
+    if ctx is None:
+        return
+    tok = target.tokenizer
+    for q in questions:
+        turns = q["turns"][: cfg.turns]
+        msgs: list[dict[str, str]] = []
+        for i, t in enumerate(turns):
+            if i:
+                msgs.append({"role": "assistant", "content": ""})
+            msgs.append({"role": "user", "content": t})
+        n = len(prompt_ids(tok, msgs)) + len(turns) * cfg.max_new_tokens
+        if n > ctx:
+            what = "its prompt" if len(turns) == 1 else f"its {len(turns)} turns"
+            raise EvalError(
+                f"bench={cfg.bench}: question {q['question_id']!r} needs {n} tokens ({what} "
+                f"and max_new_tokens={cfg.max_new_tokens} per turn), past the target's context "
+                f"of {ctx} tokens; lower max_new_tokens (or turns), or leave the question out"
+            )
 
 
 def apply_saved_target(cfg: DictConfig, given: set[str]) -> str | None:

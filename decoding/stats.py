@@ -102,18 +102,21 @@ class Stats:
         ]
 
 
-def count_iteration(st: Stats, prop: Proposal, path: list[int]) -> int:
+def count_iteration(st: Stats, prop: Proposal, path: list[int], ended: bool = False) -> int:
     """Book one verification of ``prop`` (accepted ``path``) in ``st``; returns how many draft
     positions it tested. Position k is tested when 1..k-1 were accepted and the accepted node
     at k-1 has children (for a chain: the draft reached depth k); a deeper branch elsewhere in a
-    tree is not a test of the accepted path."""
+    tree is not a test of the accepted path. ``ended``: the request's budget ended at ``path``
+    (a proposal drafted past it), so no position after it was tested."""
     depth = depths(prop)
     for d in depth:
         st.drafted[d] += 1
     st.draft_steps += max(depth, default=0)
     st.tree_iterations += 0 if prop.is_chain else 1
     parents_with_kids = set(prop.parents)
-    tested = len(path) + (1 if (path[-1] if path else -1) in parents_with_kids else 0)
+    tested = len(path) + (
+        0 if ended else (1 if (path[-1] if path else -1) in parents_with_kids else 0)
+    )
     for k in range(1, tested + 1):
         st.tested[k] += 1
         if k <= len(path):

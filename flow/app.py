@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from conf.cli import Stopped, StopSignals, check_command_line, home_expanded
 from models.base import run_files
-from trainer.sweep import SUMMARY
+from trainer.sweep import REFUSED_NOTE, SUMMARY
 from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -42,6 +43,7 @@ def train_measure_serve(cfg: DictConfig) -> dict:
     final = Path(summary["final"])
     run_dir = final.parent
     if cfg.train.eval_after.enabled:
+        from decoding.eval import USER_ERRORS as MEASURE_ERRORS
         from flow.measure import measure_after
 
         try:
@@ -54,6 +56,13 @@ def train_measure_serve(cfg: DictConfig) -> dict:
                 file=sys.stderr,
             )
             sys.exit(e.exit_code)
+        except MEASURE_ERRORS as e:  # after the whole run: the draft is kept, the run says so
+            summary["error"] = f"measuring after training: {e}"
+            print(
+                f"error: {run_dir}: measuring the draft after training: {e}; the draft is saved "
+                f"in {final}; measure it with: specdraft-eval draft={final}",
+                file=sys.stderr,
+            )
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     from flow.serve import serve_hint
 
@@ -65,22 +74,31 @@ def exit_code(summary: dict) -> int:
     """The exit status of a training run by how it stopped: 0 finished (or its time budget
     spent); 128 + the signal that stopped it, as shells count (130 for Ctrl-C, 143 for a
     scheduler's SIGTERM; 130 where another process of the launch caught it), its checkpoint
-    saved for ``resume=true``; 1 stopped by non-finite losses (no draft saved)."""
+    saved for ``resume=true``; 1 stopped by non-finite losses (no draft saved); 2 its draft
+    saved but the measurement after training refused (``error``)."""
     reason = summary.get("reason")
     if reason == "signal":
         return 128 + int(summary.get("signal") or signal.SIGINT)
     if reason == "nonfinite":
         return 1
+    if summary.get("error"):
+        return 2
     return 0
 
 
-#: whether a single run's output_dir was there before the command (Hydra makes it first)
+#: whether a single run's folder was there before the command (Hydra makes it first)
 _OUTPUT_DIR_EXISTED = [True]
+#: the run's folder as the command line names it (``hydra.run.dir=``, else ``output_dir=``),
+#: unresolved; None where the line names none (the config's time-stamped default)
+_RUN_DIR_ARG: list[str | None] = [None]
 #: sweep jobs that stopped on non-finite losses: the sweep goes on, and ends with status 1
 _FAILED: list[str] = []
 #: sweep jobs refused for their settings or inputs (one line each): the sweep goes on, its
 #: summary names them, and it ends with status 2
 _REFUSED: list[str] = []
+#: sweep jobs that failed with an unexpected error (its traceback printed): the sweep goes on,
+#: its summary is written, and it ends with status 1
+_CRASHED: list[str] = []
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -90,7 +108,10 @@ def _hydra_main(cfg: DictConfig) -> dict:
     from hydra.types import RunMode
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    stamped = "${now:" in str(OmegaConf.to_container(cfg, resolve=False).get("output_dir"))
+    named = _RUN_DIR_ARG[0]
+    if named is None:
+        named = str(OmegaConf.to_container(cfg, resolve=False).get("output_dir"))
+    stamped = "${now:" in named
     if stamped and not multirun and str(cfg.resume).lower() == "true":
         # a new time-stamped folder every time: resume=true there would always start afresh
         print(
@@ -108,6 +129,8 @@ def _hydra_main(cfg: DictConfig) -> dict:
     try:
         if cfg.resume in (False, None, "false", "False"):
             check_fresh_run_dir(run_dir)  # before anything is written there
+        if cfg.train.eval_after.enabled:
+            check_measurement(cfg)  # before training, not after it
         write_run_record(cfg, run_dir)
         summary = train_measure_serve(cfg)
     except USER_ERRORS + (ConfigError,) as e:
@@ -120,12 +143,29 @@ def _hydra_main(cfg: DictConfig) -> dict:
         # the sweep's summary says what refused this one (in its own folder; a folder that
         # holds a finished run keeps that run's records and summary)
         print(f"error: {cfg.output_dir}: {e}", file=sys.stderr)
-        if not run_files(run_dir) and _main_process():  # its record is written: it started
-            (run_dir / SUMMARY).write_text(
-                json.dumps({"reason": "refused", "error": str(e)}, indent=1)
-            )
+        if _main_process():
+            if not run_files(run_dir):  # its record is written: it started
+                (run_dir / SUMMARY).write_text(
+                    json.dumps({"reason": "refused", "error": str(e)}, indent=1)
+                )
+            else:  # the folder keeps the earlier run's records: the sweep's row is a note
+                note_refused(run_dir, str(e))
         _REFUSED.append(cfg.output_dir)
         return {"reason": "refused", "error": str(e)}
+    except Exception as e:
+        if not multirun:
+            raise
+        # a sweep's job failing unexpectedly: Hydra would run the others, then end with this
+        # traceback and no summary of any job
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}".splitlines()[0]
+        print(f"error: {cfg.output_dir}: failed: {error}", file=sys.stderr)
+        if _main_process():
+            (run_dir / SUMMARY).write_text(
+                json.dumps({"reason": "failed", "error": error}, indent=1)
+            )
+        _CRASHED.append(cfg.output_dir)
+        return {"reason": "failed", "error": error}
     code = exit_code(summary)
     if code == 1 and PartialState().is_main_process:
         print(
@@ -135,9 +175,32 @@ def _hydra_main(cfg: DictConfig) -> dict:
         )
     if code == 1 and multirun:
         _FAILED.append(cfg.output_dir)  # the other jobs still run
+    elif code == 2 and multirun:
+        _REFUSED.append(cfg.output_dir)  # its measurement, said above: the others still run
     elif code:
         sys.exit(code)  # a signal stops a sweep too
     return summary
+
+
+def check_measurement(cfg: DictConfig) -> None:
+    """``train.eval_after``'s settings, before training: a ``ConfigError`` naming the key."""
+    from decoding.settings import EvalError
+    from flow.measure import check_eval_after
+
+    try:
+        check_eval_after(cfg)
+    except EvalError as e:
+        raise ConfigError(str(e)) from None
+
+
+def note_refused(run_dir: Path, error: str) -> None:
+    """A sweep's job refused in a folder that holds an earlier run (whose records stay as they
+    are): the sweep summary's row for it, beside the job folders."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    note = run_dir.parent / REFUSED_NOTE.format(job=run_dir.name)
+    note.write_text(json.dumps({"overrides": list(hc.overrides.task), "error": error}, indent=1))
 
 
 def _main_process() -> bool:
@@ -147,12 +210,12 @@ def _main_process() -> bool:
 
 def drop_lone_record(run_dir: Path, existed: bool) -> None:
     """After a refused run, the record it wrote where it wrote nothing else (a setting refused
-    once the target loaded): a folder the command made is removed, as if never run."""
+    once the target loaded): a folder the command made (Hydra makes it first) is removed, as
+    if never run."""
     record = run_dir / ".hydra"
-    if not record.is_dir() or {p.name for p in run_dir.iterdir()} != {".hydra"}:
-        return
-    shutil.rmtree(record, ignore_errors=True)
-    if not existed:
+    if record.is_dir() and {p.name for p in run_dir.iterdir()} == {".hydra"}:
+        shutil.rmtree(record, ignore_errors=True)
+    if not existed:  # left where it holds anything
         with contextlib.suppress(OSError):
             run_dir.rmdir()
 
@@ -207,9 +270,102 @@ def sweep_into_output_dir(argv: list[str]) -> tuple[list[str], str | None]:
     return [*argv, f"hydra.sweep.dir={value}"], f"sweep: the jobs write to {value}/<job>"
 
 
+#: the keys that name a folder the command writes to
+_FOLDER_KEYS = ("output_dir", "hydra.run.dir", "hydra.sweep.dir")
+
+
+def check_folders_and_method(argv: list[str]) -> str | None:
+    """A one-line message for a folder key given an empty value (``output_dir=$OUT`` with
+    ``OUT`` unset: the run wrote into the current folder) or a file's path, or for
+    ``method.name=`` (the method is chosen by its group; another name on a method's settings
+    failed deep in training), or None."""
+    from models.base import file_above
+
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key in _FOLDER_KEYS and not value.strip().strip("'\""):
+            return f"{key}= is empty: name a folder ({key}=runs/x)"
+        if sep and key in _FOLDER_KEYS:  # Hydra's mkdir there was a traceback
+            path = Path(value).expanduser()
+            if path.exists() and not path.is_dir():
+                return f"{key}={value}: a file, not a folder; name a folder"
+            above = file_above(path)
+            if above is not None:
+                return f"{key}={value}: {above} is a file, not a folder"
+        if sep and key == "method.name":
+            choice = value.split(",")[0]
+            return (
+                f"{arg}: the method is chosen by its group: method={choice} (method.name is "
+                "the chosen method's own)"
+            )
+    return None
+
+
+def folder_conflict(argv: list[str]) -> str | None:
+    """A one-line message where the line names a folder Hydra then ignores (``hydra.run.dir``
+    in a sweep, ``hydra.sweep.dir`` in a single run) or two folders for one run or sweep
+    (``output_dir=X`` beside ``hydra.run.dir=Y``: the run went to Y), or None."""
+    sweep = any(a in ("-m", "--multirun") for a in argv)
+    last = {}
+    for a in argv:
+        key, sep, value = a.lstrip("+").partition("=")
+        if sep and key in _FOLDER_KEYS:
+            last[key] = value
+    ignored, own = ("hydra.run.dir", "hydra.sweep.dir")
+    if not sweep:
+        ignored, own = own, ignored
+    if ignored in last:
+        return f"{ignored}={last[ignored]}: " + (
+            "a sweep (-m) writes its jobs under hydra.sweep.dir; name that folder with "
+            "output_dir=<folder>"
+            if sweep
+            else "the folder of a sweep (-m); a single run writes to output_dir=<folder>"
+        )
+    if own in last and "output_dir" in last and last[own] != last["output_dir"]:
+        return (
+            f"output_dir={last['output_dir']} and {own}={last[own]}: two folders for one "
+            f"{'sweep' if sweep else 'run'}; give one of them"
+        )
+    return None
+
+
+def run_dir_argument(argv: list[str]) -> str | None:
+    """The run's folder as ``argv`` names it: its last ``hydra.run.dir=`` (where Hydra runs
+    it), else its last ``output_dir=``; None where it names neither."""
+    for key in ("hydra.run.dir", "output_dir"):
+        vals = [a.split("=", 1)[1] for a in argv if a.lstrip("+").split("=", 1)[0] == key]
+        if vals:
+            return vals[-1]
+    return None
+
+
+def resume_into_a_new_sweep(argv: list[str]) -> str | None:
+    """A sweep (``-m``) with ``resume=true`` into the default sweep folder, a new time-stamped
+    one each time, where every job would start afresh (as a single run's is refused), or None."""
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return None
+    resume = [a.split("=", 1)[1] for a in argv if a.lstrip("+").split("=", 1)[0] == "resume"]
+    if not resume or "true" not in resume[-1].lower():
+        return None
+    folders = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")]
+    if folders and "${now:" not in folders[-1]:
+        return None
+    return (
+        "resume=true continues each job of a sweep in its folder under the sweep's; name it "
+        "(output_dir=runs/s, as the sweep did): the default is a new time-stamped folder each time"
+    )
+
+
 def main() -> None:
+    for jobs in (_FAILED, _REFUSED, _CRASHED):  # this command's sweep only
+        jobs.clear()
     sys.argv[1:] = home_expanded(sys.argv[1:])
-    msg = check_group_choices(sys.argv[1:]) or check_command_line("train", sys.argv[1:])
+    msg = (
+        check_folders_and_method(sys.argv[1:])
+        or folder_conflict(sys.argv[1:])
+        or check_group_choices(sys.argv[1:])
+        or check_command_line("train", sys.argv[1:])
+    )
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
@@ -221,13 +377,24 @@ def main() -> None:
     if note:
         print(note, flush=True)
         sys.argv[1:] = argv
-    outs = [a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+").startswith("output_dir=")]
-    _OUTPUT_DIR_EXISTED[0] = Path(outs[-1]).expanduser().exists() if outs else False
+    msg = resume_into_a_new_sweep(sys.argv[1:])
+    if msg:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    _RUN_DIR_ARG[0] = run_dir_argument(sys.argv[1:])
+    named = _RUN_DIR_ARG[0]
+    _OUTPUT_DIR_EXISTED[0] = named is not None and Path(named).expanduser().exists()
     _hydra_main()
     if _FAILED:
         print(
             f"error: {len(_FAILED)} job(s) of the sweep stopped on non-finite losses: "
             + ", ".join(_FAILED),
+            file=sys.stderr,
+        )
+    if _CRASHED:
+        print(
+            f"error: {len(_CRASHED)} job(s) of the sweep failed (see each one's traceback "
+            "above, and the summary): " + ", ".join(_CRASHED),
             file=sys.stderr,
         )
     if _REFUSED:
@@ -237,7 +404,7 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    if _FAILED:
+    if _FAILED or _CRASHED:
         sys.exit(1)
 
 

@@ -12,6 +12,66 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding.eval import EvalConfig, apply_saved_decode, evaluate
 
+#: the settings of ``train.eval_after`` that an evaluation's message may name by its own key
+_KEYS = ("bench", "num_prompts", "max_new_tokens", "temperature")
+
+
+def eval_config(cfg: DictConfig, draft: str, report: Path) -> DictConfig:
+    """The evaluation ``train.eval_after`` asks for, of ``draft`` on the run's target;
+    ``bench=sharegpt_val`` draws the held-out split this run's training drew (its data, split
+    fraction, cap and seed)."""
+    ea = cfg.train.eval_after
+    return OmegaConf.structured(
+        EvalConfig(
+            target=OmegaConf.to_object(cfg.target),
+            draft=draft,
+            bench=ea.bench,
+            num_prompts=ea.num_prompts,
+            max_new_tokens=ea.max_new_tokens,
+            temperature=ea.temperature,
+            report=str(report),
+            data_path=cfg.data.path,
+            val_fraction=cfg.data.val_fraction,
+            split_seed=cfg.train.seed,
+            max_val_records=cfg.data.max_val_records,
+            skip_records=cfg.data.skip_records,
+        )
+    )
+
+
+def _named(e: Exception) -> str:
+    """An evaluation's message with its key as the training command's (``num_prompts=0`` is
+    ``train.eval_after.num_prompts=0`` there)."""
+    text = str(e)
+    return f"train.eval_after.{text}" if text.startswith(tuple(f"{k}=" for k in _KEYS)) else text
+
+
+def check_eval_after(cfg: DictConfig) -> None:
+    """``train.eval_after``'s settings, judged before training (each was an error or a
+    traceback after the whole run): its values, its benchmark's prompts, and each draft in
+    ``compare`` that names a folder or a shipped draft. Raises ``EvalError`` naming the key."""
+    from decoding.bench import BenchError
+    from decoding.drafts import NO_MODEL
+    from decoding.settings import EvalError, bench_questions, validate
+    from models.shipped import SHIPPED, shipped_draft
+    from models.target import looks_like_a_path
+
+    ecfg = eval_config(cfg, "none", Path("eval-0.json"))
+    try:
+        validate(ecfg)
+        if ecfg.bench != "sharegpt_val":  # that one reads the training data: its loading says
+            bench_questions(ecfg)
+    except (EvalError, BenchError) as e:
+        raise EvalError(_named(e)) from None
+    for d in cfg.train.eval_after.compare:
+        d = str(d)
+        if d in NO_MODEL or d.startswith("truncate:") or shipped_draft(d) is not None:
+            continue
+        if d in SHIPPED:
+            raise EvalError(f"train.eval_after.compare: {d}: the shipped draft is missing")
+        if looks_like_a_path(d) and not Path(d).expanduser().exists():
+            raise EvalError(f"train.eval_after.compare: {d}: no such folder")
+
 
 def measure_after(cfg: DictConfig, final: Path, run_dir: Path, log=print) -> list[dict[str, Any]]:
     """One row per draft (``final`` first, as "this run"); each full report goes to
@@ -19,17 +79,7 @@ def measure_after(cfg: DictConfig, final: Path, run_dir: Path, log=print) -> lis
     ea = cfg.train.eval_after
     rows = []
     for k, draft in enumerate([str(final), *ea.compare]):
-        ecfg = OmegaConf.structured(
-            EvalConfig(
-                target=OmegaConf.to_object(cfg.target),
-                draft=draft,
-                bench=ea.bench,
-                num_prompts=ea.num_prompts,
-                max_new_tokens=ea.max_new_tokens,
-                temperature=ea.temperature,
-                report=str(run_dir / f"eval-{k}.json"),
-            )
-        )
+        ecfg = eval_config(cfg, draft, run_dir / f"eval-{k}.json")
         log(f"\nmeasuring {draft} on {ea.num_prompts} {ea.bench} prompts ...")
         line = apply_saved_decode(ecfg, set())  # a shipped draft at its settings for here
         if line:

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from conf.cli import StopSignals, check_command_line, exit_code_of, home_expanded
 from data.chat import prompt_ids
-from data.conversations import Conversation, DataError, load_conversations
+from data.conversations import Conversation, DataError, load_conversations, split_reasoning
 from decoding.batch import BatchDecoder
 from decoding.batch_checks import BatchError, check_batchable
 from decoding.decoder import NoDraft
@@ -98,7 +98,7 @@ COUNTS = (
     "reply_tokens",
     "stopped_context",
     "stopped_template",  # the target's chat template refused the conversation's prompt
-    "empty_replies",  # replies of white space only: training skips such a turn's record
+    "empty_replies",  # replies with no answer: training ends the conversation there
     "dropped",
 )
 
@@ -264,7 +264,9 @@ class _Conversations:
         n["replies"] += 1
         n["truncated"] += int(truncated)
         n["reply_tokens"] += len(reply)
-        n["empty_replies"] += int(not self.msgs[i][j]["content"].strip())
+        # no answer (white space, or a reasoning trace only): training ends the conversation
+        # at such a turn (the later turns are still written: the record stays whole)
+        n["empty_replies"] += int(not split_reasoning(self.msgs[i][j]["content"])[1].strip())
         return self.next_request(i)
 
     def record(self, i: int) -> tuple[dict, dict[str, int]]:
@@ -507,8 +509,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         notes = [
             f"{summary.get('stopped_template', 0)} conversations stopped where the target's chat "
             "template refused their prompt",
-            f"{summary.get('empty_replies', 0)} replies were white space only (training skips "
-            "a turn with no text)",
+            f"{summary.get('empty_replies', 0)} replies had no answer (white space, or a "
+            "reasoning trace only): training ends their conversations there",
         ]
         for note in notes:
             if not note.startswith("0 "):

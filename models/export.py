@@ -382,9 +382,7 @@ def export(
             _readme(fmt, draft, config, same, vllm, sglang, evaluated_with)
         )
         readable_by_others(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -405,6 +403,24 @@ def export(
         "sglang_serve": sglang,
         **same,
     }
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the checked export ``tmp`` to ``out``: an earlier export there is moved aside
+    first and deleted only once the new one is in place, so that a failure on the way (a file
+    that cannot be deleted, an interruption) leaves the earlier export whole, never half of it."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent)) / out.name
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        shutil.rmtree(old.parent, ignore_errors=True)
+        raise
+    shutil.rmtree(old.parent, ignore_errors=True)
 
 
 #: the README line recording the target an export is evaluated against (JSON after it)
@@ -512,9 +528,53 @@ def _other_files(folder: Path) -> str | None:
     except (OSError, IndexError):
         first = ""
     if first.startswith("# ") and first.endswith("exported by specdraft"):
-        return None
+        # an earlier export, but --force must not take files put in it since (the target's
+        # GGUF beside the draft's, notes): only what an export writes
+        written = {
+            "config.json",
+            "README.md",
+            "base",
+            *(f.weights_file for f in formats().values()),
+        }
+        added = [n for n in names if n not in written]
+        if not added:
+            return None
+        shown = ", ".join(added[:3]) + (f", ... ({len(added)} in all)" if len(added) > 3 else "")
+        return f"an earlier export with files it did not write ({shown})"
     shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
     return f"files that are not an earlier export ({shown})"
+
+
+def check_saved_config(folder: Path, cfg: dict[str, Any]) -> str:
+    """The method of the saved draft in ``folder`` (its parsed ``config.json``), after checking
+    what loading it reads: a known method, its ``target`` section, and settings its method has
+    (a draft saved by a newer specdraft may hold more); ``DraftError`` naming the field."""
+    from dataclasses import fields
+
+    from . import METHODS
+
+    f = folder / "config.json"
+    saved = cfg.get("specdraft")
+    method = saved.get("method") if isinstance(saved, dict) else None
+    if method not in METHODS:
+        raise DraftError(f"{f}: unknown draft kind {method!r} (specdraft.method)")
+    t = cfg.get("target")
+    if not isinstance(t, dict) or "hidden_size" not in t:
+        raise DraftError(
+            f"{f}: no target section (the target the draft was trained for, with its "
+            "hidden_size); the file is damaged or was not written by specdraft"
+        )
+    settings = cfg.get("method")
+    if not isinstance(settings, dict):
+        raise DraftError(f"{f}: no method section (the {method} draft's settings)")
+    known = {x.name for x in fields(METHODS[method].config_class)}
+    odd = sorted(set(settings) - known)
+    if odd:
+        raise DraftError(
+            f"{f}: method.{odd[0]} is not a setting of {method} drafts in this specdraft "
+            "(saved by a newer version? upgrade specdraft to load it)"
+        )
+    return method
 
 
 def load_trained_head(
@@ -527,36 +587,32 @@ def load_trained_head(
     from . import METHODS
     from .target import TargetError, load_target, saved_target_config
 
-    p = Path(path)
-    for cand in (p / "final", p / "draft", p):
-        if (cand / "config.json").exists():
+    p = Path(path).expanduser()
+    # a damaged config.json is named (DraftError), not passed over as "no saved draft here"
+    cand = resolve_draft_dir(p) if p.is_dir() else None
+    if cand is not None:
+        cfg = read_draft_config(cand)
+        method = check_saved_config(cand, cfg)
+        if target is None:
+            t = cfg["target"]
+            tcfg = saved_target_config(t)  # tiny targets: the seed and layers it had
+            if target_path:
+                tcfg.path = target_path
             try:
-                cfg = read_draft_config(cand)
-            except DraftError:
-                continue
-            method = cfg["specdraft"]["method"]
-            if method not in METHODS:
-                raise DraftError(f"{cand}: unknown draft kind {method!r}")
-            if target is None:
-                t = cfg["target"]
-                tcfg = saved_target_config(t)  # tiny targets: the seed and layers it had
+                target = load_target(tcfg)
+            except TargetError as e:
                 if target_path:
-                    tcfg.path = target_path
-                try:
-                    target = load_target(tcfg)
-                except TargetError as e:
-                    if target_path:
-                        raise
-                    raise TargetError(
-                        f"{e} (the target {cand} was trained for; where it has moved, pass "
-                        "--target <its folder or hub id>)"
-                    ) from None
-                if not same_weights(target.identity, t.get("identity")):
-                    raise DraftError(
-                        f"{cand}: trained for target {t.get('identity')}, but loading "
-                        f"{tcfg.path or tcfg.name} gives {target.identity} (weights changed?)"
-                    )
-            return METHODS[method].load_draft(cand, target)
+                    raise
+                raise TargetError(
+                    f"{e} (the target {cand} was trained for; where it has moved, pass "
+                    "--target <its folder or hub id>)"
+                ) from None
+            if not same_weights(target.identity, t.get("identity")):
+                raise DraftError(
+                    f"{cand}: trained for target {t.get('identity')}, but loading "
+                    f"{tcfg.path or tcfg.name} gives {target.identity} (weights changed?)"
+                )
+        return METHODS[method].load_draft(cand, target)
     step = unfinished_run(p)
     if step is not None:
         raise DraftError(
@@ -726,16 +782,25 @@ def main(argv: list[str] | None = None) -> None:
         "--merge", action="store_true", help="Medusa-2: write the adapter-merged model in base/"
     )
     a = ap.parse_args(argv)
+    from .shipped import SHIPPED, shipped_draft
     from .target import TargetError
 
+    # a shipped draft by its short name, as specdraft-eval takes it; ``~`` expanded in every
+    # path (--out=~/x and the like reach us as typed: no shell expands them)
+    draft = shipped_draft(a.draft) or Path(a.draft).expanduser()
     out = a.out or a.draft
     try:
         if a.gamma < 1:
             raise ExportError(f"--gamma {a.gamma}: must be >= 1 (draft tokens a step)")
-        head = load_trained_head(a.draft, target_path=a.target)
+        if not a.out and draft.resolve() in {d.resolve() for d in SHIPPED.values()}:
+            raise ExportError(
+                f"{a.draft}: a draft shipped with specdraft, whose folder is part of the "
+                "package: pass --out <folder> for its export"
+            )
+        head = load_trained_head(draft, target_path=a.target)
         fmt = check_method(a.format, head)
-        out = a.out or str(default_out(Path(a.draft), fmt))
-        src, dest = Path(a.draft).resolve(), Path(out).resolve()
+        out = str(Path(a.out).expanduser()) if a.out else str(default_out(draft, fmt))
+        src, dest = draft.resolve(), Path(out).resolve()
         if dest == src or dest in src.parents:
             raise ExportError(f"--out {out}: holds the draft being exported ({a.draft})")
         kept_by = replaced_by_training(dest)
@@ -749,9 +814,9 @@ def main(argv: list[str] | None = None) -> None:
         is_gguf = "gguf" in (fmt, formats()[fmt].family)
         if a.target_gguf and not is_gguf:
             raise ExportError("--target-gguf is for --format gguf")
-        opts = (
-            {"target_gguf_path": a.target_gguf or cli_target_gguf(head.target)} if is_gguf else {}
-        )
+        # absolute: the export's config.json and README name the file wherever they are read
+        given = str(Path(a.target_gguf).expanduser().resolve()) if a.target_gguf else None
+        opts = {"target_gguf_path": given or cli_target_gguf(head.target)} if is_gguf else {}
         export(head, fmt, out, dtype=a.dtype, force=a.force, gamma=a.gamma, merge=a.merge, **opts)
         if is_gguf:
             warn_if_unfed(opts["target_gguf_path"], Path(out) / "draft.gguf")

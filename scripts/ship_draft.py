@@ -9,15 +9,15 @@ for another target).
 
 Floating-point tensors are stored in bf16 (the draft is cast to the target's dtype when it
 decodes, so nothing is lost on a bf16 target; on an fp32 target the bf16 weights are widened).
-The draft's own ``config.json`` is copied unchanged. The folder's README (commands, figures)
-is written by hand; this script keeps it if present.
+The draft's own ``config.json`` is copied, with the shipped draft's hand-written decode settings
+kept (for the same target). The folder's README (commands, figures) is written by hand; this
+script keeps it if present.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -54,6 +54,19 @@ def checked_draft(src: Path, dst: Path, new_target: bool) -> tuple[Path, dict]:
         cfg = read_draft_config(found)
     except DraftError as e:
         sys.exit(str(e))
+    if dst.is_dir() and found.resolve() == dst.resolve():
+        sys.exit(
+            f"{src}: is the shipped draft {dst.name} itself; pass the draft to ship in its place"
+        )
+    # a shipped draft is its weights and config.json: a draft keeping more (Medusa-2's LoRA
+    # adapter/, DistillSpec's student/) would be shipped without it and not load
+    more = sorted(p.name for p in found.iterdir() if p.name not in (DRAFT_WEIGHTS, "config.json"))
+    if more:
+        method = cfg.get("specdraft", {}).get("method")
+        sys.exit(
+            f"{found}: a {method} draft keeps {', '.join(more)} beside its weights, which a "
+            "shipped draft (config.json and model.safetensors) does not hold"
+        )
     if not (found / DRAFT_WEIGHTS).is_file():
         sys.exit(f"{found / DRAFT_WEIGHTS}: missing (expected a saved draft folder)")
     if (dst / "config.json").is_file() and not new_target:
@@ -70,6 +83,24 @@ def checked_draft(src: Path, dst: Path, new_target: bool) -> tuple[Path, dict]:
     return found, cfg
 
 
+#: keys of a shipped draft's config.json written by hand after it was measured (the decode
+#: settings ``specdraft-eval draft=<name>`` uses when none is given, and their note)
+SHIPPED_KEYS = ("decode", "decode_note")
+
+
+def kept_settings(dst: Path, cfg: dict, new_target: bool) -> dict:
+    """The hand-written keys (``SHIPPED_KEYS``) of the shipped draft at ``dst`` that the new
+    draft's config (``cfg``) lacks: kept across a new head for the same target, where copying
+    the new draft's config.json alone would drop them silently; none for a new target."""
+    if new_target or not (dst / "config.json").is_file():
+        return {}
+    try:
+        was = json.loads((dst / "config.json").read_text())
+    except ValueError:
+        return {}
+    return {k: was[k] for k in SHIPPED_KEYS if k in was and k not in cfg}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("draft", type=Path, help="a saved draft folder (a run's final/ or draft/)")
@@ -84,8 +115,11 @@ def main() -> None:
     if args.name not in SHIPPED:
         sys.exit(f"{args.name}: add it to SHIPPED in models/shipped/__init__.py first")
     dst = SHIPPED[args.name]
-    src, _ = checked_draft(args.draft, dst, args.new_target)
-    state = load_file(str(src / DRAFT_WEIGHTS))
+    src, _ = checked_draft(args.draft.expanduser(), dst, args.new_target)
+    try:
+        state = load_file(str(src / DRAFT_WEIGHTS))
+    except Exception as e:  # safetensors raises several types for damaged files
+        sys.exit(f"{src / DRAFT_WEIGHTS}: cannot read weights ({e})")
     state = {
         k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
         for k, v in state.items()
@@ -97,12 +131,19 @@ def main() -> None:
     if mb > args.max_mb:
         tmp.unlink()
         sys.exit(f"{args.name}: {mb:.1f} MB in bf16, over --max-mb {args.max_mb}")
+    cfg = json.loads((src / "config.json").read_text())
+    kept = kept_settings(dst, cfg, args.new_target)
     tmp.replace(dst / DRAFT_WEIGHTS)
-    shutil.copyfile(src / "config.json", dst / "config.json")
-    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **kept}, indent=1))
     print(
         f"shipped {src} as {args.name}: {dst} ({mb:.1f} MB, bf16; method {cfg['specdraft']['method']})"
     )
+    if kept:
+        print(
+            f"note: kept the decode settings of {args.name} ({', '.join(sorted(kept))} in "
+            f"{dst / 'config.json'}), measured on the previous head: measure again and edit "
+            "them where this head is best decoded otherwise"
+        )
     if (dst / "disco").is_dir():
         print(
             f"note: {dst / 'disco'} was fit on the previous head's traces: fit it again "

@@ -233,7 +233,10 @@ def test_eval_config_composes_and_rejects_typos():
             compose("eval", overrides=["gama=3"])
 
 
-def test_sharegpt_val_prompts_are_the_training_validation_split(data_file, tmp_path):
+@pytest.mark.parametrize("skip", [0, 7])
+def test_sharegpt_val_prompts_are_the_training_validation_split(data_file, tmp_path, skip):
+    """With ``skip_records`` too: the split hashes each record's position after the skip, and
+    the evaluator's split without it held some of the run's training records."""
     from data.dataset import prepare_tokenized
     from models.tiny import build_tiny_tokenizer
 
@@ -245,10 +248,16 @@ def test_sharegpt_val_prompts_are_the_training_validation_split(data_file, tmp_p
         max_val_records=5,
         max_records=None,
         seed=3,
+        skip_records=skip,
         cache_root=str(tmp_path),
     )
     qs = load_bench(
-        "sharegpt_val", data_path=str(data_file), val_fraction=0.2, split_seed=3, max_val_records=5
+        "sharegpt_val",
+        data_path=str(data_file),
+        val_fraction=0.2,
+        split_seed=3,
+        max_val_records=5,
+        skip_records=skip,
     )
     assert [q["question_id"] for q in qs] == list(d.val["id"])
 

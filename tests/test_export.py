@@ -113,6 +113,19 @@ def test_speculators_layout_variants_round_trip(target4, tmp_path):
         export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
 
 
+def test_a_normed_residual_head_is_refused_by_name_where_the_layout_cannot_record_it(
+    target4, tmp_path
+):
+    """``norm_before_residual`` alone: the SGLang config has no place for it, and the export
+    failed only at its read-back, saying the layer ids might be written wrongly."""
+    head = eagle3(target4, norm_before_residual=True)
+    with pytest.raises(ExportError, match="norm_before_residual=True"):
+        export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
+    assert not (tmp_path / "sg").exists()
+    export(head, "vllm", tmp_path / "v", dtype="float32", log=lambda *_: None)
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["norm_before_residual"]
+
+
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_eagle3_1_round_trips_where_vllm_reads_it(target4, tmp_path, fmt):
     """EAGLE 3.1 (a norm per fused layer, normed outputs fed forward) exports to both vLLM
@@ -314,9 +327,36 @@ def test_the_serve_line_names_a_target_vllm_can_load(tmp_path):
     assert not any("SGLang" in line for line in said)  # not SGLang's layout
 
 
+def _vllm_reads_layer_ids(config: dict) -> list[int] | None:
+    """The layer ids vLLM 0.32 fuses for an EAGLE-3 draft's config, as its model runner reads
+    them (``_get_eagle3_aux_layers_from_config``): the top-level
+    ``eagle_aux_hidden_state_layer_ids``, else ``eagle_config``'s, both as they are, each the
+    input of decoder layer k (our ``hidden_states`` index k)."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(ids) if ids else None
+
+
+def test_every_eagle3_layout_vllm_serves_fuses_the_trained_layers_there(target4, tmp_path):
+    """A random head accepts next to nothing whichever layers an engine fuses, so the engine
+    tests cannot see fused layers shifted by one: the SGLang layout (ids counted as layer
+    outputs) was offered for vLLM, which reads those ids as its own and fuses the layers
+    below the trained ones."""
+    head = eagle3(target4)
+    served = [f for f in FORMATS.values() if f.vllm_method == "eagle3" and "eagle3" in f.methods]
+    assert {f.name for f in served} == {"vllm", "speculators"}
+    for fmt in served:
+        out = tmp_path / fmt.name
+        export(head, fmt.name, out, dtype="float32", log=lambda *_: None)
+        config = json.loads((out / "config.json").read_text())
+        assert _vllm_reads_layer_ids(config) == [1, 2, 3], fmt.name
+    assert FORMATS["sglang"].vllm_method is None  # its ids read by vLLM: [0, 1, 2]
+
+
 def test_an_sglang_export_says_how_sglang_serves_it(target4, tmp_path):
     """``--format sglang`` prints (and writes in its README) SGLang's launch line for a chain
-    of gamma, beside vLLM's (which serves the layout too)."""
+    of gamma, and no vLLM line (vLLM would fuse other layers from it)."""
     said = []
     out = tmp_path / "sg"
     r = export(eagle3(target4), "sglang", out, log=said.append, gamma=4)
@@ -326,7 +366,7 @@ def test_an_sglang_export_says_how_sglang_serves_it(target4, tmp_path):
     assert line.endswith(
         "--speculative-num-steps 4 --speculative-eagle-topk 1 --speculative-num-draft-tokens 5"
     )
-    assert f"serve it in SGLang: {line}" in said and r["vllm_serve"]
+    assert f"serve it in SGLang: {line}" in said and r["vllm_serve"] is None
     assert line in (out / "README.md").read_text()
 
 

@@ -458,3 +458,26 @@ def test_a_moved_target_continues_its_regeneration(tmp_path):
     _check_settings(meta, {"target": "/b/renamed:86dd61b9ed35"})
     with pytest.raises(PrepareError, match="target="):
         _check_settings(meta, {"target": "/b/renamed:0123456789ab"})
+
+
+@pytest.mark.parametrize("reply", ["  \n", "<think>\nonly a plan\n</think>\n\n"])
+def test_a_reply_with_no_answer_is_counted_empty(tmp_path, reply):
+    """A reply of white space, or of a reasoning trace with nothing after ``</think>``, is a
+    turn with no text (training ends the conversation there); the reasoning-only reply was not
+    counted."""
+    from types import SimpleNamespace
+
+    from flow.regenerate import _Conversations
+    from models.tiny import build_tiny_tokenizer
+
+    f = tmp_path / "one.jsonl"
+    turns = [{"from": "human", "value": "a question"}, {"from": "gpt", "value": "an answer"}]
+    f.write_text(json.dumps({"id": "c0", "conversations": turns}) + "\n")
+    convs, _ = load_conversations(str(f))
+    tok = build_tiny_tokenizer()
+    counts = []
+    for text in ("an answer", reply):
+        work = _Conversations(SimpleNamespace(tokenizer=tok), list(enumerate(convs)), _cfg(f, "o"))
+        work.take_reply(work.next_request(0).key, tok.encode(text), False)
+        counts.append(work.record(0)[1]["empty_replies"])
+    assert counts == [0, 1]

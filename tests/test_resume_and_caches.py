@@ -1,6 +1,7 @@
 """Caches and resumption never train on something other than what the run asks for: a checkpoint
-resumes only for its own method and target, with the run's own optimizer settings; pruning
-keeps the checkpoint just written; a damaged or half-copied cache is built again, not read."""
+resumes only for its own method, target and tokenizer, with the run's own optimizer settings;
+pruning keeps the checkpoint just written; a damaged or half-copied cache is built again, not
+read."""
 
 from __future__ import annotations
 
@@ -88,6 +89,23 @@ def test_resume_from_an_earlier_checkpoint_keeps_the_ones_it_writes(data_file, t
     assert latest_checkpoint(out) == out / "checkpoints" / "step_7"
 
 
+def test_resume_after_the_chat_template_changed_is_refused(data_file, tmp_path, monkeypatch):
+    """Same weights, other chat template (or tokenizer files): the checkpoint's batches were
+    tokenised another way, and the run continued on the new ids without a word."""
+    import models.tiny
+
+    out = tmp_path / "run"
+    _run(data_file, out, **STEPS)
+    template = models.tiny.CHATML_TEMPLATE.replace("<|im_start|>", "<|im_start|> ")
+    monkeypatch.setattr(models.tiny, "CHATML_TEMPLATE", template)
+    more = {**STEPS, "train.max_steps": 6, "resume": "true"}
+    with pytest.raises(CheckpointError, match="another tokenizer or chat template"):
+        _run(data_file, out, **more)
+    monkeypatch.undo()  # the template it was trained with resumes
+    _run(data_file, out, **more)
+    assert latest_checkpoint(out) == out / "checkpoints" / "step_6"
+
+
 def _conv(i: int, reply: str) -> str:
     msgs = [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": reply}]
     return json.dumps({"id": f"c{i}", "conversations": msgs}) + "\n"
@@ -156,3 +174,19 @@ def test_a_feature_cache_that_lost_a_shard_is_built_again(tmp_path, data_file, t
     again = build_feature_store(tiny_target, data.train, (-1,), root, "k", **kw)
     for i, t in want.items():
         torch.testing.assert_close(again.get(i), t)
+
+
+def test_a_resume_value_naming_nothing_is_refused_before_the_target_loads(
+    data_file, tmp_path, monkeypatch
+):
+    """``resume=yes`` (or a mistyped checkpoint folder) failed only after the target and the
+    data had loaded, minutes in on a large target."""
+    import trainer.train as train
+
+    def no_load(*_):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(train, "_load_target", no_load)
+    for value in ("yes", str(tmp_path / "no_such_run")):
+        with pytest.raises(CheckpointError, match=f"resume={value}: no such checkpoint folder"):
+            _run(data_file, tmp_path / "run", resume=value)

@@ -740,7 +740,7 @@ def test_a_sweep_run_again_keeps_its_finished_jobs_records(tmp_path, monkeypatch
     """The same sweep again with one value more: the jobs whose folders hold a run are refused
     without a word written there (their summary, metrics and .hydra records stay what they
     were: a refused job's overrides never label another's results), the new job runs, and the
-    summary lists all three finished."""
+    summary lists the two earlier runs' results, marked as such, beside the new one's."""
     import json
 
     import flow.app as app
@@ -768,7 +768,8 @@ def test_a_sweep_run_again_keeps_its_finished_jobs_records(tmp_path, monkeypatch
     assert e.value.code == 2 and "holds a run already" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in sweep.glob("[01]/**/*") if p.is_file()} == before
     table = (sweep / "summary.md").read_text()
-    assert table.count("| finished |") == 3 and "refused" not in table
+    assert table.count("| finished |") == 1 and "| refused |" not in table
+    assert table.count("| finished (an earlier run, kept) |") == 2
 
 
 def test_resume_true_into_the_time_stamped_default_is_refused(tmp_path, monkeypatch, capsys):

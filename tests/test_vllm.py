@@ -279,7 +279,6 @@ SERVED = [
     ("speculators", "eagle3"),
     ("vllm", "eagle3_1"),
     ("speculators", "eagle3_1"),
-    ("sglang", "eagle3"),
     ("vllm", "hass"),
     ("eagle1", "eagle1"),
     ("medusa-vllm", "medusa1"),

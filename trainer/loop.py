@@ -38,6 +38,7 @@ class LoopState:
     last_val_step: int = -1
     planned_steps: int = 0  # min(max_steps, the steps the epochs allow); set by fit()
     data_source: str = ""  # the data trained on (``TokenizedData.source``): resumed only on it
+    tokenizer: str = ""  # what tokenised it (``TokenizedData.tokenizer``): resumed only with it
 
 
 def tokens_so_far(state: LoopState) -> int:

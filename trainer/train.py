@@ -213,6 +213,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(cfg.output_dir)
     if cfg.resume in (False, None, "false", "False"):
         check_fresh_run_dir(run_dir)
+    else:  # a checkpoint that is not there is said now, not after the target and data load
+        _resume_path(cfg.resume, run_dir, lambda *_: None)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     accelerator = _accelerator(cfg)
@@ -236,7 +238,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # A method may ask for parameter groups (e.g. Medusa-2: heads at a multiple of the LoRA lr)
     groups = method.param_groups(cfg.optim.lr)
     optimizer = build_optimizer(OmegaConf.to_object(cfg.optim), method, groups)
-    state = LoopState(world_size=accelerator.num_processes, data_source=data.source)
+    state = LoopState(
+        world_size=accelerator.num_processes, data_source=data.source, tokenizer=data.tokenizer
+    )
     max_seconds = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, make_schedule(cfg.optim, cfg.train.max_steps, max_seconds, state)
@@ -493,6 +497,14 @@ def _resume(cfg, accelerator, method, state, tracker, samples, run_dir: Path, lo
             "seed) than this run's; resume with the same data, or start a new run with "
             f"train.init_from={ck} to continue its weights on these"
         )
+    was = saved.get("tokenizer")  # checkpoints from before it was saved: not checked
+    if was and was != state.tokenizer:
+        raise CheckpointError(
+            f"{ck}: its data was tokenised by another tokenizer or chat template than this "
+            "run's target has (same weights, new tokenizer files); resume with the tokenizer "
+            f"it was trained with, or start a new run with train.init_from={ck} to continue "
+            "its weights on this one"
+        )
     for k, v in saved.items():
         if hasattr(state, k):
             setattr(state, k, v)
@@ -602,7 +614,12 @@ def _resume_path(resume: Any, run_dir: Path, log) -> Path | None:
         if ck is None:
             log(f"resume=true: no intact checkpoint in {run_dir / 'checkpoints'}; starting fresh")
         return ck
-    p = Path(str(resume))
+    p = Path(str(resume)).expanduser()
+    if not p.exists():
+        raise CheckpointError(
+            f"resume={resume}: no such checkpoint folder (resume=true continues from the "
+            "newest checkpoint in output_dir; resume=<folder> from a run or checkpoint folder)"
+        )
     if (p / "checkpoints").is_dir() and not (p / "trainer_state.json").exists():
         ck = latest_checkpoint(p, log=log)
         if ck is None:

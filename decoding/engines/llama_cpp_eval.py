@@ -152,7 +152,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
     repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
     questions = bench_questions(cfg)
     threads = cfg.engine_threads or None
-    stop = stop_ids(cfg, tok)  # ignore_eos was refused before: EOS ends a reply
+    stop = stop_ids(cfg, tok, target)  # ignore_eos was refused before: EOS ends a reply
     greedy = cfg.temperature == 0
     sampling = {"temperature": cfg.temperature, "top_k": cfg.sample_top_k, "top_p": cfg.top_p}
     n_max, p_min = int(cfg.gamma), float(cfg.p_min)

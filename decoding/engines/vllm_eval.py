@@ -472,7 +472,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
         log(f"gamma={cfg.gamma}: this draft drafts {n_max} tokens a step in vLLM (its layout "
             f"fixes it); measured, and compared with ours, at {n_max}")  # fmt: skip
     questions = bench_questions(cfg)
-    stop = stop_ids(cfg, tok)
+    stop = stop_ids(cfg, tok, target)
     model_dir = target_folder(target)
     dtype = (
         str(target.dtype).removeprefix("torch.") if cfg.engine_dtype == "auto" else cfg.engine_dtype

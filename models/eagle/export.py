@@ -349,7 +349,10 @@ class EagleFormat(ExportFormat):
 
 class SGLangEagle3(EagleFormat):
     name, methods, description = "sglang", EAGLE3_LIKE, "EAGLE-3 for SGLang"
-    vllm_method = "eagle3"
+    # not served through vLLM: vLLM reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` as
+    # its own layer ids (the input of decoder layer k), SGLang as layer outputs (k + 1), so
+    # vLLM would fuse the layers below the trained ones; the ``vllm`` layout is vLLM's
+    vllm_method = None
     serve_hint = (
         "SGLang: `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this dir>`"
     )
@@ -364,6 +367,15 @@ class SGLangEagle3(EagleFormat):
                 "use_aux_hidden_state": True,
             },
         }
+
+    def head_tensors(self, draft) -> dict[str, torch.Tensor]:
+        if draft.cfg.norm_before_residual:
+            raise ExportError(
+                "--format sglang: this head uses norm_before_residual=True, which the SGLang "
+                "layout's config cannot record; export it with --format vllm or --format "
+                "speculators (both write the flag)"
+            )
+        return super().head_tensors(draft)
 
     def fused_layers(self, config: dict) -> list[int] | None:
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
