@@ -51,6 +51,24 @@ def test_a_prompt_past_the_targets_context_is_one_line_before_decoding(tmp_path,
     assert "past the target's context of 4096 tokens; lower max_new_tokens" in msg
 
 
+@pytest.mark.parametrize("engine", ["vllm", "llama.cpp"])
+def test_a_prompt_past_the_targets_context_is_refused_before_an_engine_starts(
+    tmp_path, monkeypatch, engine
+):
+    """In a serving engine too: the question is named before any engine process starts (one
+    that would start here fails at once)."""
+    from decoding.eval import EvalError, evaluate
+
+    dead = tmp_path / "dead-python"
+    dead.write_text("#!/bin/sh\nexit 1\n")
+    dead.chmod(0o755)
+    monkeypatch.setenv("SPECDRAFT_VLLM_PYTHON", str(dead))
+    monkeypatch.setenv("SPECDRAFT_LLAMA_CPP", str(tmp_path / "no-llama"))
+    bench = _bench(tmp_path, "short question", "a" * 4200)
+    with pytest.raises(EvalError, match="question 'q1' needs .* past the target's context"):
+        evaluate(_eval_cfg(draft="ngram", engine=engine, bench=bench, num_prompts=2))
+
+
 def test_a_prompt_that_fits_only_without_its_answer_is_refused(tmp_path, tiny_target):
     """The prompt alone fits; with the tokens it may generate it does not."""
     from decoding.eval import EvalError

@@ -38,7 +38,7 @@ from models.target import load_target, target_gguf
 
 from ..report import CONVENTION
 from ..sample_check import check_run
-from ..settings import EvalError, bench_questions, sampling_of, stop_ids
+from ..settings import EvalError, bench_questions, check_context, sampling_of, stop_ids
 from .base import (
     EngineError,
     EngineStats,
@@ -145,12 +145,13 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
         raise EvalError(f"tree={cfg.tree}: llama.cpp drafts chains (use tree=auto or chain)")
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
+    questions = bench_questions(cfg)
+    check_context(cfg, target, questions)  # a question past the context: before any conversion
     # the target's GGUF: given, the embedded target's own, or converted once by llama.cpp
     tgt_gguf = target_gguf(target, cfg.target_gguf) or converted_target(target, log)
     spec_type, draft, desc, block = draft_gguf(cfg, target, log, tgt_gguf)
     check_feature_target(tgt_gguf, spec_type)  # before any server starts
     repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
-    questions = bench_questions(cfg)
     threads = cfg.engine_threads or None
     stop = stop_ids(cfg, tok, target)  # ignore_eos was refused before: EOS ends a reply
     greedy = cfg.temperature == 0

@@ -460,18 +460,19 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
 
     from ..report import CONVENTION
     from ..sample_check import check_run
-    from ..settings import bench_questions, sampling_of, stop_ids
+    from ..settings import bench_questions, check_context, sampling_of, stop_ids
 
     _validate(cfg)
     python = vllm_python()
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
+    questions = bench_questions(cfg)
+    check_context(cfg, target, questions)  # a question past the context: before any export
     spec_cfg, desc, readback = vllm_draft(cfg, target, log)
     n_max = int(spec_cfg["num_speculative_tokens"])
     if n_max != cfg.gamma:  # a DFlash block, Medusa's heads: the layout fixes it
         log(f"gamma={cfg.gamma}: this draft drafts {n_max} tokens a step in vLLM (its layout "
             f"fixes it); measured, and compared with ours, at {n_max}")  # fmt: skip
-    questions = bench_questions(cfg)
     stop = stop_ids(cfg, tok, target)
     model_dir = target_folder(target)
     dtype = (
