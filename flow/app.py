@@ -256,7 +256,7 @@ def sweep_into_output_dir(argv: list[str]) -> tuple[list[str], str | None]:
     not read: ``output_dir=X`` on a sweep's line becomes ``hydra.sweep.dir=X`` (the jobs in
     X/0, X/1, ..., the summary in X) unless the line sets the sweep folder itself. Returns the
     arguments and a line saying so, or a ``ConfigError`` for an ``output_dir`` swept over."""
-    if not any(a in ("-m", "--multirun") for a in argv):
+    if not is_sweep(argv):
         return argv, None
     outs = [a for a in argv if a.lstrip("+~").startswith("output_dir=")]
     if not outs or any(a.startswith("hydra.sweep.dir=") for a in argv):
@@ -272,6 +272,17 @@ def sweep_into_output_dir(argv: list[str]) -> tuple[list[str], str | None]:
 
 #: the keys that name a folder the command writes to
 _FOLDER_KEYS = ("output_dir", "hydra.run.dir", "hydra.sweep.dir")
+
+
+def last_value(argv: list[str], key: str) -> str | None:
+    """The value the last ``key=`` (or ``+key=``) on the command line gives; None where none
+    does."""
+    vals = [a.split("=", 1)[1] for a in argv if "=" in a and a.lstrip("+").split("=", 1)[0] == key]
+    return vals[-1] if vals else None
+
+
+def is_sweep(argv: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") for a in argv)
 
 
 def check_folders_and_method(argv: list[str]) -> str | None:
@@ -305,12 +316,8 @@ def folder_conflict(argv: list[str]) -> str | None:
     """A one-line message where the line names a folder Hydra then ignores (``hydra.run.dir``
     in a sweep, ``hydra.sweep.dir`` in a single run) or two folders for one run or sweep
     (``output_dir=X`` beside ``hydra.run.dir=Y``: the run went to Y), or None."""
-    sweep = any(a in ("-m", "--multirun") for a in argv)
-    last = {}
-    for a in argv:
-        key, sep, value = a.lstrip("+").partition("=")
-        if sep and key in _FOLDER_KEYS:
-            last[key] = value
+    sweep = is_sweep(argv)
+    last = {k: v for k in _FOLDER_KEYS if (v := last_value(argv, k)) is not None}
     ignored, own = ("hydra.run.dir", "hydra.sweep.dir")
     if not sweep:
         ignored, own = own, ignored
@@ -332,23 +339,20 @@ def folder_conflict(argv: list[str]) -> str | None:
 def run_dir_argument(argv: list[str]) -> str | None:
     """The run's folder as ``argv`` names it: its last ``hydra.run.dir=`` (where Hydra runs
     it), else its last ``output_dir=``; None where it names neither."""
-    for key in ("hydra.run.dir", "output_dir"):
-        vals = [a.split("=", 1)[1] for a in argv if a.lstrip("+").split("=", 1)[0] == key]
-        if vals:
-            return vals[-1]
-    return None
+    named = last_value(argv, "hydra.run.dir")
+    return named if named is not None else last_value(argv, "output_dir")
 
 
 def resume_into_a_new_sweep(argv: list[str]) -> str | None:
     """A sweep (``-m``) with ``resume=true`` into the default sweep folder, a new time-stamped
     one each time, where every job would start afresh (as a single run's is refused), or None."""
-    if not any(a in ("-m", "--multirun") for a in argv):
+    if not is_sweep(argv):
         return None
-    resume = [a.split("=", 1)[1] for a in argv if a.lstrip("+").split("=", 1)[0] == "resume"]
-    if not resume or "true" not in resume[-1].lower():
+    resume = last_value(argv, "resume")
+    if resume is None or "true" not in resume.lower():
         return None
-    folders = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")]
-    if folders and "${now:" not in folders[-1]:
+    folder = last_value(argv, "hydra.sweep.dir")
+    if folder is not None and "${now:" not in folder:
         return None
     return (
         "resume=true continues each job of a sweep in its folder under the sweep's; name it "

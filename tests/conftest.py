@@ -387,3 +387,33 @@ COMPILE = {
     "static": "true",
     "graphs": "true" if TEST_DEVICE.startswith("cuda") else "emulate",
 }
+
+
+def script_outcome(script: str, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """``scripts/<script>.py``'s ``main()`` with ``args`` as its command line: its exit
+    status, standard output and standard error."""
+    import importlib
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    try:
+        module.main()
+        rc = 0
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def finished_training_run(cfg) -> dict:
+    """A training run's stand-in for the run flow's tests: a finished run's summary and
+    metrics, written at once, its validation loss the configured lr."""
+    summary = {"reason": "finished", "final": None, "step": 3, "val": {"loss": cfg.optim.lr}}
+    with open(f"{cfg.output_dir}/summary.json", "w") as f:
+        f.write(json.dumps(summary))
+    with open(f"{cfg.output_dir}/metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 3, "loss": cfg.optim.lr}) + "\n")
+    return summary

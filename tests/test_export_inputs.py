@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_target_gguf
+from conftest import script_outcome, tiny_target_gguf
 
 from models.export import ExportError, detect_format, export, main
 from models.target import TargetConfig, load_target
@@ -214,17 +214,8 @@ def test_an_earlier_export_that_cannot_be_deleted_whole_is_replaced_whole(
 
 
 def _ship(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """``scripts/ship_draft.py args``: its exit status (or message), stdout and stderr."""
-    import ship_draft
-
-    monkeypatch.setattr(sys, "argv", ["ship_draft.py", *args])
-    try:
-        ship_draft.main()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
+    """``scripts/ship_draft.py args``: its exit status, stdout and stderr."""
+    return script_outcome("ship_draft", monkeypatch, capsys, *args)
 
 
 @pytest.fixture

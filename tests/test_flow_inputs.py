@@ -11,20 +11,10 @@ import sys
 import time
 
 import pytest
-from conftest import compose
+from conftest import compose, finished_training_run
 
 import flow.app as app
 from trainer.train import ConfigError
-
-
-def _finished(cfg) -> dict:
-    """A training run's stand-in: a finished run's files, written at once."""
-    summary = {"reason": "finished", "final": None, "step": 3, "val": {"loss": cfg.optim.lr}}
-    with open(f"{cfg.output_dir}/summary.json", "w") as f:
-        f.write(json.dumps(summary))
-    with open(f"{cfg.output_dir}/metrics.jsonl", "w") as f:
-        f.write(json.dumps({"step": 3, "loss": cfg.optim.lr}) + "\n")
-    return summary
 
 
 def _main(monkeypatch, *args: str) -> int:
@@ -56,7 +46,7 @@ def test_a_sweep_run_again_into_its_folder_tabulates_its_own_jobs(tmp_path, monk
     refused whose folder holds the same job run before shows that run's results, marked as an
     earlier run; one whose folder holds another job's shows this sweep's overrides and the
     error, not the other's results; a line names the earlier sweep's folders left out."""
-    monkeypatch.setattr(app, "train_measure_serve", _finished)
+    monkeypatch.setattr(app, "train_measure_serve", finished_training_run)
     sweep = tmp_path / "sweep"
     assert _main(monkeypatch, "-m", f"hydra.sweep.dir={sweep}", "optim.lr=0.001,0.003,0.005") == 0
     past = time.time() - 3600  # the earlier sweep ran an hour ago
@@ -151,7 +141,7 @@ def test_a_sweep_job_failing_unexpectedly_leaves_a_summary_and_exit_1(
     def flaky(cfg):
         if cfg.optim.lr == 0.002:
             raise RuntimeError("boom")
-        return _finished(cfg)
+        return finished_training_run(cfg)
 
     monkeypatch.setattr(app, "train_measure_serve", flaky)
     sweep = tmp_path / "sweep"

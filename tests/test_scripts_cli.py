@@ -4,7 +4,6 @@ naming the flag, key or file, never a traceback, and no file the user has is wri
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import script_outcome as _outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -23,20 +23,6 @@ def _refused(rc, out: str, err: str) -> str:
     assert rc == 2, (rc, out, err)
     assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
     return err
-
-
-def _outcome(script: str, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """``scripts/<script>.py``'s ``main()`` with ``args`` as its command line: its exit
-    status, standard output and standard error."""
-    module = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
-    try:
-        module.main()
-        rc = 0
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 # --------------------------------------------------------------------------------- memory plan

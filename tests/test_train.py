@@ -741,19 +741,12 @@ def test_a_sweep_run_again_keeps_its_finished_jobs_records(tmp_path, monkeypatch
     without a word written there (their summary, metrics and .hydra records stay what they
     were: a refused job's overrides never label another's results), the new job runs, and the
     summary lists the two earlier runs' results, marked as such, beside the new one's."""
-    import json
+
+    from conftest import finished_training_run
 
     import flow.app as app
 
-    def fake(cfg):
-        summary = {"reason": "finished", "final": None, "step": 3, "val": {"loss": cfg.optim.lr}}
-        with open(f"{cfg.output_dir}/summary.json", "w") as f:
-            f.write(json.dumps(summary))
-        with open(f"{cfg.output_dir}/metrics.jsonl", "w") as f:
-            f.write(json.dumps({"step": 3, "loss": cfg.optim.lr}) + "\n")
-        return summary
-
-    monkeypatch.setattr(app, "train_measure_serve", fake)
+    monkeypatch.setattr(app, "train_measure_serve", finished_training_run)
     monkeypatch.setattr(app, "_FAILED", [])
     monkeypatch.setattr(app, "_REFUSED", [])
     sweep = tmp_path / "sweep"

@@ -211,14 +211,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # per-file save/load chatter
     run_dir = Path(cfg.output_dir)
-    if cfg.resume in (False, None, "false", "False"):
+    fresh = cfg.resume in (False, None, "false", "False")
+    if fresh:
         check_fresh_run_dir(run_dir)
-    else:  # a checkpoint that is not there is said now, not after the target and data load
-        _resume_path(cfg.resume, run_dir, lambda *_: None)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     accelerator = _accelerator(cfg)
     log = accelerator.print
+    # the checkpoint to resume from, found (or refused) now, not after the target and data load
+    resume_from = None if fresh else _resume_path(cfg.resume, run_dir, log)
     check_shard(cfg.target.shard, accelerator.num_processes, None)
     if accelerator.device.type == "cpu":
         keep_freed_memory()
@@ -259,8 +260,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         enabled=accelerator.is_main_process,
     )
     samples = SampleLog(run_dir, accelerator.process_index, cfg.train.record_samples)
-    if cfg.resume not in (False, None, "false", "False"):
-        _resume(cfg, accelerator, method, state, tracker, samples, run_dir, log)
+    if not fresh:
+        _resume(resume_from, accelerator, method, state, tracker, samples, log)
         done = _finished_before(cfg, state, run_dir)
         if done is not None:  # validating again would add a row and rewrite the summary
             tracker.close()
@@ -478,9 +479,9 @@ def _loaders(cfg: DictConfig, method, target, data, accelerator, log):
     return train_loader, sampler, val_loader
 
 
-def _resume(cfg, accelerator, method, state, tracker, samples, run_dir: Path, log) -> None:
-    """Load the checkpoint ``resume`` names (if any) into the prepared objects and ``state``."""
-    ck = _resume_path(cfg.resume, run_dir, log)
+def _resume(ck: Path | None, accelerator, method, state, tracker, samples, log) -> None:
+    """Load the checkpoint ``ck`` (``resume``'s, if any) into the prepared objects and
+    ``state``."""
     if ck is None:
         return
     saved = load_checkpoint(accelerator, ck, method)
