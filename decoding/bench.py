@@ -44,7 +44,10 @@ def read_bench_file(path: Path) -> list[dict]:
             out.append(
                 {
                     "question_id": rec.get("question_id", lineno),
-                    "category": str(rec.get("category", "default")),
+                    # null or absent: one "default" group, not a category named "None"
+                    "category": str(rec["category"])
+                    if rec.get("category") not in (None, "")
+                    else "default",
                     "turns": turns,
                 }
             )

@@ -177,8 +177,18 @@ def _hydra_main(cfg: DictConfig) -> dict:
         _FAILED.append(cfg.output_dir)  # the other jobs still run
     elif code == 2 and multirun:
         _REFUSED.append(cfg.output_dir)  # its measurement, said above: the others still run
-    elif code:
-        sys.exit(code)  # a signal stops a sweep too
+    elif code:  # a signal stops a sweep too, with the summary of the jobs it ran
+        if multirun and _main_process():
+            from trainer.sweep import write_stopped_sweep_summary
+
+            path = write_stopped_sweep_summary(HydraConfig.get())
+            if path is not None:
+                print(
+                    f"sweep stopped at job {run_dir.name}; the later jobs did not run. "
+                    f"sweep summary: {path} (and summary.csv)",
+                    file=sys.stderr,
+                )
+        sys.exit(code)
     return summary
 
 

@@ -142,6 +142,16 @@ def test_bench_file_bad_line_is_named(tmp_path):
         read_bench_file(p)
 
 
+def test_a_question_without_a_category_is_in_the_default_group(tmp_path):
+    """Absent, null or empty: the report's "default" group, not one named "None"."""
+    p = tmp_path / "b.jsonl"
+    p.write_text(
+        '{"turns": ["a"]}\n{"category": null, "turns": ["b"]}\n'
+        '{"category": "", "turns": ["c"]}\n{"category": "code", "turns": ["d"]}\n'
+    )
+    assert [q["category"] for q in read_bench_file(p)] == ["default"] * 3 + ["code"]
+
+
 def test_shipped_benches():
     mt = load_bench("mt_bench")
     assert len(mt) == 80 and all(len(q["turns"]) == 2 for q in mt)

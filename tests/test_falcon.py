@@ -88,6 +88,25 @@ def test_greedy_tree_output_is_the_targets(tiny_target):
     assert dec.generate(prompt, 20) == ref
 
 
+def test_the_tree_drafts_no_deeper_than_gamma(tiny_target):
+    """Near the end of a reply the decoder asks for fewer levels than the tree's depth; a
+    forward drafts k levels at once, and the levels past gamma are dropped (their ancestors
+    kept), as a chain's tokens past gamma are."""
+    h = lively(FalconHead(tiny_target, FalconConfig(k=2, lstm_layers=1)), 5)
+    prop = h.proposer(DecodeSettings(tree="dynamic", depth=3, top_k=2, total_tokens=12))
+    ids = torch.randint(20, 250, (1, 12), generator=torch.Generator().manual_seed(2))
+    f = tiny_target.features(ids, torch.ones_like(ids), h.feature_layers)
+    for gamma in (1, 3, 5, 6):
+        state = DecodeState(ids[0].tolist(), f[0, :11], Sampling(), None, ids.device)
+        prop.start(state)
+        p = prop.propose(state, gamma)
+        depth = []
+        for parent in p.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        assert p.tokens and max(depth) <= gamma, (gamma, depth)
+        assert all(parent < i for i, parent in enumerate(p.parents))
+
+
 def test_glancing_fades_with_progress(tiny_target):
     h = FalconHead(tiny_target, FalconConfig(glance=0.4))
     h.set_progress(0.0)

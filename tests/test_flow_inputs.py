@@ -161,6 +161,35 @@ def test_a_sweep_job_failing_unexpectedly_leaves_a_summary_and_exit_1(
     assert rows[1]["error"] == "RuntimeError: boom"
 
 
+def test_a_sweep_stopped_by_a_signal_leaves_the_summary_of_the_jobs_it_ran(
+    tmp_path, monkeypatch, capsys
+):
+    """A scheduler's SIGTERM in the second job: the sweep stops there with 143 (Hydra calls no
+    end-of-sweep callback then), and the summary holds the jobs it ran, the stopped one as
+    such; the third job never ran."""
+    import signal
+
+    ran = []
+
+    def stopped(cfg):
+        ran.append(cfg.optim.lr)
+        if cfg.optim.lr != 0.002:
+            return finished_training_run(cfg)
+        summary = {"reason": "signal", "signal": int(signal.SIGTERM), "step": 1}
+        with open(f"{cfg.output_dir}/summary.json", "w") as f:
+            f.write(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(app, "train_measure_serve", stopped)
+    sweep = tmp_path / "sweep"
+    code = _main(monkeypatch, "-m", f"hydra.sweep.dir={sweep}", "optim.lr=0.001,0.002,0.003")
+    assert code == 143 and ran == [0.001, 0.002]
+    err = capsys.readouterr().err
+    assert f"sweep summary: {sweep / 'summary.md'}" in err and "stopped at job 1" in err
+    rows = list(csv.DictReader(open(sweep / "summary.csv")))
+    assert [(r["job"], r["reason"]) for r in rows] == [("0", "finished"), ("1", "signal")]
+
+
 # -- train.eval_after ---------------------------------------------------------------------------
 
 

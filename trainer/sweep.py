@@ -195,6 +195,20 @@ def write_summary(
     return sweep_dir / "summary.md"
 
 
+def write_stopped_sweep_summary(hydra: DictConfig) -> Path | None:
+    """A sweep stopped by a signal ends without Hydra's ``on_multirun_end``: the summary of
+    the jobs it ran so far (the stopped one's row says ``signal``), as the callback configured
+    in ``hydra.callbacks.sweep_summary`` would write it; None without that callback."""
+    cb = (hydra.get("callbacks") or {}).get("sweep_summary")
+    sweep_dir = Path(hydra.sweep.dir)
+    if cb is None or not sweep_dir.is_dir():
+        return None
+    started = sweep_dir / STARTED
+    return write_summary(
+        sweep_dir, cb.get("sort_by"), _written(started) if started.exists() else None
+    )
+
+
 class SweepSummary(Callback):
     """Hydra callback: ``summary.csv`` / ``summary.md`` over a multirun's jobs."""
 

@@ -250,7 +250,10 @@ class FalconTreeProposer(FalconProposer):
                 for last, ptoks in children(b.last, out[r], scores[b.last], level * m + 1):
                     branches.append(_Branch(last, out[r], ptoks, st, b.cols + new_cols[r]))
         self.draft_calls += depth
-        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
+        # the last forward's block may reach past gamma (it drafts k levels at once): those
+        # nodes are dropped, as a chain's tokens past gamma are (their ancestors stay)
+        fits = [i for i in range(len(tokens)) if depths[i] <= gamma]
+        order = sorted(fits, key=lambda i: (-scores[i], depths[i], i))
         keep = order[: self.total_tokens]
         keep.sort(key=lambda i: (depths[i], -scores[i], i))
         index = {v: j for j, v in enumerate(keep)}
