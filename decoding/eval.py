@@ -36,6 +36,7 @@ from models.target import TargetConfig, TargetError, load_target
 from .batch_checks import BatchError
 from .batch_eval import evaluate_batched, wants_batch
 from .bench import BenchError
+from .contention import OtherLoad
 from .decoder import NoDraft, SpeculativeDecoder
 from .disco import load_stop_rule, write_traces
 from .drafts import (
@@ -675,7 +676,7 @@ def _main(cfg: DictConfig) -> None:
                 print(line)
         for line in dropped_settings(cfg, given):
             print(line)
-        with StopSignals(notice=notice) as sig:
+        with StopSignals(notice=notice) as sig, OtherLoad() as load:
             r = evaluate(cfg)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
@@ -686,6 +687,8 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(code)
     if sig.caught is not None:
         mark_stopped(r, sig.caught, len(bench_questions(cfg)))
+    # what else ran on the machine meanwhile: timings beside another job are not its own
+    r["other_load"] = load.summary()
     path.parent.mkdir(parents=True, exist_ok=True)
     png.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(r, indent=1))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .contention import busy_note
 from .stats import Stats, predicted_speedup
 
 CONVENTION = (
@@ -320,6 +321,9 @@ def print_report(r: dict[str, Any], out=print) -> None:
             f"{f(h['ours_tokens_per_second'], 1)} tok/s ({f(h['ours_over_hf'])}x)"
         )
     out(f"convention: {r['convention']}")
+    busy = busy_note(r.get("other_load"))
+    if busy:
+        out(busy)
     if r.get("stopped"):
         st = r["stopped"]
         out(
@@ -345,7 +349,8 @@ def mark_stopped(r: dict[str, Any], signum: int, asked: int) -> None:
 
 def run_label(r: dict[str, Any]) -> str:
     """Where and how a report's figures were taken, for a plot's title: the engine, the target,
-    the bench and temperature, the machine (GPU, else CPU) and the date."""
+    the bench and temperature, the machine (GPU, else CPU), the date, and whether other
+    processes kept it busy."""
     s = r["settings"]
     where = s.get("gpu") or s.get("cpu") or s.get("machine") or "?"
     parts = [
@@ -355,6 +360,8 @@ def run_label(r: dict[str, Any]) -> str:
         where,
         str(s.get("date", ""))[:10],
     ]
+    if busy_note(r.get("other_load")):
+        parts.append("busy machine: timings not its own")
     return " · ".join(p for p in parts if p)
 
 
@@ -549,6 +556,9 @@ def print_batch_report(r: dict[str, Any], out=print) -> None:
         )
     out(f"lossless: {r['lossless']} ({r['lossless_note']})")
     out(f"convention: {r['convention']}")
+    busy = busy_note(r.get("other_load"))
+    if busy:
+        out(busy)
 
 
 def plot_batch_report(r: dict[str, Any], path) -> None:

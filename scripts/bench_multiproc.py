@@ -118,4 +118,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from decoding.contention import measured
+
+    measured(main)

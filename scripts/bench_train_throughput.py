@@ -348,4 +348,6 @@ def _table(args, results: list[dict], extra: list[str], base: list[str]) -> None
 
 
 if __name__ == "__main__":
-    main()
+    from decoding.contention import measured
+
+    measured(main)
