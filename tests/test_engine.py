@@ -181,7 +181,7 @@ def test_export_of_a_run_on_a_four_layer_tiny_target(data_file, tmp_path):
     over = tiny_overrides(data_file, run_dir, **{"train.max_steps": 1})
     run(compose(over + ["method=eagle3", "target.tiny_layers=4", "method.draft_vocab_size=64",
                         "method.fuse_layers=[1,2,3]"]))  # fmt: skip
-    r = run_module("models.export", [str(run_dir), "--format", "vllm", "--dtype", "float32"])
+    r = run_module("flow.export", [str(run_dir), "--format", "vllm", "--dtype", "float32"])
     assert r.returncode == 0, r.stderr[-1500:]
     assert "layers=4" in r.stdout
 
@@ -783,7 +783,7 @@ def test_export_gguf_converts_any_target_where_llama_cpp_is_installed(family, tm
     target = family_target(family)
     run = tmp_path / "run"
     head3(target).save_draft(run / "final")
-    r = run_module("models.export", [str(run), "--format", "gguf", "--dtype", "float32"], 600)
+    r = run_module("flow.export", [str(run), "--format", "gguf", "--dtype", "float32"], 600)
     assert r.returncode == 0, r.stderr[-1500:]
     line = next(s for s in r.stdout.splitlines() if s.startswith("target GGUF"))
     tg = Path(line.rsplit(": ", 1)[1])

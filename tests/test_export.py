@@ -422,7 +422,7 @@ def test_cli_export_then_evaluate_the_export(data_file, tmp_path):
 
     run_dir = tmp_path / "run"
     run(compose(tiny_overrides(data_file, run_dir, **{"train.max_steps": 2})))
-    r = run_module("models.export", [str(run_dir), "--format", "eagle1"])
+    r = run_module("flow.export", [str(run_dir), "--format", "eagle1"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "re-imported: identical draft logits" in r.stdout
     out = run_dir / "export-eagle1"
@@ -441,9 +441,9 @@ def test_cli_export_then_evaluate_the_export(data_file, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(rep.read_text())
     assert report["lossless"] is True and "eagle1 layout" in report["settings"]["draft_description"]
-    r = run_module("models.export", [str(run_dir), "--format", "eagle1"])
+    r = run_module("flow.export", [str(run_dir), "--format", "eagle1"])
     assert r.returncode == 2 and "already exists" in r.stderr
-    r = run_module("models.export", [str(tmp_path), "--format", "vllm"])
+    r = run_module("flow.export", [str(tmp_path), "--format", "vllm"])
     assert r.returncode == 2 and "no saved draft" in r.stderr
 
 
@@ -457,7 +457,7 @@ def test_force_never_replaces_the_run_or_the_draft_it_exports(
     a run that has not written final/ yet (which names its newest checkpoint)."""
     from conftest import compose, tiny_overrides
 
-    from models.export import main
+    from flow.export import main
     from trainer.train import run
 
     run_dir = tmp_path / "run"
@@ -502,7 +502,7 @@ def test_force_never_replaces_the_run_or_the_draft_it_exports(
     def converted(*_):
         raise AssertionError("a target was converted for a format this draft has not")
 
-    monkeypatch.setattr("models.export.cli_target_gguf", converted)
+    monkeypatch.setattr("flow.export.cli_target_gguf", converted)
     with pytest.raises(SystemExit):
         main([str(run_dir), "--format", "gguf"])
     assert "--format gguf exports eagle3, hass, dflash or dspark drafts; this is eagle1" in (
@@ -551,7 +551,7 @@ def test_a_draft_whose_target_moved_is_exported_with_target(data_file, tmp_path,
     another name are the same target; other weights are refused)."""
     from conftest import compose, tiny_overrides
 
-    from models.export import main
+    from flow.export import main
     from models.target import TargetConfig, load_target, target_folder
     from trainer.train import run
 
@@ -711,7 +711,8 @@ def test_an_export_of_final_or_a_checkpoint_lands_beside_the_run_never_inside(
     land beside the run, and an --out inside those folders is refused."""
     from conftest import compose, tiny_overrides
 
-    from models.export import default_out, main
+    from flow.export import main
+    from models.export import default_out
     from trainer.train import run
 
     run_dir = tmp_path / "run"

@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import script_outcome, tiny_target_gguf
 
-from models.export import ExportError, detect_format, export, main
+from flow.export import main
+from models.export import ExportError, detect_format, export
 from models.target import TargetConfig, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
