@@ -71,12 +71,21 @@ class FalconProposer(Proposer):
             self.xs = torch.cat([self.xs, xs], 1)
         self.done = n
 
+    def _no_block(self, state: DecodeState) -> bool:
+        """Nothing to draft from: fewer than k committed (feature, next token) pairs. Slot t
+        of a block predicts f_{t+k}, so the slot that predicts the pending token's successor
+        is the first of the block of the last k committed positions; with fewer, it would lie
+        before position 0. Training never predicts from such a block (validation scores no
+        such start), and a shorter block's outputs predict tokens past the ones it would be
+        drafting for, so the first iterations are plain steps."""
+        return state.features is None or len(state.ids) - 1 < self.head.cfg.k
+
     def _first_block(self) -> tuple[torch.Tensor, int]:
-        """Forward 1: the block of the last k committed positions. Returns its outputs
-        (S, H) (S = k, fewer at the very start: predicted features of positions done..) and
+        """Forward 1: the block of the last k committed positions (``_no_block`` is False).
+        Returns its outputs (k, H), the predicted features of positions done..done+k-1, and
         the block's first position."""
         head, e = self.head, self.done - 1
-        s0 = max(0, e - head.cfg.k + 1)
+        s0 = e - head.cfg.k + 1
         xb = self.xs[:, s0 : e + 1][:, None]  # (1, 1, S, H)
         pos = torch.arange(s0, e + 1, device=xb.device)[None, None]
         kv = (self.kv[0][:, :, :s0], self.kv[1][:, :, :s0])
@@ -111,7 +120,7 @@ class FalconProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
-        if state.features is None or len(state.ids) < 2 or gamma < 1:
+        if self._no_block(state) or gamma < 1:
             self.last_step_seconds = None
             return Proposal([], [])
         t0 = time.perf_counter()
@@ -178,7 +187,7 @@ class FalconTreeProposer(FalconProposer):
     @torch.no_grad()
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
         head, dev = self.head, state.device
-        if state.features is None or len(state.ids) < 2 or gamma < 1:
+        if self._no_block(state) or gamma < 1:
             self.last_step_seconds = None
             return Proposal([], [])
         t0 = time.perf_counter()
@@ -270,9 +279,10 @@ class BatchedFalcon(BatchedProposer):
     pairs, the LSTM outputs of the last k committed positions (forward 1's block) and the
     layer's keys/values of the committed context, here in one ragged cache (left-padded,
     ``valid`` marks each row's columns; committed positions only, in order, never rolled
-    back). Blocks are left-padded to k slots (a row's first block is shorter while it has
-    fewer than k committed positions), padding masked as keys and skipped by the LSTM. Its
-    proposals are the batch-1 proposer's (tests/test_batch.py)."""
+    back). Blocks are left-padded to k slots (a row's block is shorter while it has fewer
+    than k committed positions; such a row drafts nothing, as ``FalconProposer._no_block``),
+    padding masked as keys and skipped by the LSTM. Its proposals are the batch-1 proposer's
+    (tests/test_batch.py)."""
 
     def __init__(self, head):
         self.head = head
@@ -369,8 +379,13 @@ class BatchedFalcon(BatchedProposer):
         news = [s.features.shape[0] - d for s, d in zip(states, self.done, strict=True)]
         if max(news) > 0:
             self.valid = self._catch_up(states, list(range(R)), self.cache, self.valid)
+        # a row with fewer than k committed pairs drafts nothing (``FalconProposer._no_block``)
+        gammas = [g if d >= K else 0 for g, d in zip(gammas, self.done, strict=True)]
+        if max(gammas) < 1:
+            self.last_step_seconds = None
+            return [Proposal([], []) for _ in states]
         # forward 1: each row's block of its last <= k committed positions, reading the
-        # committed context before it
+        # committed context before it (only the rows with k of them take tokens)
         sizes = [len(t) for t in self.tail]  # slots per block, k once a row has k positions
         real = torch.zeros(R, K, dtype=torch.bool, device=dev)
         xb = torch.zeros(R, K, self.tail[0].shape[-1], dtype=self.tail[0].dtype, device=dev)
