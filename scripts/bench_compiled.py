@@ -2,8 +2,10 @@
 verification width on transformers' path, the static path eager and (CUDA) its captured graphs;
 plain decoding's tokens/s on both paths beside transformers' own ``generate`` (static cache and
 ``torch.compile``, CUDA only); and a Llama-3.1-8B-shaped target with random weights built on
-the device (no weights carried: costs only) against the memory-bandwidth limit, with an
-EAGLE-3 draft step (random weights too) against a target step. Run it alone on the machine.
+the device (no weights carried: costs only) against the memory-bandwidth limit, its one-token
+forward in parts (each projection kind, the attention, the LM head, each against the bytes it
+reads; the rest), with an EAGLE-3 draft step (random weights too) against a target step. Run it
+alone on the machine.
 
     python scripts/bench_compiled.py --parts forward,plain,draft [--device cuda] [--out r.json]
     python scripts/bench_compiled.py --parts shaped --device cuda     # the 8B-shaped costs
@@ -363,6 +365,94 @@ def copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / s
 
 
+def graph_seconds(fn, dev, reps: int) -> float:
+    """Median seconds of ``fn``: on CUDA captured once into a graph and replayed (no host
+    launch between its kernels, as in the decoder's captured forward), else called."""
+    if dev.type != "cuda":
+        fn()
+        return median_seconds(fn, dev, reps)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up off the capture: library workspaces, autotuning
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_seconds(graph.replay, dev, reps)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj")
+
+
+def component_costs(model, dev, reps: int, context: int, copy_bw: float) -> dict:
+    """A one-token forward of ``model`` (Llama-shaped) in its parts, each timed over every
+    layer's own weights in turn, as the forward reads them (no weight is read twice, so no
+    cache holds it): each projection kind's matrix products, the attention over ``context``
+    cached columns (grouped-query, as the static path calls it), and the LM head. Each with the
+    bytes it must read and its fraction of the copy bandwidth ``copy_bw``; what a whole
+    forward costs beyond their sum is the norms, RoPE, cache writes, residuals and the gaps
+    between kernels."""
+    import torch.nn.functional as F
+
+    layers = model.model.layers
+    a0 = layers[0].self_attn
+    cfg = model.config
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or H // n_heads
+    g = n_heads // n_kv
+    dt = a0.q_proj.weight.dtype
+    x = torch.randn(1, 1, H, dtype=dt, device=dev)
+    xi = torch.randn(1, 1, inter, dtype=dt, device=dev)
+    xo = torch.randn(1, 1, n_heads * D, dtype=dt, device=dev)
+    ms: dict[str, float] = {}
+    nbytes: dict[str, float] = {}
+    for kind in PROJECTIONS:
+        mod = [
+            getattr(
+                lay.self_attn
+                if kind.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                else lay.mlp,
+                kind,
+            )
+            for lay in layers
+        ]
+        inp = xi if kind == "down_proj" else xo if kind == "o_proj" else x
+
+        def run(mod=mod, inp=inp):
+            for m in mod:
+                F.linear(inp, m.weight, m.bias)
+
+        ms[kind] = 1e3 * graph_seconds(run, dev, reps)
+        nbytes[kind] = sum(m.weight.numel() * m.weight.element_size() for m in mod)
+    kv = [
+        (
+            torch.randn(1, n_kv, context, D, dtype=dt, device=dev),
+            torch.randn(1, n_kv, context, D, dtype=dt, device=dev),
+        )
+        for _ in layers
+    ]
+    q = torch.randn(1, n_kv, g, D, dtype=dt, device=dev)  # g query heads per kv head, one token
+
+    def attend():
+        for k, v in kv:
+            F.scaled_dot_product_attention(q, k, v)
+
+    ms["attention"] = 1e3 * graph_seconds(attend, dev, reps)
+    nbytes["attention"] = sum(2 * k.numel() * k.element_size() for k, _ in kv)
+    head = model.lm_head.weight
+    ms["lm_head"] = 1e3 * graph_seconds(lambda: F.linear(x, head), dev, reps)
+    nbytes["lm_head"] = head.numel() * head.element_size()
+    return {
+        "context_columns": context,
+        "ms": ms,
+        "GB_read": {k: v / 1e9 for k, v in nbytes.items()},
+        "fraction_of_copy_bandwidth": {k: nbytes[k] / copy_bw / (ms[k] / 1e3) for k in ms},
+        "sum_ms": sum(ms.values()),
+    }
+
+
 def part_shaped(device: str, reps: int, config: str, fuse: bool = False) -> dict:
     """A Llama-3.1-8B-shaped target with random weights, built on the device (labelled: costs
     only), on the static path with graphs: forward ms per width against the bandwidth limit,
@@ -413,6 +503,14 @@ def part_shaped(device: str, reps: int, config: str, fuse: bool = False) -> dict
     del runner
     if fuse:
         return res
+    # the one-token forward in its parts: where the time beyond the bandwidth limit goes (the
+    # captured forward attends over every column of the static cache, masked: as many here)
+    from models.lean import round_up
+
+    parts = component_costs(model, dev, reps, round_up(512 + max(widths)), copy_bw=bw)
+    parts["forward_ms"] = fwd[1]
+    parts["rest_ms"] = fwd[1] - parts["sum_ms"]
+    res["one_token_forward_in_parts"] = parts
     head = Eagle3Head(target, Eagle3Config()).to(dev, torch.bfloat16).eval()
     L = len(head.feature_layers)
     n = 256

@@ -17,7 +17,9 @@
 #   batch_exact  (75)  the batched decoder on CUDA: every row its batch-1 greedy output on the
 #                static batch cache's graphs, the batched chain and tree on fixed shapes
 #   shaped       (110) a Llama-3.1-8B-shaped target with random weights (no download): forward
-#                ms at 1 / 8 / 16 / 32 tokens against the memory-bandwidth limit, an EAGLE-3
+#                ms at 1 / 8 / 16 / 32 tokens against the memory-bandwidth limit, the one-token
+#                forward in parts (each projection kind, attention, LM head: ms and fraction of
+#                the copy bandwidth; the rest: norms, RoPE, cache writes, gaps), an EAGLE-3
 #                draft step against a target step (shaped.json)
 #   shaped_fused (100) the same forward with compile=fused's layers (shaped_fused.json)
 #   exact_fused  (120) the exactness tests of compile=fused

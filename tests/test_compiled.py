@@ -500,3 +500,42 @@ def test_a_prefill_is_padded_to_a_graph_width_where_graphs_run(tiny_target):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     lay = Layout(7, Proposal.chain([8, 9]))
     torch.testing.assert_close(run.forward(lay)[0], ref.forward(lay)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_shaped_benchmark_times_a_one_token_forward_in_its_parts(tmp_path):
+    """``bench_compiled.py --parts shaped`` (the 8B-shaped target's costs, run on a GPU) on a
+    small Llama shape on the CPU: every projection kind, the attention and the LM head timed
+    over every layer with the bytes each reads, their sum beside the whole forward."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_compiled
+
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res = bench_compiled.part_shaped("cpu", 1, str(tmp_path))
+    parts = res["one_token_forward_in_parts"]
+    kinds = [*bench_compiled.PROJECTIONS, "attention", "lm_head"]
+    assert sorted(parts["ms"]) == sorted(kinds) and all(parts["ms"][k] > 0 for k in kinds)
+    # bf16 weights: q (64 x 64) and down (64 x 128) of each of the 2 layers; the LM head once;
+    # the attention reads both layers' keys and values over the cache's 768 columns
+    assert parts["GB_read"]["q_proj"] == pytest.approx(2 * 64 * 64 * 2 / 1e9)
+    assert parts["GB_read"]["down_proj"] == pytest.approx(2 * 64 * 128 * 2 / 1e9)
+    assert parts["GB_read"]["lm_head"] == pytest.approx(256 * 64 * 2 / 1e9)
+    assert parts["context_columns"] == 768
+    assert parts["GB_read"]["attention"] == pytest.approx(2 * 2 * 2 * 768 * 16 * 2 / 1e9)
+    assert parts["forward_ms"] == res["forward_ms"][1]
+    assert parts["rest_ms"] == pytest.approx(parts["forward_ms"] - parts["sum_ms"])
