@@ -192,19 +192,48 @@ class EvalError(ValueError):
     """An evaluation setting out of range; the message names it."""
 
 
+#: the questions each selection gave, read once a process: a run stopped by a signal counts
+#: the questions it was asked without reading the bench again (the ShareGPT split takes
+#: seconds, a scheduler's grace period is short), and they are the ones it was asked
+_QUESTIONS: dict[tuple, list[dict[str, Any]]] = {}
+
+
 def bench_questions(cfg: DictConfig) -> list[dict[str, Any]]:
     """The benchmark questions ``cfg`` selects (bench, categories, number; the ShareGPT
     validation split as training drew it)."""
-    return load_bench(
+    key = (
         cfg.bench,
-        categories=cfg.categories,
-        num=cfg.num_prompts,
-        data_path=cfg.data_path,
-        val_fraction=cfg.val_fraction,
-        split_seed=cfg.split_seed,
-        max_val_records=cfg.max_val_records,
-        skip_records=cfg.skip_records,
+        _stamp(cfg.bench),  # a file edited since is read again
+        _stamp(cfg.data_path),
+        None if cfg.categories is None else tuple(cfg.categories),
+        cfg.num_prompts,
+        cfg.data_path,
+        cfg.val_fraction,
+        cfg.split_seed,
+        cfg.max_val_records,
+        cfg.skip_records,
     )
+    if key not in _QUESTIONS:
+        _QUESTIONS[key] = load_bench(
+            cfg.bench,
+            categories=cfg.categories,
+            num=cfg.num_prompts,
+            data_path=cfg.data_path,
+            val_fraction=cfg.val_fraction,
+            split_seed=cfg.split_seed,
+            max_val_records=cfg.max_val_records,
+            skip_records=cfg.skip_records,
+        )
+    return [dict(q, turns=list(q["turns"])) for q in _QUESTIONS[key]]
+
+
+def _stamp(path: str | None) -> tuple[int, int] | None:
+    """A file's modification time and size (None: not a file)."""
+    try:
+        st = Path(str(path)).expanduser().stat()
+    except (OSError, ValueError):
+        return None
+    return (st.st_mtime_ns, st.st_size)
 
 
 def sampling_of(cfg: DictConfig) -> Sampling:

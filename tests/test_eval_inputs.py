@@ -297,3 +297,24 @@ def test_tokens_accepted_past_max_new_tokens_are_not_counted(tiny_target, batch)
     assert st.target_calls == batch and st.new_tokens == 5 * batch
     assert st.alpha_per_position() == [1.0] * 5
     assert dict(st.accept_len) == {5: batch} and st.tau == 5.0
+
+
+def test_the_questions_are_read_once_unless_the_file_changed(tmp_path, monkeypatch):
+    """A run stopped by a signal counts the questions it was asked without reading the bench
+    again (the ShareGPT split takes seconds; a scheduler's grace period is short); a bench
+    file edited since is read again, and a caller's changes never reach the next one."""
+    import decoding.settings as st
+
+    reads = []
+    real = st.load_bench
+    monkeypatch.setattr(st, "load_bench", lambda *a, **k: reads.append(a) or real(*a, **k))
+    bench = tmp_path / "b.jsonl"
+    bench.write_text('{"turns": ["one"]}\n{"turns": ["two"]}\n')
+    cfg = _eval_cfg(bench=bench, num_prompts=2)
+    first = st.bench_questions(cfg)
+    first[0]["turns"].append("changed by a caller")
+    assert [q["turns"] for q in st.bench_questions(cfg)] == [["one"], ["two"]]
+    assert len(reads) == 1
+    bench.write_text('{"turns": ["uno"]}\n{"turns": ["dos"]}\n{"turns": ["tres"]}\n')
+    assert [q["turns"] for q in st.bench_questions(cfg)] == [["uno"], ["dos"]]
+    assert len(reads) == 2
