@@ -799,12 +799,13 @@ def test_export_gguf_converts_any_target_where_llama_cpp_is_installed(family, tm
 
 def test_export_gguf_without_llama_cpp_says_what_to_pass(target4, tmp_path, monkeypatch, capsys):
     import decoding.engines.llama_cpp as lc
+    from flow.export import main
 
     monkeypatch.setattr(lc, "engine_source", lambda: None)
     run = tmp_path / "run"
     head3(family_target("qwen3")).save_draft(run / "final")
     with pytest.raises(SystemExit) as e:
-        ex.main([str(run), "--format", "gguf"])
+        main([str(run), "--format", "gguf"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--target-gguf" in err and "install.sh engine" in err
