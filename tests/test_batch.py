@@ -1297,7 +1297,10 @@ def _drafting_side_by_side(
         for a, b in zip(got, want, strict=True):
             assert (a.tokens, a.parents) == (b.tokens, b.parents)
             if temperature:
-                torch.testing.assert_close(a.q, b.q)
+                # a batched forward and a batch-1 one round differently (logits a few 1e-5
+                # apart after a Falcon head's LSTM and layer), which a probability near 1/2
+                # shows at about 1e-5; a draft reading the wrong context moves q by far more
+                torch.testing.assert_close(a.q, b.q, atol=1e-4, rtol=1e-4)
         for b in range(len(rows)):
             k = (b + it) % (len(want[b]) + 1)
             commit(b, _path(want[b], k) + [rng.randrange(3, 250)])
@@ -1526,7 +1529,7 @@ def test_batched_block_drafters_propose_what_each_row_would_alone(
 ):
     """P-EAGLE (every row's new pairs and K - 1 mask slots in one head forward), DFlash
     (every row's context in one ragged cache, one block forward) and Falcon chains (k tokens
-    per forward for every row, blocks shorter than k while a row is young) against their
+    per forward for every row, none while a row has fewer than k pairs) against their
     batch-1 proposers, row by row: rows of different lengths, each asking for its own number
     of tokens (0 included) and accepting its own, rows joining late; the same tokens and
     (T > 0, same random streams) the same q."""
@@ -1538,7 +1541,7 @@ def test_batched_block_drafters_propose_what_each_row_would_alone(
     want = {"peagle": BatchedPEagle, "dflash": BatchedDFlash, "falcon": BatchedFalcon}[kind]
     assert isinstance(single.batched(), want)
     rng = random.Random(4)
-    # row 0 starts with one committed pair: Falcon's blocks are 1 slot, then grow to k
+    # row 0 starts with one committed pair: Falcon drafts nothing there until it has k
     seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (2, 17, 9)]
     rows, alone, commit = _eagle_rows(tiny_target, single, seqs, temperature)
 

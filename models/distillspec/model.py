@@ -103,7 +103,14 @@ class DistillSpecStudent(DraftMethod):
         return out.last_hidden_state
 
     def student_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._lm().get_output_embeddings()(h).float()
+        """The student's next-token logits (..., H) -> (..., V) float32, as its own forward
+        gives them when it drafts: soft-capped where its model caps them (Gemma-2/3's
+        ``final_logit_softcapping``), so the distribution training distils and scores is the
+        one decoding samples from."""
+        lm = self._lm()
+        z = lm.get_output_embeddings()(h).float()
+        cap = getattr(lm.config, "final_logit_softcapping", None)
+        return torch.tanh(z / cap) * cap if cap else z
 
     def teacher_logits(self, f: torch.Tensor) -> torch.Tensor:
         return self.target.logits(f)
