@@ -227,3 +227,37 @@ def test_train_then_eval(data_file, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(rep.read_text())["lossless"] is True
+
+
+@pytest.mark.parametrize("extra", [32, -16])
+def test_a_student_of_another_embedding_size_trains_on_the_shared_ids(tiny_target, extra):
+    """The same tokenizer with embedding matrices padded to other sizes (Qwen2.5-0.5B's 151,936
+    rows for 7B's 152,064) crashed the divergence on mismatched shapes. A larger student is
+    trained on the target's ids (its padded rows cut: the loss is the unpadded student's), a
+    smaller one on the ids it has; the proposer drafts over the same ids."""
+    from models.draft_lm import _fit_vocab
+
+    torch.manual_seed(0)
+    m = DistillSpecStudent(tiny_target, DistillSpecConfig(num_layers=1))
+    V = tiny_target.config.vocab_size
+    b = batch(tiny_target)
+    if extra < 0:  # a student without the target's last ids: none may occur in its input
+        b["input_ids"] = b["input_ids"].clamp(max=V + extra - 1)
+    m.eval()
+    same = m(b).loss.item()
+    m.student.resize_token_embeddings(V + extra)
+    out = m(b)
+    assert math.isfinite(out.loss.item())
+    if extra > 0:
+        assert out.loss.item() == pytest.approx(same, rel=1e-6)
+    ev = m.evaluate(b)
+    assert 0 < ev["accept_T1"][0] / ev["accept_T1"][1] <= 1
+    h = torch.randn(3, tiny_target.config.hidden_size)
+    q = _fit_vocab(m.student_logits(h), V).softmax(-1)  # what the proposer hands the verifier
+    assert q.shape[-1] == V and torch.allclose(q[:, : V + min(extra, 0)].sum(-1), torch.ones(3))
+    if extra > 0:  # on-policy replies: the padded ids, however likely, are never written
+        with torch.no_grad():
+            m.student.lm_head.weight[V:] = 50 * h[0]
+        m.cfg.gen_max_new_tokens, m.cfg.gen_temperature = 4, 0.0
+        new = m.student_replies(b)
+        assert int(new["input_ids"].max()) < V

@@ -146,6 +146,7 @@ class DistillSpecStudent(DraftMethod):
                 s = self.student_logits(hs_i)
                 with torch.no_grad():
                     t = self.teacher_logits(f_i)
+                s, t = common_vocabulary(s, t)
                 d = divergence(s, t, self.cfg.divergence, self.cfg.jsd_beta, T).sum()
                 return d, acceptance_rate(s.detach(), t).sum()
 
@@ -179,6 +180,7 @@ class DistillSpecStudent(DraftMethod):
         c = self.cfg.chunk
         for i in range(0, n, c):
             s, t = self.student_logits(h[i : i + c]), self.teacher_logits(f[i : i + c])
+            s, t = common_vocabulary(s, t)
             out["loss"] += divergence(
                 s, t, self.cfg.divergence, self.cfg.jsd_beta, self.cfg.temperature
             ).sum()
@@ -219,6 +221,11 @@ class DistillSpecStudent(DraftMethod):
                 top_p=self.cfg.gen_top_p,
                 top_k=self.cfg.gen_top_k or None,
             )
+        # a student whose embedding is padded past the target's ids writes none of them: the
+        # target could not read its reply (and the proposer drafts none)
+        v_s, v_t = self._lm().get_output_embeddings().weight.shape[0], self.target.config.vocab_size
+        if v_s > v_t:
+            kw["suppress_tokens"] = list(range(v_t, v_s))
         was = self.student.training
         self.student.eval()
         gen = self._lm().generate(
@@ -377,6 +384,18 @@ def _kl(la: torch.Tensor, lb: torch.Tensor) -> torch.Tensor:
     """KL(a || b) per row from log-probabilities; 0 * log 0 taken as 0."""
     a = la.exp()
     return torch.where(a > 0, a * (la - lb), torch.zeros_like(a)).sum(-1).clamp_min(0.0)
+
+
+def common_vocabulary(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both (N, V_s), (N, V_t) over the ids they share, (N, min(V_s, V_t)) each. The same
+    tokenizer's embedding matrices are often padded to different sizes (Qwen2.5-0.5B's 151,936
+    rows, 7B's 152,064); the ids past the tokenizer's are never produced, and the student drafts
+    over the shared ones only (``DraftLMProposer`` cuts its logits to the target's size, or
+    gives the target's extra ids no mass), so that is the distribution it is trained on."""
+    v = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    return student_logits[..., :v], teacher_logits[..., :v]
 
 
 def acceptance_rate(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
