@@ -201,29 +201,19 @@ _QUESTIONS: dict[tuple, list[dict[str, Any]]] = {}
 def bench_questions(cfg: DictConfig) -> list[dict[str, Any]]:
     """The benchmark questions ``cfg`` selects (bench, categories, number; the ShareGPT
     validation split as training drew it)."""
-    key = (
-        cfg.bench,
-        _stamp(cfg.bench),  # a file edited since is read again
-        _stamp(cfg.data_path),
-        None if cfg.categories is None else tuple(cfg.categories),
-        cfg.num_prompts,
-        cfg.data_path,
-        cfg.val_fraction,
-        cfg.split_seed,
-        cfg.max_val_records,
-        cfg.skip_records,
-    )
+    kw = {
+        "categories": None if cfg.categories is None else tuple(cfg.categories),
+        "num": cfg.num_prompts,
+        "data_path": cfg.data_path,
+        "val_fraction": cfg.val_fraction,
+        "split_seed": cfg.split_seed,
+        "max_val_records": cfg.max_val_records,
+        "skip_records": cfg.skip_records,
+    }
+    # a file edited since is read again
+    key = (cfg.bench, _stamp(cfg.bench), _stamp(cfg.data_path), *kw.values())
     if key not in _QUESTIONS:
-        _QUESTIONS[key] = load_bench(
-            cfg.bench,
-            categories=cfg.categories,
-            num=cfg.num_prompts,
-            data_path=cfg.data_path,
-            val_fraction=cfg.val_fraction,
-            split_seed=cfg.split_seed,
-            max_val_records=cfg.max_val_records,
-            skip_records=cfg.skip_records,
-        )
+        _QUESTIONS[key] = load_bench(cfg.bench, **kw)
     return [dict(q, turns=list(q["turns"])) for q in _QUESTIONS[key]]
 
 
