@@ -10,7 +10,8 @@ report carries it, and says so in one line where others kept more than a quarter
 
 Linux only (elsewhere nothing is measured and nothing said). Not counted as this run's own: a
 worker a long-lived process forked for it (the vLLM zygote of the test suite), which then reads
-as another process.
+as another process. A training run is measured where it is one process (``specdraft-train``
+without a multi-process launch: the other ranks of a launch would read as other processes).
 """
 
 from __future__ import annotations
@@ -129,15 +130,21 @@ class OtherLoad:
         }
 
 
-def busy_note(load: dict[str, Any] | None) -> str | None:
+#: what a busy machine makes unreliable, and what it leaves alone, in a measurement's report
+EVAL_TIMINGS = (
+    "its timings (tok/s, speedups, step costs) are not the machine's own; acceptance and "
+    "losslessness are unaffected"
+)
+
+
+def busy_note(load: dict[str, Any] | None, timings: str = EVAL_TIMINGS) -> str | None:
     """The report's line where other processes kept the machine busy, else None."""
     if not load or load.get("others_busy_cores", 0) <= BUSY_CORES:
         return None
     return (
         f"BUSY MACHINE: other processes kept {load['others_busy_cores']:.2f} of this run's "
-        f"{load['cores']} cores busy on average over its {load['seconds']:.0f} s: its timings "
-        "(tok/s, speedups, step costs) are not the machine's own; acceptance and losslessness "
-        "are unaffected. Run it alone for timings."
+        f"{load['cores']} cores busy on average over its {load['seconds']:.0f} s: {timings}. "
+        "Run it alone for timings."
     )
 
 

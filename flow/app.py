@@ -22,6 +22,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from conf.cli import Stopped, StopSignals, check_command_line, home_expanded
+from decoding.contention import OtherLoad, busy_note
 from models.base import run_files
 from trainer.sweep import REFUSED_NOTE, SUMMARY
 from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run
@@ -35,7 +36,11 @@ def train_measure_serve(cfg: DictConfig) -> dict:
     it. Returns the training summary, with the measurement rows under ``eval_after``."""
     from accelerate import PartialState
 
-    summary = run(cfg)
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1  # a launch's ranks are not "others"
+    with OtherLoad() as load:
+        summary = run(cfg)
+    if alone and PartialState().is_main_process and not summary.get("already_finished"):
+        note_other_load(summary, load.summary(), Path(cfg.output_dir))
     if not summary["final"] or not PartialState().is_main_process:
         return summary
     if summary.get("already_finished"):  # resume=true on a finished run: nothing new
@@ -68,6 +73,22 @@ def train_measure_serve(cfg: DictConfig) -> dict:
 
     print(serve_hint(cfg.method.name, run_dir))
     return summary
+
+
+def note_other_load(summary: dict, load: dict | None, run_dir: Path) -> None:
+    """How busy other processes kept the machine while the run trained, in its summary (and
+    ``summary.json``), and a line where its tokens/s is not the machine's own."""
+    if load is None:
+        return
+    summary["other_load"] = load
+    if (run_dir / SUMMARY).is_file():
+        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
+    note = busy_note(
+        load,
+        "its tokens/s is not the machine's own (the draft it trained is unaffected)",
+    )
+    if note:
+        print(note)
 
 
 def exit_code(summary: dict) -> int:

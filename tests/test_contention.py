@@ -106,3 +106,32 @@ def test_other_load_reads_a_busy_orphan_as_another_process():
     finally:
         os.kill(pid, signal.SIGKILL)
     assert load.summary()["others_busy_cores"] > 0.6, load.summary()
+
+
+@linux
+def test_a_training_run_beside_a_busy_process_says_its_tokens_per_s_is_not_its_own(
+    tmp_path, monkeypatch, capsys
+):
+    """``specdraft-train`` (one process) records the load in its summary and says so."""
+    import flow.app as app
+
+    def trained(cfg):  # the training run's stand-in: a summary, written, after a while
+        time.sleep(1.5)
+        summary = {"reason": "finished", "final": None, "step": 1, "tokens_per_s": 10.0}
+        with open(f"{cfg.output_dir}/summary.json", "w") as f:
+            f.write(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(app, "run", trained)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["specdraft-train", f"output_dir={out}"])
+    pid = _orphan(60)
+    try:
+        app.main()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    load = json.loads((out / "summary.json").read_text())["other_load"]
+    assert load["others_busy_cores"] > 0.6, load
+    said = capsys.readouterr().out
+    assert "BUSY MACHINE" in said and "its tokens/s is not the machine's own" in said
