@@ -92,7 +92,7 @@ def test_a_report_measured_beside_a_busy_process_says_so(tmp_path, monkeypatch, 
     finally:
         os.kill(pid, signal.SIGKILL)
     r = json.loads(rep.read_text())
-    assert r["other_load"]["others_busy_cores"] > 0.6 and r["other_load"]["cores"] >= 1, r
+    assert r["other_load"]["others_busy_cores"] > 0.4 and r["other_load"]["cores"] >= 1, r
     assert "BUSY MACHINE: other processes kept" in capsys.readouterr().out
     assert run_label(r).endswith("busy machine: timings not its own")
 
@@ -105,7 +105,7 @@ def test_other_load_reads_a_busy_orphan_as_another_process():
             time.sleep(1.5)
     finally:
         os.kill(pid, signal.SIGKILL)
-    assert load.summary()["others_busy_cores"] > 0.6, load.summary()
+    assert load.summary()["others_busy_cores"] > 0.4, load.summary()
 
 
 @linux
@@ -132,6 +132,6 @@ def test_a_training_run_beside_a_busy_process_says_its_tokens_per_s_is_not_its_o
     finally:
         os.kill(pid, signal.SIGKILL)
     load = json.loads((out / "summary.json").read_text())["other_load"]
-    assert load["others_busy_cores"] > 0.6, load
+    assert load["others_busy_cores"] > 0.4, load
     said = capsys.readouterr().out
     assert "BUSY MACHINE" in said and "its tokens/s is not the machine's own" in said
