@@ -111,6 +111,24 @@ def test_the_summary_sorts_a_loss_lowest_first_and_says_when_sort_by_names_no_co
     assert order("reason")[1] == ["0", "1", "2"]
 
 
+def test_the_summary_shows_how_busy_the_machine_was_beside_each_jobs_tokens_per_s(tmp_path):
+    """Jobs run side by side (a parallel launcher) or beside other work train slower: each
+    row says how many cores other processes kept busy while it trained."""
+    from trainer.sweep import write_summary
+
+    load = {"cores": 2, "seconds": 60.0, "others_busy_cores": 0.93}
+    _job(tmp_path, "0", ["optim.lr=1"], {"reason": "finished", "tokens_per_s": 50.0})
+    _job(
+        tmp_path,
+        "1",
+        ["optim.lr=2"],
+        {"reason": "finished", "tokens_per_s": 20.0, "other_load": load},
+    )
+    write_summary(tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [r["others_busy_cores"] for r in rows] == ["", "0.93"]
+
+
 def test_a_summary_row_keeps_its_columns_whatever_its_error_says(tmp_path):
     """An error with a "|" (a union type, a path) or a second line started another column or
     row of the table: each row has as many cells as the header."""

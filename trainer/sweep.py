@@ -101,6 +101,8 @@ def collect(sweep_dir: Path, since: float | None = None) -> list[dict[str, Any]]
                     else round(summ["tokens_per_s"], 1),
                 }
             )
+            if summ.get("other_load"):  # tokens/s beside other work is not the machine's own
+                row["others_busy_cores"] = summ["other_load"].get("others_busy_cores")
             row.update({f"val/{k}": v for k, v in sorted((summ.get("val") or {}).items())})
             if summ.get("error"):  # refused before training: what refused it
                 row["error"] = summ["error"]
