@@ -41,7 +41,7 @@ def _busy_seconds(cores: set[int], text: str | None = None) -> float | None:
         text = text if text is not None else (_PROC / "stat").read_text()
     except OSError:
         return None
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    tick = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit (Linux: read only there)
     busy = 0
     seen = False
     for line in text.splitlines():

@@ -409,15 +409,8 @@ def component_costs(model, dev, reps: int, context: int, copy_bw: float) -> dict
     ms: dict[str, float] = {}
     nbytes: dict[str, float] = {}
     for kind in PROJECTIONS:
-        mod = [
-            getattr(
-                lay.self_attn
-                if kind.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
-                else lay.mlp,
-                kind,
-            )
-            for lay in layers
-        ]
+        part = "mlp" if kind in ("up_proj", "gate_proj", "down_proj") else "self_attn"
+        mod = [getattr(getattr(lay, part), kind) for lay in layers]
         inp = xi if kind == "down_proj" else xo if kind == "o_proj" else x
 
         def run(mod=mod, inp=inp):

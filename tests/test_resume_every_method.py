@@ -14,6 +14,16 @@ from conftest import compose, read_metrics, tiny_overrides
 from models import METHODS
 from trainer.train import run
 
+#: the block drafters' small shape, with a few random block starts of the many a sequence
+#: offers (their anchors: the randomness a resume must restore)
+BLOCK = {
+    "method.draft_vocab_size": 64,
+    "method.mask_token_id": 5,
+    "method.block_size": 4,
+    "method.num_layers": 1,
+    "method.fuse_layers": "[1,3]",
+    "method.anchors": 4,
+}
 #: small settings per method (tests/test_methods.py's), with the stateful features on
 SETTINGS: dict[str, dict[str, object]] = {
     "eagle1": {"method.noise": 0.2},
@@ -38,31 +48,14 @@ SETTINGS: dict[str, dict[str, object]] = {
         "method.gen_max_new_tokens": 3,
     },
     "mlp_speculator": {},
-    "dflash": {
-        "method.draft_vocab_size": 64,
-        "method.mask_token_id": 5,
-        "method.block_size": 4,
-        "method.num_layers": 1,
-        "method.fuse_layers": "[1,3]",
-        "method.anchors": 4,  # a few random block starts of the many a sequence offers
-    },
+    "dflash": BLOCK,
     "domino": {
-        "method.draft_vocab_size": 64,
-        "method.mask_token_id": 5,
-        "method.block_size": 4,
-        "method.num_layers": 1,
-        "method.fuse_layers": "[1,3]",
-        "method.anchors": 4,  # a few random block starts of the many a sequence offers
+        **BLOCK,
         "method.gru_hidden": 16,
         "method.correction_dim": 8,
     },
     "dspark": {
-        "method.draft_vocab_size": 64,
-        "method.mask_token_id": 5,
-        "method.block_size": 4,
-        "method.num_layers": 1,
-        "method.fuse_layers": "[1,3]",
-        "method.anchors": 4,  # a few random block starts of the many a sequence offers
+        **BLOCK,
         "method.markov_rank": 8,
     },
     # depth sampling thins the deeper depths at random
