@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 
 def block_attention(
@@ -68,6 +67,8 @@ def context_kv(
     attn = layer.self_attn
     k = heads(attn, ctx, "k_proj", "k_norm").transpose(1, 2)
     v = heads(attn, ctx, "v_proj").transpose(1, 2)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     k, _ = apply_rotary_pos_emb(k, k, cos, sin)
     return k, v
 
@@ -91,6 +92,8 @@ def layer_over_blocks(
     q = heads(attn, xn, "q_proj", "q_norm")  # (B, A, S, h, D)
     k = heads(attn, xn, "k_proj", "k_norm")
     v = heads(attn, xn, "v_proj")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)  # broadcast over heads
     o = block_attention(
         q.permute(0, 3, 1, 2, 4),

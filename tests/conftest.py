@@ -347,6 +347,26 @@ def family_target(family: str, **kw):
     )
 
 
+def every_third_eagle3(target, seed: int = 0, noise: float = 0.05, **flags):
+    """An EAGLE-3 head fusing layers 1-3 with a chosen draft vocabulary of 64 ids, every third
+    token (draft id i is target id 3i: not the identity, so every layout's mapping is read),
+    its weights ``noise`` livelier than the init so that proposals vary; ``flags``: more
+    ``Eagle3Config`` fields. The exports' and engines' tests' head."""
+    from models.eagle import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64, **flags)
+    head = Eagle3Head(target, cfg).eval()
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(64) * 2)
+        head.t2d.zero_()
+        head.t2d[torch.arange(64) * 3] = True
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    head.vocab_chosen = True
+    return head
+
+
 def tiny_target_gguf(path, target) -> Path:
     """A GGUF holding what ``--format gguf`` reads of a target's: its shape and tokenizer (the
     embedded SmolLM2's is a real one; tiny targets have none)."""

@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import family_target, needs_engine, run_module, tiny_target_gguf
+from conftest import every_third_eagle3, family_target, needs_engine, run_module, tiny_target_gguf
 
 from models import export as ex
 from models.base import DraftError
-from models.eagle import Eagle3Config, Eagle3Head
 from models.eagle.gguf import permute, unpermute
 from models.export import ExportError, detect_format, export, import_draft
 from models.target import Target, TargetConfig, saved_target_config
@@ -32,18 +31,6 @@ def target4():
     return Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
 
 
-def head3(target):
-    torch.manual_seed(0)
-    head = Eagle3Head(target, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
-    with torch.no_grad():
-        head.d2t.copy_(torch.arange(64) * 2)
-        head.t2d.zero_()
-        head.t2d[torch.arange(64) * 3] = True
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return head
-
-
 def test_permutation_is_the_converters_and_inverts():
     w = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
     # llama.cpp's LlamaModel.permute for 2 heads of 4 rows: halves -> interleaved pairs
@@ -56,7 +43,7 @@ def test_permutation_is_the_converters_and_inverts():
 def test_gguf_export_round_trips(target4, tmp_path, dtype):
     tg = tmp_path / "target.gguf"
     tiny_target_gguf(tg, target4)
-    head = head3(target4)
+    head = every_third_eagle3(target4)
     out = tmp_path / "g"
     s = export(head, "gguf", out, dtype=dtype, log=lambda *_: None, target_gguf_path=tg)
     assert detect_format(out) == "gguf" and (out / "draft.gguf").is_file()
@@ -100,7 +87,7 @@ def test_gguf_export_round_trips(target4, tmp_path, dtype):
 
 
 def test_gguf_export_refusals_are_one_line(target4, tmp_path):
-    head = head3(target4)
+    head = every_third_eagle3(target4)
     with pytest.raises(ExportError, match="--target-gguf"):
         export(head, "gguf", tmp_path / "a", log=lambda *_: None)
     other = build_tiny_target(seed=1, num_layers=2)
@@ -303,7 +290,7 @@ def test_our_yarn_gguf_equals_llama_cpps_converter(tmp_path):
 
     target = family_target("gpt_oss")
     tg = converted_target(target, log=lambda *_: None)
-    head = head3(target)
+    head = every_third_eagle3(target)
     export(head, "vllm", tmp_path / "v", dtype="float32", log=lambda *_: None)
     export(head, "gguf", tmp_path / "ours", dtype="float32", log=lambda *_: None,
            target_gguf_path=tg)  # fmt: skip
@@ -355,7 +342,9 @@ def test_a_target_that_feeds_no_layer_inputs_is_refused_before_its_server_starts
 
     target = family_target("qwen2")
     tg = converted_target(target, log=lambda *_: None)
-    export(head3(target), "gguf", tmp_path / "d", log=lambda *_: None, target_gguf_path=tg)
+    export(
+        every_third_eagle3(target), "gguf", tmp_path / "d", log=lambda *_: None, target_gguf_path=tg
+    )
     draft = tmp_path / "d" / "draft.gguf"
     with pytest.raises(EngineError, match="a 'qwen2' target: llama.cpp b11434 feeds eagle3 "
                        "drafts the layer inputs of") as e:  # fmt: skip
@@ -430,7 +419,7 @@ def test_eval_converts_an_hf_target_and_refuses_a_pair_the_engine_cannot_serve(t
     assert "/engine-targets/" in tg and tg.endswith("-f32/target.gguf")
     assert rep["lossless"] is True
     qwen2 = family_target("qwen2")
-    export(head3(qwen2), "gguf", tmp_path / "d", log=lambda *_: None,
+    export(every_third_eagle3(qwen2), "gguf", tmp_path / "d", log=lambda *_: None,
            target_gguf_path=converted_target(qwen2, log=lambda *_: None))  # fmt: skip
     r = run_module("decoding.eval", [*common, "target.family=qwen2", f"draft={tmp_path / 'd'}"])
     assert r.returncode != 0
@@ -758,7 +747,13 @@ def test_the_spec_type_comes_from_the_gguf(target4, tmp_path):
 
     tg = tiny_target_gguf(tmp_path / "target.gguf", target4)
     assert gguf_kind(tg) == ("draft-simple", None)  # a whole LM (here: its shape and tokenizer)
-    export(head3(target4), "gguf", tmp_path / "e", log=lambda *_: None, target_gguf_path=tg)
+    export(
+        every_third_eagle3(target4),
+        "gguf",
+        tmp_path / "e",
+        log=lambda *_: None,
+        target_gguf_path=tg,
+    )
     assert gguf_kind(tmp_path / "e" / "draft.gguf") == ("draft-eagle3", None)
     bare = tmp_path / "bare.gguf"
     w = gguf.GGUFWriter(str(bare), "llama")
@@ -782,7 +777,7 @@ def test_export_gguf_converts_any_target_where_llama_cpp_is_installed(family, tm
     architecture llama.cpp feeds no layer inputs gets a one-line warning, the file is written."""
     target = family_target(family)
     run = tmp_path / "run"
-    head3(target).save_draft(run / "final")
+    every_third_eagle3(target).save_draft(run / "final")
     r = run_module("flow.export", [str(run), "--format", "gguf", "--dtype", "float32"], 600)
     assert r.returncode == 0, r.stderr[-1500:]
     line = next(s for s in r.stdout.splitlines() if s.startswith("target GGUF"))
@@ -803,7 +798,7 @@ def test_export_gguf_without_llama_cpp_says_what_to_pass(target4, tmp_path, monk
 
     monkeypatch.setattr(lc, "engine_source", lambda: None)
     run = tmp_path / "run"
-    head3(family_target("qwen3")).save_draft(run / "final")
+    every_third_eagle3(family_target("qwen3")).save_draft(run / "final")
     with pytest.raises(SystemExit) as e:
         main([str(run), "--format", "gguf"])
     assert e.value.code == 2

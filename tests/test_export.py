@@ -9,7 +9,7 @@ import stat
 
 import pytest
 import torch
-from conftest import run_module
+from conftest import every_third_eagle3, run_module
 from safetensors.torch import load_file, save_file
 
 from models import FORMATS
@@ -27,19 +27,6 @@ def target4():
     return Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
 
 
-def eagle3(target, seed=0, **flags):
-    torch.manual_seed(seed)
-    cfg = Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64, **flags)
-    head = Eagle3Head(target, cfg).eval()
-    with torch.no_grad():  # a chosen vocabulary (every third token), not the identity
-        head.d2t.copy_(torch.arange(64) * 2)
-        head.t2d.zero_()
-        head.t2d[torch.arange(64) * 3] = True
-        for p in head.parameters():  # livelier than the init, so proposals vary
-            p.add_(torch.randn_like(p) * 0.05)
-    return head
-
-
 def eagle1(target, seed=0):
     torch.manual_seed(seed)
     return EagleHead(target, Eagle1Config()).eval()
@@ -47,7 +34,7 @@ def eagle1(target, seed=0):
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators", "eagle1"])
 def test_export_round_trips(target4, tmp_path, fmt):
-    head = eagle1(target4) if fmt == "eagle1" else eagle3(target4)
+    head = eagle1(target4) if fmt == "eagle1" else every_third_eagle3(target4)
     out = tmp_path / fmt
     summary = export(head, fmt, out, dtype="float32", log=lambda *_: None)
     assert detect_format(out) == fmt
@@ -92,7 +79,7 @@ def test_speculators_layout_variants_round_trip(target4, tmp_path):
     """Heads in the layout speculators' trainer writes (a norm over the fused features, a
     normed residual, normed outputs fed forward) export and read back identically, and the
     config says so explicitly; formats that cannot express them refuse with a message."""
-    head = eagle3(target4, **SPECULATORS_FLAGS)
+    head = every_third_eagle3(target4, **SPECULATORS_FLAGS)
     assert "input_norm.weight" in head.state_dict()
     out = tmp_path / "spec"
     export(head, "speculators", out, dtype="float32", log=lambda *_: None)
@@ -104,7 +91,7 @@ def test_speculators_layout_variants_round_trip(target4, tmp_path):
     a, b = ex.proposals(head, prompt), ex.proposals(back, prompt)
     assert torch.equal(a.pop("logits"), b.pop("logits")) and a == b
     # the flags change what the head computes (a loader that ignored them would differ)
-    plain = eagle3(target4)
+    plain = every_third_eagle3(target4)
     plain.load_state_dict({k: v for k, v in head.state_dict().items() if "input_norm" not in k})
     assert not torch.equal(
         ex.proposals(plain, prompt)["logits"], ex.proposals(head, prompt)["logits"]
@@ -118,7 +105,7 @@ def test_a_normed_residual_head_is_refused_by_name_where_the_layout_cannot_recor
 ):
     """``norm_before_residual`` alone: the SGLang config has no place for it, and the export
     failed only at its read-back, saying the layer ids might be written wrongly."""
-    head = eagle3(target4, norm_before_residual=True)
+    head = every_third_eagle3(target4, norm_before_residual=True)
     with pytest.raises(ExportError, match="norm_before_residual=True"):
         export(head, "sglang", tmp_path / "sg", dtype="float32", log=lambda *_: None)
     assert not (tmp_path / "sg").exists()
@@ -132,7 +119,7 @@ def test_eagle3_1_round_trips_where_vllm_reads_it(target4, tmp_path, fmt):
     layouts with its flags and fc_norm.{0,1,2}, reads back identically, and differs from the
     head without the norms; the layouts no engine reads them from refuse in one line."""
     flags = {"fc_norm": True, "norm_output": True}
-    head = eagle3(target4, **flags)
+    head = every_third_eagle3(target4, **flags)
     with torch.no_grad():
         for i, n in enumerate(head.fc_norm):
             n.weight.mul_(1.0 + 0.5 * i)  # distinct, so a swapped or dropped norm shows
@@ -147,7 +134,7 @@ def test_eagle3_1_round_trips_where_vllm_reads_it(target4, tmp_path, fmt):
     prompt = ex.default_prompt(target4)
     a, b = ex.proposals(head, prompt), ex.proposals(back, prompt)
     assert torch.equal(a.pop("logits"), b.pop("logits")) and a == b
-    plain = eagle3(target4, norm_output=True)
+    plain = every_third_eagle3(target4, norm_output=True)
     plain.load_state_dict({k: v for k, v in head.state_dict().items() if "fc_norm" not in k})
     assert not torch.equal(
         ex.proposals(plain, prompt)["logits"], ex.proposals(head, prompt)["logits"]
@@ -163,14 +150,14 @@ def test_eagle3_1_fused_state_ignores_each_layers_scale(target4):
     f = torch.randn(5, 4, target4.hidden_size, generator=g)
     scaled = f.clone()
     scaled[:, 2] *= 40.0
-    h31, h3 = eagle3(target4, fc_norm=True), eagle3(target4)
+    h31, h3 = every_third_eagle3(target4, fc_norm=True), every_third_eagle3(target4)
     with torch.no_grad():
         assert torch.allclose(h31.initial_hidden(f), h31.initial_hidden(scaled), atol=1e-4)
         assert not torch.allclose(h3.initial_hidden(f), h3.initial_hidden(scaled), atol=1e-2)
 
 
 def test_bf16_export_is_compared_at_its_own_precision(target4, tmp_path):
-    export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
+    export(every_third_eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
     w = load_file(str(tmp_path / "v" / "model.safetensors"))
     assert w["fc.weight"].dtype == torch.bfloat16 and w["d2t"].dtype == torch.int64
 
@@ -272,7 +259,7 @@ def test_dflash_vocabulary_never_chosen_is_refused(target4, tmp_path):
 
 
 def test_wrong_keys_and_shapes_are_named(target4, tmp_path, monkeypatch):
-    head = eagle3(target4)
+    head = every_third_eagle3(target4)
     fmt = FORMATS["vllm"]
     real = fmt.tensors
 
@@ -309,7 +296,7 @@ def test_wrong_layer_ids_are_caught_by_the_re_import(target4, tmp_path, monkeypa
 
     monkeypatch.setattr(fmt, "config", unshifted)
     with pytest.raises(ExportError, match="logits differ"):
-        export(eagle3(target4), "sglang", tmp_path / "s", log=lambda *_: None)
+        export(every_third_eagle3(target4), "sglang", tmp_path / "s", log=lambda *_: None)
 
 
 def test_the_serve_line_names_a_target_vllm_can_load(tmp_path):
@@ -320,7 +307,7 @@ def test_the_serve_line_names_a_target_vllm_can_load(tmp_path):
 
     t = load_target(TargetConfig(name="tiny_random", tiny_layers=4, cache_dir=str(tmp_path)))
     said = []
-    export(eagle3(t), "vllm", tmp_path / "v", log=said.append)
+    export(every_third_eagle3(t), "vllm", tmp_path / "v", log=said.append)
     folder = target_folder(t)
     assert verifier_name(t) == str(folder) and (folder / "config.json").exists()
     assert said[-1].startswith(f"serve it in vLLM: vllm serve {folder} ")
@@ -343,7 +330,7 @@ def test_every_eagle3_layout_vllm_serves_fuses_the_trained_layers_there(target4,
     tests cannot see fused layers shifted by one: the SGLang layout (ids counted as layer
     outputs) was offered for vLLM, which reads those ids as its own and fuses the layers
     below the trained ones."""
-    head = eagle3(target4)
+    head = every_third_eagle3(target4)
     served = [f for f in FORMATS.values() if f.vllm_method == "eagle3" and "eagle3" in f.methods]
     assert {f.name for f in served} == {"vllm", "speculators"}
     for fmt in served:
@@ -359,7 +346,7 @@ def test_an_sglang_export_says_how_sglang_serves_it(target4, tmp_path):
     of gamma, and no vLLM line (vLLM would fuse other layers from it)."""
     said = []
     out = tmp_path / "sg"
-    r = export(eagle3(target4), "sglang", out, log=said.append, gamma=4)
+    r = export(every_third_eagle3(target4), "sglang", out, log=said.append, gamma=4)
     line = r["sglang_serve"]
     assert line.startswith("python -m sglang.launch_server --model-path ")
     assert f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {out.resolve()} " in line
@@ -375,15 +362,17 @@ def test_existing_output_is_kept_without_force(target4, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="already exists"):
-        export(eagle3(target4), "vllm", out, log=lambda *_: None)
+        export(every_third_eagle3(target4), "vllm", out, log=lambda *_: None)
     assert (out / "keep.txt").read_text() == "mine"
     # nor with --force: it replaces an earlier export only, never files of the user's
     with pytest.raises(ExportError, match=r"not an earlier export \(keep.txt\)"):
-        export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
+        export(every_third_eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
     assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()
-    export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)  # an empty folder
-    export(eagle3(target4), "speculators", out, force=True, log=lambda *_: None)
+    export(
+        every_third_eagle3(target4), "vllm", out, force=True, log=lambda *_: None
+    )  # an empty folder
+    export(every_third_eagle3(target4), "speculators", out, force=True, log=lambda *_: None)
     assert detect_format(out) == "speculators"  # an earlier export, replaced
 
 
@@ -392,12 +381,12 @@ def test_an_out_that_is_a_file_is_refused_even_with_force(target4, tmp_path):
     data.write_text("mine")
     for out in (data, data / "export"):
         with pytest.raises(ExportError, match="a file, not a folder"):
-            export(eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
+            export(every_third_eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
     assert data.read_text() == "mine"
 
 
 def test_checkpoint_without_d2t_is_refused_on_import(target4, tmp_path):
-    export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
+    export(every_third_eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
     f = tmp_path / "v" / "model.safetensors"
     w = load_file(str(f))
     del w["d2t"]
@@ -410,7 +399,7 @@ def test_eagle1_head_exports_only_as_eagle1(target4, tmp_path):
     with pytest.raises(ExportError, match="exports eagle3 or hass drafts; this is eagle1"):
         export(eagle1(target4), "sglang", tmp_path / "x", log=lambda *_: None)
     with pytest.raises(ExportError, match="exports eagle1 drafts"):
-        export(eagle3(target4), "eagle1", tmp_path / "y", log=lambda *_: None)
+        export(every_third_eagle3(target4), "eagle1", tmp_path / "y", log=lambda *_: None)
 
 
 def test_cli_export_then_evaluate_the_export(data_file, tmp_path):
@@ -588,7 +577,7 @@ def test_a_draft_whose_target_moved_is_exported_with_target(data_file, tmp_path,
 def test_an_export_for_another_target_is_named_as_such(target4, tiny_target, tmp_path):
     """An EAGLE-3 export read against a target whose layers it cannot take (made for another
     target) is one line naming the export and the target, not a bare index error."""
-    export(eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
+    export(every_third_eagle3(target4), "vllm", tmp_path / "v", log=lambda *_: None)
     with pytest.raises(ExportError) as e:
         import_draft(tmp_path / "v", tiny_target)
     msg = str(e.value)
@@ -605,7 +594,7 @@ def test_a_draft_made_for_other_weights_is_evaluated_with_a_warning(target4, tmp
     made = Target(target4.model, target4.tokenizer, "/a/smol:abc123", TargetConfig(name="x"))
     moved = Target(target4.model, target4.tokenizer, "/b/copy:abc123", TargetConfig(name="x"))
     other = Target(target4.model, target4.tokenizer, "/a/tuned:def456", TargetConfig(name="x"))
-    export(eagle3(made), "vllm", tmp_path / "v", log=lambda *_: None)
+    export(every_third_eagle3(made), "vllm", tmp_path / "v", log=lambda *_: None)
     assert ex.exported_for(tmp_path / "v") == "/a/smol:abc123"
     assert ex.made_for_note(ex.made_for(tmp_path / "v"), moved) is None
     _, desc = load_proposer(str(tmp_path / "v"), moved)
@@ -635,7 +624,7 @@ def test_a_trained_draft_for_a_moved_target_is_not_warned_about(target4, tmp_pat
     from decoding.drafts import load_proposer
 
     made = Target(target4.model, target4.tokenizer, "/a/smol:abc123", TargetConfig(name="x"))
-    head = eagle3(made)
+    head = every_third_eagle3(made)
     head.save_draft(tmp_path / "final")
     assert ex.made_for(tmp_path) == "/a/smol:abc123"
     moved = Target(target4.model, target4.tokenizer, "/b/copy:abc123", TargetConfig(name="x"))
@@ -682,7 +671,7 @@ def test_an_export_is_evaluated_against_the_target_it_was_made_for(tmp_path):
     from models.target import load_target
 
     t4 = load_target(TargetConfig(name="tiny_random", tiny_layers=4, dtype="float32"))
-    export(eagle3(t4), "vllm", tmp_path / "v", log=lambda *_: None)
+    export(every_third_eagle3(t4), "vllm", tmp_path / "v", log=lambda *_: None)
     assert ex.exported_target(tmp_path / "v")["name"] == "tiny_random"
     cfg = OmegaConf.structured(EvalConfig(draft=str(tmp_path / "v")))
     assert "made for" in apply_saved_target(cfg, set())

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import script_outcome, tiny_target_gguf
+from conftest import every_third_eagle3, script_outcome, tiny_target_gguf
 
 from flow.export import main
 from models.export import ExportError, detect_format, export
@@ -29,25 +28,11 @@ def target():
     return load_target(TargetConfig(name="tiny_random", tiny_layers=4, dtype="float32"))
 
 
-def eagle3(target):
-    """An EAGLE-3 head with a chosen draft vocabulary (every third token)."""
-    from models.eagle import Eagle3Config, Eagle3Head
-
-    torch.manual_seed(0)
-    head = Eagle3Head(target, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
-    with torch.no_grad():
-        head.d2t.copy_(torch.arange(64) * 2)
-        head.t2d.zero_()
-        head.t2d[torch.arange(64) * 3] = True
-    head.vocab_chosen = True
-    return head
-
-
 @pytest.fixture(scope="module")
 def saved(target, tmp_path_factory) -> Path:
     """A saved EAGLE-3 draft folder (what a run's final/ holds)."""
     where = tmp_path_factory.mktemp("saved") / "final"
-    eagle3(target).save_draft(where)
+    every_third_eagle3(target, noise=0.0).save_draft(where)
     return where
 
 
@@ -172,13 +157,27 @@ def test_force_keeps_files_put_in_an_earlier_export(target, tmp_path):
     """--force replaces an earlier export, not the files put in its folder since (the target's
     GGUF beside the draft's, notes): those are named and kept."""
     out = tmp_path / "e"
-    export(eagle3(target), "vllm", out, dtype="float32", log=quiet)
+    export(every_third_eagle3(target, noise=0.0), "vllm", out, dtype="float32", log=quiet)
     (out / "target.gguf").write_bytes(b"the user's file")
     with pytest.raises(ExportError, match=r"earlier export with files it did not write \(target"):
-        export(eagle3(target), "vllm", out, dtype="float32", force=True, log=quiet)
+        export(
+            every_third_eagle3(target, noise=0.0),
+            "vllm",
+            out,
+            dtype="float32",
+            force=True,
+            log=quiet,
+        )
     assert (out / "target.gguf").read_bytes() == b"the user's file"
     (out / "target.gguf").unlink()
-    export(eagle3(target), "speculators", out, dtype="float32", force=True, log=quiet)
+    export(
+        every_third_eagle3(target, noise=0.0),
+        "speculators",
+        out,
+        dtype="float32",
+        force=True,
+        log=quiet,
+    )
     assert detect_format(out) == "speculators"
 
 
@@ -189,7 +188,7 @@ def test_an_earlier_export_that_cannot_be_deleted_whole_is_replaced_whole(
     that could not be deleted left half of it and no new export. The earlier export is moved
     aside first now; the new one lands whole."""
     out = tmp_path / "e"
-    export(eagle3(target), "vllm", out, dtype="float32", log=quiet)
+    export(every_third_eagle3(target, noise=0.0), "vllm", out, dtype="float32", log=quiet)
     readme = out / "README.md"
     readme.write_text(readme.read_text() + "\n<!-- kept by the file system -->\n")
     real = shutil.rmtree
@@ -206,7 +205,14 @@ def test_an_earlier_export_that_cannot_be_deleted_whole_is_replaced_whole(
             raise PermissionError(13, "Operation not permitted", str(stuck[0]))
 
     monkeypatch.setattr(shutil, "rmtree", rmtree)
-    export(eagle3(target), "speculators", out, dtype="float32", force=True, log=quiet)
+    export(
+        every_third_eagle3(target, noise=0.0),
+        "speculators",
+        out,
+        dtype="float32",
+        force=True,
+        log=quiet,
+    )
     assert detect_format(out) == "speculators"
     assert "kept by" not in readme.read_text()
 

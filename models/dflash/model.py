@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from ..base import (
     DecodeSettings,
@@ -189,6 +188,8 @@ class DFlashDraft(DraftMethod):
         # the fused layers, then the target's final (normed) state for the soft labels
         self.feature_layers = (*fuse, -1)
         self.fc = nn.Linear(len(fuse) * H, H, bias=False)
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
         norm_cls = LlamaRMSNorm  # the engines' draft norm, whatever the target's (Gemma: 1 + w)
         eps = layer_shape(target.config)["eps"]
         self.hidden_norm = norm_cls(H, eps=eps)

@@ -31,9 +31,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers import DynamicCache
 
 from ..base import (
     DRAFT_WEIGHTS,
@@ -131,6 +129,8 @@ def eagle_attention(
     boolean tree mask the proposers build, which SDPA reads as True = attend whatever the
     target's own attention implementation is)."""
     if ttt is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -139,7 +139,14 @@ def eagle_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(EAGLE_ATTENTION, eagle_attention)
+def eagle_layer(target: Target) -> nn.Module:
+    """A fresh decoder layer of the target's sizes whose attention is ``eagle_attention``
+    (registered with transformers' ``AttentionInterface`` here, on first use: importing
+    transformers' modeling code at import time costs every command seconds)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(EAGLE_ATTENTION, eagle_attention)
+    return target.new_decoder_layer(0, EAGLE_ATTENTION)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +164,7 @@ class EagleHead(DraftMethod):
         check_head_loss(cfg.loss)
         self.cfg = cfg
         self.fc = nn.Linear(2 * H, H, bias=True)
-        self.layer = target.new_decoder_layer(0, EAGLE_ATTENTION)
+        self.layer = eagle_layer(target)
         if not cfg.input_norm:
             self.layer.input_layernorm = nn.Identity()
         # Plain attribute, not a submodule: the target is frozen and must not be saved,
@@ -451,11 +458,13 @@ class Eagle3Head(EagleHead):
         )
         self.feature_layers = (*fuse, -1)
         self.fc = nn.Linear(3 * H, H, bias=False)
-        self.midlayer = layer = target.new_decoder_layer(0, EAGLE_ATTENTION)
+        self.midlayer = layer = eagle_layer(target)
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; hidden]
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
         norm_cls = LlamaRMSNorm  # the engines' draft norm, whatever the target's (Gemma: 1 + w)
         eps = layer_shape(target.config)["eps"]
         layer.hidden_norm = norm_cls(H, eps=eps)
