@@ -183,13 +183,16 @@ class MLPSpeculator(DraftMethod):
         """Per stage i, teacher-forced on the data: ``top1_stage{i}``, how often its argmax is
         the target's greedy token at that position, and ``alpha_pos{i}``, how often it is
         given that every earlier stage's was too (EAGLE's n-alpha, as the EAGLE heads report
-        it: a chain's acceptance at position i, at T = 0)."""
+        it: a chain's acceptance at position i, at T = 0), over the positions where stages
+        1..i all predict reply tokens: a chain is drafted inside a reply, and an earlier
+        stage whose label is the prompt's (a reply's first positions, seen from before it) is
+        not a rejection."""
         attn, lm = batch["attention_mask"], batch["loss_mask"]
         h, states = self._states(batch)
         masks = head_masks(lm, attn, self.cfg.n_predict)
         out: dict[str, torch.Tensor] = {}
-        so_far = masks[-1]  # positions where every stage is scored
-        agreed = torch.ones_like(so_far)
+        scored = torch.ones_like(masks[0])  # stages 1..i all scored
+        agreed = torch.ones_like(masks[0])  # stages 1..i-1 all agreed
         for i, mask in enumerate(masks):
             rows = mask.nonzero(as_tuple=True)
             agree = torch.zeros_like(mask)
@@ -198,9 +201,10 @@ class MLPSpeculator(DraftMethod):
                 want = self.target_logits(h[rows[0], rows[1] + i + 1]).argmax(-1)
                 agree[rows] = draft == want
             out[f"top1_stage{i + 1}"] = metric(agree[mask].float().sum(), mask.sum())
-            before = agreed[so_far].float().sum()
+            scored = scored & mask
+            m = scored & agreed
+            out[f"alpha_pos{i + 1}"] = metric(agree[m].float().sum(), m.sum())
             agreed = agreed & agree
-            out[f"alpha_pos{i + 1}"] = metric(agreed[so_far].float().sum(), before)
         return out
 
     # -- decoding ----------------------------------------------------------------------------
