@@ -136,10 +136,23 @@ def frozen_names(model: Any) -> set[str]:
 
 
 def drop_frozen_weights(models: list, weights: list[dict], _output_dir: str) -> None:
-    """accelerate save-state pre-hook: checkpoints keep only what training changes."""
+    """accelerate save-state pre-hook: checkpoints keep only what training changes, and a
+    tensor tied under several names (the MLP speculator's shared stages) once, under its first
+    name, as accelerate's safetensors writer would keep it, but without its warning that the
+    file may not reload (``_check_saved_weights`` and the load read tied names as one)."""
+    import torch
+    from accelerate.utils import id_tensor_storage
+
     for model, state in zip(models, weights, strict=False):  # FSDP/DeepSpeed: no weights here
         for name in frozen_names(model):
             state.pop(name, None)
+        kept: set = set()
+        for name, t in list(state.items()):
+            if isinstance(t, torch.Tensor) and t.numel():
+                where = id_tensor_storage(t)
+                if where in kept:
+                    del state[name]
+                kept.add(where)
 
 
 def _check_saved_weights(model: Any, path: Path) -> None:
