@@ -593,6 +593,42 @@ def test_the_summary_prints_a_dash_where_no_token_reached_a_position():
     assert "no validation token reached" in text
 
 
+@pytest.mark.parametrize(
+    ("val", "rows", "said"),
+    [
+        # the MLP speculator's stages, Medusa's heads: the top1 column under their names
+        (
+            {"top1_stage1": 0.25, "alpha_pos1": 0.25, "top1_stage2": 0.5, "alpha_pos2": 0.125},
+            [["1", "0.250", "0.250"], ["2", "0.500", "0.125"]],
+            None,
+        ),
+        (
+            {"top1_head1": 0.5, "top10_head1": 0.75, "top1_head2": 0.25},
+            [["1", "0.500", "-"], ["2", "0.250", "-"]],
+            "scores each position on its own",
+        ),
+        # a draft model: its next token's agreement, greedy and at T = 1
+        ({"accept_T0": 0.375, "accept_T1": 0.625}, [], "accept_T1  0.625"),
+    ],
+    ids=["stages", "heads", "draft_model"],
+)
+def test_the_summary_prints_each_familys_agreement(val, rows, said):
+    """Every family's validation agreement reaches the summary, whatever its metrics' names."""
+    from trainer.train import _print_summary
+
+    lines: list[str] = []
+    _print_summary(
+        {"reason": "finished", "step": 3, "tokens_per_s": 10.0, "val": val, "final": None},
+        lines.append,
+    )
+    table = [s.split() for s in lines if s.strip()[:1].isdigit()]
+    assert table == rows
+    if said is not None:
+        assert said in "\n".join(lines)
+    else:
+        assert not any(s.strip().startswith("(-") for s in lines)
+
+
 def test_the_exit_status_says_how_a_run_stopped():
     from flow.app import exit_code
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -630,24 +631,46 @@ def _resume_path(resume: Any, run_dir: Path, log) -> Path | None:
     return p
 
 
+#: a validation metric given by draft position: ``top1_pos2``, ``alpha_pos3``, ``top1_stage1``,
+#: ``top1_head2``
+_PER_POSITION = re.compile(r"(top1|alpha)_(?:pos|stage|head)(\d+)")
+
+
 def _print_summary(s: dict, log) -> None:
     log(
         f"\nstopped: {s['reason']} after {s['step']} optimizer steps "
         f"({s['tokens_per_s']:.0f} tokens/s overall)"
     )
     val = s["val"]
-    pos = sorted({int(k.split("pos")[1]) for k in val if "_pos" in k})
+    # a position's unconditional agreement, under each family's name: EAGLE's and the block
+    # drafters' draft positions, the MLP speculator's stages, Medusa's heads
+    kinds = ("pos", "stage", "head")
+    pos = sorted({int(m[2]) for k in val if (m := _PER_POSITION.fullmatch(k))})
     if pos:
 
         def cell(name: str) -> str:
             return f"{val[name]:.3f}" if name in val else "    -"
 
+        def top1(k: int) -> str:
+            return next((cell(f"top1_{w}{k}") for w in kinds if f"top1_{w}{k}" in val), "    -")
+
         log("validation agreement with the target's argmax, by draft position:")
         log("  position  top1    alpha (given earlier positions agreed)")
         for k in pos:
-            log(f"  {k:>8}  {cell(f'top1_pos{k}')}   {cell(f'alpha_pos{k}')}")
-        if any(f"alpha_pos{k}" not in val for k in pos):
+            log(f"  {k:>8}  {top1(k)}   {cell(f'alpha_pos{k}')}")
+        alphas = [f"alpha_pos{k}" in val for k in pos]
+        if any(alphas) and not all(alphas):
             log("  (-: no validation token reached that position with every earlier one agreed)")
+        elif not any(alphas):
+            log(
+                "  (-: this method scores each position on its own; specdraft-eval measures chains)"
+            )
+    if "accept_T0" in val or "accept_T1" in val:  # a draft model's next-token agreement
+        said = {"accept_T0": "greedy agreement", "accept_T1": "expected acceptance at T = 1"}
+        log("validation, the draft's next token against the target's:")
+        for k, what in said.items():
+            if k in val:
+                log(f"  {k}  {val[k]:.3f}  ({what})")
     if s["final"]:
         log(f"draft saved to {s['final']}")
 
