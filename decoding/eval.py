@@ -12,13 +12,11 @@ plain-decoding output.
 from __future__ import annotations
 
 import json
-import platform
 import signal
 import sys
 import time
 from collections import defaultdict
 from dataclasses import fields
-from datetime import datetime, timezone
 from typing import Any
 
 import hydra
@@ -46,7 +44,7 @@ from .drafts import (
     machine_kind,
     saved_decode_settings,
 )
-from .engines.base import EngineError, cpu_name
+from .engines.base import EngineError, where_and_when
 from .report import (
     CONVENTION,
     NEAR_TIE_TOLERANCE,
@@ -191,10 +189,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             "device": str(target.device),
             "dtype": str(target.dtype),
             "torch_threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "cpu": cpu_name(),
+            **where_and_when(),
             **gpu_of(target.device),
-            "date": datetime.now(timezone.utc).isoformat(),
         }
         return json_safe(report)
     if cfg.traces and cfg.adaptive:
@@ -433,10 +429,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                 "device": str(target.device),
                 "dtype": str(target.dtype),
                 "torch_threads": torch.get_num_threads(),
-                "machine": platform.machine(),
-                "cpu": cpu_name(),
+                **where_and_when(),
                 **gpu_of(target.device),
-                "date": datetime.now(timezone.utc).isoformat(),
             },
             "outputs": outputs,
         }

@@ -338,6 +338,18 @@ def lossless_note(run: BenchRun, greedy: bool, tolerance: float, sampler: str) -
     )
 
 
+def where_and_when() -> dict[str, str]:
+    """A report's record of the machine it was measured on and the time: ``machine`` (the
+    architecture), ``cpu`` (``cpu_name``) and ``date`` (UTC, ISO 8601)."""
+    from datetime import datetime, timezone
+
+    return {
+        "machine": platform.machine(),
+        "cpu": cpu_name(),
+        "date": datetime.now(timezone.utc).isoformat(),
+    }
+
+
 def cpu_name() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -27,8 +27,6 @@ evaluating. The ceiling is what a draft that is always right would give at those
 from __future__ import annotations
 
 import math
-import platform
-from datetime import datetime, timezone
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -43,9 +41,9 @@ from .base import (
     EngineError,
     EngineStats,
     context_needed,
-    cpu_name,
     lossless_note,
     run_bench,
+    where_and_when,
 )
 from .llama_cpp import (
     BUILD,
@@ -240,9 +238,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
                 "draft_gguf": str(draft) if draft else None,
                 "engine_threads": plain.threads,
                 "engine_repack_used": repack,
-                "machine": platform.machine(),
-                "cpu": cpu_name(),
-                "date": datetime.now(timezone.utc).isoformat(),
+                **where_and_when(),
             },
             "outputs": run.outputs,
         }

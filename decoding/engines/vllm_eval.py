@@ -25,12 +25,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import queue
 import re
 import subprocess
 import threading
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +41,11 @@ from .base import (
     cache_root,
     cached_export,
     context_needed,
-    cpu_name,
     default_threads,
     lossless_note,
     run_bench,
     steps_from_positions,
+    where_and_when,
 )
 from .process import EngineProcess
 from .vllm_zygote import fork_worker
@@ -538,9 +536,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
                 "target_folder": str(model_dir),
                 "engine_dtype": dtype,
                 "engine_threads": threads,
-                "machine": platform.machine(),
-                "cpu": cpu_name(),
-                "date": datetime.now(timezone.utc).isoformat(),
+                **where_and_when(),
             },
             "outputs": run.outputs,
         }
