@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.base import SIGNAL_NAMES, file_above, readable_by_others, resolve_draft_dir
+from models.base import SIGNAL_NAMES, readable_by_others, resolve_draft_dir, unwritable
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 
@@ -439,9 +439,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         if out.exists() and not out.is_dir():
             raise DiscoError(f"--out {out}: a file, not a folder; name a folder for the classifier")
-        above = file_above(out)
-        if above is not None:
-            raise DiscoError(f"--out {out}: {above} is a file, not a folder")
+        why = unwritable(out)
+        if why is not None:
+            raise DiscoError(f"--out {out}: {why}")
         if out.is_dir() and any(out.iterdir()) and not is_classifier(out):
             inside = resolve_draft_dir(out)
             where = f" (its classifier's folder is {inside / 'disco'})" if inside else ""

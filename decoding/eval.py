@@ -683,15 +683,20 @@ def _main(cfg: DictConfig) -> None:
         mark_stopped(r, sig.caught, len(bench_questions(cfg)))
     # what else ran on the machine meanwhile: timings beside another job are not its own
     r["other_load"] = load.summary()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(r, indent=1))
-    if "batch" in r:
-        plot_batch_report(r, png)
-        print_batch_report(r)
-    else:
-        plot_report(r, png)
-        print_report(r)
+    (print_batch_report if "batch" in r else print_report)(r)
+    try:  # checked writable before the run; a full disk or a folder taken away since is not
+        path.parent.mkdir(parents=True, exist_ok=True)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r, indent=1))
+        (plot_batch_report if "batch" in r else plot_report)(r, png)
+    except OSError as e:
+        where = e.filename or path
+        print(
+            f"error: could not write {where} ({e.strerror or e}); the run's figures are the "
+            "table above",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     print(f"report: {path}   plot: {png}")
     if r.get("finished") is False:
         print(f"error: the engine failed part way: {r.get('engine_error')}", file=sys.stderr)

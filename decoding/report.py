@@ -667,7 +667,7 @@ def report_paths(cfg) -> tuple[Path, Path]:
     folder, a path under a file, or an existing file that is no report of this command (data,
     say) is an ``EvalError``; an earlier report or plot is replaced. ``traces=`` is checked
     alike (an earlier traces file is replaced)."""
-    from models.base import file_above
+    from models.base import unwritable
 
     from .settings import EvalError
 
@@ -685,9 +685,9 @@ def report_paths(cfg) -> tuple[Path, Path]:
     for key, p, ours in outs:
         if p.is_dir():
             raise EvalError(f"{key}={p} is a folder; name a file in it ({key}={p / path.name})")
-        above = file_above(p)
-        if above is not None:
-            raise EvalError(f"{key}={p}: {above} is a file, not a folder")
+        why = unwritable(p)
+        if why is not None:
+            raise EvalError(f"{key}={p}: {why}")
         if p.exists() and not ours(p):
             raise EvalError(
                 f"{key}={p} exists and is no {key} of specdraft-eval; choose another path, or "
@@ -764,13 +764,13 @@ def plot_path_problem(p: Path) -> str | None:
     """Why a plot cannot be written at ``p``, in a few words, or None (an earlier plot there,
     of the format its name's ending says, is replaced): a folder, a path under a file, a name
     no plot format has, or an existing file that is no such plot (data, say)."""
-    from models.base import file_above
+    from models.base import unwritable
 
     if p.is_dir():
         return "a folder; name a file in it"
-    above = file_above(p)
-    if above is not None:
-        return f"{above} is a file, not a folder"
+    why = unwritable(p)
+    if why is not None:
+        return why
     if p.suffix.lstrip(".").lower() not in _PLOT_HEADS:
         kinds = ", ".join("." + k for k in _PLOT_HEADS)
         return f"a plot is written as {kinds} (by its name's ending)"

@@ -321,7 +321,7 @@ def check_folders_and_method(argv: list[str]) -> str | None:
     ``OUT`` unset: the run wrote into the current folder) or a file's path, or for
     ``method.name=`` (the method is chosen by its group; another name on a method's settings
     failed deep in training), or None."""
-    from models.base import file_above
+    from models.base import unwritable
 
     for arg in argv:
         key, sep, value = arg.lstrip("+~").partition("=")
@@ -331,9 +331,9 @@ def check_folders_and_method(argv: list[str]) -> str | None:
             path = Path(value).expanduser()
             if path.exists() and not path.is_dir():
                 return f"{key}={value}: a file, not a folder; name a folder"
-            above = file_above(path)
-            if above is not None:
-                return f"{key}={value}: {above} is a file, not a folder"
+            why = unwritable(path)
+            if why is not None:
+                return f"{key}={value}: {why}"
         if sep and key == "method.name":
             choice = value.split(",")[0]
             return (

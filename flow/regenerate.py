@@ -44,7 +44,7 @@ from decoding.batch import BatchDecoder
 from decoding.batch_checks import BatchError, check_batchable
 from decoding.decoder import NoDraft
 from decoding.runner import COMPILE_MODES
-from models.base import file_above
+from models.base import unwritable
 from models.sampling import Sampling
 from models.target import (
     GenRequest,
@@ -366,9 +366,9 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         )
     if out.is_dir():
         raise PrepareError(f"out={out} is a folder; name a file in it (out={out}/regen.jsonl)")
-    above = file_above(out)
-    if above is not None:
-        raise PrepareError(f"out={out}: {above} is a file, not a folder")
+    why = unwritable(out)
+    if why is not None:
+        raise PrepareError(f"out={out}: {why}")
     ours = out.with_name(out.name + ".meta.json").exists() or _parts_dir(out).exists()
     if out.exists() and not ours:
         raise PrepareError(

@@ -240,11 +240,28 @@ def unfinished_run(path: Path) -> Path | None:
     return max(steps, key=lambda c: int(c.name[5:])) if steps else None
 
 
-def file_above(path: Path) -> Path | None:
-    """The file ``path`` would lie under (its nearest existing parent, where that is no
-    folder), or None: where nothing can be written at ``path``."""
-    above = next((p for p in Path(path).parents if p.exists()), None)
-    return above if above is not None and not above.is_dir() else None
+def unwritable(path: Path) -> str | None:
+    """Why nothing can be written at ``path`` (a file or folder a command is about to write),
+    in a few words, or None. Checked before any work, so that a run does not end in a
+    traceback at its first write, or lose its results at its last: the nearest existing
+    parent is a file, or the folder that would hold ``path`` takes no new file (no
+    permission, a read-only or special filesystem); tried by creating and dropping a
+    nameless file there."""
+    import tempfile
+
+    path = Path(path)
+    here = next((p for p in (path, *path.parents) if p.exists()), None)
+    if here is None:
+        return None
+    if here != path and not here.is_dir():
+        return f"{here} is a file, not a folder"
+    if not here.is_dir():  # an existing file to be replaced: its folder takes the new one
+        here = here.parent
+    try:
+        tempfile.TemporaryFile(dir=here).close()
+    except OSError as e:
+        return f"nothing can be written in {here} ({e.strerror or e})"
+    return None
 
 
 def resolve_draft_dir(path: Path) -> Path | None:

@@ -35,12 +35,12 @@ from .base import (
     DraftMethod,
     ExportError,
     ExportFormat,
-    file_above,
     read_draft_config,
     readable_by_others,
     resolve_draft_dir,
     run_files,
     unfinished_run,
+    unwritable,
 )
 from .sampling import Sampling
 from .target import Target
@@ -312,9 +312,9 @@ def check_out(out: Path, force: bool) -> None:
     training run, a trained draft or any folder of other files."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: a file, not a folder; an export is a folder")
-    above = file_above(out)
-    if above is not None:
-        raise ExportError(f"--out {out}: {above} is a file, not a folder")
+    why = unwritable(out)
+    if why is not None:
+        raise ExportError(f"--out {out}: {why}")
     if out.exists() and not force:
         raise ExportError(f"{out}: already exists (pass --force to replace it)")
     if out.is_dir():

@@ -448,6 +448,9 @@ def test_report_paths_are_checked_before_anything_is_measured(tmp_path):
         ({"report": str(tmp_path / "r.json"), "plot": str(data)}, "is no plot of specdraft-eval"),
         ({"traces": str(data)}, "is no traces of specdraft-eval"),
         ({"traces": str(data / "t.jsonl")}, f"{data} is a file, not a folder"),
+        # a folder that takes no file (a special filesystem; no permission, read-only alike)
+        ({"report": "/proc/specdraft/r.json"}, "nothing can be written in /proc"),
+        ({"plot": "/proc/r.png"}, "nothing can be written in /proc"),
         # each its own file, and a plot of a kind matplotlib writes
         ({"report": str(tmp_path / "r.png")}, "report= and plot= name the same file"),
         ({"report": str(tmp_path / "s.json"), "plot": str(tmp_path / "s.json")}, "same file"),

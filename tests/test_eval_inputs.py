@@ -318,3 +318,32 @@ def test_the_questions_are_read_once_unless_the_file_changed(tmp_path, monkeypat
     bench.write_text('{"turns": ["uno"]}\n{"turns": ["dos"]}\n{"turns": ["tres"]}\n')
     assert [q["turns"] for q in st.bench_questions(cfg)] == [["uno"], ["dos"]]
     assert len(reads) == 2
+
+
+def test_a_report_that_cannot_be_written_after_the_run_keeps_its_figures(
+    tmp_path, monkeypatch, capsys
+):
+    """A write that fails after the run (a full disk, a folder removed meanwhile) was a
+    traceback that lost the run's figures: the table is printed first, then one line names
+    the file, with exit status 1."""
+    import sys
+
+    import decoding.eval as ev
+
+    png = tmp_path / "r.png"
+
+    def full(r, where):
+        raise OSError(28, "No space left on device", str(where))
+
+    monkeypatch.setattr(ev, "plot_report", full)
+    argv = ["target=tiny_random", "num_prompts=1", "max_new_tokens=4", f"report={tmp_path}/r.json"]
+    monkeypatch.setattr(sys, "argv", ["specdraft-eval", *argv])
+    with pytest.raises(SystemExit) as stop:
+        ev.main()
+    assert stop.value.code == 1
+    out, err = capsys.readouterr()
+    assert "lossless" in out  # the table
+    assert err.strip().splitlines()[-1] == (
+        f"error: could not write {png} (No space left on device); the run's figures are the "
+        "table above"
+    )

@@ -383,6 +383,8 @@ def test_an_out_that_is_a_file_is_refused_even_with_force(target4, tmp_path):
         with pytest.raises(ExportError, match="a file, not a folder"):
             export(every_third_eagle3(target4), "vllm", out, force=True, log=lambda *_: None)
     assert data.read_text() == "mine"
+    with pytest.raises(ExportError, match="nothing can be written in /proc"):  # no file goes in
+        export(every_third_eagle3(target4), "vllm", "/proc/specdraft/v", log=lambda *_: None)
 
 
 def test_checkpoint_without_d2t_is_refused_on_import(target4, tmp_path):

@@ -366,6 +366,18 @@ def test_a_folder_value_naming_a_file_is_one_line(tmp_path, monkeypatch, capsys,
     assert data.read_text() == "{}\n"
 
 
+@pytest.mark.parametrize("key", ["output_dir", "hydra.run.dir"])
+def test_a_folder_nothing_can_be_written_in_is_one_line(monkeypatch, capsys, key):
+    """A run folder where no file can be made (no permission, a read-only or special
+    filesystem) was Hydra's mkdir traceback; now one line, before anything loads."""
+    monkeypatch.setattr(app, "train_measure_serve", _never)
+    assert _main(monkeypatch, "target=tiny_random", f"{key}=/proc/specdraft/run") == 2
+    assert _one_line(capsys.readouterr().err) == (
+        f"error: {key}=/proc/specdraft/run: nothing can be written in /proc "
+        "(No such file or directory)"
+    )
+
+
 @pytest.mark.parametrize(
     "args,said",
     [

@@ -62,6 +62,18 @@ def test_an_out_under_a_file_is_one_line(tmp_path, data_file):
     assert blocker.read_text() == "keep\n"
 
 
+def test_an_out_nothing_can_be_written_in_is_one_line(data_file):
+    """``out=`` in a folder that takes no file failed with a traceback after the target and
+    the data were loaded; now one line before either is."""
+    r = run_module(
+        "flow.regenerate", ["target=tiny_random", f"data.path={data_file}", "out=/proc/x.jsonl"]
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: out=/proc/x.jsonl: nothing can be written in /proc (No such file or directory)"
+    ]
+
+
 def _write(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
