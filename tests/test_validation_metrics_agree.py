@@ -461,3 +461,37 @@ def test_validation_metrics_count_what_the_proposer_drafts(name, target4):
         CASES[name](target4)
     agreed, count = (sum(c[i] for c in COMPARED) for i in (0, 1))
     assert 0 < agreed < count, f"degenerate agreement {agreed}/{count}: nothing compared"
+
+
+def test_distillspec_accept_T1_is_its_proposers_acceptance_at_T1():
+    """``accept_T1``, DistillSpec's estimate of the acceptance at T = 1, is sum_x min(p, q)
+    over the counted positions of ``accept_T0`` with q the distribution the proposer samples
+    its first draft token from at T = 1 (as the decoder gets it) and p the target's there."""
+    from models.distillspec import DistillSpecStudent
+    from models.distillspec.config import DistillSpecConfig
+
+    target = fresh_target()
+    with torch.no_grad():  # softer distributions than the near point masses of its random head,
+        target.lm_head.weight.mul_(0.1)  # so that sum_x min(p, q) is neither 0 nor 1
+    torch.manual_seed(0)
+    student = lively(DistillSpecStudent(target, DistillSpecConfig(num_layers=1)), 0.05)
+    batch, _, lengths = greedy_batch(target, student.feature_layers)
+    with torch.no_grad():
+        got = student.evaluate(batch)["accept_T1"].tolist()
+    ok = (batch["loss_mask"].bool() & batch["attention_mask"].bool()).tolist()
+    total, count = 0.0, 0
+    for b, L in enumerate(lengths):
+        row = batch["input_ids"][b, :L]
+        for n in range(2, L + 1):
+            if not oks(ok[b], [n]):
+                continue
+            state = DecodeState(row[:n].tolist(), None, Sampling(temperature=1.0), None, "cpu")
+            prop = student.proposer(None)
+            with torch.no_grad():
+                prop.start(state)
+                q = prop.propose(state, 1).q[0].float()
+                p = target.model(input_ids=row[None, :n]).logits[0, -1].float().softmax(-1)
+            total += float(torch.minimum(p, q[: p.shape[-1]]).sum())
+            count += 1
+    assert count == round(got[1]) and 0 < total < count
+    assert got[0] == pytest.approx(total, rel=1e-4), f"accept_T1 {got[0]}, recounted {total}"
