@@ -229,6 +229,20 @@ def _head_proposer(head, tree: DecodeSettings, desc: str):
     return prop, f"{desc}, static tree ({len(prop.tree)} nodes, depth {prop.tree_depth})"
 
 
+def check_draft_folder(spec: str) -> None:
+    """``DraftError`` where ``draft=`` names a folder (not a shipped name, a drafter's name
+    or a hub id) that is not there: said before the target loads, not after."""
+    from models.shipped import shipped_draft
+    from models.target import looks_like_a_path
+
+    if (
+        shipped_draft(spec) is None
+        and looks_like_a_path(spec)
+        and not Path(spec).expanduser().exists()
+    ):
+        raise DraftError(f"draft={spec}: no such folder")
+
+
 def _hf_draft(spec: str, target: Target):
     import difflib
 

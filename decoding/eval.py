@@ -39,6 +39,7 @@ from .decoder import NoDraft, SpeculativeDecoder
 from .disco import load_stop_rule, write_traces
 from .drafts import (
     DECODE_KEYS,
+    check_draft_folder,
     draft_model_of,
     load_proposer,
     machine_kind,
@@ -662,6 +663,7 @@ def _main(cfg: DictConfig) -> None:
     given = {o.split("=")[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
     notice = "stopping after this prompt, with a report on the prompts finished (again: at once)"
     try:
+        check_draft_folder(str(cfg.draft))
         path, png = report_paths(cfg)
         for line in replaced_outputs(cfg):
             print(line)

@@ -347,3 +347,24 @@ def test_a_report_that_cannot_be_written_after_the_run_keeps_its_figures(
         f"error: could not write {png} (No space left on device); the run's figures are the "
         "table above"
     )
+
+
+def test_a_draft_folder_that_is_not_there_is_said_before_the_target_loads(
+    tmp_path, monkeypatch, capsys
+):
+    """``draft=<a path>`` that is not there was said after the target had loaded (seconds
+    for a real one, minutes for a large one): now before anything is evaluated."""
+    import os
+    import sys
+
+    import decoding.eval as ev
+
+    monkeypatch.setattr(ev, "evaluate", lambda cfg: pytest.fail("it loaded and evaluated"))
+    for draft in ("/nonexistent/run", "./no-such-run", "~/no-such-run/final"):
+        monkeypatch.setattr(sys, "argv", ["specdraft-eval", f"draft={draft}"])
+        with pytest.raises(SystemExit) as stop:
+            ev.main()
+        assert stop.value.code == 2
+        said = capsys.readouterr().err.strip().splitlines()
+        named = os.path.expanduser(draft)  # the command line's ~ is the home folder
+        assert said[-1] == f"error: draft={named}: no such folder", said
