@@ -303,6 +303,9 @@ def sweep_into_output_dir(argv: list[str]) -> tuple[list[str], str | None]:
 
 #: the keys that name a folder the command writes to
 _FOLDER_KEYS = ("output_dir", "hydra.run.dir", "hydra.sweep.dir")
+#: Hydra's flags that print and exit without a run (nothing is written)
+_NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version"}
+_NO_RUN_FLAGS |= {"--shell-completion", "-sc"}
 
 
 def last_value(argv: list[str], key: str) -> str | None:
@@ -318,7 +321,8 @@ def is_sweep(argv: list[str]) -> bool:
 
 def check_folders_and_method(argv: list[str]) -> str | None:
     """A one-line message for a folder key given an empty value (``output_dir=$OUT`` with
-    ``OUT`` unset: the run wrote into the current folder) or a file's path, or for
+    ``OUT`` unset: the run wrote into the current folder), a file's path or a folder nothing
+    can be written in (the default ``runs/`` too, where none is named), or for
     ``method.name=`` (the method is chosen by its group; another name on a method's settings
     failed deep in training), or None."""
     from models.base import unwritable
@@ -340,6 +344,16 @@ def check_folders_and_method(argv: list[str]) -> str | None:
                 f"{arg}: the method is chosen by its group: method={choice} (method.name is "
                 "the chosen method's own)"
             )
+    named = {a.lstrip("+~").partition("=")[0] for a in argv if "=" in a}
+    runs = not set(argv) & _NO_RUN_FLAGS
+    if runs and not named & set(_FOLDER_KEYS):  # the default folders, under the current one
+        for default in ("runs", "multirun") if is_sweep(argv) else ("runs",):
+            why = unwritable(Path.cwd() / default)
+            if why is not None:
+                return (
+                    f"the run's folder goes under {default}/ by default: {why}; name one with "
+                    "output_dir=..."
+                )
     return None
 
 

@@ -211,6 +211,22 @@ def test_a_sweep_stopped_by_a_signal_leaves_the_summary_of_the_jobs_it_ran(
 # -- train.eval_after ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_a_current_folder_nothing_can_be_written_in_is_one_line(monkeypatch, capsys, sweep):
+    """No folder named, the run goes under ``runs/`` of the current folder: one that takes no
+    file was Hydra's mkdir traceback."""
+    monkeypatch.setattr(app, "train_measure_serve", _never)
+    monkeypatch.chdir("/proc")
+    flag = ["-m"] if sweep else []
+    assert _main(monkeypatch, *flag, "target=tiny_random") == 2
+    assert _one_line(capsys.readouterr().err) == (
+        "error: the run's folder goes under runs/ by default: nothing can be written in /proc "
+        "(No such file or directory); name one with output_dir=..."
+    )
+    assert _main(monkeypatch, "--help") == 0  # help writes nothing: it works there
+    assert "usage: specdraft-train" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "args,said",
     [
