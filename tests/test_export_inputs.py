@@ -32,7 +32,7 @@ def target():
 def saved(target, tmp_path_factory) -> Path:
     """A saved EAGLE-3 draft folder (what a run's final/ holds)."""
     where = tmp_path_factory.mktemp("saved") / "final"
-    every_third_eagle3(target, noise=0.0).save_draft(where)
+    eagle3(target).save_draft(where)
     return where
 
 
@@ -51,6 +51,11 @@ def quiet(*_):
 
 
 # ------------------------------------------------------------------------------ specdraft-export
+
+
+def eagle3(target):
+    """The exports' EAGLE-3 head (every third token drafted), its weights as initialised."""
+    return every_third_eagle3(target, noise=0.0)
 
 
 def test_tilde_in_the_draft_and_out_is_the_home_folder(saved, tmp_path, monkeypatch, capsys):
@@ -157,11 +162,11 @@ def test_force_keeps_files_put_in_an_earlier_export(target, tmp_path):
     """--force replaces an earlier export, not the files put in its folder since (the target's
     GGUF beside the draft's, notes): those are named and kept."""
     out = tmp_path / "e"
-    export(every_third_eagle3(target, noise=0.0), "vllm", out, dtype="float32", log=quiet)
+    export(eagle3(target), "vllm", out, dtype="float32", log=quiet)
     (out / "target.gguf").write_bytes(b"the user's file")
     with pytest.raises(ExportError, match=r"earlier export with files it did not write \(target"):
         export(
-            every_third_eagle3(target, noise=0.0),
+            eagle3(target),
             "vllm",
             out,
             dtype="float32",
@@ -171,7 +176,7 @@ def test_force_keeps_files_put_in_an_earlier_export(target, tmp_path):
     assert (out / "target.gguf").read_bytes() == b"the user's file"
     (out / "target.gguf").unlink()
     export(
-        every_third_eagle3(target, noise=0.0),
+        eagle3(target),
         "speculators",
         out,
         dtype="float32",
@@ -188,7 +193,7 @@ def test_an_earlier_export_that_cannot_be_deleted_whole_is_replaced_whole(
     that could not be deleted left half of it and no new export. The earlier export is moved
     aside first now; the new one lands whole."""
     out = tmp_path / "e"
-    export(every_third_eagle3(target, noise=0.0), "vllm", out, dtype="float32", log=quiet)
+    export(eagle3(target), "vllm", out, dtype="float32", log=quiet)
     readme = out / "README.md"
     readme.write_text(readme.read_text() + "\n<!-- kept by the file system -->\n")
     real = shutil.rmtree
@@ -206,7 +211,7 @@ def test_an_earlier_export_that_cannot_be_deleted_whole_is_replaced_whole(
 
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     export(
-        every_third_eagle3(target, noise=0.0),
+        eagle3(target),
         "speculators",
         out,
         dtype="float32",
