@@ -130,6 +130,7 @@ class _Run:
     t_start: float = 0.0  # this iteration's drafter reading (prefill), in seconds
     on_done: object = None  # a data generator's hook (``run``): finished replies go there
     longest: int = 0  # tokens (and 8 spare) the caches hold for one request
+    firsts: int = 0  # this iteration: rows that took their first token (the prefill's)
 
 
 class BatchDecoder:
@@ -450,7 +451,10 @@ class BatchDecoder:
         drafting seconds (a drafter's reading of newcomers counted as prefill instead) and
         the draft steps' own timings."""
         rows, st = run.rows, self.stats
-        limits = [r.budget - len(r.new) - 1 for r in rows]
+        # a request's first token is the prefill's (as engines start a request): nothing is
+        # drafted for it; drafting starts from the second, after a reply token (where heads
+        # that read the target's features were trained)
+        limits = [r.budget - len(r.new) - 1 if r.new else 0 for r in rows]
         props: list[Proposal] = []
         run.t_start = 0.0
         t = time.perf_counter()
@@ -548,8 +552,11 @@ class BatchDecoder:
         if on_device is None:
             on_device = logits.is_cuda
         outcomes = accept_rows(rule, props, logits, gens, on_device)
+        # rows taking their first token (nothing drafted: ``_draft``): the prefill's, booked
+        # as prefill, not as a verification (``Stats.first_tokens``)
+        run.firsts = sum(not r.new for r in rows)
         if on_device and samples_on_device(rule, props):
-            st.rows.sampled_on_device += len(rows)
+            st.rows.sampled_on_device += len(rows) - run.firsts
         keeps: list[list[int]] = []
         finished: list[int] = []
         it_tested = it_accepted = 0
@@ -557,6 +564,7 @@ class BatchDecoder:
         for b, (r, p) in enumerate(zip(rows, props, strict=True)):
             got = outcomes[b]
             verdict = got.verdict
+            first = not r.new
             path = verdict.path
             keep = [0] + [i + 1 for i in path]
             keeps.append(keep)
@@ -590,7 +598,7 @@ class BatchDecoder:
                         "drafted": len(p),
                     }
                 )
-            tested = count_iteration(st.rows, p, counted, ended=over)
+            tested = 0 if first else count_iteration(st.rows, p, counted, ended=over)
             it_tested += tested
             it_accepted += len(counted)
             # a tree proposer's every tree counts as one, a chain-shaped one too (a tree
@@ -611,7 +619,7 @@ class BatchDecoder:
             if step is not None and len(p):
                 st.rows.step_seconds_sum += step
                 st.rows.step_samples += 1
-            if r.controller is not None:
+            if r.controller is not None and not first:
                 # an iteration that carried a side branch cost more than a plain step even
                 # with nothing drafted: a controller must not book it as plain decoding
                 g_used = len(p) if r.side is None else max(1, len(p))
@@ -655,8 +663,11 @@ class BatchDecoder:
             )
             if self.tree and n > 1:
                 self.goodput.saw_tree(n - 1)
-        st.rows.t_target += t_verify
-        st.rows.t_draft += t_draft
+        if R == run.firsts == 1:  # batch 1, the request's first token: the prefill's forward
+            st.rows.t_prefill += t_verify + t_draft
+        else:
+            st.rows.t_target += t_verify
+            st.rows.t_draft += t_draft
         st.forwards += 1
         st.drain_forwards += not run.queue
         st.row_slots += R
@@ -679,6 +690,7 @@ class BatchDecoder:
                 if self.record_logits:
                     self.logits[r.key] = r.step_logits[: len(out_tokens)]
                 st.rows.new_tokens += len(out_tokens)
+                st.rows.first_tokens += bool(out_tokens)
                 if self.bp is None:
                     st.rows.draft_calls += r.proposer.draft_calls - r.calls0
                 st.requests.append((len(out_tokens), now - r.t_admit))

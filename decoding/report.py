@@ -165,9 +165,10 @@ def speedup_bound(spec: Stats, ar: Stats) -> float:
 
 
 def decode_rate(s: Stats) -> float:
-    """Tokens per second after the prefill (the prompt's forward and a draft's own)."""
+    """Tokens per second after the prefill (the prompt's forwards, the first token's included,
+    and a draft's own), as vLLM's from a request's first token to its last."""
     t = s.t_total - s.t_prefill
-    return s.new_tokens / t if t > 0 else float("nan")
+    return s.decoded_tokens / t if t > 0 else float("nan")
 
 
 def print_report(r: dict[str, Any], out=print) -> None:

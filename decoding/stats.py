@@ -33,6 +33,9 @@ class Stats:
     draft_steps: int = 0  # sequential draft steps: a proposal's depth, summed over iterations
     tree_iterations: int = 0  # iterations whose proposal was a tree (not a chain)
     new_tokens: int = 0
+    # of which a request's first: the prompt's prefill chooses it, as in vLLM, SGLang and
+    # llama.cpp, and nothing is drafted for it (its forward is timed as prefill, at batch 1)
+    first_tokens: int = 0
     t_target: float = 0.0  # seconds in verification forwards
     t_prefill: float = 0.0
     t_draft_start: float = 0.0  # the part of t_prefill that is the drafter's start
@@ -71,6 +74,7 @@ class Stats:
             "draft_steps",
             "tree_iterations",
             "new_tokens",
+            "first_tokens",
             "t_target",
             "t_prefill",
             "t_draft_start",
@@ -86,8 +90,17 @@ class Stats:
             setattr(self, k, getattr(self, k) + getattr(o, k))
 
     @property
+    def decoded_tokens(self) -> int:
+        """The tokens verification forwards emitted: every new token but each request's first
+        (the prefill's)."""
+        return self.new_tokens - self.first_tokens
+
+    @property
     def tau(self) -> float:
-        return self.new_tokens / self.target_calls if self.target_calls else float("nan")
+        """Tokens emitted per verification forward, as engines count it (vLLM's mean
+        acceptance length): each request's first token, the prefill's, and its forward left
+        out."""
+        return self.decoded_tokens / self.target_calls if self.target_calls else float("nan")
 
     @property
     def alpha(self) -> float:

@@ -263,33 +263,40 @@ def sampling_where(request, monkeypatch):
 
 
 def assert_first_two_tokens_follow_the_target(target, dec, prompt, s, gen=2, n=2500):
-    """Chi-square test (false-alarm rate 1e-3) that the first two of ``gen`` tokens that
-    ``dec`` generates after ``prompt`` follow the target's warped distribution ``s``, over a
-    10-token vocabulary; generating more than two lets the first iteration draft up to
-    ``gen - 1`` tokens."""
-    pairs = [tuple(dec.generate(prompt, gen)[:2]) for _ in range(n)]
+    """Chi-square test (false-alarm rate 1e-3) that the two tokens after a request's first
+    (the prefill's, which nothing drafts) follow the target's warped distribution ``s``, over a
+    10-token vocabulary: ``dec`` generates 1 + ``gen`` tokens, so its first verification may
+    draft up to ``gen - 1`` tokens; the pair's distribution is the target's, summed over the
+    first token."""
+    pairs = [tuple(dec.generate(prompt, 1 + gen)[1:3]) for _ in range(n)]
     assert_pairs_follow_the_target(target, prompt, s, pairs)
 
 
 def assert_pairs_follow_the_target(target, prompt, s, pairs, what=""):
-    """Chi-square test (false-alarm rate 1e-3) that sampled (first, second) token pairs after
-    ``prompt`` follow the target's warped distribution ``s`` over a 10-token vocabulary."""
+    """Chi-square test (false-alarm rate 1e-3) that sampled (second, third) tokens after
+    ``prompt`` follow the target's warped distribution ``s`` over a 10-token vocabulary (the
+    first token summed out: it is the prefill's, and sampled as plain decoding samples)."""
     from scipy.stats import chisquare
 
     from models.sampling import warp
 
     dev = target.device
+
+    def dist(seq):
+        return warp(target.model(torch.tensor([seq], device=dev)).logits[0, -1], s).double().cpu()
+
+    expected = torch.zeros(100, dtype=torch.float64)
     with torch.no_grad():
-        p1 = warp(target.model(torch.tensor([prompt], device=dev)).logits[0, -1], s).cpu()
-        p2 = torch.stack(
-            [
-                warp(target.model(torch.tensor([prompt + [x]], device=dev)).logits[0, -1], s)
-                for x in range(10)
-            ]
-        ).cpu()
-    expected = (p1[:, None] * p2).flatten()
+        p1 = dist(prompt)
+        for x in range(10):
+            if p1[x] == 0:
+                continue
+            p2 = dist(prompt + [x])
+            p3 = torch.stack([dist(prompt + [x, y]) for y in range(10)])
+            expected += p1[x] * (p2[:, None] * p3).flatten()
+    expected /= expected.sum()  # float32 distributions: their sum is 1 to ~1e-7
     n = len(pairs)
-    counts = torch.zeros(100)
+    counts = torch.zeros(100, dtype=torch.float64)
     for a, b in pairs:
         counts[a * 10 + b] += 1
     e = expected * n

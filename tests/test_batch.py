@@ -420,7 +420,8 @@ def test_breaking_the_ragged_rollback_is_caught(small_vocab_pair, monkeypatch, c
 def test_sampling_follows_the_target_in_every_row(small_vocab_pair, sampling_where):
     """T = 1, B = 4: requests of three different prompts share batches in every mix (rows of
     different lengths, each accepting its own); for each prompt, a chi-square test
-    (false-alarm rate 1e-3 each) that the first two tokens follow the target's distribution."""
+    (false-alarm rate 1e-3 each) that the two tokens after the first (the prefill's) follow
+    the target's distribution."""
     from conftest import assert_pairs_follow_the_target
 
     target, draft = small_vocab_pair
@@ -429,10 +430,10 @@ def test_sampling_follows_the_target_in_every_row(small_vocab_pair, sampling_whe
     n = 700
     reqs = [GenRequest((j, i), prompts[j], seed=1000 * j + i) for i in range(n) for j in range(3)]
     dec = BatchDecoder(target, DraftLMProposer(draft), s, batch_size=4, gamma=3)
-    out = dec.run(reqs, 3)
+    out = dec.run(reqs, 4)
     assert dec.stats.rows.alpha < 0.95  # the draft differs: rejections happen, rows go ragged
     for j, p in enumerate(prompts):
-        pairs = [tuple(out[(j, i)][:2]) for i in range(n)]
+        pairs = [tuple(out[(j, i)][1:3]) for i in range(n)]
         assert_pairs_follow_the_target(target, p, s, pairs, f"prompt {j}")
 
 
@@ -1146,20 +1147,22 @@ def test_batched_streaming_drafts_copy_their_row_of_the_prefill(
     tiny_target, reference, monkeypatch
 ):
     """A window longer than every context: the batched streaming draft, starting each row from
-    its own columns of the batch's left-padded prefill (no prefill of its own), reads exactly
-    the target's cache, so at T = 0 it accepts every drafted token; a view of the wrong row or
-    columns would not."""
+    its own columns of the batch's left-padded prefill (feeding only the token after them),
+    reads exactly the target's cache, so at T = 0 it accepts every drafted token; a view of the
+    wrong row or columns would not."""
     from decoding.streaming import BatchedStreamingDraft, StreamingDraft
 
     given = []
     start = BatchedStreamingDraft._start_rows
 
     def spy(self, states):
-        calls = self.draft_calls
-        out = start(self, states)
-        fed = self.draft_calls > calls  # the rows joined before decoding: nothing to feed
-        given.extend((s.prefill_cache is not None or len(s.ids) == 1) and not fed for s in states)
-        return out
+        # each row joins after its first token (the prefill's): the batch's prefill covers
+        # all of its sequence but the prompt's last token, the one left to feed
+        given.extend(
+            len(s.ids) - 1 - (s.prefill_cache.get_seq_length() if s.prefill_cache else 0) == 1
+            for s in states
+        )
+        return start(self, states)
 
     monkeypatch.setattr(BatchedStreamingDraft, "_start_rows", spy)
     out, st = _run(tiny_target, StreamingDraft(tiny_target, sinks=2, window=4096), gamma=3)

@@ -69,6 +69,72 @@ def test_greedy_speculative_equals_greedy_autoregressive(tiny_target, name, adap
     assert dec.generate(PROMPT[:7], 20) == ar_greedy(tiny_target, PROMPT[:7], 20, runner)
 
 
+@pytest.fixture(scope="module")
+def varied_target():
+    """A tiny Llama-3-shaped target (untied output layer) whose greedy text varies: the
+    default tiny target repeats its last token, which every draft here guesses after the
+    first, so its speculative runs reject nothing."""
+    from conftest import family_target
+
+    return family_target("llama3")
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("name", ["ngram", "draft_lm", "truncate:1", "eagle", "lookahead"])
+def test_greedy_speculative_equals_greedy_autoregressive_with_rejections(
+    varied_target, name, runner
+):
+    """As above, on a target whose drafts are rejected: every rollback path runs."""
+    prompt = [100, 3, 77, 12]
+    ref = ar_greedy(varied_target, prompt, 40, runner)
+    assert len(set(ref)) > 10  # the text varies
+    dec = SpeculativeDecoder(
+        varied_target,
+        proposers(varied_target)[name],
+        Sampling(),
+        gamma=4,
+        adaptive=False,
+        compile=COMPILE[runner],
+    )
+    assert dec.generate(prompt, 40) == ref
+    s = dec.stats
+    assert sum(s.tested.values()) > sum(s.accepted.values()), "nothing was rejected"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "goodput"])
+def test_a_request_starts_as_engines_start_it(tiny_target, batch, policy):
+    """The prefill chooses a request's first token and nothing drafts it (vLLM, SGLang and
+    llama.cpp start so): the proposer is first asked once a reply token exists, the first
+    token is counted apart (``first_tokens``) and is no verification, and tau counts the rest."""
+    from decoding.batch import BatchDecoder
+    from models.target import GenRequest
+
+    asked = []
+
+    class Spy(DraftLMProposer):
+        def propose(self, state, gamma):
+            asked.append(len(state.ids) - len(prompts[0]))  # reply tokens so far
+            return super().propose(state, gamma)
+
+        def fresh(self):
+            return Spy(self.model)
+
+        def batched(self):
+            return None
+
+    prompts = [PROMPT[:12], PROMPT[2:14], PROMPT[5:17]]  # of one length: ``asked`` reads it
+    spy = Spy(tiny_target.model)
+    dec = BatchDecoder(tiny_target, spy, Sampling(), batch, gamma=3, policy=policy, calibrate=False)
+    out = dec.run([GenRequest(i, prompts[i]) for i in range(3)], 9)
+    s = dec.stats.rows
+    assert asked and min(asked) == 1, asked
+    assert s.first_tokens == 3 and s.new_tokens == sum(len(o) for o in out.values()) == 27
+    assert s.alpha == 1.0 and s.tau == s.decoded_tokens / s.target_calls
+    if policy == "fixed":  # the draft is the target: 8 tokens after the first, 4 + 4
+        assert s.target_calls == 6 and s.tau == 4.0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_identical_to_target_accepts_everything(tiny_target, temperature):
     dec = SpeculativeDecoder(
@@ -78,9 +144,10 @@ def test_draft_identical_to_target_accepts_everything(tiny_target, temperature):
         gamma=3,
         adaptive=False,
     )
-    dec.generate(PROMPT, 4 * 10)
+    dec.generate(PROMPT, 1 + 4 * 10)  # the prefill's first token, then 10 verifications
     s = dec.stats
     assert s.alpha == 1.0 and s.tau == 4.0 and s.target_calls == 10
+    assert s.new_tokens == 41 and s.first_tokens == 1
     assert s.alpha_per_position() == [1.0, 1.0, 1.0]
 
 
@@ -116,8 +183,9 @@ def test_adaptive_gamma_stops_drafting_with_a_useless_draft(tiny_target):
     assert dec.stats.gamma_used[0] > 0.7 * dec.stats.target_calls
     fixed = SpeculativeDecoder(tiny_target, Wrong(), Sampling(), gamma=4, adaptive=False)
     fixed.generate(PROMPT, 20)
-    # gamma is fixed but never drafts past max_new_tokens (each iteration here emits 1 token)
-    assert fixed.stats.gamma_used == {4: 16, 3: 1, 2: 1, 1: 1, 0: 1}
+    # gamma is fixed but never drafts past max_new_tokens (each iteration here emits 1 token;
+    # the first token is the prefill's, drafted for by no one)
+    assert fixed.stats.gamma_used == {4: 15, 3: 1, 2: 1, 1: 1, 0: 1}
 
 
 class OracleTree(Proposer):
@@ -161,7 +229,7 @@ class OracleTree(Proposer):
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_tree_verification_keeps_the_accepted_path(tiny_target, runner):
-    ref = ar_greedy(tiny_target, PROMPT, 40, runner)
+    ref = ar_greedy(tiny_target, PROMPT, 41, runner)
     dec = SpeculativeDecoder(
         tiny_target,
         OracleTree(ref, len(PROMPT)),
@@ -170,7 +238,7 @@ def test_tree_verification_keeps_the_accepted_path(tiny_target, runner):
         adaptive=False,
         compile=COMPILE[runner],
     )
-    assert dec.generate(PROMPT, 40) == ref
+    assert dec.generate(PROMPT, 41) == ref  # the prefill's token, then 10 trees
     assert dec.stats.tau == 4.0  # every level's right token is in the tree
 
 
@@ -345,25 +413,33 @@ def test_out_of_range_sampling_settings_are_refused(kwargs, needle):
         Sampling(**kwargs)
 
 
-def test_lenience_accepts_more_and_says_how_far_it_moves(tiny_target):
+def test_lenience_accepts_more_and_says_how_far_it_moves(small_vocab_pair):
     """lenience < 1 (lossy): at T = 0 more drafted tokens are accepted than with exact
     verification and the accepted ones that are not the target's argmax are counted; at T > 0
-    the per-token TVD from the target is measured. l = 1 is exact."""
-    draft = proposers(tiny_target)["truncate:1"]
+    the per-token TVD from the target is measured. l = 1 is exact. (The 10-token pair: a tiny
+    random target over the full vocabulary repeats its last token, which any draft guesses.)"""
+    target, other = small_vocab_pair
+    prompt = [1, 2, 3]
     runs = {}
-    for len_ in (1.0, 0.3):
+    for len_ in (1.0, 0.1):
         dec = SpeculativeDecoder(
-            tiny_target, draft, Sampling(), gamma=3, adaptive=False, lenience=len_
+            target, DraftLMProposer(other), Sampling(), gamma=3, adaptive=False, lenience=len_
         )
-        out = dec.generate(PROMPT, 48)
+        out = dec.generate(prompt, 48)
         runs[len_] = (out, dec.stats)
-    assert runs[1.0][0] == ar_greedy(tiny_target, PROMPT, 48) and runs[1.0][1].off_argmax == 0
-    exact, lenient = runs[1.0][1], runs[0.3][1]
+    assert runs[1.0][0] == ar_greedy(target, prompt, 48) and runs[1.0][1].off_argmax == 0
+    exact, lenient = runs[1.0][1], runs[0.1][1]
     assert lenient.alpha > exact.alpha and lenient.off_argmax > 0
     dec = SpeculativeDecoder(
-        tiny_target, draft, Sampling(1.0), gamma=3, adaptive=False, seed=1, lenience=0.3
+        target,
+        DraftLMProposer(other),
+        Sampling(1.0),
+        gamma=3,
+        adaptive=False,
+        seed=1,
+        lenience=0.3,
     )
-    dec.generate(PROMPT, 48)
+    dec.generate(prompt, 48)
     assert dec.stats.tvd_tokens == dec.stats.new_tokens and dec.stats.mean_tvd > 0
 
 

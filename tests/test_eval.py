@@ -304,12 +304,15 @@ def _eval_cfg(**over):
 def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypatch):
     """``lossless`` neither cries wolf nor hides a bug: an honest decoder is lossless in fp32
     (identical outputs) and in bf16 (any parting is a near-tie); a decoder that accepts the
-    draft's first token without checking it is caught as a real divergence in both."""
+    draft's first token without checking it is caught as a real divergence in both. (A
+    Llama-3-shaped tiny target: the default tiny one repeats its last token, which n-gram
+    lookup always guesses, so nothing would be rejected.)"""
     import decoding.verify as ver
     from decoding.eval import evaluate
     from decoding.verify import Verdict
 
-    honest = evaluate(_eval_cfg(draft="ngram", **{"target.dtype": dtype}, adaptive="false"))
+    varied = {"target.dtype": dtype, "target.family": "llama3"}
+    honest = evaluate(_eval_cfg(draft="ngram", **varied, adaptive="false"))
     assert honest["lossless"] is True
     assert honest["near_tie_tolerance"]["dtype"] == dtype
     if dtype == "float32":
@@ -324,7 +327,7 @@ def test_lossless_classifies_divergences_and_catches_a_real_bug(dtype, monkeypat
         return v
 
     monkeypatch.setattr(ver, "verify_greedy", accepts_first_draft_token)
-    buggy = evaluate(_eval_cfg(draft="ngram", **{"target.dtype": dtype}, adaptive="false"))
+    buggy = evaluate(_eval_cfg(draft="ngram", **varied, adaptive="false"))
     assert buggy["lossless"] is False
     assert buggy["divergences"] > buggy["near_tie_divergences"]
 

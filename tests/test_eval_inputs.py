@@ -292,11 +292,11 @@ def test_tokens_accepted_past_max_new_tokens_are_not_counted(tiny_target, batch)
     out = dec.run([GenRequest(i, prompts[i]) for i in range(batch)], 5)
     st = dec.stats.rows
     assert all(o == [198] * 5 for o in out.values()), out
-    # one iteration a request: 4 drafted tokens asked (budget 5 less the bonus), 6 drafted,
-    # the first 5 emitted and counted
+    # the prefill's token, then one verification a request: 3 drafted tokens asked (budget 5
+    # less the first token and the bonus), 5 drafted, the first 4 emitted and counted
     assert st.target_calls == batch and st.new_tokens == 5 * batch
-    assert st.alpha_per_position() == [1.0] * 5
-    assert dict(st.accept_len) == {5: batch} and st.tau == 5.0
+    assert st.alpha_per_position() == [1.0] * 4
+    assert dict(st.accept_len) == {4: batch} and st.tau == 4.0
 
 
 def test_the_questions_are_read_once_unless_the_file_changed(tmp_path, monkeypatch):

@@ -137,5 +137,6 @@ def test_lookahead_drafts_every_iteration_even_with_adaptive_on(tiny_target):
     side = la.side_branch
     la.side_branch = lambda state: windows.append(1) or side(state)
     assert len(dec.generate(PROMPT, 30)) == 30
-    # every iteration but the last (one token left: nothing to draft) carried the window
-    assert len(windows) >= dec.stats.target_calls - 1 > 10
+    # every verification but the last (one token left: nothing to draft) carried the window
+    # (the request's first token, the prefill's, drafts nothing and is no verification)
+    assert len(windows) >= dec.stats.target_calls - 1 >= 10
