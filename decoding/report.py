@@ -18,7 +18,9 @@ from .stats import Stats, predicted_speedup
 
 CONVENTION = (
     "tau = tokens emitted per target verification forward, counting the corrected/bonus token "
-    "(plain decoding has tau = 1; the prompt's prefill forward is not counted). alpha = accepted "
+    "(plain decoding has tau = 1); a request's first token is the prompt's prefill's, drafted by "
+    "no one, and it and its forward are not counted (as vLLM's mean acceptance length). "
+    "alpha = accepted "
     "draft tokens / tested draft tokens, a draft token at position k being tested when positions "
     "1..k-1 were accepted (the per-token acceptance probability of the speedup formula); "
     "alpha_per_position[k-1] = P(position k accepted | positions 1..k-1 accepted). "
