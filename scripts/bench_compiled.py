@@ -94,7 +94,7 @@ def plain_rates(target, modes, tokens: int, reps: int) -> dict[str, float]:
         for m, d in decs.items():
             d.generate(p, tokens)
             s = d.last
-            runs[m].append(s.new_tokens / (s.t_total - s.t_prefill))
+            runs[m].append(s.decoded_tokens / (s.t_total - s.t_prefill))  # after the first
     return {f"compile={m} ({d.runner.kind})": statistics.median(runs[m]) for m, d in decs.items()}
 
 
