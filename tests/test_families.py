@@ -296,7 +296,9 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
     """vLLM loads the tiny target (heads 64 wide, what its CPU attention takes) and our
     EAGLE-3 export, and decodes: its speculative output is the target's greedy output (up to
     the first end of reply, where vLLM stops) and its acceptance per position is ours within
-    0.1. Where vLLM does not serve EAGLE-3 for the architecture, its own message is pinned."""
+    0.03 (both draft from a request's second token; counting a first proposal, as the built-in
+    decoder once did, moved it by 0.06 where acceptance is high). Where vLLM does not serve
+    EAGLE-3 for the architecture, its own message is pinned."""
     from decoding.decoder import SpeculativeDecoder
     from decoding.engines.base import EngineError
     from decoding.engines.vllm_eval import VLLMWorker, speculative_config
@@ -333,7 +335,7 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
     ]
     s = dec.stats
     ours = [s.accepted[k + 1] / max(s.drafted[k + 1], 1) for k in range(3)]
-    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.1, (theirs, ours)
+    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
     record(
         family,
         "eagle3",
@@ -369,7 +371,7 @@ LLAMA_CPP = {
 def test_llama_cpp_serves_our_eagle3_gguf_for_each_family_it_supports(family, tmp_path):
     """llama.cpp's converter turns the tiny target into the GGUF its server loads, our EAGLE-3
     GGUF goes beside it, and the server decodes: its speculative output is its plain one, and
-    its acceptance per position is ours within 0.1 over the tokens where its output is the
+    its acceptance per position is ours within 0.03 over the tokens where its output is the
     target's greedy one (at least a quarter of them). Where llama.cpp cannot serve the pair,
     the line that says so is pinned."""
     from decoding.decoder import SpeculativeDecoder
@@ -435,7 +437,7 @@ def test_llama_cpp_serves_our_eagle3_gguf_for_each_family_it_supports(family, tm
         sum(a >= k for a, _ in steps) / max(sum(d >= k for _, d in steps), 1) for k in (1, 2, 3)
     ]
     mine_acc = [s.accepted[k] / max(s.drafted[k], 1) for k in (1, 2, 3)]
-    assert max(abs(a - b) for a, b in zip(theirs, mine_acc, strict=True)) <= 0.1, (
+    assert max(abs(a - b) for a, b in zip(theirs, mine_acc, strict=True)) <= 0.03, (
         theirs,
         mine_acc,
     )
