@@ -305,7 +305,7 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
 ):
     """Exported, loaded by vLLM, decoding: its speculative outputs are its plain greedy ones
     (fp32), and its acceptance per position is the built-in decoder's on the same prompts
-    with the same export read back (within 0.1: a few dozen drafts). Both start a request
+    with the same export read back (within 0.03). Both start a request
     alike (the prefill chooses the first token, drafting starts from the second), so drafters
     that draft every step verify as often in both: one step per draft in vLLM, one
     verification forward in ours."""
@@ -336,7 +336,7 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
     s = dec.stats
     # per position, as vLLM counts: accepted there over the drafts that reached it
     ours = [s.accepted[k + 1] / s.drafted[k + 1] for k in range(3)]
-    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.1, (theirs, ours)
+    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
     if not fmt.startswith("medusa"):  # vLLM's Medusa skips drafting in some steps
         assert s.target_calls == drafts and s.decoded_tokens == sum(len(r) - 1 for r in ref)
 
