@@ -51,20 +51,25 @@ def test_plain_decoding_equals_transformers_generate(tiny_target):
     assert ours == ref
 
 
+def speculative_run(target, name, runner, adaptive=False):
+    """A speculative decoder of ``target`` with proposer ``name`` (gamma 4) on ``runner``."""
+    return SpeculativeDecoder(
+        target,
+        proposers(target)[name],
+        Sampling(),
+        gamma=4,
+        adaptive=adaptive,
+        compile=COMPILE[runner],
+    )
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("name", ["ngram", "draft_lm", "truncate:1", "eagle", "self", "lookahead"])
 def test_greedy_speculative_equals_greedy_autoregressive(tiny_target, name, adaptive, runner):
     torch.manual_seed(0)
     ref = ar_greedy(tiny_target, PROMPT, 48, runner)
-    dec = SpeculativeDecoder(
-        tiny_target,
-        proposers(tiny_target)[name],
-        Sampling(),
-        gamma=4,
-        adaptive=adaptive,
-        compile=COMPILE[runner],
-    )
+    dec = speculative_run(tiny_target, name, runner, adaptive)
     assert dec.generate(PROMPT, 48) == ref
     assert dec.generate(PROMPT[:7], 20) == ar_greedy(tiny_target, PROMPT[:7], 20, runner)
 
@@ -88,14 +93,7 @@ def test_greedy_speculative_equals_greedy_autoregressive_with_rejections(
     prompt = [100, 3, 77, 12]
     ref = ar_greedy(varied_target, prompt, 40, runner)
     assert len(set(ref)) > 10  # the text varies
-    dec = SpeculativeDecoder(
-        varied_target,
-        proposers(varied_target)[name],
-        Sampling(),
-        gamma=4,
-        adaptive=False,
-        compile=COMPILE[runner],
-    )
+    dec = speculative_run(varied_target, name, runner)
     assert dec.generate(prompt, 40) == ref
     s = dec.stats
     assert sum(s.tested.values()) > sum(s.accepted.values()), "nothing was rejected"
