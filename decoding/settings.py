@@ -172,11 +172,12 @@ class EvalConfig:
     # vLLM: the export layout a trained EAGLE-3/HASS draft is served in (vllm | speculators;
     # None: each method's default, decoding/engines/vllm_eval.py), vLLM's acceptance rule at T > 0
     # (greedy_draft: argmax drafts tested as one-hot, vLLM's default; exact: drafts sampled
-    # from q; block: block verification), its dtype (auto: the target's), and whether the
-    # built-in decoder runs the same prompts under the same rule beside it
+    # from q; block: block verification) and its dtype (auto: the target's)
     engine_format: str | None = None
     engine_rule: str = "greedy_draft"
     engine_dtype: str = "auto"
+    # vLLM and llama.cpp: whether the built-in decoder runs the same prompts with the same
+    # draft and rule beside the engine (llama.cpp: at T = 0, a model draft, p_min = 0)
     engine_compare: bool = True
     # vLLM: repair the build's known defects before loading, each found by a check and named in
     # the report (today one: the CPU build's expand kernel, which breaks acceptance at T > 0;
@@ -251,7 +252,7 @@ ENGINE_ONLY = {
     "engine_format": ("vllm",),
     "engine_rule": ("vllm",),
     "engine_dtype": ("vllm",),
-    "engine_compare": ("vllm",),
+    "engine_compare": ("vllm", "llama.cpp"),
     "engine_repair": ("vllm",),
     "engine_repack": ("llama.cpp",),
     "engine_ngram": ("llama.cpp",),

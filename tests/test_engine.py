@@ -376,6 +376,11 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
     assert rep["drafted"] > 0 and len(rep["alpha_per_position"]) == 2
     assert rep["costs"]["plain_ms_per_token"] > 0 and rep["predicted_speedup"] > 0
     assert "engine costs" in r.stdout
+    # the built-in decoder beside it: the same prompts, the draft the GGUF was written from
+    ours = rep["ours"]
+    assert len(ours["alpha_per_position"]) == 2 and ours["lossless"] is True
+    assert len(ours["difference_per_position"]) == 2
+    assert "built-in decoder, same prompts and draft" in r.stdout
     # a port in use is one line, and nothing is left running
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -395,6 +400,26 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
     assert srv.log_path.is_file()  # the error names the server's log: it is kept
     out = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True)
     assert out.stdout.strip() == "", "a llama-server was left running"
+
+
+@pytest.mark.parametrize(
+    "over,why",
+    [
+        ({"temperature": 1.0}, "at T > 0"),
+        ({"draft": "ngram"}, "n-gram lookup"),
+        ({"p_min": 0.2}, "p_min=0.2"),
+        ({"draft": "runs/x/draft.gguf"}, "a GGUF draft"),
+        ({}, None),
+    ],
+)
+def test_the_built_in_comparison_is_left_out_where_it_cannot_run_what_llama_cpp_ran(over, why):
+    from omegaconf import OmegaConf
+
+    from decoding.engines.llama_cpp_eval import _no_comparison
+
+    cfg = OmegaConf.create({"draft": "smollm2-eagle3", "temperature": 0.0, "p_min": 0.0, **over})
+    got = _no_comparison(cfg, cfg.temperature == 0, cfg.p_min)
+    assert (got is None) if why is None else (why in got), got
 
 
 @needs_engine

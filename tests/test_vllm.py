@@ -32,8 +32,7 @@ def test_the_engine_is_flagged_where_it_accepts_far_less_than_ours_predicts():
     """400 drafts of 3: an engine accepting 0.02 at position 1 where ours predicts 0.45 under
     the same rule is the engine's, and so is one that accepts position 1 but never position 2
     (what vLLM 0.32's CPU build does at T = 1); 0.43 is within the noise."""
-    from decoding.engines.base import EngineStats
-    from decoding.engines.vllm_eval import engine_flag
+    from decoding.engines.base import EngineStats, engine_flag
 
     def pooled(per_pos: list[int]) -> EngineStats:
         st = EngineStats()

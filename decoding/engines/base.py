@@ -12,6 +12,7 @@ report as the built-in decoder. An engine is one module of this package with an
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
@@ -366,3 +367,73 @@ def cpu_name() -> str:
         f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model "
         f"{info.get('model', '?')}, {bf16})"
     )
+
+
+def ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log, n_max: int) -> dict:
+    """The built-in decoder on the same prompts and settings, with the same draft (``readback``:
+    the export the engine loaded, read back, or the draft it was written from), a fixed chain
+    of the ``n_max`` tokens the engine drafted, under the rule it ran: its acceptance per
+    position beside the engine's (``specdraft-eval engine_compare=true``)."""
+    from omegaconf import OmegaConf
+
+    from ..eval import evaluate as evaluate_ours  # the evaluator imports this module
+
+    ours = OmegaConf.merge(
+        cfg,
+        {
+            "engine": "torch",
+            "draft": readback or "ngram",
+            "gamma": n_max,
+            "tree": "chain",
+            "adaptive": False,
+            "draft_weights": "full",  # the weights the engine serves (int8 moves acceptance)
+            "engine_compare": False,
+            "draft_sampling": "greedy" if rule in ("greedy_draft", "block") else "sample",
+            "acceptance": "block" if rule == "block" else "exact",
+            "lenience": 1.0,  # the engines' rules are exact (refused before they run)
+            "stop": "gamma",
+            "traces": None,
+        },
+    )
+    log("the built-in decoder on the same prompts and settings, for comparison")
+    r = evaluate_ours(ours)
+    theirs = pooled.alpha_per_position()
+    mine = r["alpha_per_position"] or []
+    return {
+        "tau": r["tau"],
+        "alpha": r["alpha"],
+        "alpha_per_position": mine,
+        "difference_per_position": [
+            (t - m) if t is not None and m is not None else None
+            for t, m in zip(theirs, mine, strict=False)
+        ],
+        "tokens_per_second": r["tokens_per_second"],
+        "ar_tokens_per_second": r["ar_tokens_per_second"],
+        "speedup": r["speedup"],
+        "lossless": r["lossless"],
+        "decoder": r.get("decoder"),
+        "draft_sampling": r.get("draft_sampling"),
+        "acceptance": r["acceptance"],
+    }
+
+
+def engine_flag(ours: dict, pooled: EngineStats) -> str | None:
+    """A line where the engine accepts far less than the built-in decoder predicts under the
+    engine's own rule at some draft position (more than 4 standard errors of the engine's own
+    tests there and 0.05 below), else None: an acceptance that low is the engine's, not the
+    draft's."""
+    theirs = pooled.alpha_per_position()
+    mine = ours.get("alpha_per_position") or []
+    for k, (t, m) in enumerate(zip(theirs, mine, strict=False)):
+        if t is None or m is None:
+            continue
+        n = sum(1 for a, d in pooled.steps if d > k and a >= k)  # the engine's tests there
+        se = math.sqrt(max(m * (1 - m), 1e-6) / max(n, 1))
+        if m - t > max(0.05, 4 * se):
+            return (
+                f"the engine accepts {t:.2f} at draft position {k + 1} where the built-in "
+                f"decoder predicts {m:.2f} under the same rule ({n} tests): the engine's "
+                "sampler, not the draft (docs/serving.md: the sample check, and the CPU "
+                "build's repaired defect)"
+            )
+    return None

@@ -41,7 +41,9 @@ from .base import (
     EngineError,
     EngineStats,
     context_needed,
+    engine_flag,
     lossless_note,
+    ours_beside,
     run_bench,
     where_and_when,
 )
@@ -245,7 +247,30 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
     )
     if not greedy:
         report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
+    why_not = _no_comparison(cfg, greedy, p_min)
+    if cfg.engine_compare and why_not is None:
+        ours = ours_beside(cfg, str(cfg.draft), "greedy", pooled, log, n_max)
+        report["ours"] = ours
+        report["engine_flag"] = engine_flag(ours, pooled)
+    elif cfg.engine_compare:
+        report["ours_left_out"] = why_not
+        log(f"the built-in decoder's comparison is left out: {why_not}")
     return report
+
+
+def _no_comparison(cfg, greedy: bool, p_min: float) -> str | None:
+    """Why the built-in decoder cannot run what the engine ran (None: it can): the same draft
+    as a fixed chain at T = 0."""
+    d = str(cfg.draft)
+    if not greedy:
+        return "at T > 0 llama.cpp samples by its own rule"
+    if d in ("ngram", "pld"):
+        return "llama.cpp's n-gram lookup is its own"
+    if p_min > 0:
+        return f"p_min={p_min}: llama.cpp's confidence stop is not a fixed chain"
+    if d.endswith(".gguf"):
+        return "a GGUF draft: the built-in decoder reads the draft it was written from"
+    return None
 
 
 def nonnegative_fit(A, y) -> tuple[float, float]:

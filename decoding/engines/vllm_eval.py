@@ -23,7 +23,6 @@ that predicts, the report flags the engine (``engine_flag``) rather than the dra
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import re
@@ -42,7 +41,9 @@ from .base import (
     cached_export,
     context_needed,
     default_threads,
+    engine_flag,
     lossless_note,
+    ours_beside,
     run_bench,
     steps_from_positions,
     where_and_when,
@@ -544,7 +545,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     if not greedy:
         report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
     if cfg.engine_compare and run.finished and run.stopped is None:  # a stop: report now
-        ours = _ours_beside(cfg, readback, rule, pooled, log, n_max)
+        ours = ours_beside(cfg, readback, rule, pooled, log, n_max)
         if StopSignals.requested() is None:
             report["ours"] = ours
             report["engine_flag"] = engine_flag(ours, pooled)
@@ -600,74 +601,3 @@ def _rule_text(rule: str) -> str:
         "exact": "drafts sampled from q and tested with q",
         "block": "block verification of argmax drafts",
     }[rule]
-
-
-def _ours_beside(
-    cfg, readback: str | None, rule: str, pooled: EngineStats, log, n_max: int
-) -> dict:
-    """The built-in decoder on the same prompts and settings, with the same draft (the export
-    vLLM loaded, read back), a fixed chain of the ``n_max`` tokens vLLM drafted, under the
-    rule vLLM ran."""
-    from omegaconf import OmegaConf
-
-    from ..eval import evaluate as evaluate_ours
-
-    ours = OmegaConf.merge(
-        cfg,
-        {
-            "engine": "torch",
-            "draft": readback or "ngram",
-            "gamma": n_max,
-            "tree": "chain",
-            "adaptive": False,
-            "draft_weights": "full",  # the weights vLLM serves (int8 would move acceptance)
-            "engine_compare": False,
-            "draft_sampling": "greedy" if rule in ("greedy_draft", "block") else "sample",
-            "acceptance": "block" if rule == "block" else "exact",
-            "lenience": 1.0,  # vLLM's rules are exact (refused before the engine runs)
-            "stop": "gamma",
-            "traces": None,
-        },
-    )
-    log("the built-in decoder on the same prompts and settings, for comparison")
-    r = evaluate_ours(ours)
-    theirs = pooled.alpha_per_position()
-    mine = r["alpha_per_position"] or []
-    return {
-        "tau": r["tau"],
-        "alpha": r["alpha"],
-        "alpha_per_position": mine,
-        "difference_per_position": [
-            (t - m) if t is not None and m is not None else None
-            for t, m in zip(theirs, mine, strict=False)
-        ],
-        "tokens_per_second": r["tokens_per_second"],
-        "ar_tokens_per_second": r["ar_tokens_per_second"],
-        "speedup": r["speedup"],
-        "lossless": r["lossless"],
-        "decoder": r.get("decoder"),
-        "draft_sampling": r.get("draft_sampling"),
-        "acceptance": r["acceptance"],
-    }
-
-
-def engine_flag(ours: dict, pooled: EngineStats) -> str | None:
-    """A line where the engine accepts far less than the built-in decoder predicts under the
-    engine's own rule at some draft position (more than 4 standard errors of the engine's own
-    tests there and 0.05 below), else None: an acceptance that low is the engine's, not the
-    draft's."""
-    theirs = pooled.alpha_per_position()
-    mine = ours.get("alpha_per_position") or []
-    for k, (t, m) in enumerate(zip(theirs, mine, strict=False)):
-        if t is None or m is None:
-            continue
-        n = sum(1 for a, d in pooled.steps if d > k and a >= k)  # the engine's tests there
-        se = math.sqrt(max(m * (1 - m), 1e-6) / max(n, 1))
-        if m - t > max(0.05, 4 * se):
-            return (
-                f"the engine accepts {t:.2f} at draft position {k + 1} where the built-in "
-                f"decoder predicts {m:.2f} under the same rule ({n} tests): the engine's "
-                "sampler, not the draft (docs/serving.md: the sample check, and the CPU "
-                "build's repaired defect)"
-            )
-    return None
