@@ -22,6 +22,10 @@ target's forward over k tokens with ``llama-bench``; the draft's cost per iterat
 drafted token fitted on a calibration prompt at every chain length up to ``plan_max``) and the acceptance measured
 here. ``plan=true`` picks n_max from those costs and a calibration run's acceptance before
 evaluating. The ceiling is what a draft that is always right would give at those costs.
+
+``engine_compare=true`` (the default): at T = 0, with a model draft and ``p_min=0``, the
+built-in decoder then runs the same prompts with the draft the GGUF was written from, and the
+report puts its acceptance beside llama.cpp's (``base.ours_beside``, as for vLLM).
 """
 
 from __future__ import annotations
