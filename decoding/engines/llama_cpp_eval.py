@@ -35,6 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from conf.cli import StopSignals
 from data.chat import prompt_ids
 from models.target import load_target, target_gguf
 
@@ -252,10 +253,15 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
     if not greedy:
         report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
     why_not = _no_comparison(cfg, greedy, p_min)
+    if run.stopped is not None:  # a stop: report what the engine finished, now
+        why_not = "the run was stopped"
     if cfg.engine_compare and why_not is None:
         ours = ours_beside(cfg, str(cfg.draft), "greedy", pooled, log, n_max)
-        report["ours"] = ours
-        report["engine_flag"] = engine_flag(ours, pooled)
+        if StopSignals.requested() is None:
+            report["ours"] = ours
+            report["engine_flag"] = engine_flag(ours, pooled)
+        else:  # on fewer prompts than the engine's: no comparison
+            report["ours_left_out"] = "the run was stopped"
     elif cfg.engine_compare:
         report["ours_left_out"] = why_not
         log(f"the built-in decoder's comparison is left out: {why_not}")
