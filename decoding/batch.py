@@ -554,7 +554,8 @@ class BatchDecoder:
         outcomes = accept_rows(rule, props, logits, gens, on_device)
         # rows taking their first token (nothing drafted: ``_draft``): the prefill's, booked
         # as prefill, not as a verification (``Stats.first_tokens``)
-        run.firsts = sum(not r.new for r in rows)
+        firsts = [not r.new for r in rows]
+        run.firsts = sum(firsts)
         if on_device and samples_on_device(rule, props):
             st.rows.sampled_on_device += len(rows) - run.firsts
         keeps: list[list[int]] = []
@@ -564,7 +565,7 @@ class BatchDecoder:
         for b, (r, p) in enumerate(zip(rows, props, strict=True)):
             got = outcomes[b]
             verdict = got.verdict
-            first = not r.new
+            first = firsts[b]
             path = verdict.path
             keep = [0] + [i + 1 for i in path]
             keeps.append(keep)
