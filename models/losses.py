@@ -257,16 +257,19 @@ def check_head_loss(kind: str, extra: tuple[str, ...] = ()) -> str:
 def head_masks(
     loss_mask: torch.Tensor, attention_mask: torch.Tensor, heads: int
 ) -> list[torch.Tensor]:
-    """Where head k (0-based) of a multi-token head is trained/scored: (B, T) bool each. Head k at position t
-    predicts x_{t+k+2}; that token must be an assistant token, and every position from t to
-    t+k+2 real (not padding). Positions whose label falls past the end are False."""
+    """Where head k (0-based) of a multi-token head is trained/scored: (B, T) bool each. Head k
+    at position t predicts x_{t+k+2}; that token must be an assistant token, every position
+    from t to t+k+2 real (not padding), and x_{t+1} an assistant token too: serving drafts
+    from the state at t only once x_{t+1}, the token it chose there, is a reply's (a
+    request's first token is the prefill's, never drafted). Positions whose label falls past
+    the end are False."""
     B, T = loss_mask.shape
     real = attention_mask.bool()
     pad = lambda x: torch.cat([x, x.new_zeros(B, heads + 2)], dim=1)  # noqa: E731
     lm, real = pad(loss_mask.bool()), pad(real)
     out = []
     for k in range(heads):
-        m = lm[:, k + 2 : k + 2 + T].clone()
+        m = lm[:, k + 2 : k + 2 + T] & lm[:, 1 : 1 + T]
         for i in range(0, k + 3):
             m &= real[:, i : i + T]
         out.append(m)

@@ -68,11 +68,12 @@ def test_temperature_flattens_both():
     assert divergence(s, t, "fkl", temperature=4.0) < divergence(s, t, "fkl", temperature=1.0)
 
 
-def test_rows_are_positions_that_predict_assistant_tokens():
+def test_rows_are_reply_positions_that_predict_assistant_tokens():
+    """A reply's first token is the prefill's (never drafted): rows start at it."""
     lm = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0]])
     attn = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     b, t = next_token_rows(lm, attn)
-    assert list(zip(b.tolist(), t.tolist(), strict=True)) == [(0, 1), (0, 2), (1, 0), (1, 1)]
+    assert list(zip(b.tolist(), t.tolist(), strict=True)) == [(0, 2), (1, 1)]
 
 
 def batch(target, T=24, seed=0):
@@ -118,7 +119,10 @@ def test_chunking_does_not_change_the_loss_or_gradient(tiny_target):
         loss = m(b).loss
         loss.backward()
         grads.append((loss.item(), m.student.lm_head.weight.grad.clone()))
-    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    # the loss is a small KL (~3e-3), a difference of near-equal log-probabilities: chunked
+    # matrix products move it by float32 noise (~4e-9 here), not by a row dropped or counted
+    # twice (~1e-4 and more)
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5, abs=1e-8)
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-6)
 
 

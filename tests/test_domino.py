@@ -212,7 +212,9 @@ def test_the_dpace_loss_is_its_weights_times_the_slots_ce(small_vocab_target):
 
     torch.manual_seed(2)
     pred_ok = d.predicts_reply(batch["loss_mask"], batch["attention_mask"])
-    anchors, valid = sample_anchors(pred_ok, 5)
+    anchors, valid = sample_anchors(
+        d.anchors_served(batch["loss_mask"], batch["attention_mask"]), 5
+    )
     with torch.no_grad():
         h = d.run_blocks(batch["features"], batch["input_ids"], batch["attention_mask"], anchors)
         b, a, k, p = d._slot_rows(anchors, valid, pred_ok)

@@ -53,8 +53,10 @@ def test_head_masks_point_at_assistant_tokens_k_plus_2_ahead():
     lm = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])
     attn = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
     m = head_masks(lm, attn, 2)
-    assert m[0][0].nonzero().flatten().tolist() == [0, 1, 2, 3]  # labels at t+2 in 2..5
-    assert m[1][0].nonzero().flatten().tolist() == [0, 1, 2]  # labels at t+3 in 3..5
+    # labels at t+2 (t+3) in the reply 2..5, read from a state t whose next token x_{t+1} is
+    # the reply's: t = 0 would draft the reply's first token, which the prefill chooses
+    assert m[0][0].nonzero().flatten().tolist() == [1, 2, 3]
+    assert m[1][0].nonzero().flatten().tolist() == [1, 2]
 
 
 def test_warmup_is_a_sine_quarter_wave():

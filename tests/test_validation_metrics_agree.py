@@ -4,8 +4,9 @@ Training prints each method's ``evaluate`` agreement with the target's argmax by
 position, and users read those numbers as the acceptance the draft shows when served
 greedily. tests/test_train_serve_agreement.py checks that the proposer drafts the argmax of
 the training forward; here ``evaluate``'s aggregation of those predictions is checked: on a
-batch of two right-padded rows whose loss masks cover part of each row, every counted
-position is recomputed independently by driving the method's proposer on the prefix up to it
+batch of two right-padded rows whose loss masks cover part of each row, every position
+where serving drafts (its pending token a reply's: a request's first token is the
+prefill's) is recomputed independently by driving the method's proposer on the prefix up to it
 (the committed features as the decoder gives them) and comparing its draft with the target's
 argmax on the same batch, and the metric's sum and count are both compared.
 
@@ -194,7 +195,9 @@ def recount(batch, targ, lengths, drafted, k: int, counted: Callable[..., bool])
     top1, alpha = [0, 0], [0, 0]
     for b, L in enumerate(lengths):
         for n in range(2, L + 1):
-            if not counted(ok[b], real[b], n, k):
+            # serving drafts once the pending token is a reply's (a request's first token is
+            # the prefill's): every family's rule holds this, whatever else it asks
+            if not ok[b][n - 1] or not counted(ok[b], real[b], n, k):
                 continue
             d = drafted[(b, n)]
             agree = [
@@ -297,12 +300,13 @@ def case_peagle(target):
 
 # ---------------------------------------------------------------------------------------------
 # Medusa: head k-1 at t = n - 2 predicts x_{t+k+1} (the target's argmax at t + k), counted
-# where that token is an assistant token and x_t .. x_{t+k+1} are real. Its heads all read
-# the state at t, never the draft's tokens: every head is comparable, positionally
+# where that token and the pending x_{t+1} are assistant tokens (serving drafts from a
+# reply's first token on) and x_t .. x_{t+k+1} are real. Its heads all read the state at t,
+# never the draft's tokens: every head is comparable, positionally
 
 
 def medusa_counted(ok, real, n, k):
-    return oks(ok, [n + k - 1]) and oks(real, range(n - 2, n + k))
+    return oks(ok, [n - 1, n + k - 1]) and oks(real, range(n - 2, n + k))
 
 
 def check_medusa(heads):
@@ -329,8 +333,8 @@ def case_medusa2(target):
 
 
 # ---------------------------------------------------------------------------------------------
-# DistillSpec: accept_T0 at t = n - 1 (x_{t+1} a real assistant token, x_t real): the
-# student's greedy first token against the target's argmax at t
+# DistillSpec: accept_T0 at t = n - 1 (x_t, the pending token, and x_{t+1} real assistant
+# tokens): the student's greedy first token against the target's argmax at t
 
 
 def case_distillspec(target):
@@ -339,7 +343,9 @@ def case_distillspec(target):
 
     student = DistillSpecStudent(target, DistillSpecConfig(num_layers=1))
     student = concentrate(lively(student, 0.05))
-    check(student, 1, lambda ok, real, n, k: oks(ok, [n]), {1: ("accept_T0", None)}, None, (1,))
+    check(
+        student, 1, lambda ok, real, n, k: oks(ok, [n - 1, n]), {1: ("accept_T0", None)}, None, (1,)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,13 +372,13 @@ def case_mlp_speculator(target):
 
 # ---------------------------------------------------------------------------------------------
 # Block drafters: the block anchored at the pending token's position a = n - 1, slot k
-# predicting x_{a+k} (the target's argmax at a + k - 1), counted where x_{a+1} and x_{a+k}
-# are real assistant tokens; slots read the draft's own tokens before them: every position
-# is comparable
+# predicting x_{a+k} (the target's argmax at a + k - 1), counted where x_a, x_{a+1} and
+# x_{a+k} are real assistant tokens; slots read the draft's own tokens before them: every
+# position is comparable
 
 
 def blocks_counted(ok, real, n, k):
-    return oks(ok, [n, n + k - 1])
+    return oks(ok, [n - 1, n, n + k - 1])
 
 
 def check_blocks(draft, sequential=None):
@@ -483,7 +489,7 @@ def test_distillspec_accept_T1_is_its_proposers_acceptance_at_T1():
     for b, L in enumerate(lengths):
         row = batch["input_ids"][b, :L]
         for n in range(2, L + 1):
-            if not oks(ok[b], [n]):
+            if not oks(ok[b], [n - 1, n]):
                 continue
             state = DecodeState(row[:n].tolist(), None, Sampling(temperature=1.0), None, "cpu")
             prop = student.proposer(None)

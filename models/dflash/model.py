@@ -406,6 +406,15 @@ class DFlashDraft(DraftMethod):
         ok = loss_mask.bool() & attention_mask.bool()
         return torch.cat([ok[:, 1:], ok.new_zeros(ok.shape[0], 1)], 1)
 
+    @classmethod
+    def anchors_served(cls, loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) bool: where a block may start, as serving starts one: at a real assistant
+        token whose next token is one too. Serving anchors a block at the last committed
+        token, a reply's first token at the earliest (that token is the prefill's, never
+        drafted), so no block starts at the prompt's last token."""
+        ok = loss_mask.bool() & attention_mask.bool()
+        return cls.predicts_reply(loss_mask, attention_mask) & ok
+
     def _slot_rows(self, anchors, valid, pred_ok):
         """Labelled slots: (b, a, k) indices (k = 1..S-1) and the position p = anchor + k - 1
         whose target distribution labels them."""
@@ -433,7 +442,7 @@ class DFlashDraft(DraftMethod):
         f = batch["features"]
         ids, attn, lm = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         pred_ok = self.predicts_reply(lm, attn)
-        anchors, valid = sample_anchors(pred_ok, self.cfg.anchors)
+        anchors, valid = sample_anchors(self.anchors_served(lm, attn), self.cfg.anchors)
         h = self.run_blocks(f, ids, attn, anchors)
         b, a, k, p = self._slot_rows(anchors, valid, pred_ok)
         n = len(b)
@@ -497,14 +506,15 @@ class DFlashDraft(DraftMethod):
         B, T = ids.shape
         K = min(self.cfg.val_positions, self.cfg.block_size - 1)
         pred_ok = self.predicts_reply(lm, attn)
+        start_ok = self.anchors_served(lm, attn)
         # every candidate anchor, as (B, A) padded with invalid ones
-        counts = pred_ok.sum(1)
+        counts = start_ok.sum(1)
         A = int(counts.max()) if B else 0
         out = {f"{m}_pos{j}": metric(0.0, 0) for m in ("top1", "alpha") for j in range(1, K + 1)}
         out["loss_cls"] = metric(0.0, 0)
         if A == 0:
             return out
-        order = (~pred_ok).float().argsort(dim=1, stable=True)[:, :A]
+        order = (~start_ok).float().argsort(dim=1, stable=True)[:, :A]
         valid = torch.arange(A, device=ids.device) < counts[:, None]
         c = self.cfg.anchors
         for i in range(0, A, c):

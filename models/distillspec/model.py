@@ -346,9 +346,12 @@ def make_student(target: Target, cfg: DistillSpecConfig) -> nn.Module:
 
 
 def next_token_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor):
-    """(batch, position) indices t whose next token x_{t+1} is an assistant token: where the
-    distributions are compared. loss_mask, attention_mask: (B, T)."""
-    m = loss_mask[:, 1:].bool() & attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    """(batch, position) indices t where x_t and its next token x_{t+1} are both real
+    assistant tokens: where the distributions are compared. Serving drafts from a reply's
+    first token on (that token is the prefill's), so the student's proposal for the first
+    one is neither trained nor scored. loss_mask, attention_mask: (B, T)."""
+    ok = loss_mask.bool() & attention_mask.bool()
+    m = ok[:, 1:] & ok[:, :-1]
     return m.nonzero(as_tuple=True)
 
 

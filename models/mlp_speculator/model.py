@@ -184,9 +184,8 @@ class MLPSpeculator(DraftMethod):
         the target's greedy token at that position, and ``alpha_pos{i}``, how often it is
         given that every earlier stage's was too (EAGLE's n-alpha, as the EAGLE heads report
         it: a chain's acceptance at position i, at T = 0), over the positions where stages
-        1..i all predict reply tokens: a chain is drafted inside a reply, and an earlier
-        stage whose label is the prompt's (a reply's first positions, seen from before it) is
-        not a rejection."""
+        1..i are all scored (``head_masks``: a chain is drafted inside a reply, from its
+        first token on, and a stage whose label is not a reply's is not a rejection)."""
         attn, lm = batch["attention_mask"], batch["loss_mask"]
         h, states = self._states(batch)
         masks = head_masks(lm, attn, self.cfg.n_predict)
