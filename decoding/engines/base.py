@@ -433,7 +433,7 @@ def engine_flag(ours: dict, pooled: EngineStats) -> str | None:
             return (
                 f"the engine accepts {t:.2f} at draft position {k + 1} where the built-in "
                 f"decoder predicts {m:.2f} under the same rule ({n} tests): the engine's "
-                "sampler, not the draft (docs/serving.md: the sample check, and the CPU "
-                "build's repaired defect)"
+                "sampler or its own computation of the target, not the draft (docs/serving.md: "
+                "the sample check, and vLLM's CPU build's repaired defect)"
             )
     return None
