@@ -436,7 +436,10 @@ def test_wandb_logger_offline(data_file, tmp_path):
     )
     assert s["step"] == 4
     runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+    # W&B names a run's folder offline-run-<second>-<id>, with -1, -2... after it where two
+    # starts of one run fall in the same second
+    same = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(runs) == 2 and all(same.fullmatch(r.name) for r in runs), runs
 
 
 def test_wandb_without_an_account_is_one_line(tmp_path, monkeypatch):

@@ -336,8 +336,15 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
     # per position, as vLLM counts: accepted there over the drafts that reached it
     ours = [s.accepted[k + 1] / s.drafted[k + 1] for k in range(3)]
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
+    decoded = sum(len(r) - 1 for r in ref)
+    assert s.decoded_tokens == decoded == s.target_calls + sum(s.accepted.values())
     if not fmt.startswith("medusa"):  # vLLM's Medusa skips drafting in some steps
-        assert s.target_calls == drafts and s.decoded_tokens == sum(len(r) - 1 for r in ref)
+        # every step after the prefill drafts and emits its accepted tokens and one more, in
+        # both: steps plus accepted tokens make the decoded tokens. The steps alone can differ
+        # where a near-tie lets one engine accept a token the other does not (seen: 250 steps
+        # and 2 accepted in vLLM, 252 and 0 in ours, on another CPU)
+        acc_theirs = sum(sum(o.timings["accepted_per_pos"]) for o in outs)
+        assert drafts + acc_theirs == decoded, (drafts, acc_theirs, decoded)
 
 
 @needs_vllm
