@@ -22,8 +22,10 @@ parts), never a folder holding anything else. The source is the commit checked o
 What it holds:
   source    the repository at HEAD (``git archive``), unpacked to INTO/specdraft
   wheels    ``light`` (default): the packages a PyTorch + transformers CUDA environment usually
-            lacks (hydra-core, omegaconf, antlr4-python3-runtime, gguf), at the versions
-            installed here; ``all``: specdraft's whole dependency closure downloaded from the
+            lacks (hydra-core, omegaconf, antlr4-python3-runtime, gguf, datasets, dill,
+            multiprocess), at the versions installed here; a wheel made for one Python version
+            (multiprocess) is fetched for ``--python-version`` where given: give the other
+            machine's; ``all``: specdraft's whole dependency closure downloaded from the
             package index (``--platform`` / ``--python-version`` for another machine; torch's
             CUDA build is gigabytes); ``none``
   target    ``embedded`` (default): the embedded SmolLM2 target's GGUF, placed where specdraft
@@ -63,7 +65,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIGHT = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf")
+#: what a PyTorch + transformers CUDA image usually lacks: Hydra, the GGUF reader (the embedded
+#: target), and the datasets library with the two packages of its own it needs (an NVIDIA H200
+#: image with torch, transformers, peft, accelerate, pyarrow and pandas had none of them)
+LIGHT = (
+    "hydra-core",
+    "omegaconf",
+    "antlr4-python3-runtime",
+    "gguf",
+    "datasets",
+    "dill",
+    "multiprocess",
+)
 MANIFEST = "bundle.json"
 UNPACKED = "unpacked.json"  # INTO's record of the bundle unpacked there
 FORMAT = "specdraft offline bundle 1"
@@ -254,21 +267,53 @@ def _wheels(kind: str, dest: Path, platform: str | None, python_version: str | N
         missing = set(LIGHT) - {p.split("==")[0].lower() for p in pins}
         if missing:
             raise BundleError(f"--wheels light: not installed here: {', '.join(sorted(missing))}")
-        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), *pins]
+        _pip(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), *pins], kind
+        )
+        _for_python(dest, pins, platform, python_version)
+        return sorted(p.name for p in dest.iterdir())
     else:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(dest), str(ROOT)]
         if platform or python_version:
             cmd += ["--only-binary=:all:"]
             cmd += ["--platform", platform] if platform else []
             cmd += ["--python-version", python_version] if python_version else []
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        err = [x for x in r.stderr.splitlines() if x.startswith("ERROR")] or r.stderr.splitlines()
-        raise BundleError(f"--wheels {kind}: pip failed: {(err or ['no message'])[-1]}")
+    _pip(cmd, kind)
     # `pip download .` also builds specdraft itself: the source travels apart
     for w in dest.glob("specdraft-*"):
         w.unlink()
     return sorted(p.name for p in dest.iterdir())
+
+
+def _pip(cmd: list[str], kind: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        err = [x for x in r.stderr.splitlines() if x.startswith("ERROR")] or r.stderr.splitlines()
+        raise BundleError(f"--wheels {kind}: pip failed: {(err or ['no message'])[-1]}")
+
+
+def _for_python(dest: Path, pins: list[str], platform: str | None, version: str | None) -> None:
+    """Light wheels made for this Python's version alone (a ``py311`` tag, not ``py3``) fetched
+    again for ``version`` (``--python-version``); without it, say which they are."""
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    tied = [w for w in dest.glob("*.whl") if w.name.split("-")[-3] not in ("py3", "py2.py3")]
+    if not tied:
+        return
+    if version is None or version == here:
+        names = ", ".join(w.name.split("-")[0] for w in tied)
+        print(
+            f"note: wheels for Python {here} only ({names}): for another version there, pack "
+            "with --python-version"
+        )
+        return
+    for w in tied:
+        name = w.name.split("-")[0].lower().replace("_", "-")
+        pin = next(p for p in pins if p.split("==")[0].lower().replace("_", "-") == name)
+        w.unlink()
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        cmd += ["--python-version", version, "-d", str(dest), pin]
+        cmd += ["--platform", platform] if platform else []
+        _pip(cmd, "light")
 
 
 def _prompts(spec: str, data: str | None) -> bytes:
@@ -586,6 +631,16 @@ def unpack(a: argparse.Namespace) -> int:
         raise BundleError(f"--into {a.into}: a file, not a folder")
     parts_dir = into / "parts"
     manifest = _collect(a.parts, parts_dir)
+    rec = _unpacked(into)
+    if rec is not None and rec["bundle"] == manifest["sha256"] and not a.force:
+        shutil.rmtree(parts_dir)  # a part of the bundle unpacked there, given again
+        print(
+            f"the bundle of {manifest['created']} is already unpacked in {into}, left as it "
+            "is (--force unpacks it again); then:"
+        )
+        for line in rec["say"]:
+            print(f"  {line}")
+        return 0
     have, missing = [], []
     for p in manifest["parts"]:
         f = parts_dir / p["name"]
@@ -599,17 +654,7 @@ def unpack(a: argparse.Namespace) -> int:
     if missing:
         print(f"{len(have)} of {len(manifest['parts'])} parts here; missing: {', '.join(missing)}")
         return INCOMPLETE
-    rec = _unpacked(into)
-    if rec is not None and not a.force:
-        if rec["bundle"] == manifest["sha256"]:
-            shutil.rmtree(parts_dir)
-            print(
-                f"the bundle of {manifest['created']} is already unpacked in {into}, left as it "
-                "is (--force unpacks it again); then:"
-            )
-            for line in rec["say"]:
-                print(f"  {line}")
-            return 0
+    if rec is not None and not a.force:  # a different bundle
         raise BundleError(
             f"{into}: already holds the bundle of {rec['created']} unpacked; this one (of "
             f"{manifest['created']}) is whole in {parts_dir}: unpack it into a new --into, or "
@@ -681,8 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bundle", help="the folder to write (default: bundle)")
     p.add_argument("--part-size", default=None, help="largest part, e.g. 512M or 2G (one part)")
     p.add_argument("--wheels", choices=["light", "all", "none"], default="light")
-    p.add_argument("--platform", default=None, help="--wheels all: pip's --platform")
-    p.add_argument("--python-version", default=None, help="--wheels all: e.g. 3.12")
+    p.add_argument("--platform", default=None, help="pip's --platform for the wheels")
+    p.add_argument("--python-version", default=None, help="the other machine's, e.g. 3.12")
     p.add_argument("--target", default="embedded", help="embedded | <HF folder> | none")
     p.add_argument("--data-slice", default=None, help="SKIP:COUNT training prompts")
     p.add_argument("--data", default=None, help="file or folder (default: packaged ShareGPT)")

@@ -179,6 +179,20 @@ def test_an_offline_bundle_travels_in_parts_and_comes_back_whole(tmp_path):
     assert len(prompts) == 3
     init = into / "content" / "init"
     assert (init / "model.safetensors").read_bytes() == (draft / "model.safetensors").read_bytes()
+    # a part of it given again (a call that repeats its carry): no "missing", nothing changes
+    r = _run(
+        [
+            sys.executable,
+            "scripts/offline_bundle.py",
+            "unpack",
+            str(bundle / parts[0]),
+            str(bundle / "bundle.json"),
+            "--into",
+            str(into),
+        ]
+    )
+    assert "already unpacked" in r.stdout and "export DATA=" in r.stdout
+    assert not (into / "parts").exists() and len(prompts) == 3
     r = _run(
         [
             sys.executable,
@@ -193,3 +207,44 @@ def test_an_offline_bundle_travels_in_parts_and_comes_back_whole(tmp_path):
     )
     assert r.returncode == 2 and "--part-size 'lots'" in r.stderr
     assert not (tmp_path / "b2").exists()
+
+
+def _bundle_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "offline_bundle", ROOT / "scripts" / "offline_bundle.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_light_wheels_made_for_one_python_are_fetched_for_the_other_machines(
+    tmp_path, monkeypatch, capsys
+):
+    """A light wheel tagged for this Python alone (multiprocess: py311) is fetched again for
+    --python-version; py3 wheels stay; without --python-version pack names them."""
+    ob = _bundle_module()
+    assert {"datasets", "dill", "multiprocess"} <= set(ob.LIGHT)  # training needs datasets
+    calls = []
+    monkeypatch.setattr(ob, "_pip", lambda cmd, kind: calls.append(cmd))
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pins = ["multiprocess==0.70.19", "dill==0.4.1"]
+    for version in (None, here):
+        dest = tmp_path / f"w{version}"
+        dest.mkdir()
+        (dest / "multiprocess-0.70.19-py311-none-any.whl").touch()
+        (dest / "dill-0.4.1-py3-none-any.whl").touch()
+        ob._for_python(dest, pins, None, version)
+        assert len(list(dest.iterdir())) == 2 and not calls
+        assert "multiprocess" in capsys.readouterr().out
+    dest = tmp_path / "other"
+    dest.mkdir()
+    (dest / "multiprocess-0.70.19-py311-none-any.whl").touch()
+    (dest / "dill-0.4.1-py3-none-any.whl").touch()
+    ob._for_python(dest, pins, "manylinux2014_x86_64", "3.99")
+    assert [w.name for w in dest.iterdir()] == ["dill-0.4.1-py3-none-any.whl"]
+    (cmd,) = calls
+    assert cmd[cmd.index("--python-version") + 1] == "3.99" and "multiprocess==0.70.19" in cmd
+    assert cmd[cmd.index("--platform") + 1] == "manylinux2014_x86_64"
