@@ -17,22 +17,30 @@
 #   run/lineage.json            the learning curves behind the head (the shipped head's phases,
 #                               earlier runs), for scripts/plot_curves.py --lineage
 #   train.log, progress.err     every step's command, exit code and output
-# and prints the command that continues from these weights on the next slice: short runs add up.
+# and prints the command that continues from these weights: on the replies of this run and the
+# rest of the slice where regeneration did not reach its end (REGEN_FROM), else on the next
+# slice. Short runs add up; carry OUT/regen.jsonl and its .meta.json to the next machine.
 #
 # Steps (each capped at its program's own budget x 1.3 + a margin, times LIMIT_SCALE):
-#   regen  (REGEN_MIN, 2.5 min) the target's replies of <= 256 tokens at REGEN_T (0: greedy) to
+#   regen  (REGEN_MIN, 4 min) the target's replies of <= 256 tokens at REGEN_T (0: greedy) to
 #          COUNT conversations after the first SKIP (DATA: a file or folder; default the packaged
 #          ShareGPT), prompt and reply <= 768 tokens, REGEN_BATCH (512) at a time on the batched
 #          decoder (REGEN_COMPILE, auto; if that writes nothing, again with compile=false);
-#          REGEN_ENGINE=vllm writes them with vLLM instead (bash scripts/install.sh vllm)
-#   train  (TRAIN_MIN, 4 min) specdraft-train experiment=EXPERIMENT (eagle3_smollm2_gpu) on those
-#          replies, from INIT (default: the shipped smollm2-eagle3; null: from scratch)
+#          REGEN_ENGINE=vllm writes them with vLLM instead (bash scripts/install.sh vllm);
+#          REGEN_FROM (an earlier run's OUT, or its regen.jsonl with the .meta.json beside it):
+#          start from its replies and write only the conversations it did not reach
+#   train  (TRAIN_MIN, 2 min) specdraft-train experiment=EXPERIMENT (eagle3_smollm2_gpu) on all
+#          the replies, from INIT (default: the shipped smollm2-eagle3; null: from scratch), at
+#          most EPOCHS (3) passes over them. Training reads replies ~9x faster than the target
+#          writes them (an NVIDIA H200, 2026-12-04: ~75,000 against ~9,000 reply tokens/s), so
+#          the budget goes mostly to regeneration, and a run that would pass over its replies
+#          more often stops early instead (15 passes in 3 minutes overfit: docs/benchmarks.md)
 #   eval   (110 s) MT-bench's first turns (PROMPTS 80 x TOKENS 128), chain of 3, T = 0
 #
 # Environment: DEVICE (cuda), SKIP (0), COUNT (20000), DATA, INIT, TARGET (the Hydra target
 # group, default smollm2_135m; `hf` with TARGET_ARGS="target.path=<folder or hub id>"),
-# TARGET_ARGS, EXPERIMENT, EXTRA_TRAIN (more training overrides), REGEN_MIN, TRAIN_MIN,
-# REGEN_T, REGEN_BATCH, REGEN_COMPILE, REGEN_ENGINE, PROMPTS, TOKENS, LIMIT_SCALE, SITE,
+# TARGET_ARGS, EXPERIMENT, EXTRA_TRAIN (more training overrides), REGEN_MIN, TRAIN_MIN, EPOCHS,
+# REGEN_FROM, REGEN_T, REGEN_BATCH, REGEN_COMPILE, REGEN_ENGINE, PROMPTS, TOKENS, LIMIT_SCALE, SITE,
 # NO_INSTALL=1. A CPU run of the whole recipe in a few minutes, on the tiny random target (as
 # tests/test_gpu_recipe.py runs it; its greedy replies are only whitespace, so REGEN_T=1 samples
 # them, and EAGLE-3 needs its 4-layer shape):
@@ -56,8 +64,8 @@ init=${INIT:-smollm2-eagle3}
 tgt=("target=${TARGET:-smollm2_135m}" "target.device=$dev" ${TARGET_ARGS:-})
 data=()
 [ -n "${DATA:-}" ] && data=("data.path=$DATA")
-regen_min=${REGEN_MIN:-2.5}
-train_min=${TRAIN_MIN:-4}
+regen_min=${REGEN_MIN:-4}
+train_min=${TRAIN_MIN:-2}
 secs() { python3 -c "import math; print(math.ceil(60 * $1 * 1.3 + ${2:-60}))"; }
 python3 - "$out/slice.json" "$skip" "$count" "$init" "${DATA:-}" <<'PY'
 import json, sys
@@ -76,6 +84,19 @@ Path(path).write_text(json.dumps({"data": data or "packaged ShareGPT", "skip": i
 PY
 [ $? -eq 0 ] || exit 2
 echo "slice: conversations $skip..$((skip + count - 1)), init: $init" | tee -a "$log"
+if [ -n "${REGEN_FROM:-}" ]; then
+  from=$REGEN_FROM
+  [ -d "$from" ] && from=$from/regen.jsonl
+  if [ ! -s "$from" ] || [ ! -f "$from.meta.json" ]; then
+    echo "REGEN_FROM=$REGEN_FROM: no regen.jsonl with its .meta.json beside it (an earlier" \
+      "run's output folder, or its regen.jsonl)" >&2
+    exit 2
+  fi
+  if [ ! -e "$out/regen.jsonl" ]; then
+    cp "$from" "$out/regen.jsonl" && cp "$from.meta.json" "$out/regen.jsonl.meta.json" || exit 2
+  fi
+  echo "regeneration starts from the $(wc -l <"$from") conversations of $from" | tee -a "$log"
+fi
 
 regen() {
   local engine=()
@@ -98,7 +119,8 @@ fi
 # shellcheck disable=SC2086
 step train "$(secs "$train_min" 120)" python3 -m flow "experiment=${EXPERIMENT:-eagle3_smollm2_gpu}" \
   "${tgt[@]}" "data.path=$out/regen.jsonl" "train.init_from=$init" \
-  "train.max_minutes=$train_min" train.progress=false "output_dir=$out/run" ${EXTRA_TRAIN:-}
+  "train.max_minutes=$train_min" "train.epochs=${EPOCHS:-3}" train.progress=false \
+  "output_dir=$out/run" ${EXTRA_TRAIN:-}
 if [ ! -d "$out/run/final" ]; then
   echo "training left no final draft: see $out/progress.err" | tee -a "$log" >&2
   exit 1
@@ -121,4 +143,11 @@ grep -q '"val/alpha_pos1"' "$out/run/metrics.jsonl" 2>/dev/null && curve=true
 if $curve; then
   echo "  curve:    python scripts/plot_curves.py --lineage $out/run/lineage.json --metric alpha --out $out/curves.png"
 fi
-echo "  continue: SKIP=$((skip + count)) COUNT=$count INIT=$out/run/final bash scripts/gpu_train.sh"
+left=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('not_reached', 0))" \
+  "$out/regen.jsonl.meta.json" 2>/dev/null || echo 0)
+if [ "${left:-0}" -gt 0 ]; then # the rest of this slice first, with the replies written so far
+  echo "  continue: SKIP=$skip COUNT=$count REGEN_FROM=$out INIT=$out/run/final bash scripts/gpu_train.sh" \
+    "  ($left conversations of the slice not reached yet)"
+else
+  echo "  continue: SKIP=$((skip + count)) COUNT=$count INIT=$out/run/final bash scripts/gpu_train.sh"
+fi

@@ -63,11 +63,28 @@ def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     assert [Path(p).name for p, _ in curves] == ["metrics.jsonl"] and curves[0][1] == 0
     # no validation logged, no weights it began from: no curve to offer
     assert "curve:" not in r.stdout
+    # a later run starts from these replies (as carried to another machine): it writes only
+    # what this one did not reach (here nothing) and trains on them all, from these weights
+    first = (out / "regen.jsonl").read_text()
+    again = tmp_path / "again"
+    r = _run(
+        ["bash", "scripts/gpu_train.sh", str(again)],
+        {**TINY, "INIT": f"{out}/run/final", "REGEN_FROM": str(out), "ONLY": "regen train"},
+    )
+    assert f"regeneration starts from the {len(first.splitlines())} conversations" in r.stdout
+    assert (again / "regen.jsonl").read_text() == first
+    assert json.loads((again / "summary.json").read_text())["regenerated"]["records"] == len(
+        first.splitlines()
+    )
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(again / "run" / "config.yaml").train.epochs == 3  # EPOCHS' default
+    assert (again / "run" / "final" / "config.json").is_file()
 
 
 def test_a_run_continues_the_learning_curve_of_the_weights_it_started_from(tmp_path):
-    """The shipped head's five CPU phases, then the new run, each after the tokens of those
-    before it; plot_curves draws the whole line from the lineage file."""
+    """The shipped head's phases (five on a CPU, one on a GPU), then the new run, each after
+    the tokens of those before it; plot_curves draws the whole line from the lineage file."""
     from gpu_train_summary import write_lineage
     from plot_curves import lineage
 
@@ -82,12 +99,13 @@ def test_a_run_continues_the_learning_curve_of_the_weights_it_started_from(tmp_p
     write_lineage(run, lineage(ROOT / "models" / "shipped" / "smollm2-eagle3"))
     curves = json.loads((run / "lineage.json").read_text())["curves"]
     assert [Path(p).name for p, _ in curves] == [
-        *(f"curve_phase{i}.jsonl" for i in range(1, 6)),
+        *(f"curve_phase{i}.jsonl" for i in range(1, 7)),
         "metrics.jsonl",
     ]
     offsets = [o for _, o in curves]
     assert offsets[0] == 0 and all(a < b for a, b in zip(offsets, offsets[1:], strict=False))
-    assert 13e6 < offsets[-1] < 14e6  # the shipped head's ~13.3M CPU training tokens
+    # the shipped head's training tokens: ~13.2M on a CPU, then ~13.5M on a GPU
+    assert 26e6 < offsets[-1] < 27.5e6 and 13e6 < offsets[-2] < 14e6
     png = tmp_path / "curves.png"
     _run(
         [
@@ -112,6 +130,13 @@ def test_the_recipe_refuses_weights_it_cannot_start_from(tmp_path):
     assert r.returncode == 2
     assert f"INIT={tmp_path}: not a saved draft" in r.stderr
     assert not (out / "regen.jsonl").exists()  # refused before anything ran
+    r = _run(
+        ["bash", "scripts/gpu_train.sh", str(out)],
+        {**TINY, "INIT": "null", "REGEN_FROM": str(tmp_path)},
+        check=False,
+    )
+    assert r.returncode == 2 and f"REGEN_FROM={tmp_path}: no regen.jsonl" in r.stderr
+    assert not (out / "regen.jsonl").exists()
 
 
 def test_an_offline_bundle_travels_in_parts_and_comes_back_whole(tmp_path):
