@@ -166,58 +166,31 @@ def test_an_offline_bundle_travels_in_parts_and_comes_back_whole(tmp_path):
     parts = [p["name"] for p in m["parts"]]
     assert len(parts) >= 3 and all(p["bytes"] <= 8 * 2**20 for p in m["parts"])
     assert set(m["contents"]) == {"data", "init"}
+
     # the first part and the manifest arrive alone: it waits, saying what is missing
-    r = _run(
-        [
-            sys.executable,
-            "scripts/offline_bundle.py",
-            "unpack",
-            str(bundle / parts[0]),
-            str(bundle / "bundle.json"),
-            "--into",
-            str(into),
-        ],
-        check=False,
-    )
+    def unpack(*given, check=True):
+        cmd = [sys.executable, "scripts/offline_bundle.py", "unpack", *map(str, given)]
+        return _run([*cmd, "--into", str(into)], check=check)
+
+    r = unpack(bundle / parts[0], bundle / "bundle.json", check=False)
     assert r.returncode == 3 and f"missing: {parts[1]}" in r.stdout
     # a part damaged on the way is named and dropped, not unpacked
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / parts[1]).write_bytes(b"\0" * m["parts"][1]["bytes"])
-    r = _run(
-        [sys.executable, "scripts/offline_bundle.py", "unpack", str(bad), "--into", str(into)],
-        check=False,
-    )
+    r = unpack(bad, check=False)
     assert r.returncode == 3 and "sha256 did not match" in r.stdout
-    r = _run(
-        [
-            sys.executable,
-            "scripts/offline_bundle.py",
-            "unpack",
-            *[str(bundle / p) for p in parts[1:]],
-            "--into",
-            str(into),
-        ]
-    )
+    r = unpack(*[bundle / p for p in parts[1:]])
     assert "export DATA=" in r.stdout and "COUNT=3" in r.stdout
     prompts = (into / "content" / "data" / "prompts.jsonl").read_text().splitlines()
     assert len(prompts) == 3
     init = into / "content" / "init"
     assert (init / "model.safetensors").read_bytes() == (draft / "model.safetensors").read_bytes()
     # a part of it given again (a call that repeats its carry): no "missing", nothing changes
-    r = _run(
-        [
-            sys.executable,
-            "scripts/offline_bundle.py",
-            "unpack",
-            str(bundle / parts[0]),
-            str(bundle / "bundle.json"),
-            "--into",
-            str(into),
-        ]
-    )
+    r = unpack(bundle / parts[0], bundle / "bundle.json")
     assert "already unpacked" in r.stdout and "export DATA=" in r.stdout
-    assert not (into / "parts").exists() and len(prompts) == 3
+    assert not (into / "parts").exists()
+    assert (into / "content" / "data" / "prompts.jsonl").read_text().splitlines() == prompts
     r = _run(
         [
             sys.executable,
