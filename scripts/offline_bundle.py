@@ -267,11 +267,7 @@ def _wheels(kind: str, dest: Path, platform: str | None, python_version: str | N
         missing = set(LIGHT) - {p.split("==")[0].lower() for p in pins}
         if missing:
             raise BundleError(f"--wheels light: not installed here: {', '.join(sorted(missing))}")
-        _pip(
-            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), *pins], kind
-        )
-        _for_python(dest, pins, platform, python_version)
-        return sorted(p.name for p in dest.iterdir())
+        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), *pins]
     else:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(dest), str(ROOT)]
         if platform or python_version:
@@ -279,6 +275,8 @@ def _wheels(kind: str, dest: Path, platform: str | None, python_version: str | N
             cmd += ["--platform", platform] if platform else []
             cmd += ["--python-version", python_version] if python_version else []
     _pip(cmd, kind)
+    if kind == "light":
+        _for_python(dest, pins, platform, python_version)
     # `pip download .` also builds specdraft itself: the source travels apart
     for w in dest.glob("specdraft-*"):
         w.unlink()
