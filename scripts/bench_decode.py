@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 from datetime import date
 from pathlib import Path
@@ -25,7 +26,9 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def report_name(draft: str, tag: str, t: float, taken: set[str]) -> str:
     """A report's file name for a (draft, temperature) entry, unique in the run: two drafts
-    whose folders end alike (``a/final``, ``b/final``) wrote one file, the first lost."""
+    whose folders end alike (``a/final``, ``b/final``) wrote one file, the first lost. A tag's
+    paths (``disco=runs/x/disco``) are flattened into the name, not folders under ``--out``."""
+    tag = re.sub(r"[^A-Za-z0-9._~-]+", "_", tag.replace(":", "")).strip("_")
     parts = [x for x in Path(draft).parts if x not in ("/", ".")] or [draft]
     for k in range(1, len(parts) + 1):
         name = f"{'-'.join(parts[-k:])}{'-' + tag if tag else ''}-T{t:g}".replace(":", "")

@@ -638,6 +638,9 @@ def test_bench_decode_names_each_entrys_report_apart():
     names = [report_name(d, "", 0.0, taken) for d in ("a/final", "b/final", "b/final", "ngram")]
     assert names == ["final-T0", "b-final-T0", "b-final-T0~2", "ngram-T0"]
     assert report_name("truncate:4", "dynamic", 1.0, set()) == "truncate4-dynamic-T1"
+    # a tag holding a path (disco=/x/y/disco) stays one file name, not folders under --out
+    name = report_name("smollm2-eagle3", "chain-disco-6-/x/y/disco", 0.0, set())
+    assert name == "smollm2-eagle3-chain-disco-6-_x_y_disco-T0" and "/" not in name
 
 
 def test_the_decode_scripts_use_the_target_a_draft_was_made_for(tmp_path, monkeypatch, capsys):
