@@ -700,8 +700,7 @@ class BatchDecoder:
                     progress(1)
                 if run.on_done is not None:
                     self._hand_over(run, r.key, out_tokens)
-            gone = set(finished)
-            keep = [b for b in range(len(rows)) if b not in gone]
+            keep = retire_order(len(rows), finished, run.joined if self.bp is not None else 0)
             run.rows = [rows[b] for b in keep]
             self.runner.retire(keep)
             if self.bp is not None:
@@ -769,6 +768,23 @@ class BatchDecoder:
     def _step_time(row: _Row, p: Proposal, out: list) -> None:
         if len(p) and row.proposer.measures_steps:
             out.append(row.proposer.last_step_seconds)
+
+
+def retire_order(rows: int, finished: list[int], joined: int = 0) -> list[int]:
+    """The rows that stay once ``finished`` leave, in their new order: ``keep[i]`` is the row
+    that takes slot i. A survivor keeps its slot where it can and the slots freed are filled
+    from the end, so a cache moves about as many rows as left (keeping the order would move
+    every row after the first to leave: at 512 rows, most of the cache at most steps). The
+    first ``joined`` rows (those a batched drafter has read) stay the first."""
+    gone = set(finished)
+    keep: list[int] = []
+    for group in (range(0, joined), range(joined, rows)):
+        stay = [b for b in group if b not in gone]
+        slots = range(len(keep), len(keep) + len(stay))
+        # survivors already in the group's slots stay put; the others fill its free slots
+        movers = iter([b for b in stay if b not in slots])
+        keep += [i if (i in group and i not in gone) else next(movers) for i in slots]
+    return keep
 
 
 def kept_rows(feats: torch.Tensor, keeps: list[list[int]]) -> list[torch.Tensor]:

@@ -121,6 +121,10 @@ def count_iteration(st: Stats, prop: Proposal, path: list[int], ended: bool = Fa
     at k-1 has children (for a chain: the draft reached depth k); a deeper branch elsewhere in a
     tree is not a test of the accepted path. ``ended``: the request's budget ended at ``path``
     (a proposal drafted past it), so no position after it was tested."""
+    if not prop.parents:  # nothing drafted: a plain step
+        st.gamma_used[0] += 1
+        st.target_calls += 1
+        return 0
     depth = depths(prop)
     for d in depth:
         st.drafted[d] += 1

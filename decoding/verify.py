@@ -50,6 +50,8 @@ def children_of(parents: list[int], n: int) -> list[list[int]]:
 def verify_greedy(tokens: list[int], parents: list[int], target_argmax: list[int]) -> Verdict:
     """T = 0: follow the child whose token is the target's argmax; emit the argmax where none is.
     target_argmax[i + 1] is the target's choice after node i ([0]: after the root)."""
+    if not tokens:  # nothing drafted (plain decoding): the target's choice
+        return Verdict([], target_argmax[0])
     kids = children_of(parents, len(tokens))
     path: list[int] = []
     cur = -1
@@ -324,11 +326,9 @@ def accept_rows(
     row's tests and draws on the device with one read (``sampled_on_device``); else each row
     accepts on its own, which on a GPU reads the device at every test and draw."""
     pairs = list(enumerate(zip(props, generators, strict=True)))
-    if rule.sampling.greedy and rule.lenience == 1.0:
+    if rule.sampling.greedy and rule.lenience == 1.0:  # ``accept``'s greedy case, per row
         arg = greedy_tokens(logits).tolist()
-        return [
-            accept(rule, p, logits[b, : len(p) + 1], g, arg[b][: len(p) + 1]) for b, (p, g) in pairs
-        ]
+        return [Accepted(verify_greedy(p.tokens, p.parents, arg[b])) for b, (p, _) in pairs]
     if on_device and samples_on_device(rule, props):
         return sampled_on_device(rule.sampling, props, logits, generators)
     return [accept(rule, p, logits[b, : len(p) + 1], g) for b, (p, g) in pairs]

@@ -21,6 +21,7 @@ is refused, naming the setting, so one file never mixes two settings.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -120,6 +121,8 @@ _COUNTS_KEY = "_counts"
 #: the key under which it carries a digest of the input it answered (the turns the target
 #: does not write: system, user, tool), so a resume after the input changed is refused
 _INPUT_KEY = "_input"
+#: the most seconds between syncs of the replies written to disk (``regenerate``)
+SYNC_SECONDS = 1.0
 
 
 def _input_digest(c) -> str:
@@ -447,22 +450,32 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         disable=not cfg.progress,
     )
     new_tokens = 0
+    synced = time.monotonic()
 
     with open(part, "a", encoding="utf-8") as f:
 
+        def sync() -> None:
+            nonlocal synced
+            os.fsync(f.fileno())
+            _write_atomic(counts_file, json.dumps(counts))
+            synced = time.monotonic()
+
         def finish(i: int) -> None:
-            # each conversation is written (and synced) when its last turn is done, so a
-            # crash repeats only the conversations in flight
+            # each conversation is written when its last turn is done and handed to the OS at
+            # once, so a stopped or killed process repeats only the conversations in flight;
+            # the disk is synced at most every SYNC_SECONDS (a machine's crash repeats those
+            # seconds' too): a sync a reply cost as much as the replies on a GPU writing
+            # dozens a second to a slow or network file system
             nonlocal new_tokens
             rec, n = work.record(i)
             # its counts travel with it: the merge counts exactly the records it writes
             rec = {**rec, _COUNTS_KEY: n, _INPUT_KEY: _input_digest(convs[i])}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
-            os.fsync(f.fileno())
             for k, v in n.items():
                 counts[k] += v
-            _write_atomic(counts_file, json.dumps(counts))
+            if time.monotonic() - synced >= SYNC_SECONDS:
+                sync()
             new_tokens += n["reply_tokens"]
             bar.update(1)
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
@@ -485,16 +498,23 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             if cfg.engine == "torch" and not hasattr(target, "model"):
                 target = load_target(target_cfg)
                 eos = _eos(target)
-            _generate(
-                target,
-                cfg,
-                first_requests,
-                eos,
-                on_done,
-                None if cfg.max_minutes is None else lambda: time.time() > deadline,
-            )
+            # what is loaded (data, target, libraries) lives to the end: frozen, the collector
+            # skips it, where scanning it paused a 512-row loop for milliseconds a step
+            gc.collect()
+            gc.freeze()
+            try:
+                _generate(
+                    target,
+                    cfg,
+                    first_requests,
+                    eos,
+                    on_done,
+                    None if cfg.max_minutes is None else lambda: time.time() > deadline,
+                )
+            finally:
+                gc.unfreeze()
+        sync()
     bar.close()
-    _write_atomic(counts_file, json.dumps(counts))
     state.wait_for_everyone()
     summary: dict[str, Any] = {"out": str(out), "rank": rank}
     if rank == 0:

@@ -178,17 +178,17 @@ class RaggedColumns:
         self.frontier = start + last
 
     def retire(self, keep: list[int]) -> None:
-        """Only the rows at ``keep`` stay, in that order (the rows after the first that moves
-        are copied up: the active rows stay the first ones)."""
+        """Only the rows at ``keep`` stay, in that order: slot i takes row ``keep[i]`` (the
+        active rows stay the first ones). Only the rows that change slot are copied (the
+        decoder fills freed slots from the end, ``decoding.batch.retire_order``)."""
         R, k = self.rows, len(keep)
-        j = 0  # rows before j stay where they are
-        while j < k and keep[j] == j:
-            j += 1
+        moved = [i for i in range(k) if keep[i] != i]
         L, kv = self.frontier, self.kv
-        if j < k:
-            idx = torch.tensor(keep[j:], device=kv.device)
-            kv[:, :, j:k, :, :L] = kv[:, :, :, :, :L].index_select(2, idx)
-            self.valid[j:k, :L] = self.valid[:, :L].index_select(0, idx)
+        if moved:  # gathered before written: a row may move into a slot another leaves
+            dst = torch.tensor(moved, device=kv.device)
+            src = torch.tensor([keep[i] for i in moved], device=kv.device)
+            kv[:, :, :, :, :L].index_copy_(2, dst, kv[:, :, :, :, :L].index_select(2, src))
+            self.valid[:, :L].index_copy_(0, dst, self.valid[:, :L].index_select(0, src))
         self.valid[k:R] = False
         self.counts = [self.counts[b] for b in keep]
         if not keep:

@@ -7,7 +7,7 @@ target (3 layers, hidden 64), whose forwards are small enough for the host's sha
 
     python scripts/bench_host.py                  # all parts, medians of 5 runs
     python scripts/bench_host.py --parts plain    # plain | drafter | batched_draft | single |
-                                                  # accept | launches
+                                                  # accept | launches | regen
 
   plain          BatchDecoder on the static batch cache (eager), B = 16, 32 requests x 64
                  tokens, no draft: ms of host work an iteration (wall time less the forwards
@@ -28,6 +28,10 @@ target (3 layers, hidden 64), whose forwards are small enough for the host's sha
                  3, an EAGLE-2 tree) and B = 8 (the batched chain of 3), T = 0 and 1: an
                  iteration's operations outside its graphs, reads of the device and graph
                  replays (what a GPU's host does around the graphs)
+  regen          the data generator's loop (specdraft-prepare): nothing drafted, 512 rows
+                 (--rows) with continuous batching, 2,048 requests of ShareGPT-like budgets
+                 (<= 256 tokens): tokens/s, ms a step and the host's ms a step (--device cuda:
+                 on the static cache's CUDA graphs); not in the default parts
 
 Run it alone on the machine (a second busy process slows small forwards 10-70x on 2 cores).
 """
@@ -99,6 +103,60 @@ def part_loop(with_drafter: bool, runs: int) -> dict:
     if with_drafter:
         out["of which the policy's choice, ms (median)"] = statistics.median(choose)
     return out
+
+
+def part_regen(runs: int, device: str = "cpu", rows: int = 512) -> dict:
+    """The data generator's loop (``flow/regenerate.py``): nothing drafted, ``rows`` rows
+    with continuous batching (a finished reply's slot taken by the next request at once),
+    4 x ``rows`` requests whose budgets mimic ShareGPT's first turns at 256 new tokens (half
+    cut at 256, the rest ending anywhere), the collector's generations frozen as the
+    generator freezes them. Reports tokens/s, ms a step and the host's ms a step (wall time
+    less the forwards and prefills)."""
+    import gc
+    import random
+
+    from decoding.batch import BatchDecoder
+    from decoding.decoder import NoDraft
+    from models.sampling import Sampling
+    from models.target import GenRequest, TargetConfig, load_target
+
+    torch.set_num_threads(1 if device == "cpu" else torch.get_num_threads())
+    t = load_target(TargetConfig(name="tiny_random", dtype="float32", device=device))
+    rng = random.Random(0)
+    reqs = [
+        GenRequest(
+            i,
+            [rng.randrange(5, 200) for _ in range(rng.randrange(20, 120))],
+            max_new_tokens=rng.choice([256, rng.randrange(8, 256)]),
+        )
+        for i in range(4 * rows)
+    ]
+    d = BatchDecoder(t, NoDraft(), Sampling(), rows, gamma=0, admit=1, compile="auto", max_len=400)
+    d.run(reqs[:rows], 8)  # warm-up (graphs captured on a GPU)
+    gc.collect()
+    gc.freeze()
+    tok_s, step, host = [], [], []
+    try:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            out = d.run(reqs, 256)
+            wall = time.perf_counter() - t0
+            s = d.stats
+            tok_s.append(sum(len(v) for v in out.values()) / wall)
+            step.append(1e3 * wall / s.forwards)
+            host.append(1e3 * (wall - s.rows.t_target - s.rows.t_prefill) / s.forwards)
+    finally:
+        gc.unfreeze()
+    return {
+        "rows": rows,
+        "device": device,
+        "tokens/s (median)": statistics.median(tok_s),
+        "ms a step (median)": statistics.median(step),
+        "host ms a step (median)": statistics.median(host),
+        "host ms a step (runs)": host,
+        "forwards a run": s.forwards,
+        "prefills a run": s.prefills,
+    }
 
 
 def part_batched_draft(runs: int) -> dict:
@@ -359,7 +417,8 @@ def main() -> None:
     ap.add_argument("--parts", default="plain,drafter,batched_draft,single")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--device", default="cpu", help="where part accept runs (cpu | cuda)")
+    ap.add_argument("--device", default="cpu", help="where parts accept and regen run")
+    ap.add_argument("--rows", type=int, default=512, help="part regen's batch")
     a = ap.parse_args()
     known = {
         "plain": lambda: part_loop(False, a.runs),
@@ -368,6 +427,7 @@ def main() -> None:
         "single": lambda: part_single(a.runs),
         "accept": lambda: part_accept(a.runs, a.device),
         "launches": part_launches,
+        "regen": lambda: part_regen(a.runs, a.device, a.rows),
     }
     res: dict = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -13,6 +13,8 @@ import statistics
 import pytest
 import torch
 from conftest import COMPILE, run_module
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 import decoding.batch as batch
 import decoding.batch_runner as batch_runner
@@ -286,6 +288,42 @@ def test_the_static_batch_cache_computes_what_the_ragged_one_does(tiny_target):
         for r in (ragged, static):
             r.tidy()
     assert static.rows == ragged.rows == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(hst.data())
+def test_retiring_rows_moves_about_as_many_as_leave(data):
+    """``retire_order``: the survivors, each once, the drafter's joined ones first (in the
+    first slots), a survivor in reach of its slot kept there, and at most two moves a row that
+    left (keeping the order moved every row after the first to leave: most of a 512-row cache
+    at most steps of a data generator)."""
+    rows = data.draw(hst.integers(0, 40))
+    joined = data.draw(hst.integers(0, rows))
+    finished = data.draw(hst.lists(hst.integers(0, max(rows - 1, 0)), unique=True)) if rows else []
+    keep = batch.retire_order(rows, finished, joined)
+    survivors = [b for b in range(rows) if b not in finished]
+    assert sorted(keep) == survivors
+    j = sum(b < joined for b in survivors)
+    assert sorted(keep[:j]) == [b for b in survivors if b < joined]
+    assert all(keep[b] == b for b in survivors if b < len(keep) and (b < j) == (b < joined))
+    assert sum(k != i for i, k in enumerate(keep)) <= 2 * len(finished)
+
+
+def test_the_static_cache_moves_only_the_rows_that_change_slot():
+    """``RaggedColumns.retire`` with slots filled out of order (``retire_order``'s): each
+    slot then holds its row's keys, values and valid columns, rows that stay untouched."""
+    kv = torch.arange(2 * 2 * 5 * 1 * 6 * 1, dtype=torch.float32).view(2, 2, 5, 1, 6, 1)
+    cols = RaggedColumns(kv.clone(), capacity=6)
+    rows, c0 = cols.place(5, 4)
+    cols.fill(rows, c0, torch.tensor([[True] * 4, [False, True, True, True]] * 2 + [[True] * 4]))
+    before, valid = cols.kv.clone(), cols.valid.clone()
+    keep = batch.retire_order(5, [0, 2], 0)
+    assert keep == [3, 1, 4]  # rows 3 and 4 fill the freed slots 0 and 2
+    cols.retire(keep)
+    for i, b in enumerate(keep):
+        assert torch.equal(cols.kv[:, :, i, :, :4], before[:, :, b, :, :4])
+        assert torch.equal(cols.valid[i], valid[b])
+    assert not cols.valid[3:].any() and cols.rows == 3 and cols.counts == [3, 3, 4]
 
 
 @pytest.mark.parametrize("name", ["none", "eagle"])
