@@ -27,6 +27,9 @@
 #   draft        (60)  the shipped head's proposals in parts: chain of 3 and an EAGLE-2 tree,
 #                eager / fixed shapes / graph replay / host part (costs.json)
 #   accept       (40)  T = 1 acceptance for 1 and 16 rows, on the host against on the device
+#   regen_host   (90)  the data generator's loop on the tiny target, nothing drafted, REGEN_ROWS
+#                (512) rows with continuous batching on the static cache's graphs: tokens/s,
+#                ms a step and the host's share (regen_host.json)
 #   goodput      (150) MT-bench first turns, T = 0, B = 16, chain of <= 3, goodput policy
 #                (goodput_b16.json)
 #   tree         (140) the same at B = 1, EAGLE-2 tree (depth 5, top_k 8, 32 nodes) (tree_t0.json)
@@ -38,11 +41,11 @@
 #   batch        (100) the batched decoder's runners and drafters, ragged against static graphs
 #   hf           (200) transformers' generate with a static cache and torch.compile
 #
-# Environment: DEVICE (cuda), PROMPTS (80), TOKENS (128), LIMIT_SCALE (1), SKIP / ONLY (step
-# names), SHAPED_CONFIG (an architecture config folder in place of Llama-3.1-8B's), SITE,
-# NO_INSTALL=1 (never install). A CPU smoke run of the whole path:
-#   DEVICE=cpu PROMPTS=2 TOKENS=8 LIMIT_SCALE=4 SKIP=hf SHAPED_CONFIG=<small config> \
-#     bash scripts/gpu_check.sh /tmp/check
+# Environment: DEVICE (cuda), PROMPTS (80), TOKENS (128), REGEN_ROWS (512), LIMIT_SCALE (1),
+# SKIP / ONLY (step names), SHAPED_CONFIG (an architecture config folder in place of
+# Llama-3.1-8B's), SITE, NO_INSTALL=1 (never install). A CPU smoke run of the whole path:
+#   DEVICE=cpu PROMPTS=2 TOKENS=8 REGEN_ROWS=32 LIMIT_SCALE=4 SKIP=hf \
+#     SHAPED_CONFIG=<small config> bash scripts/gpu_check.sh /tmp/check
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/gpu_common.sh
@@ -72,6 +75,8 @@ SPECDRAFT_TEST_DEVICE=$dev step embedded 40 python3 -m pytest -q -o addopts="" \
 step draft 60 python3 scripts/bench_compiled.py --parts draft --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json"
 step accept 40 python3 scripts/bench_host.py --parts accept --device "$dev" --runs 5
+step regen_host 90 python3 scripts/bench_host.py --parts regen --device "$dev" --runs 3 \
+  --rows "${REGEN_ROWS:-512}" --out "$out/regen_host.json"
 step goodput 150 python3 -m decoding.eval draft=smollm2-eagle3 "target.device=$dev" tree=chain \
   gamma=3 num_prompts="$n" max_new_tokens="$tokens" temperature=0 compile=true \
   "batch_sizes=[16]" "batch_policies=[goodput]" report="$out/goodput_b16.json"
