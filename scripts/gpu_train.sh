@@ -23,9 +23,10 @@
 #
 # Steps (each capped at its program's own budget x 1.3 + a margin, times LIMIT_SCALE):
 #   regen  (REGEN_MIN, 4 min) the target's replies of <= 256 tokens at REGEN_T (0: greedy) to
-#          COUNT conversations after the first SKIP (DATA: a file or folder; default the packaged
-#          ShareGPT), prompt and reply <= 768 tokens, REGEN_BATCH (512) at a time on the batched
-#          decoder (REGEN_COMPILE, auto; if that writes nothing, again with compile=false);
+#          the first REGEN_TURNS (1) user turns of COUNT conversations after the first SKIP (DATA:
+#          a file or folder; default the packaged ShareGPT; a later turn follows the target's own
+#          earlier replies), prompt and reply <= 768 tokens, REGEN_BATCH (512) at a time on the
+#          batched decoder (REGEN_COMPILE, auto; if that writes nothing, again with compile=false);
 #          REGEN_ENGINE=vllm writes them with vLLM instead (bash scripts/install.sh vllm);
 #          REGEN_FROM (an earlier run's OUT, or its regen.jsonl with the .meta.json beside it):
 #          start from its replies and write only the conversations it did not reach
@@ -40,8 +41,8 @@
 # Environment: DEVICE (cuda), SKIP (0), COUNT (20000), DATA, INIT, TARGET (the Hydra target
 # group, default smollm2_135m; `hf` with TARGET_ARGS="target.path=<folder or hub id>"),
 # TARGET_ARGS, EXPERIMENT, EXTRA_TRAIN (more training overrides), REGEN_MIN, TRAIN_MIN, EPOCHS,
-# REGEN_FROM, REGEN_T, REGEN_BATCH, REGEN_COMPILE, REGEN_ENGINE, PROMPTS, TOKENS, LIMIT_SCALE, SITE,
-# NO_INSTALL=1. A CPU run of the whole recipe in a few minutes, on the tiny random target (as
+# REGEN_FROM, REGEN_T, REGEN_TURNS, REGEN_BATCH, REGEN_COMPILE, REGEN_ENGINE, PROMPTS, TOKENS,
+# LIMIT_SCALE, SITE, NO_INSTALL=1. A CPU run of the whole recipe in a few minutes, on the tiny random target (as
 # tests/test_gpu_recipe.py runs it; its greedy replies are only whitespace, so REGEN_T=1 samples
 # them, and EAGLE-3 needs its 4-layer shape):
 #   DEVICE=cpu TARGET=tiny_random TARGET_ARGS=target.tiny_layers=4 INIT=null COUNT=12 \
@@ -102,7 +103,7 @@ regen() {
   local engine=()
   [ -n "${REGEN_ENGINE:-}" ] && engine=("engine=$REGEN_ENGINE")
   step "$1" "$(secs "$regen_min")" python3 -m flow.regenerate "${tgt[@]}" "${data[@]}" \
-    "data.skip_records=$skip" "data.max_records=$count" "out=$out/regen.jsonl" max_turns=1 \
+    "data.skip_records=$skip" "data.max_records=$count" "out=$out/regen.jsonl" "max_turns=${REGEN_TURNS:-1}" \
     max_new_tokens=256 data.max_length=768 "temperature=${REGEN_T:-0}" \
     "batch_size=${REGEN_BATCH:-512}" "max_minutes=$regen_min" progress=false "compile=$2" \
     "${engine[@]}"
@@ -145,9 +146,10 @@ if $curve; then
 fi
 left=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('not_reached', 0))" \
   "$out/regen.jsonl.meta.json" 2>/dev/null || echo 0)
+turns=${REGEN_TURNS:+REGEN_TURNS=$REGEN_TURNS }
 if [ "${left:-0}" -gt 0 ]; then # the rest of this slice first, with the replies written so far
-  echo "  continue: SKIP=$skip COUNT=$count REGEN_FROM=$out INIT=$out/run/final bash scripts/gpu_train.sh" \
+  echo "  continue: ${turns}SKIP=$skip COUNT=$count REGEN_FROM=$out INIT=$out/run/final bash scripts/gpu_train.sh" \
     "  ($left conversations of the slice not reached yet)"
 else
-  echo "  continue: SKIP=$((skip + count)) COUNT=$count INIT=$out/run/final bash scripts/gpu_train.sh"
+  echo "  continue: ${turns}SKIP=$((skip + count)) COUNT=$count INIT=$out/run/final bash scripts/gpu_train.sh"
 fi

@@ -42,12 +42,17 @@ TINY = {
 
 def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "gpu"
-    r = _run(["bash", "scripts/gpu_train.sh", str(out)], {**TINY, "INIT": "null"})
+    # two user turns a conversation: the second follows the target's own first reply
+    r = _run(
+        ["bash", "scripts/gpu_train.sh", str(out)], {**TINY, "INIT": "null", "REGEN_TURNS": "2"}
+    )
     for name in ("regen.jsonl", "eval_chain.json", "summary.json", "train.log", "slice.json"):
         assert (out / name).is_file(), name
     s = json.loads((out / "summary.json").read_text())
     assert s["method"] == "eagle3" and s["slice"]["count"] == 12 and s["slice"]["skip"] == 0
     assert s["regenerated"]["records"] >= 1
+    assert s["regenerated"]["settings"]["max_turns"] == 2
+    assert s["regenerated"]["replies"] > s["regenerated"]["records"]  # later turns answered
     assert s["train"]["tokens"] > 0 and s["train"]["tokens_per_s_median"] > 0
     assert s["train"]["model_flops_per_token"] == (
         2 * s["train"]["target_params"]
@@ -58,7 +63,7 @@ def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
 
     assert read_draft_config(out / "run" / "final")["specdraft"]["method"] == "eagle3"
     # the next slice, from these weights
-    assert f"SKIP=12 COUNT=12 INIT={out}/run/final" in r.stdout
+    assert f"REGEN_TURNS=2 SKIP=12 COUNT=12 INIT={out}/run/final" in r.stdout
     curves = json.loads((out / "run" / "lineage.json").read_text())["curves"]
     assert [Path(p).name for p, _ in curves] == ["metrics.jsonl"] and curves[0][1] == 0
     # no validation logged, no weights it began from: no curve to offer
@@ -69,7 +74,13 @@ def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
     again = tmp_path / "again"
     r = _run(
         ["bash", "scripts/gpu_train.sh", str(again)],
-        {**TINY, "INIT": f"{out}/run/final", "REGEN_FROM": str(out), "ONLY": "regen train"},
+        {
+            **TINY,
+            "INIT": f"{out}/run/final",
+            "REGEN_FROM": str(out),
+            "REGEN_TURNS": "2",
+            "ONLY": "regen train",
+        },
     )
     assert f"regeneration starts from the {len(first.splitlines())} conversations" in r.stdout
     assert (again / "regen.jsonl").read_text() == first
