@@ -503,7 +503,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             gc.collect()
             gc.freeze()
             try:
-                _generate(
+                loop = _generate(
                     target,
                     cfg,
                     first_requests,
@@ -513,6 +513,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
                 )
             finally:
                 gc.unfreeze()
+            if loop is not None and loop.forwards:
+                print(loop_account(loop), flush=True)
         sync()
     bar.close()
     state.wait_for_everyone()
@@ -545,6 +547,21 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def loop_account(st) -> str:
+    """Where the batched decoder's time went while it wrote replies (``BatchStats``): tokens/s,
+    the batch's occupancy, and the shares of the target's forwards, prefills and the rest (the
+    host's work between forwards, the replies' writing)."""
+    wall = max(st.wall, 1e-9)
+    fwd, pre = st.rows.t_target, st.rows.t_prefill
+    return (
+        f"decoding: {st.rows.new_tokens:,} tokens (stop tokens included) in {wall:.1f} s "
+        f"({st.rows.new_tokens / wall:,.0f} tokens/s), {st.forwards:,} forwards of "
+        f"{st.row_slots / st.forwards:.0f} rows on average; forwards {fwd / wall:.0%}, "
+        f"prefills {pre / wall:.0%}, the rest {max(0.0, wall - fwd - pre) / wall:.0%} "
+        f"({1e3 * max(0.0, wall - fwd - pre) / st.forwards:.2f} ms a forward)"
+    )
+
+
 def _eos(target) -> set[int]:
     """The tokens that end a reply: the loaded target's generation config's and its
     tokenizer's end of sequence."""
@@ -558,10 +575,10 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
     (``decoding/batch.py``: the evaluator's loop, on its static cache and, on a GPU, its CUDA
     graphs), or for a target whose cache cannot be joined (sliding-window layers) on
     ``models.target.generate_many`` (batches of one padded prefill each, the next once one has
-    finished)."""
+    finished). Returns the batched decoder's ``BatchStats`` where it ran, else None."""
     if cfg.engine == "vllm":
         _generate_vllm(target, cfg, requests, eos, on_done, should_stop)
-        return
+        return None
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     try:
         check_batchable(target, NoDraft())
@@ -577,7 +594,7 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
             batch_size=cfg.batch_size,
             should_stop=should_stop,
         )
-        return
+        return None
     longest = cfg.data.max_length + cfg.max_new_tokens  # a prompt is cut before max_length
     try:
         dec = BatchDecoder(
@@ -601,6 +618,7 @@ def _generate(target, cfg, requests: list[GenRequest], eos: set[int], on_done, s
         should_stop=should_stop,
         longest=longest,
     )
+    return dec.stats
 
 
 def _generate_vllm(target, cfg, requests: list[GenRequest], eos, on_done, should_stop):

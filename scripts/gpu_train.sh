@@ -26,7 +26,9 @@
 #          the first REGEN_TURNS (1) user turns of COUNT conversations after the first SKIP (DATA:
 #          a file or folder; default the packaged ShareGPT; a later turn follows the target's own
 #          earlier replies), prompt and reply <= 768 tokens, REGEN_BATCH (512) at a time on the
-#          batched decoder (REGEN_COMPILE, auto; if that writes nothing, again with compile=false);
+#          batched decoder (REGEN_COMPILE, auto; if that writes nothing, again with compile=false;
+#          REGEN_ADMIT (1): free rows before waiting prompts join, prefilled together; its log
+#          says where the loop's time went: forwards, prefills, the rest);
 #          REGEN_ENGINE=vllm writes them with vLLM instead (bash scripts/install.sh vllm);
 #          REGEN_FROM (an earlier run's OUT, or its regen.jsonl with the .meta.json beside it):
 #          start from its replies and write only the conversations it did not reach
@@ -41,8 +43,8 @@
 # Environment: DEVICE (cuda), SKIP (0), COUNT (20000), DATA, INIT, TARGET (the Hydra target
 # group, default smollm2_135m; `hf` with TARGET_ARGS="target.path=<folder or hub id>"),
 # TARGET_ARGS, EXPERIMENT, EXTRA_TRAIN (more training overrides), REGEN_MIN, TRAIN_MIN, EPOCHS,
-# REGEN_FROM, REGEN_T, REGEN_TURNS, REGEN_BATCH, REGEN_COMPILE, REGEN_ENGINE, PROMPTS, TOKENS,
-# LIMIT_SCALE, SITE, NO_INSTALL=1. A CPU run of the whole recipe in a few minutes, on the tiny random target (as
+# REGEN_FROM, REGEN_T, REGEN_TURNS, REGEN_BATCH, REGEN_ADMIT, REGEN_COMPILE, REGEN_ENGINE,
+# PROMPTS, TOKENS, LIMIT_SCALE, SITE, NO_INSTALL=1. A CPU run of the whole recipe in a few minutes, on the tiny random target (as
 # tests/test_gpu_recipe.py runs it; its greedy replies are only whitespace, so REGEN_T=1 samples
 # them, and EAGLE-3 needs its 4-layer shape):
 #   DEVICE=cpu TARGET=tiny_random TARGET_ARGS=target.tiny_layers=4 INIT=null COUNT=12 \
@@ -105,7 +107,8 @@ regen() {
   step "$1" "$(secs "$regen_min")" python3 -m flow.regenerate "${tgt[@]}" "${data[@]}" \
     "data.skip_records=$skip" "data.max_records=$count" "out=$out/regen.jsonl" "max_turns=${REGEN_TURNS:-1}" \
     max_new_tokens=256 data.max_length=768 "temperature=${REGEN_T:-0}" \
-    "batch_size=${REGEN_BATCH:-512}" "max_minutes=$regen_min" progress=false "compile=$2" \
+    "batch_size=${REGEN_BATCH:-512}" "batch_admit=${REGEN_ADMIT:-1}" \
+    "max_minutes=$regen_min" progress=false "compile=$2" \
     "${engine[@]}"
 }
 regen regen "${REGEN_COMPILE:-auto}"

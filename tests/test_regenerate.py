@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -17,11 +18,20 @@ def _cfg(data_file, out, **extra):
     return compose_prepare(data_file, out, **extra)
 
 
-def test_replies_are_the_targets_greedy_answers(tmp_path, data_file, tiny_target):
+def test_replies_are_the_targets_greedy_answers(tmp_path, data_file, tiny_target, capsys):
     from flow.regenerate import regenerate
 
     out = tmp_path / "regen.jsonl"
     meta = regenerate(_cfg(data_file, out, max_turns=1))
+    # where the loop's time went, said once it has written the replies
+    said = re.search(
+        r"decoding: ([\d,]+) tokens \(stop tokens included\) in .* forwards ([\d]+)%",
+        capsys.readouterr().out,
+    )
+    # the replies' tokens and each reply's stop token where it stopped before its budget
+    decoded = int(said[1].replace(",", "")) if said else -1
+    assert meta["reply_tokens"] <= decoded <= meta["reply_tokens"] + meta["replies"]
+    assert int(said[2]) > 0
     src, _ = load_conversations(data_file, 10)
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert meta["records"] == len(got) == 10
@@ -189,6 +199,22 @@ def test_max_minutes_stops_starting_conversations_and_the_same_command_continues
     assert out.read_text() == full.read_text()
     with pytest.raises(Exception, match="max_minutes=0"):
         regenerate(_cfg(data_file, tmp_path / "x.jsonl", max_minutes=0))
+
+
+def test_the_loops_account_splits_its_wall_time():
+    """``loop_account``: tokens/s, the batch's mean rows and each share of the wall time, the
+    rest (the host's work between forwards) also in ms a forward."""
+    from decoding.stats import BatchStats
+    from flow.regenerate import loop_account
+
+    st = BatchStats()
+    st.wall, st.forwards, st.row_slots = 10.0, 1000, 400_000
+    st.rows.new_tokens, st.rows.t_target, st.rows.t_prefill = 380_000, 6.0, 1.5
+    assert loop_account(st) == (
+        "decoding: 380,000 tokens (stop tokens included) in 10.0 s (38,000 tokens/s), 1,000 "
+        "forwards of 400 "
+        "rows on average; forwards 60%, prefills 15%, the rest 25% (2.50 ms a forward)"
+    )
 
 
 def test_generate_many_should_stop_lets_rows_in_flight_finish(tiny_target):
