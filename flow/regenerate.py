@@ -464,8 +464,8 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             # each conversation is written when its last turn is done and handed to the OS at
             # once, so a stopped or killed process repeats only the conversations in flight;
             # the disk is synced at most every SYNC_SECONDS (a machine's crash repeats those
-            # seconds' too): a sync a reply cost as much as the replies on a GPU writing
-            # dozens a second to a slow or network file system
+            # seconds' too): a GPU writes dozens of replies a second, and a sync can take
+            # milliseconds on a network file system
             nonlocal new_tokens
             rec, n = work.record(i)
             # its counts travel with it: the merge counts exactly the records it writes
