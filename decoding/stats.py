@@ -195,6 +195,12 @@ class BatchStats:
         return self.rows.new_tokens / self.wall if self.wall else float("nan")
 
     @property
+    def host_seconds(self) -> float:
+        """The run's seconds outside the target's forwards and prefills: the host's work
+        between forwards (drafting included) and what a caller's hooks do in the loop."""
+        return self.wall - self.rows.t_target - self.rows.t_prefill
+
+    @property
     def request_tokens_per_second(self) -> float:
         """Mean over requests of tokens / (finish - admission)."""
         rs = [n / s for n, s in self.requests if s > 0]

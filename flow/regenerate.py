@@ -551,14 +551,13 @@ def loop_account(st) -> str:
     """Where the batched decoder's time went while it wrote replies (``BatchStats``): tokens/s,
     the batch's occupancy, and the shares of the target's forwards, prefills and the rest (the
     host's work between forwards, the replies' writing)."""
-    wall = max(st.wall, 1e-9)
-    fwd, pre = st.rows.t_target, st.rows.t_prefill
+    wall, rest = max(st.wall, 1e-9), max(0.0, st.host_seconds)
     return (
         f"decoding: {st.rows.new_tokens:,} tokens (stop tokens included) in {wall:.1f} s "
-        f"({st.rows.new_tokens / wall:,.0f} tokens/s), {st.forwards:,} forwards of "
-        f"{st.row_slots / st.forwards:.0f} rows on average; forwards {fwd / wall:.0%}, "
-        f"prefills {pre / wall:.0%}, the rest {max(0.0, wall - fwd - pre) / wall:.0%} "
-        f"({1e3 * max(0.0, wall - fwd - pre) / st.forwards:.2f} ms a forward)"
+        f"({st.tokens_per_second:,.0f} tokens/s), {st.forwards:,} forwards of "
+        f"{st.row_slots / st.forwards:.0f} rows on average; forwards "
+        f"{st.rows.t_target / wall:.0%}, prefills {st.rows.t_prefill / wall:.0%}, the rest "
+        f"{rest / wall:.0%} ({1e3 * rest / st.forwards:.2f} ms a forward)"
     )
 
 
