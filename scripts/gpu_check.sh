@@ -50,6 +50,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/gpu_common.sh
 source scripts/gpu_common.sh
+case "${1:-}" in -h | --help) ;; *) check_step_names "$0" ;; esac
 begin runs/gpu-check check.log "$0" "$@"
 ensure_installed
 log_machine

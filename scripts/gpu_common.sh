@@ -68,6 +68,19 @@ step() {
   return $rc
 }
 
+# check_step_names SCRIPT: each name in SKIP and ONLY is one of SCRIPT's steps, else one line
+# naming it and exit 2 before anything is written (a misspelled ONLY would skip every step)
+check_step_names() {
+  local known n
+  known=$(grep -oE '(^|[[:space:]])step [a-z_0-9]+ [0-9]+' "$1" | awk '{print $2}' | tr '\n' ' ')
+  for n in ${SKIP:-} ${ONLY:-}; do
+    if [[ " $known " != *" $n "* ]]; then
+      echo "$1: SKIP/ONLY: no step named '$n' (steps: ${known% })" >&2
+      exit 2
+    fi
+  done
+}
+
 # begin DEFAULT_OUT LOGNAME "$@": --help, the output folder (the first argument, or
 # DEFAULT_OUT/<UTC stamp>) and the log in it
 begin() {

@@ -9,6 +9,11 @@ case "${1:-}" in -h | --help)
   exit 0
   ;;
 esac
+case "$#:${1:-}" in 0: | 1:dev | 1:engine | 1:vllm) ;; *)
+  echo "error: install.sh $*: no such part (choose one of dev, engine, vllm; none: the toolkit)" >&2
+  exit 2
+  ;;
+esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -5,6 +5,8 @@ option in each; one flag keeps this file to one interpreter start per entry poin
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +82,51 @@ def test_shell_scripts_print_their_header_and_run_nothing(script, tmp_path):
     lines = r.stdout.splitlines()
     assert len(lines) >= 2 and not lines[0].startswith(("#", "case", "set ")), r.stdout[:500]
     assert list(tmp_path.iterdir()) == [], "--help wrote files"
+
+
+@pytest.mark.parametrize("args", [["vlm"], ["dev", "engine"], ["--dev"]])
+def test_install_refuses_a_part_it_does_not_have_before_installing_anything(args, tmp_path):
+    """``install.sh vlm`` (a typo) would otherwise install the toolkit and say nothing."""
+    r = subprocess.run(
+        [shutil.which("bash"), str(ROOT / "scripts" / "install.sh"), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": str(tmp_path)},  # nothing to run, were it to go on
+    )
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: install.sh "), r.stderr
+    assert "dev, engine, vllm" in r.stderr
+
+
+def _gpu_check_steps() -> list[str]:
+    """The steps scripts/gpu_check.sh's header lists, in its order."""
+    header = (ROOT / "scripts" / "gpu_check.sh").read_text().split("\nset ", 1)[0]
+    body = header.split("# Steps, in this order", 1)[1].split("# Environment:", 1)[0]
+    return re.findall(r"^#   ([a-z_0-9]+) +\(\d+\)", body, flags=re.M)
+
+
+def test_gpu_check_refuses_a_misspelled_step_before_it_writes_anything(tmp_path):
+    """A misspelled ONLY would skip every step after the machine's start-up, on a card lent
+    for minutes: the script names the step and the steps it has, and writes nothing."""
+    steps = _gpu_check_steps()
+    code = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    ran = re.findall(r"(?:^|\s)step ([a-z_0-9]+) \d+", code)
+    assert ran == steps and len(steps) >= 10, (ran, steps)  # the header documents every step
+    out = tmp_path / "out"
+    for env in ({"ONLY": "regen_hots"}, {"SKIP": f"{steps[0]} hff"}):
+        r = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "NO_INSTALL": "1", **env},
+        )
+        bad = env.get("ONLY", "hff")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (r.returncode, r.stderr)
+        assert f"no step named '{bad}'" in r.stderr and " ".join(steps) in r.stderr, r.stderr
+        assert not out.exists()
 
 
 @pytest.mark.parametrize(
