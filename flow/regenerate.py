@@ -210,8 +210,12 @@ def _compare_settings(old: dict[str, Any], settings: dict[str, Any], where: str)
         was = old.get(k, _ADDED_LATER.get(k))
         if k == "target" and same_weights(was, now):
             continue  # the same weights, moved or renamed
-        if k == "source" and isinstance(was, str) and Path(was).resolve() == Path(now).resolve():
-            continue  # written as given (relative) by earlier versions
+        if k == "source":
+            # where the input lies is no setting of the output: the same conversations under
+            # another path (another machine, a bundle unpacked elsewhere, the packaged data in
+            # another environment) continue it; each one answered is checked by its content
+            # (``_INPUT_KEY``), and an input sharing none of them is refused (``_seed_from_out``)
+            continue
         if was != now:
             raise PrepareError(
                 f"{where} generated with {k}={was!r}, now {k}={now!r}; use the same settings "
@@ -423,13 +427,16 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
     part = _part_path(out, rank, world)
     part.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(part)
+    seeded = _seed_from_out(out, part, convs, mine, done, source)
+    if seeded and rank == 0:
+        print(f"continuing from the {len(seeded):,} conversations of {out}", flush=True)
     for i in mine:  # records without ids are named by their line: an edited input renames them
         c = convs[i]
         was = done.get(c.id, {}).get(_INPUT_KEY)
         if was is not None and was != _input_digest(c):
             raise PrepareError(
-                f"{source}: conversation {c.id} is not the one answered in {part} (the input "
-                "changed since); give the input as it was, or another out="
+                f"{Path(source).resolve()}: conversation {c.id} is not the one answered in "
+                f"{part} (the input changed since); give the input as it was, or another out="
             )
     counts_file = part.parent / f"counts-rank{rank}-of-{world}.json"
     counts = dict.fromkeys(COUNTS, 0)
@@ -438,6 +445,9 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
             counts.update(json.loads(counts_file.read_text()))
         except ValueError:  # cut by a stop while it was written: the records hold theirs
             pass
+    for rec in seeded:  # copied from the output into the part just now
+        for k, v in rec[_COUNTS_KEY].items():
+            counts[k] = counts.get(k, 0) + v
     todo = [i for i in mine if convs[i].id not in done]
     work = _Conversations(target, [(i, convs[i]) for i in todo], cfg)
     t0 = time.time()
@@ -664,6 +674,63 @@ def _generate_vllm(target, cfg, requests: list[GenRequest], eos, on_done, should
         raise PrepareError(f"engine=vllm: {e}") from None
 
 
+def _seed_from_out(out: Path, part: Path, convs, mine: list[int], done: dict, source) -> list:
+    """Copy into this process's part the conversations of ``mine`` that a finished ``out``
+    answered and the part lacks (``out`` carried without its parts, or written by another
+    number of processes), each with the digest and counts its ``.meta.json`` index keeps, so
+    they are not written again. A conversation whose input changed since, or an output whose
+    conversations are none of the input's, is refused. Returns the records copied."""
+    meta_file = out.with_name(out.name + ".meta.json")
+    if not out.exists() or not meta_file.exists():
+        return []
+    try:
+        index = json.loads(meta_file.read_text()).get("index") or {}
+    except ValueError:  # cut while written: nothing to continue from
+        return []
+    if not index:
+        return []  # nothing reached, or written before outputs kept their index
+    if not any(c.id in index for c in convs):
+        raise PrepareError(
+            f"out={out} holds {len(index):,} conversations of another input: none of them is "
+            f"in data.path={Path(source).resolve()}; give the input it was written from, or "
+            "another out="
+        )
+    wanted = {convs[i].id for i in mine if convs[i].id in index and convs[i].id not in done}
+    if not wanted:
+        return []
+    for i in mine:  # before anything is copied: the part stays as it was
+        if convs[i].id in wanted and index[convs[i].id][0] != _input_digest(convs[i]):
+            raise PrepareError(
+                f"{Path(source).resolve()}: conversation {convs[i].id} is not the one answered in "
+                f"{out} (the input changed since); give the input as it was, or another out="
+            )
+    records = {}
+    with open(out, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("id") in wanted:
+                records[rec["id"]] = rec
+    copied = []
+    with open(part, "a", encoding="utf-8") as f:
+        for i in mine:
+            cid = convs[i].id
+            if cid not in wanted:
+                continue
+            digest, *values = index[cid]
+            counts = dict(zip(COUNTS, values, strict=False))
+            rec = records.get(cid)
+            if rec is None and not counts.get("dropped"):
+                continue  # not in the output (edited since): written again
+            rec = rec or {"id": cid, "dropped": True}
+            rec = {**rec, _COUNTS_KEY: counts, _INPUT_KEY: digest}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            done[cid] = rec
+            copied.append(rec)
+        f.flush()
+        os.fsync(f.fileno())
+    return copied
+
+
 def _parts_dir(out: Path) -> Path:
     """Where each process appends its replies until they are merged into ``out``."""
     return out.parent / f"{out.name}.parts"
@@ -705,6 +772,14 @@ def _merge(out: Path, convs, world: int, settings: dict, kept: int) -> dict[str,
     os.replace(tmp, out)
     reached = len(mine)
     meta = {"settings": settings, "input_conversations": kept, "records": n, **counts}
+    # each conversation reached: the digest of its input and its counts, so the output alone
+    # (carried to another machine, or read by another number of processes, its parts left
+    # behind) continues where it stopped (``_seed_from_out``)
+    meta["index"] = {
+        rec["id"]: [rec[_INPUT_KEY], *(rec[_COUNTS_KEY].get(k, 0) for k in COUNTS)]
+        for rec in mine
+        if _INPUT_KEY in rec and _COUNTS_KEY in rec
+    }
     meta["dropped"] = reached - n  # first prompts too long, or refused by the template
     meta["not_reached"] = kept - reached  # left by max_minutes
     _write_atomic(out.with_name(out.name + ".meta.json"), json.dumps(meta, indent=1))

@@ -83,6 +83,12 @@ def test_the_gpu_training_recipe_runs_end_to_end_on_the_cpu(tmp_path):
         },
     )
     assert f"regeneration starts from the {len(first.splitlines())} conversations" in r.stdout
+    # ... copied, not written again (the output carried without its parts folder): the
+    # target decoded nothing (its account line is printed where it did)
+    log = (again / "train.log").read_text().split("== train", 1)[0]
+    reached = json.loads((out / "regen.jsonl.meta.json").read_text())["index"]
+    assert f"continuing from the {len(reached)} conversations of" in log, log
+    assert "decoding:" not in log, log
     assert (again / "regen.jsonl").read_text() == first
     assert json.loads((again / "summary.json").read_text())["regenerated"]["records"] == len(
         first.splitlines()

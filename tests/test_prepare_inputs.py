@@ -93,7 +93,8 @@ def _convs(n, word):
 def test_a_relative_data_path_is_the_file_it_names(tmp_path, monkeypatch):
     """The settings kept the data path as typed: the same command run from another folder
     continued the output with another file's conversations (their ids, ``train.jsonl:line 1``,
-    were the same), and the same file given by its whole path was refused."""
+    were the same), and the same file given by its whole path was refused. Another file of the
+    same name is refused by its content: the conversations answered are not its."""
     from flow.regenerate import PrepareError, regenerate
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -108,9 +109,73 @@ def test_a_relative_data_path_is_the_file_it_names(tmp_path, monkeypatch):
     assert meta["records"] == 3
     written = out.read_text()
     monkeypatch.chdir(b)
-    with pytest.raises(PrepareError, match=r"source=.*a/train.jsonl'.*now source=.*b/train"):
+    with pytest.raises(
+        PrepareError, match=r"b/train.jsonl: conversation train.jsonl:line 1 is not"
+    ):
         regenerate(_cfg("train.jsonl", out, **{"data.max_records": 4}))
     assert out.read_text() == written and "apple 2?" in written
+
+
+def _carried(tmp_path, n_first: int = 3):
+    """An output of the first ``n_first`` of 6 conversations, copied without its parts to
+    another folder (as carried to another machine), its replies marked so that one written
+    again shows; the input copied to another folder under the same name."""
+    import shutil
+
+    from flow.regenerate import regenerate
+
+    (tmp_path / "a").mkdir(), (tmp_path / "c").mkdir(), (tmp_path / "next").mkdir()
+    _write(tmp_path / "a" / "train.jsonl", _convs(6, "apple"))
+    first = regenerate(
+        _cfg(tmp_path / "a" / "train.jsonl", tmp_path / "r.jsonl", **{"data.max_records": 3})
+    )
+    out = tmp_path / "next" / "r.jsonl"
+    recs = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["conversations"][1]["value"] = "CARRIED"
+    _write(out, recs)
+    shutil.copy(tmp_path / "r.jsonl.meta.json", tmp_path / "next" / "r.jsonl.meta.json")
+    shutil.copy(tmp_path / "a" / "train.jsonl", tmp_path / "c" / "train.jsonl")
+    return first, out, tmp_path / "c" / "train.jsonl"
+
+
+def test_an_output_carried_without_its_parts_continues_where_it_stopped(tmp_path):
+    """Carried to another machine without its parts folder (``gpu_train.sh``'s REGEN_FROM
+    copies the output and its .meta.json), the output was written again from the start, and
+    an input at another path (a bundle unpacked elsewhere) was refused by its path."""
+    from flow.regenerate import regenerate
+
+    first, out, moved = _carried(tmp_path)
+    meta = regenerate(_cfg(moved, out, **{"data.max_records": 6}))
+    replies = [json.loads(x)["conversations"][1]["value"] for x in out.read_text().splitlines()]
+    assert replies[:3] == ["CARRIED"] * 3 and "CARRIED" not in replies[3:] and len(replies) == 6
+    # the counts are the whole output's: the carried conversations' from the index
+    assert meta["records"] == 6 and meta["reply_tokens"] == 2 * first["reply_tokens"] > 0
+    assert len(json.loads((out.parent / "r.jsonl.meta.json").read_text())["index"]) == 6
+
+
+@pytest.mark.parametrize("change", ["edited", "another"])
+def test_a_carried_output_is_not_continued_from_another_input(tmp_path, change):
+    """An input whose conversation changed since, or one sharing no conversation with the
+    output: one line naming it, and nothing copied or written."""
+    from flow.regenerate import PrepareError, regenerate
+
+    _, out, moved = _carried(tmp_path)
+    if change == "edited":
+        convs = _convs(6, "apple")
+        convs[1]["conversations"][0]["value"] = "pear 1?"
+        _write(moved, convs)
+        said = rf"{moved}: conversation train.jsonl:line 2 is not the one answered in {out} "
+    else:
+        moved = moved.with_name("other.jsonl")
+        _write(moved, _convs(6, "apple"))
+        said = rf"out={out} holds 3 conversations of another input: none of them is in data"
+    before = out.read_text()
+    with pytest.raises(PrepareError, match=said):
+        regenerate(_cfg(moved, out, **{"data.max_records": 6}))
+    assert out.read_text() == before
+    parts = list((out.parent / "r.jsonl.parts").glob("rank*.jsonl"))
+    assert all(p.read_text() == "" for p in parts)
 
 
 def test_counts_are_those_of_the_records_written(tmp_path, data_file):
