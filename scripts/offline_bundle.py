@@ -30,9 +30,10 @@ What it holds:
             CUDA build is gigabytes); ``none``
   target    ``embedded`` (default): the embedded SmolLM2 target's GGUF, placed where specdraft
             finds it; an HF model folder, copied to INTO/target; ``none``
-  data      ``--data-slice SKIP:COUNT``: the first user turn of COUNT conversations after the
-            first SKIP usable ones of ``--data`` (default: the packaged ShareGPT), for
-            ``specdraft-prepare`` / ``scripts/gpu_train.sh`` there
+  data      ``--data-slice SKIP:COUNT``: COUNT conversations after the first SKIP usable ones
+            of ``--data`` (default: the packaged ShareGPT), every turn, their replies cut to
+            stubs (the target writes its own), for ``specdraft-prepare`` /
+            ``scripts/gpu_train.sh`` there (``REGEN_TURNS`` answers later turns too)
   init      ``--init``: a draft folder to continue training from
 
 ``unpack`` installs the wheels into INTO/site (``--install site``, default: nothing outside INTO
@@ -334,15 +335,19 @@ def _prompts(spec: str, data: str | None) -> bytes:
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
         for c in convs:
-            user, reply = c.messages[0], c.messages[1]
-            rec = {
-                "id": c.id,
-                "conversations": [
-                    {"from": "human", "value": user["content"]},
-                    # the dataset's reply, cut to a stub: the target replaces it
-                    {"from": "gpt", "value": reply["content"][:64]},
-                ],
-            }
+            # every turn, the dataset's replies cut to stubs (the target writes its own): later
+            # turns are there to answer (REGEN_TURNS), and what a conversation asks is the
+            # source's to the byte, so replies written from either continue on the other
+            msgs = [
+                {
+                    **{k: v for k, v in m.items() if k != "reasoning_content"},  # tool calls kept
+                    "content": (m.get("content") or "")[:64],
+                }
+                if m["role"] == "assistant"
+                else m
+                for m in c.messages
+            ]
+            rec = {"id": c.id, "messages": msgs, **({"tools": c.tools} if c.tools else {})}
             gz.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
     return buf.getvalue()
 

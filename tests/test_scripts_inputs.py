@@ -159,6 +159,55 @@ def test_a_damaged_manifest_is_named_in_one_line(repo, tmp_path, damage, says):
     assert "bundle.json" in r.stderr
 
 
+def test_a_bundles_data_slice_asks_what_its_source_asks(tmp_path):
+    """It carried each conversation's first user turn alone: ``REGEN_TURNS`` had no later turn
+    to answer on the machine without network, and replies written from the source could not
+    continue there (what a conversation asks was not the same). Every turn now, a system turn,
+    tool calls and tool results kept, the replies cut to stubs."""
+    import gzip
+
+    import offline_bundle
+
+    from data.conversations import load_conversations
+    from flow.regenerate import _input_digest
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    records = [
+        {
+            "id": "multi",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "First?"},
+                {"role": "assistant", "content": "x" * 500, "reasoning_content": "hm " * 200},
+                {"role": "user", "content": "Second?"},
+                {"role": "assistant", "content": "Two."},
+            ],
+        },
+        {
+            "id": "tool",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "messages": [
+                {"role": "user", "content": "Call f."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "{}"},
+                {"role": "assistant", "content": "Done."},
+            ],
+        },
+    ]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    carried = tmp_path / "prompts.jsonl"
+    carried.write_bytes(gzip.decompress(offline_bundle._prompts("0:2", str(source))))
+    theirs, _ = load_conversations(source)
+    ours, report = load_conversations(carried)
+    assert report.kept == 2
+    assert [(c.id, _input_digest(c)) for c in ours] == [(c.id, _input_digest(c)) for c in theirs]
+    multi = ours[0].messages
+    assert [m["role"] for m in multi] == ["system", "user", "assistant", "user", "assistant"]
+    assert multi[2] == {"role": "assistant", "content": "x" * 64}  # a stub, no trace
+    assert ours[1].messages[1]["tool_calls"] == theirs[1].messages[1]["tool_calls"]
+
+
 def test_a_second_bundle_replaces_the_first_only_with_force(repo, tmp_path):
     into = tmp_path / "there"
     data = tmp_path / "data"
