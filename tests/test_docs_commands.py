@@ -1,5 +1,6 @@
-"""The command lines the documentation shows still run as shown: a setting renamed or removed
-in the code breaks the docs' commands here, not on a user's machine.
+"""The command lines the documentation shows still run as shown, and its links land: a setting
+renamed or removed in the code, or a section retitled, breaks the docs here, not on a user's
+machine.
 
 Read: README.md, docs/*.md and the shipped drafts' READMEs (CHANGELOG.md records what each
 version did, in its words of the day, and is left out). Each fenced block's lines (a ``\\`` at a
@@ -312,3 +313,56 @@ def test_a_renamed_setting_or_flag_is_caught(monkeypatch, capsys):
     )
     assert said is not None and "--fromat" in said
     assert _flags_refusal(main, ["runs/x", "--format", "vllm"], monkeypatch, capsys) is None
+
+
+# ------------------------------------------------------------------------------------ the links
+
+
+def _slugs(md: Path):
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped
+    (``-`` and ``_`` kept), spaces as ``-``, a repeated heading's ``-1``, ``-2``..."""
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in md.read_text().split("\n"):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1).replace("`", ""))
+            slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+            seen[slug] = seen.get(slug, -1) + 1
+            yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+LINKED = [*DOCS, "CHANGELOG.md"]
+
+
+@pytest.mark.parametrize("doc", LINKED)
+def test_each_link_names_a_file_and_a_heading_that_are_there(doc):
+    """The measurement log's sections are retitled as they grow: a link to an old title lands
+    at the top of a 5,000-line page."""
+    page = ROOT / doc
+    text = page.read_text()
+    broken = []
+    for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+        link = m.group(1)
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        line = text[: m.start()].count("\n") + 1
+        if not target.exists():
+            broken.append(f"{doc}:{line}: {link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in set(_slugs(target)):
+            broken.append(f"{doc}:{line}: {link}: no such heading in {path or doc}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_anchors_are_githubs():
+    page = ROOT / "docs" / "benchmarks.md"
+    slugs = set(_slugs(page))
+    assert (
+        "the-data-generators-loop-at-512-rows-the-hosts-work-a-step-2026-12-04-amd-epyc-family-26-model-2"
+        in slugs
+    )
+    assert not any(s.startswith("bash") for s in slugs)  # a fenced block's comment is no heading
