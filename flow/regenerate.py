@@ -706,9 +706,15 @@ def _seed_from_out(out: Path, part: Path, convs, mine: list[int], done: dict, so
             )
     records = {}
     with open(out, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("id") in wanted:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+            except ValueError as e:  # edited by hand, or cut on the way
+                raise PrepareError(
+                    f"out={out}: line {n} is not JSON ({e.msg}); mend it, or remove the line "
+                    "(its conversation is then written again)"
+                ) from None
+            if isinstance(rec, dict) and rec.get("id") in wanted:
                 records[rec["id"]] = rec
     copied = []
     with open(part, "a", encoding="utf-8") as f:

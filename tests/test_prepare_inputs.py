@@ -154,6 +154,21 @@ def test_an_output_carried_without_its_parts_continues_where_it_stopped(tmp_path
     assert len(json.loads((out.parent / "r.jsonl.meta.json").read_text())["index"]) == 6
 
 
+def test_a_carried_output_with_a_damaged_line_is_named(tmp_path):
+    from flow.regenerate import PrepareError, regenerate
+
+    _, out, moved = _carried(tmp_path)
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][:20] + "\n" + lines[2])
+    with pytest.raises(PrepareError, match=rf"out={out}: line 2 is not JSON \("):
+        regenerate(_cfg(moved, out, **{"data.max_records": 6}))
+    # the line removed: its conversation is written again, the others copied
+    out.write_text(lines[0] + lines[2])
+    regenerate(_cfg(moved, out, **{"data.max_records": 6}))
+    replies = [json.loads(x)["conversations"][1]["value"] for x in out.read_text().splitlines()]
+    assert replies[0] == replies[2] == "CARRIED" != replies[1] and len(replies) == 6
+
+
 @pytest.mark.parametrize("change", ["edited", "another"])
 def test_a_carried_output_is_not_continued_from_another_input(tmp_path, change):
     """An input whose conversation changed since, or one sharing no conversation with the
