@@ -158,26 +158,49 @@ def save_weights_draft(draft, path: str | Path, format_version: int, **extra) ->
 def load_weights_draft(cls, path: str | Path, target):
     """The draft ``save_weights_draft`` wrote, for ``target``; ``DraftError`` naming the folder
     for another hidden size, unreadable weights or weights that do not fit."""
-    from safetensors.torch import load_file
-
     cfg = read_draft_config(path)
+    check_hidden_size(cfg, path, target)
+    draft = cls(target, cls.config_class(**cfg["method"]))
+    fit_weights(draft, read_draft_weights(path), path, cfg)
+    return draft.to(target.device)
+
+
+def check_hidden_size(cfg: dict, path: str | Path, target) -> None:
+    """``DraftError`` naming the folder where its draft was trained for another hidden size."""
     if cfg["target"]["hidden_size"] != target.hidden_size:
         raise DraftError(
             f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
             f"target {target.identity} has {target.hidden_size}"
         )
-    draft = cls(target, cls.config_class(**cfg["method"]))
+
+
+def read_draft_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A draft folder's weights file; ``DraftError`` naming it where it cannot be read."""
+    from safetensors.torch import load_file
+
     try:
-        state = load_file(str(Path(path) / DRAFT_WEIGHTS))
+        return load_file(str(Path(path) / DRAFT_WEIGHTS))
     except Exception as e:  # safetensors raises several types for damaged files
         raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+
+
+def fit_weights(
+    draft: nn.Module,
+    state: dict[str, torch.Tensor],
+    path: str | Path,
+    cfg: dict,
+    owed: Callable[[str], bool] = lambda name: True,
+) -> None:
+    """Load ``state`` into ``draft``: ``DraftError`` naming the folder for a tensor of another
+    shape (and the target the draft was made for), or for names missing (those ``owed`` says
+    the file must hold) or unexpected."""
     check_shapes(draft, state, path, made_for=cfg["target"].get("identity"))
     missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if owed(k)]
     if missing or unexpected:
         raise DraftError(
             f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
         )
-    return draft.to(target.device)
 
 
 def check_shapes(

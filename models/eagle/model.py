@@ -29,21 +29,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from transformers import DynamicCache
 
 from ..base import (
-    DRAFT_WEIGHTS,
     DecodeSettings,
     DecodeState,
     DraftError,
     DraftMethod,
     StepOutput,
     cache_kw,
-    check_shapes,
+    check_hidden_size,
+    fit_weights,
     metric,
     read_draft_config,
+    read_draft_weights,
     save_weights_draft,
 )
 from ..losses import check_head_loss, head_loss, linear_soft_cross_entropy, soft_cross_entropy
@@ -404,27 +404,15 @@ class EagleHead(DraftMethod):
         legacy = cfg["specdraft"]["method"] == "eagle1" and "input_norm" not in cfg["method"]
         if legacy:
             cfg["method"]["input_norm"] = True
-        if cfg["target"]["hidden_size"] != target.hidden_size:
-            raise DraftError(
-                f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
-                f"target {target.identity} has {target.hidden_size}"
-            )
+        check_hidden_size(cfg, path, target)
         head = cls(target, cls.config_class(**cfg["method"]))
-        try:
-            state = load_file(str(Path(path) / DRAFT_WEIGHTS))
-        except Exception as e:  # safetensors raises several types for damaged files
-            raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
+        state = read_draft_weights(path)
         if legacy and "fc.weight" in state:
             H = target.hidden_size
             state["fc.weight"] = torch.cat(
                 [state["fc.weight"][:, H:], state["fc.weight"][:, :H]], 1
             )
-        check_shapes(head, state, path, made_for=cfg["target"].get("identity"))
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DraftError(
-                f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
-            )
+        fit_weights(head, state, path, cfg)
         return head.to(target.device)
 
 

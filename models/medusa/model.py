@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..base import (
@@ -40,10 +40,11 @@ from ..base import (
     DraftError,
     DraftMethod,
     StepOutput,
-    check_shapes,
+    fit_weights,
     lora_modules,
     metric,
     read_draft_config,
+    read_draft_weights,
     write_draft_config,
 )
 from ..losses import check_head_loss, hard_label_loss, head_loss, head_masks
@@ -283,17 +284,10 @@ class MedusaHeads(DraftMethod):
                 f"{target.config.vocab_size}"
             )
         head = cls._construct(target, cls.config_class(**cfg["method"]), path)
-        try:
-            state = load_file(str(path / DRAFT_WEIGHTS))
-        except Exception as e:  # safetensors raises several types for damaged files
-            raise DraftError(f"{path / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
-        check_shapes(head, state, path, made_for=cfg["target"].get("identity"))
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k.startswith(("heads.", "rank_"))]
-        if missing or unexpected:
-            raise DraftError(
-                f"{path}: weights do not match (missing {missing}, unexpected {unexpected})"
-            )
+        # the heads' and the adapter's weights: the backbone's are the target's, not the file's
+        fit_weights(
+            head, read_draft_weights(path), path, cfg, lambda k: k.startswith(("heads.", "rank_"))
+        )
         head.tree = [tuple(p) for p in cfg.get("tree") or []] or None
         return head.to(target.device).eval()
 

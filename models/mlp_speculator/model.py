@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..base import (
@@ -34,8 +34,10 @@ from ..base import (
     DraftError,
     DraftMethod,
     StepOutput,
+    check_hidden_size,
     metric,
     read_draft_config,
+    read_draft_weights,
     write_draft_config,
 )
 from ..losses import check_head_loss, hard_label_loss, head_loss, head_masks
@@ -260,15 +262,7 @@ class MLPSpeculator(DraftMethod):
     @classmethod
     def load_draft(cls, path: str | Path, target: Target) -> MLPSpeculator:
         cfg = read_draft_config(path)
-        if cfg["target"]["hidden_size"] != target.hidden_size:
-            raise DraftError(
-                f"{path}: draft was trained for hidden size {cfg['target']['hidden_size']}, "
-                f"target {target.identity} has {target.hidden_size}"
-            )
+        check_hidden_size(cfg, path, target)
         model = cls(target, cls.config_class(**cfg["method"]))
-        try:
-            state = load_file(str(Path(path) / DRAFT_WEIGHTS))
-        except Exception as e:  # safetensors raises several types for damaged files
-            raise DraftError(f"{Path(path) / DRAFT_WEIGHTS}: cannot read weights ({e})") from None
-        model.load_own_state(state, path)
+        model.load_own_state(read_draft_weights(path), path)
         return model.to(target.device)
