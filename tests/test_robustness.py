@@ -414,6 +414,19 @@ def test_regeneration_shards_over_processes_and_merges_in_input_order(data_file,
     parts = sorted(p.name for p in (tmp_path / "two.jsonl.parts").glob("rank*.jsonl"))
     assert parts == ["rank0-of-2.jsonl", "rank1-of-2.jsonl"]
     assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
+    # the one-process output continued by two processes: each copies its share of what the
+    # output holds (the replies marked, to show they are not written again) and writes the rest
+    one = tmp_path / "one.jsonl"
+    recs = [json.loads(x) for x in one.read_text().splitlines()]
+    for r in recs:
+        r["conversations"][1]["value"] = "KEPT"
+    one.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    more = [a.replace("data.max_records=12", "data.max_records=16") for a in args]
+    r = accelerate_launch(2, [*more, f"out={one}"], module="flow.regenerate")
+    assert r.returncode == 0, r.stderr[-2000:]
+    after = [json.loads(x) for x in one.read_text().splitlines()]
+    kept = [a["id"] for a in after if a["conversations"][1]["value"] == "KEPT"]
+    assert kept == [a["id"] for a in recs] and len(after) > len(recs)
 
 
 @pytest.mark.parametrize(
