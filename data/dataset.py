@@ -27,7 +27,7 @@ from .conversations import DataError, LoadReport, data_files, load_conversations
 
 # 2: reasoning, tool calls, template skips; 3: unique ids, replies located safely; 4: a turn of
 # white space ends its conversation there instead of dropping it
-CACHE_VERSION = 4
+CACHE_VERSION = 5  # 5: the split hashes ids alone, surplus held out
 
 
 @dataclass
@@ -44,6 +44,8 @@ class TokenizedData:
     #: the tokenizer and chat template that made the ids (``tokenizer_fingerprint``): a resumed
     #: run must tokenise as the checkpoint's did
     tokenizer: str = ""
+    #: held out past ``max_val_records``: neither validated nor trained on (``split_of``)
+    held: int = 0
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -95,11 +97,29 @@ def _nothing_to_train(path: str, max_length: int, report: LoadReport, too_long: 
     return f"{path}: no conversation left to train on ({'; '.join(why) or 'none read'})"
 
 
-def _is_val(conv_id: str, index: int, seed: int, val_fraction: float) -> bool:
-    # Hash of (seed, id, position): stable across runs and machines, independent of order
-    # of evaluation, so the validation set never leaks into training on a re-run.
-    digest = hashlib.sha256(f"{seed}:{conv_id}:{index}".encode()).digest()
+def _is_val(conv_id: str, seed: int, val_fraction: float) -> bool:
+    """Whether a conversation is held out from training: a hash of (seed, id) alone, so a
+    conversation falls on the same side in every run with the same seed and fraction,
+    whatever slice, file order or regeneration of the dataset it comes in (a regeneration
+    keeps the ids). It hashed the record's position too: a conversation trained on in one
+    slice was validated in another, and a head continued on regenerated answers to the same
+    prompts was measured on text it had learnt."""
+    digest = hashlib.sha256(f"{seed}:{conv_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
+
+
+def split_of(ids: list[str], seed: int, val_fraction: float, max_val_records: int) -> list[str]:
+    """``train``, ``val`` or ``held`` for each conversation: the first ``max_val_records`` held
+    out (file order) are validated, the held-out ones past them are neither validated nor
+    trained on (trained on here, they would be validated by a run that reads fewer)."""
+    out, n = [], 0
+    for cid in ids:
+        if not _is_val(cid, seed, val_fraction):
+            out.append("train")
+            continue
+        n += 1
+        out.append("val" if n <= max_val_records else "held")
+    return out
 
 
 def _tokenize_batch(batch: dict, tokenizer: Any, max_length: int, reasoning: str) -> dict:
@@ -197,6 +217,7 @@ def prepare_tokenized(
             val = datasets.load_from_disk(str(cache_dir / "val"))
             report = LoadReport.from_dict(meta["report"])
             too_long = meta["too_long"]
+            held = meta.get("held", 0)
         except Exception as e:  # files lost or cut short since: tokenise again
             log(
                 f"warning: tokenised-data cache {cache_dir} is damaged "
@@ -205,25 +226,20 @@ def prepare_tokenized(
             )
             shutil.rmtree(cache_dir, ignore_errors=True)
         else:
-            return TokenizedData(train, val, report, too_long, cache_dir, key, source, tok_print)
+            return TokenizedData(
+                train, val, report, too_long, cache_dir, key, source, tok_print, held
+            )
 
     convs, report = load_conversations(path, max_records=max_records, skip_records=skip_records)
-    splits = [
-        "val" if _is_val(c.id, i, seed, val_fraction) else "train" for i, c in enumerate(convs)
-    ]
-    # Cap validation: surplus validation records go back to training.
-    seen = 0
-    for i, s in enumerate(splits):
-        if s == "val":
-            seen += 1
-            if seen > max_val_records:
-                splits[i] = "train"
+    splits = split_of([c.id for c in convs], seed, val_fraction, max_val_records)
+    held = splits.count("held")
+    kept = [(c, s) for c, s in zip(convs, splits, strict=True) if s != "held"]
     raw = datasets.Dataset.from_dict(
         {
-            "id": [c.id for c in convs],
-            "messages": [json.dumps(c.messages) for c in convs],
-            "tools": [json.dumps(c.tools) for c in convs],
-            "split": splits,
+            "id": [c.id for c, _ in kept],
+            "messages": [json.dumps(c.messages) for c, _ in kept],
+            "tools": [json.dumps(c.tools) for c, _ in kept],
+            "split": [s for _, s in kept],
         }
     )
     tok = raw.map(
@@ -267,6 +283,7 @@ def prepare_tokenized(
                 {
                     "report": report.to_dict(),
                     "too_long": too_long,
+                    "held": held,
                     "key": json.loads(key_src.split("|")[0]),
                     "key_extra": key_src.split("|")[1:],  # skip=..., reasoning=...
                 },
@@ -287,7 +304,7 @@ def prepare_tokenized(
     train = datasets.load_from_disk(str(cache_dir / "train"))
     val = datasets.load_from_disk(str(cache_dir / "val"))
     datasets.enable_progress_bars()
-    return TokenizedData(train, val, report, too_long, cache_dir, key, source, tok_print)
+    return TokenizedData(train, val, report, too_long, cache_dir, key, source, tok_print, held)
 
 
 class LengthGroupedBatches(torch.utils.data.Sampler[list[int]]):

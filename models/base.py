@@ -48,6 +48,52 @@ def metric(total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Te
     return torch.stack([t.float(), c])
 
 
+#: the chain a served draft most often runs (vLLM's ``num_speculative_tokens=3``): validation
+#: also reports what decoding its text with such a chain would accept (``served_chain``)
+SERVED_CHAIN = 3
+
+
+def served_chain(
+    agrees: list[torch.Tensor], masks: list[torch.Tensor], gamma: int = SERVED_CHAIN
+) -> dict[str, torch.Tensor]:
+    """What a chain of ``gamma`` drafts would accept decoding the validation text at T = 0:
+    ``chain{gamma}_tau`` (tokens an iteration, the bonus counted) and ``chain{gamma}_alpha``
+    (accepted / tested drafts), as summable metrics.
+
+    ``agrees[j-1][b, s]``: draft position j from start s (reading token s+1, the tokens before
+    it the text's own) agrees with the target's greedy token; ``masks[j-1][b, s]``: it is
+    scored (inside a reply). At T = 0 an accepted draft is the text's own token, so these are
+    exactly the tests a decoder makes; but it makes them only at the starts its iterations
+    reach (one past each iteration's last accepted draft and its bonus token, often just after
+    a miss), where the mean agreement over every start, ``top1_pos1``, counts them all. Each
+    reply is decoded from its first scored start (its first token is the prompt's prefill's,
+    scored by no draft, as in ``specdraft-eval`` and vLLM)."""
+    g = min(gamma, len(agrees))
+    a = torch.stack([x.bool() for x in agrees[:g]], -1).cpu()  # (B, S, g)
+    m = torch.stack([x.bool() for x in masks[:g]], -1).cpu()
+    iterations = tokens = tested = accepted = 0
+    for b in range(a.shape[0]):
+        valid = m[b, :, 0].tolist()
+        row_a, row_m = a[b].tolist(), m[b].tolist()
+        s, S = 0, len(valid)
+        while s < S:
+            if not valid[s]:
+                s += 1
+                continue
+            n = 0
+            while n < g and row_m[s][n] and row_a[s][n]:
+                n += 1
+            tested += n + (n < g and row_m[s][n])
+            accepted += n
+            iterations += 1
+            tokens += n + 1
+            s += n + 1
+    return {
+        f"chain{gamma}_tau": metric(float(tokens), float(iterations)),
+        f"chain{gamma}_alpha": metric(float(accepted), float(tested)),
+    }
+
+
 def add_metrics(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     for k, v in new.items():
         acc[k] = acc[k] + v.to(acc[k].device) if k in acc else v.clone()

@@ -205,6 +205,52 @@ def test_split_is_deterministic_and_disjoint(tmp_path, data_file):
     assert c.cache_dir == a.cache_dir and list(c.val["id"]) == list(a.val["id"])
 
 
+def test_no_conversation_is_trained_on_in_one_run_and_validated_in_another(tmp_path):
+    """The split hashed each record's position: a conversation trained on in one slice of a
+    dataset was validated in another slice, or in the regenerated answers to the same prompts
+    (a later phase continuing the same weights measured text it had learnt); and validation
+    records past max_val_records were trained on, where a run reading fewer validated them.
+    Now: slices, another file order and a smaller cap put each conversation on one side."""
+    from conftest import synthetic_conversations
+
+    records = [{"id": f"c{i}", **r} for i, r in enumerate(synthetic_conversations(300))]
+    whole = tmp_path / "all.jsonl"
+    whole.write_text("".join(json.dumps(r) + "\n" for r in records))
+    turned = tmp_path / "reversed.jsonl"  # e.g. a regeneration that wrote them in another order
+    turned.write_text("".join(json.dumps(r) + "\n" for r in reversed(records)))
+    tok = build_tiny_tokenizer()
+    kw = dict(max_length=512, val_fraction=0.1, max_records=None, seed=1)
+    runs = [
+        prepare_tokenized(
+            str(whole), tok, cache_root=str(tmp_path / "c"), max_val_records=50, **kw
+        ),
+        prepare_tokenized(
+            str(whole),
+            tok,
+            cache_root=str(tmp_path / "c"),
+            max_val_records=50,
+            **{**kw, "max_records": 120},
+        ),
+        prepare_tokenized(
+            str(whole),
+            tok,
+            cache_root=str(tmp_path / "c"),
+            max_val_records=50,
+            skip_records=100,
+            **kw,
+        ),
+        prepare_tokenized(
+            str(turned), tok, cache_root=str(tmp_path / "c"), max_val_records=5, **kw
+        ),
+    ]
+    trained = set().union(*(set(r.train["id"]) for r in runs))
+    validated = set().union(*(set(r.val["id"]) for r in runs))
+    assert validated and not trained & validated
+    small = runs[3]
+    assert len(small.val) == 5 and small.held == len(validated) - 5 > 0
+    assert len(small.train) + len(small.val) + small.held == 300
+
+
 def test_length_grouped_batches_cover_each_sample_once_and_repeat_per_epoch():
     lengths = [(i * 37) % 101 + 1 for i in range(250)]
     s = LengthGroupedBatches(lengths, batch_size=8, seed=1, group=4)

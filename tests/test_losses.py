@@ -343,3 +343,72 @@ def test_dpace_weights_are_the_acceptance_length_still_to_earn(blocks, alpha):
 def test_dpace_refuses_a_smoothing_outside_0_1():
     with pytest.raises(ValueError, match="alpha=1.5"):
         dpace_weights(torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), 1.5)
+
+
+# ------------------------------------------------------ what a chain would accept (served_chain)
+
+
+def _decode_by_hand(agree, valid, g):
+    """A decoder's walk over one reply, written apart from ``served_chain``: the replies are
+    the runs of scored starts; each iteration tests drafts until the first miss (or g, or the
+    reply's end), emits the accepted ones and one more token, and starts again past them."""
+    runs, cur = [], []
+    for s, ok in enumerate(valid[0]):
+        if ok:
+            cur.append(s)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    it = tok = tested = acc = 0
+    for run in runs:
+        s = run[0]
+        while s <= run[-1]:
+            n = 0
+            for j in range(g):
+                if not valid[j][s]:
+                    break
+                tested += 1
+                if not agree[j][s]:
+                    break
+                n += 1
+            it, tok, acc = it + 1, tok + n + 1, acc + n
+            s += n + 1
+    return it, tok, tested, acc
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()), max_size=40),
+    st.lists(st.booleans(), min_size=40, max_size=40),
+)
+def test_served_chain_walks_the_replies_as_a_decoder_does(g, cells, scored):
+    from models.base import served_chain
+
+    S = len(cells)
+    valid1 = [scored[s] for s in range(S)]
+    # position j is scored where position 1 is and the reply goes on for j more tokens
+    valid = [[all(valid1[s : s + j + 1]) and s + j < S for s in range(S)] for j in range(4)]
+    agree = [[cells[s][j] and valid[j][s] for s in range(S)] for j in range(4)]
+    out = served_chain(
+        [torch.tensor([a]) for a in agree], [torch.tensor([v]) for v in valid], gamma=g
+    )
+    it, tok, tested, acc = _decode_by_hand(agree, valid, min(g, 4))
+    assert out[f"chain{g}_tau"].tolist() == [float(tok), float(it)]
+    assert out[f"chain{g}_alpha"].tolist() == [float(acc), float(tested)]
+
+
+def test_served_chain_at_the_extremes():
+    from models.base import served_chain
+
+    S, g = 40, 3
+    valid = [torch.tensor([[s + j < S for s in range(S)]]) for j in range(g)]
+    every = served_chain([v.clone() for v in valid], valid, g)
+    none = served_chain([torch.zeros_like(v) for v in valid], valid, g)
+    # all agree: g accepted an iteration (the reply's last starts fewer), tau ~ g + 1
+    t, n = every["chain3_tau"].tolist()
+    assert n == 10 and t == 40 and every["chain3_alpha"][0] == every["chain3_alpha"][1]
+    # none: one token an iteration, every start visited, nothing accepted
+    assert none["chain3_tau"].tolist() == [40.0, 40.0] and none["chain3_alpha"][0] == 0

@@ -178,6 +178,9 @@ def test_mlp_speculator_alpha_is_conditional_on_the_earlier_stages(tiny_target):
     from models.mlp_speculator import MLPSpeculator
 
     cfg = MLPSpeculator.config_class()
+    # weights of a fixed seed: drawn from whatever state earlier tests left, a stage agreeing
+    # only at a row's last scored start (where no later stage is scored) failed the count below
+    torch.manual_seed(0)
     m = MLPSpeculator(tiny_target, cfg).eval()
     ids = torch.randint(0, 250, (3, 32), generator=torch.Generator().manual_seed(0))
     attn = torch.ones_like(ids)

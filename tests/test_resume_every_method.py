@@ -77,8 +77,9 @@ STEPS = {
     "train.eval_every": 0,
     "target.tiny_layers": 4,  # EAGLE-3, HASS, P-EAGLE fuse three distinct layers
     "data.max_length": 128,
-    # 8 training records in batches of 4: the resumed run finishes epoch 0 and starts epoch 1
-    "data.max_records": 9,
+    # 8 training records in batches of 4 (none of the first 8 ids is held out at the
+    # debug config's val_fraction): the resumed run finishes epoch 0 and starts epoch 1
+    "data.max_records": 8,
     "data.max_val_records": 1,
 }
 

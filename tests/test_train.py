@@ -212,7 +212,7 @@ def full_run(data_file, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("resume_step", [8, 16])  # mid-epoch 0, and mid-epoch 1 (14 batches/epoch)
+@pytest.mark.parametrize("resume_step", [8, 16])  # mid-epoch 0, and mid-epoch 1 (15 batches/epoch)
 def test_resume_continues_at_same_step_and_data_position(
     data_file, tmp_path, full_run, resume_step
 ):
@@ -236,7 +236,30 @@ def test_resume_continues_at_same_step_and_data_position(
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-7), step
     sa = json.loads((full_run / "checkpoints/step_20/trainer_state.json").read_text())
     sb = json.loads((part / "checkpoints/step_20/trainer_state.json").read_text())
-    assert (sa["epoch"], sa["batch_in_epoch"]) == (sb["epoch"], sb["batch_in_epoch"]) == (1, 6)
+    assert (sa["epoch"], sa["batch_in_epoch"]) == (sb["epoch"], sb["batch_in_epoch"]) == (1, 5)
+
+
+def test_a_checkpoint_split_the_earlier_way_resumes_with_a_note(data_file, tmp_path, capsys):
+    """A checkpoint from before the split hashed ids alone resumes (its data is the same),
+    saying that its validation set changed at this step."""
+    out = tmp_path / "run"
+    _run(data_file, out, **{"train.max_steps": 2, "train.save_every": 2, "train.eval_every": 0})
+    state_file = out / "checkpoints" / "step_2" / "trainer_state.json"
+    text = state_file.read_text()
+    state = json.loads(text)
+    assert state.pop("data_split") == 2
+    written = json.dumps(state)
+    state_file.write_text(written + " " * (len(text) - len(written)))  # the size it was saved at
+    capsys.readouterr()
+    s = _run(data_file, out, **{"train.max_steps": 3, "train.eval_every": 0, "resume": "true"})
+    assert s["step"] == 3
+    said = capsys.readouterr()
+    assert "when the validation split hashed each record's position" in said.out + said.err
+    # resumed again from its own checkpoint: no note
+    _run(data_file, out, **{"train.max_steps": 4, "train.save_every": 1, "resume": "true"})
+    _run(data_file, out, **{"train.max_steps": 5, "train.eval_every": 0, "resume": "true"})
+    said = capsys.readouterr()
+    assert "validation split hashed" not in said.out + said.err
 
 
 def test_damaged_latest_checkpoint_falls_back_to_previous(data_file, tmp_path):

@@ -39,7 +39,7 @@ from test_train_serve_agreement import (
 from torch import nn
 
 from models import METHODS
-from models.base import DecodeSettings, DecodeState
+from models.base import SERVED_CHAIN, DecodeSettings, DecodeState
 from models.sampling import Sampling
 
 #: the tokens every argmax (the target's, every draft's) falls on (``concentrate``): pairs of
@@ -212,6 +212,32 @@ def recount(batch, targ, lengths, drafted, k: int, counted: Callable[..., bool])
     return top1, alpha
 
 
+def served_walk(batch, targ, lengths, drafted, counted: Callable[..., bool], g: int):
+    """A greedy decoder's walk through each reply with a chain of ``g`` of the proposer's
+    drafts: from the reply's first token pending (the prefill's), each iteration tests drafts
+    until the first miss, emits the accepted ones and the target's next token, and drafts
+    again past them. (tokens, iterations), (accepted, tested): ``chain{g}_tau`` and
+    ``chain{g}_alpha`` recounted by the proposer."""
+    ok = (batch["loss_mask"].bool() & batch["attention_mask"].bool()).tolist()
+    real = batch["attention_mask"].bool().tolist()
+    tokens = iterations = accepted = tested = 0
+    for b, L in enumerate(lengths):
+        n = 2
+        while n <= L:
+            if not (ok[b][n - 1] and counted(ok[b], real[b], n, 1)):
+                n += 1
+                continue
+            d, a = drafted[(b, n)], 0
+            while a < g and counted(ok[b], real[b], n, a + 1):
+                tested += 1
+                if not (a < len(d) and d[a] == int(targ[b, n + a - 1])):
+                    break
+                a += 1
+            tokens, iterations, accepted = tokens + a + 1, iterations + 1, accepted + a
+            n += a + 1
+    return [tokens, iterations], [accepted, tested]
+
+
 def oks(ok_row: list[bool], positions) -> bool:
     return all(0 <= p < len(ok_row) and ok_row[p] for p in positions)
 
@@ -238,11 +264,20 @@ def check(method, gamma, counted, names, settings=None, positions=(1, 2)):
         if alpha_name is not None:
             assert_counts(got[alpha_name], alpha, alpha_name)
             seen.append(alpha)
+    # what a chain decoding the batch's replies would accept, where the method reports it
+    g = SERVED_CHAIN
+    if f"chain{g}_tau" in got and gamma >= g and names.get(g, (None, None))[1] is not None:
+        tau, alpha = served_walk(batch, targ, lengths, d, counted, g)
+        assert_counts(got[f"chain{g}_tau"], tau, f"chain{g}_tau")
+        assert_counts(got[f"chain{g}_alpha"], alpha, f"chain{g}_alpha")
+        SERVED.append(method.cfg.name)
     COMPARED.append(seen[0])
 
 
 #: each ``check``'s first compared (agreements, count), for the test's guard over its seeds
 COMPARED: list[list[int]] = []
+#: the methods whose served chain was recounted (``served_walk``)
+SERVED: list[str] = []
 #: the seeds of the heads' weights each case is checked with: which positions agree, and so
 #: which miscounts a case can show, depend on them
 SEEDS = (0, 1, 2)
@@ -467,6 +502,17 @@ def test_validation_metrics_count_what_the_proposer_drafts(name, target4):
         CASES[name](target4)
     agreed, count = (sum(c[i] for c in COMPARED) for i in (0, 1))
     assert 0 < agreed < count, f"degenerate agreement {agreed}/{count}: nothing compared"
+
+
+def test_the_served_chain_is_recounted_for_the_methods_that_report_it(target4):
+    """``chain3_tau`` / ``chain3_alpha`` (what decoding the validation text with a chain of 3
+    would accept) match a decoder's walk over the proposer's drafts: checked above for every
+    method reporting them; here, that those are the EAGLE family and the MLP speculator."""
+    SERVED.clear()
+    for name in ("eagle1", "eagle3", "hass", "mlp_speculator"):
+        torch.manual_seed(0)
+        CASES[name](target4)
+    assert set(SERVED) >= {"eagle1", "eagle3", "hass", "mlp_speculator"}, SERVED
 
 
 def test_distillspec_accept_T1_is_its_proposers_acceptance_at_T1():

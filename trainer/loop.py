@@ -39,6 +39,9 @@ class LoopState:
     planned_steps: int = 0  # min(max_steps, the steps the epochs allow); set by fit()
     data_source: str = ""  # the data trained on (``TokenizedData.source``): resumed only on it
     tokenizer: str = ""  # what tokenised it (``TokenizedData.tokenizer``): resumed only with it
+    #: how it was split (``data.dataset.split_of``): 2 by id alone; a checkpoint without it
+    #: split by position, and a run resuming it is told its validation set has changed
+    data_split: int = 2
 
 
 def tokens_so_far(state: LoopState) -> int:

@@ -30,7 +30,7 @@ from data.dataset import (
     validation_batches,
 )
 from models import METHODS
-from models.base import DraftError, readable_by_others, run_files
+from models.base import SERVED_CHAIN, DraftError, readable_by_others, run_files
 from models.target import TargetError, default_dtype, load_target
 
 from .checkpoint import (
@@ -377,6 +377,12 @@ def _load_data(cfg: DictConfig, target, accelerator, log):
         f"data: {path}: read {data.report.read} records, kept {data.report.kept}; skipped: {rej}; "
         f"no assistant token within max_length={cfg.data.max_length}: {data.too_long}; "
         f"train {len(data.train)} / val {len(data.val)} conversations"
+        + (
+            f" ({data.held} more held out, past data.max_val_records: neither validated nor "
+            "trained on)"
+            if data.held
+            else ""
+        )
     )
     if data.report.first_bad is not None:
         log(f"data: {data.report.first_skipped()}")
@@ -507,8 +513,14 @@ def _resume(ck: Path | None, accelerator, method, state, tracker, samples, log) 
             f"it was trained with, or start a new run with train.init_from={ck} to continue "
             "its weights on this one"
         )
+    if saved.get("data_split", 1) < LoopState.data_split:
+        log(
+            f"note: {ck} was trained when the validation split hashed each record's position; "
+            "it hashes the conversation's id now, so some conversations it trained on are "
+            "validated from here on (its validation curve steps up at this point)"
+        )
     for k, v in saved.items():
-        if hasattr(state, k):
+        if hasattr(state, k) and k != "data_split":
             setattr(state, k, v)
     state.world_size = accelerator.num_processes
     tracker.truncate_after(state.step)
@@ -665,6 +677,14 @@ def _print_summary(s: dict, log) -> None:
             log(
                 "  (-: this method scores each position on its own; specdraft-eval measures chains)"
             )
+    g = SERVED_CHAIN
+    if f"chain{g}_tau" in val:
+        log(
+            f"decoding this text with a chain of {g} at T = 0: tau {val[f'chain{g}_tau']:.2f}, "
+            f"alpha {val[f'chain{g}_alpha']:.3f} (drafts tested where a decoder's iterations "
+            "start, often just after a miss, not at every position: the acceptance to expect "
+            "when serving text like it; specdraft-eval measures other prompts)"
+        )
     if "accept_T0" in val or "accept_T1" in val:  # a draft model's next-token agreement
         said = {"accept_T0": "greedy agreement", "accept_T1": "expected acceptance at T = 1"}
         log("validation, the draft's next token against the target's:")

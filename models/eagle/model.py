@@ -45,6 +45,7 @@ from ..base import (
     read_draft_config,
     read_draft_weights,
     save_weights_draft,
+    served_chain,
 )
 from ..losses import check_head_loss, head_loss, linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import Int8Linear, int8_linear, quantize_linears
@@ -326,7 +327,7 @@ class EagleHead(DraftMethod):
         preds = self.unroll(f, ids, attn, steps=k)
         masks = position_mask(lm, attn, steps=k)
         out: dict[str, torch.Tensor] = {}
-        agreed_so_far = torch.ones_like(masks[0])
+        agreed_so_far, agrees = torch.ones_like(masks[0]), []
         loss_total = torch.zeros((), device=f.device)
         for j, (pred, mask) in enumerate(zip(preds, masks, strict=True), start=1):
             target_f = f[:, j:]  # f_{s+j} for start s
@@ -343,7 +344,9 @@ class EagleHead(DraftMethod):
             out[f"top1_pos{j}"] = metric(agree[mask].float().sum(), mask.sum())
             out[f"alpha_pos{j}"] = metric(agree[m].float().sum(), m.sum())
             agreed_so_far = agreed_so_far & agree
+            agrees.append(agree)
         out["loss_reg"] = metric(loss_total, masks[0].sum())
+        out.update(served_chain(agrees, masks))
         return out
 
     def _argmax_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -702,7 +705,7 @@ class Eagle3Head(EagleHead):
         preds = self.unroll(self.initial_hidden(f), ids, attn, steps=k)
         masks = position_mask(lm, attn, steps=k)
         out: dict[str, torch.Tensor] = {}
-        agreed_so_far = torch.ones_like(masks[0])
+        agreed_so_far, agrees = torch.ones_like(masks[0]), []
         c = self.cfg.lm_head_chunk
         for j, (pred, mask) in enumerate(zip(preds, masks, strict=True), start=1):
             m = mask & agreed_so_far if j > 1 else mask
@@ -729,6 +732,8 @@ class Eagle3Head(EagleHead):
             out[f"top1_pos{j}"] = metric(agree[mask].float().sum(), mask.sum())
             out[f"alpha_pos{j}"] = metric(agree[m].float().sum(), m.sum())
             agreed_so_far = agreed_so_far & agree
+            agrees.append(agree)
+        out.update(served_chain(agrees, masks))
         return out
 
 

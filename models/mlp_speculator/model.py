@@ -38,6 +38,7 @@ from ..base import (
     metric,
     read_draft_config,
     read_draft_weights,
+    served_chain,
     write_draft_config,
 )
 from ..losses import check_head_loss, hard_label_loss, head_loss, head_masks
@@ -194,6 +195,7 @@ class MLPSpeculator(DraftMethod):
         out: dict[str, torch.Tensor] = {}
         scored = torch.ones_like(masks[0])  # stages 1..i all scored
         agreed = torch.ones_like(masks[0])  # stages 1..i-1 all agreed
+        agrees = []
         for i, mask in enumerate(masks):
             rows = mask.nonzero(as_tuple=True)
             agree = torch.zeros_like(mask)
@@ -206,6 +208,8 @@ class MLPSpeculator(DraftMethod):
             m = scored & agreed
             out[f"alpha_pos{i + 1}"] = metric(agree[m].float().sum(), m.sum())
             agreed = agreed & agree
+            agrees.append(agree)
+        out.update(served_chain(agrees, masks))
         return out
 
     # -- decoding ----------------------------------------------------------------------------
