@@ -11,7 +11,10 @@ position k; Medusa's heads log it as ``val/top1_head{k}``, the MLP speculator's 
 ``val/top1_stage{k}``) or ``val/alpha_pos{k}`` (``--metric alpha``: the same given positions
 1..k-1 agreed, EAGLE's n-alpha; Medusa has none) for k = 1..positions, one colour per
 position, one line style per run (with more runs than line styles: one colour per run, one
-line style per position). A run with none of these is an error, not an empty plot.
+line style per position); or ``val/chain3_alpha`` (``--metric chain3``: what a chain of 3
+decoding the validation text at T = 0 accepts, the figure to compare with a decoder's; the
+EAGLE family and the MLP speculator log it), one curve a run. A run with none of these is an
+error, not an empty plot.
 
 ``--offsets`` adds training tokens seen before a run started: a run started from another's
 weights (``train.init_from``) counts its tokens from zero, and its offset places it after the
@@ -33,6 +36,7 @@ from pathlib import Path
 # per metric, the names a method logs it by: val/{metric}_{name}{k}, and what k counts
 NAMES = {"top1": ("pos", "head", "stage"), "alpha": ("pos",)}
 WORDS = {"pos": "position", "head": "head", "stage": "stage"}
+CHAIN = "chain of 3"  # --metric chain3: one curve a run, val/chain3_alpha
 
 
 def _number(v: object) -> bool:
@@ -94,7 +98,11 @@ def run_curves(
                 raise SystemExit(f"{path}:{i}: {k} is {v!r}, not a number")
         by_step.setdefault(r["step"], {}).update(r)  # a step logged twice: the later row wins
     rows = [by_step[s] for s in sorted(by_step) if by_step[s].get("tokens") is not None]
-    for name in NAMES[metric]:
+    if metric == "chain3":  # one figure a validation, not one a position
+        pts = [(r["tokens"], r["val/chain3_alpha"]) for r in rows if "val/chain3_alpha" in r]
+        if pts:
+            return CHAIN, {1: pts}
+    for name in NAMES.get(metric, ()):
         out: dict[int, list[tuple[float, float]]] = {k: [] for k in range(1, positions + 1)}
         for r in rows:
             for k in out:
@@ -103,7 +111,8 @@ def run_curves(
                     out[k].append((r["tokens"], v))
         if any(out.values()):
             return WORDS[name], out
-    looked = " or ".join(f"val/{metric}_{name}{{k}}" for name in NAMES[metric])
+    looked = " or ".join(f"val/{metric}_{name}{{k}}" for name in NAMES.get(metric, ()))
+    looked = looked or "val/chain3_alpha"
     found = _found({k for r in rows for k in r if k.startswith("val/")})
     hint = "; --metric top1 plots these" if metric == "alpha" and "val/top1_" in found else ""
     raise SystemExit(
@@ -163,7 +172,7 @@ def main() -> None:
     ap.add_argument("--lineage", type=Path, help="a lineage.json: its curves and offsets")
     ap.add_argument("--labels", nargs="*")
     ap.add_argument("--out", type=Path, default=Path("curves.png"))
-    ap.add_argument("--metric", choices=["top1", "alpha"], default="top1")
+    ap.add_argument("--metric", choices=["top1", "alpha", "chain3"], default="top1")
     ap.add_argument("--positions", type=int, default=5)
     ap.add_argument("--title", default=None)
     ap.add_argument("--offsets", nargs="*", type=float, help="training tokens before each run")
@@ -217,17 +226,22 @@ def main() -> None:
                 color=f"C{i % 10}" if by_run else f"C{k - 1}",
                 marker="o" if len(pts) < 30 else None,
                 ms=3,
-                label=(f"{word} {k}" if i == 0 else "_nolegend_")
+                label=(f"{word} {k}".replace(f"{CHAIN} 1", CHAIN) if i == 0 else "_nolegend_")
                 if args.same_style
-                else f"{label}, {word} {k}",
+                else f"{label}, {word} {k}".replace(f"{CHAIN} 1", CHAIN),
             )
     ax.set_xlabel("training tokens (millions)")
-    what = "top-1 agreement" if args.metric == "top1" else "acceptance given earlier positions"
+    what = {
+        "top1": "top-1 agreement",
+        "alpha": "acceptance given earlier positions",
+        "chain3": "acceptance of a chain of 3 (T = 0)",
+    }[args.metric]
     ax.set_ylabel(f"validation {what}")
     ax.set_ylim(0, args.ymax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax.set_title(args.title or f"validation {what} by draft position", fontsize=10)
+    by = "" if args.metric == "chain3" else " by draft position"
+    ax.set_title(args.title or f"validation {what}{by}", fontsize=10)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)

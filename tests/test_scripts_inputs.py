@@ -314,6 +314,27 @@ def test_a_run_with_nothing_to_plot_is_an_error_not_an_empty_plot(tmp_path, monk
     assert png.stat().st_size > 10_000
 
 
+def test_the_served_chain_is_one_curve_a_run(tmp_path, monkeypatch):
+    """``--metric chain3``: what a chain of 3 accepts decoding the validation text, a figure a
+    validation; a run that never logged it (Medusa) is named with what it holds."""
+    from plot_curves import curves
+
+    eagle = tmp_path / "eagle"
+    eagle.mkdir()
+    (eagle / "metrics.jsonl").write_text(
+        _rows(lambda s: {"val/top1_pos1": 0.5, "val/chain3_alpha": 0.4 + s / 100})
+    )
+    got = curves(eagle, "chain3", 5)
+    assert list(got) == [1] and got[1] == [(2000, 0.4 + 2 / 100), (4000, 0.44), (6000, 0.46)]
+    png = tmp_path / "chain.png"
+    _call("plot_curves", monkeypatch, str(eagle), "--metric", "chain3", "--out", str(png))
+    assert png.stat().st_size > 10_000
+    (tmp_path / "metrics.jsonl").write_text(MEDUSA)
+    with pytest.raises(SystemExit) as e:
+        _call("plot_curves", monkeypatch, str(tmp_path), "--metric", "chain3", "--out", str(png))
+    assert "val/chain3_alpha" in str(e.value.code) and "val/top1_head1..2" in str(e.value.code)
+
+
 def test_a_last_line_cut_short_is_left_out_one_in_the_middle_is_named(tmp_path, monkeypatch):
     run = tmp_path / "metrics.jsonl"
     run.write_text(MLP + MLP.splitlines()[0][:40])  # a run still writing
