@@ -434,10 +434,7 @@ def regenerate(cfg: DictConfig) -> dict[str, Any]:
         c = convs[i]
         was = done.get(c.id, {}).get(_INPUT_KEY)
         if was is not None and was != _input_digest(c):
-            raise PrepareError(
-                f"{Path(source).resolve()}: conversation {c.id} is not the one answered in "
-                f"{part} (the input changed since); give the input as it was, or another out="
-            )
+            raise _changed_input(source, c.id, part)
     counts_file = part.parent / f"counts-rank{rank}-of-{world}.json"
     counts = dict.fromkeys(COUNTS, 0)
     if counts_file.exists() and done:  # resumed: keep counting from where it stopped
@@ -674,6 +671,14 @@ def _generate_vllm(target, cfg, requests: list[GenRequest], eos, on_done, should
         raise PrepareError(f"engine=vllm: {e}") from None
 
 
+def _changed_input(source, cid: str, where: Path) -> PrepareError:
+    """The refusal of an input whose conversation ``cid`` is not the one ``where`` answered."""
+    return PrepareError(
+        f"{Path(source).resolve()}: conversation {cid} is not the one answered in {where} (the "
+        "input changed since); give the input as it was, or another out="
+    )
+
+
 def _seed_from_out(out: Path, part: Path, convs, mine: list[int], done: dict, source) -> list:
     """Copy into this process's part the conversations of ``mine`` that a finished ``out``
     answered and the part lacks (``out`` carried without its parts, or written by another
@@ -700,10 +705,7 @@ def _seed_from_out(out: Path, part: Path, convs, mine: list[int], done: dict, so
         return []
     for i in mine:  # before anything is copied: the part stays as it was
         if convs[i].id in wanted and index[convs[i].id][0] != _input_digest(convs[i]):
-            raise PrepareError(
-                f"{Path(source).resolve()}: conversation {convs[i].id} is not the one answered in "
-                f"{out} (the input changed since); give the input as it was, or another out="
-            )
+            raise _changed_input(source, convs[i].id, out)
     records = {}
     with open(out, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

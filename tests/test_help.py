@@ -108,7 +108,7 @@ def _gpu_check_steps() -> list[str]:
 
 
 def test_gpu_check_refuses_a_misspelled_step_before_it_writes_anything(tmp_path):
-    """A misspelled ONLY would skip every step after the machine's start-up, on a card lent
+    """A misspelled ONLY would skip every step after the machine's start-up, on a GPU rented
     for minutes: the script names the step and the steps it has, and writes nothing."""
     steps = _gpu_check_steps()
     code = (ROOT / "scripts" / "gpu_check.sh").read_text()
