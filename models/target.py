@@ -177,16 +177,35 @@ def target_folder(target: Target) -> Path:
     key = hashlib.sha256((target.identity + spec).encode()).hexdigest()[:12]
     dest = Path(cfg.cache_dir).expanduser() / "targets" / f"tiny-random-{key}"
     if not (dest / "config.json").exists():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
-        model = target.model
-        model.to(torch.float32).save_pretrained(str(tmp))
-        model.to(target.dtype)
-        target.tokenizer.save_pretrained(str(tmp))
+
+        def write(tmp: Path) -> None:
+            model = target.model
+            try:
+                model.to(torch.float32).save_pretrained(str(tmp))
+            finally:
+                model.to(target.dtype)
+            target.tokenizer.save_pretrained(str(tmp))
+
+        publish_folder(dest, write)
+    return dest
+
+
+def publish_folder(dest: Path, write) -> Path:
+    """``dest`` written whole or not at all, by any number of processes at once: each calls
+    ``write(tmp)`` on a private folder beside ``dest`` and renames it into place; a process
+    that finds ``dest`` there when it is done discards its copy, and one that fails or is
+    stopped leaves nothing behind."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        write(tmp)
         try:
             os.rename(tmp, dest)
         except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # someone else finished first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return dest
 
 
@@ -212,31 +231,22 @@ def saved_target_config(saved: dict[str, Any]) -> TargetConfig:
 
 def smollm2_dir(cache_dir: str) -> Path:
     """The embedded SmolLM2-135M-Instruct as an HF folder, converted from the package's GGUF on
-    first use. Two processes converting at once are safe: each writes a private temp folder and
-    renames it into place; the loser discards its copy."""
+    first use. Two processes converting at once are safe (``publish_folder``)."""
     dest = Path(cache_dir).expanduser() / "targets" / "smollm2-135m-instruct-q4_1"
     if (dest / "config.json").exists():
         return dest
     pkg = smollm2_package_dir()
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dest.parent))
-    try:
+    def write(tmp: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             str(pkg), gguf_file=SMOLLM2_GGUF, quantization_config=GgufConfig(dequantize=True)
         )
         tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=SMOLLM2_GGUF)
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # someone else finished first
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+
+    return publish_folder(dest, write)
 
 
 def full_attention_rope(tc: Any) -> dict[str, Any]:

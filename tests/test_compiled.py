@@ -445,6 +445,32 @@ def test_graph_discipline_names_what_a_cuda_graph_cannot_hold():
     assert good().tolist() == [9.0]
 
 
+def test_graph_discipline_checks_the_capture_runs_then_a_sample_of_later_calls():
+    """The check runs on the first three calls (what a capture runs) and then on about one in
+    eight: a function that starts reading a device value on the host after its capture runs
+    is still caught within a few dozen calls, and clean calls are not all checked."""
+    from models.lean import Captured, CaptureError
+
+    t = torch.arange(10.0)
+    clean = Captured(lambda: t * 2, emulate=True)
+    for _ in range(400):
+        clean()
+    assert clean.checked >= Captured.CHECKED_FIRST
+    assert 20 <= clean.checked - Captured.CHECKED_FIRST <= 80  # ~397 / 8 of the later calls
+
+    calls = [0]
+
+    def turns_bad():
+        calls[0] += 1
+        return t * 2 if calls[0] <= 10 else t * t[3].item()
+
+    late = Captured(turns_bad, emulate=True)
+    with pytest.raises(CaptureError, match="_local_scalar_dense"):
+        for _ in range(200):
+            late()
+    assert 10 < calls[0] < 200
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @torch.no_grad()
 def test_fused_layers_give_the_plain_layers_logits(kind):

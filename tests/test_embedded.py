@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -212,26 +211,56 @@ def test_train_eagle1_few_steps_on_embedded_target_and_sharegpt(tmp_path, smollm
     assert sum(p.numel() for p in head.parameters()) > 4_000_000
 
 
+_PUBLISH = """
+import sys, time
+from pathlib import Path
+from models.target import publish_folder
+
+dest, me = Path(sys.argv[1]), sys.argv[2]
+def write(tmp):
+    (dest.parent / f"started-{me}").touch()
+    while len(list(dest.parent.glob("started-*"))) < 2:  # both are writing at once
+        time.sleep(0.01)
+    (tmp / "config.json").write_text(me)
+    time.sleep(0.2)
+    (tmp / "model.safetensors").write_text(me)
+print(publish_folder(dest, write))
+"""
+
+
 def test_concurrent_conversion_is_safe(tmp_path):
-    code = "import sys; from models.target import smollm2_dir; print(smollm2_dir(sys.argv[1]))"
+    """Two processes writing the same cached folder at once (as two training runs converting
+    the embedded target do, ``smollm2_dir``): both get one whole folder, one writer's, and the
+    loser's private copy is gone; a writer that fails leaves nothing."""
+    from models.target import publish_folder
+
+    dest = tmp_path / "targets" / "smollm2"
+    dest.parent.mkdir(parents=True)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(tmp_path)],
+            [sys.executable, "-c", _PUBLISH, str(dest), name],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for name in ("a", "b")
     ]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
-    paths = {o[0].strip().splitlines()[-1] for o in outs}
-    assert len(paths) == 1
-    dest = Path(paths.pop())
-    assert (dest / "config.json").exists() and (dest / "model.safetensors").exists()
-    leftovers = [p.name for p in dest.parent.iterdir() if p != dest]
-    assert leftovers == []  # the loser's temp folder was cleaned up
+    assert {o[0].strip().splitlines()[-1] for o in outs} == {str(dest)}
+    winner = (dest / "config.json").read_text()
+    assert (dest / "model.safetensors").read_text() == winner in ("a", "b")
+    leftovers = [p.name for p in dest.parent.iterdir() if not p.name.startswith("started-")]
+    assert leftovers == ["smollm2"]  # the loser's temp folder was cleaned up
+
+    def fails(tmp):
+        (tmp / "config.json").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        publish_folder(tmp_path / "other", fails)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["targets"]
 
 
 def test_greedy_speculative_equals_autoregressive_on_smollm2(smollm2):
