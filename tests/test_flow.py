@@ -57,6 +57,32 @@ def test_app_trains_measures_and_says_how_to_serve(data_file, tmp_path):
     assert "this run" in r.stdout and "speedup" in r.stdout
 
 
+def test_the_table_says_how_often_each_draft_was_drafted_for():
+    """The end-of-run table's ``drafted`` column is the share of target forwards that verified
+    a draft; a draft the adaptive controller rarely drafted for is named under the table (its
+    tau near 1 is the controller's choice on this machine, not the head's acceptance), and a
+    fixed gamma or a draft drafted for most forwards is not."""
+    from types import SimpleNamespace
+
+    from flow.measure import drafted_share, table
+
+    assert drafted_share({"gamma_used": {"0": 231, "1": 9, "4": 5}}) == 14 / 245
+    assert drafted_share({"gamma_used": {}}) is None and drafted_share({}) is None
+    ea = SimpleNamespace(num_prompts=4, bench="mt_bench", max_new_tokens=64, temperature=0)
+
+    def row(name, drafted, adaptive=True):
+        return dict(draft=name, tau=1.03, alpha=0.47, speedup=0.97, lossless=True,
+                    drafted=drafted, adaptive=adaptive)  # fmt: skip
+
+    out = table([row("this run", 14 / 245), row("smollm2-eagle3", 0.9)], ea).splitlines()
+    assert out[2].split() == ["draft", "tau", "alpha", "drafted", "speedup", "lossless"]
+    assert out[3].split()[-3:] == ["6%", "0.97", "True"]
+    assert out[4].split()[-3:] == ["90%", "0.97", "True"]
+    assert out[5].startswith("  (this run: drafted for under a quarter") and len(out) == 6
+    fixed = table([row("this run", 0.02, adaptive=False), row("x", None)], ea).splitlines()
+    assert len(fixed) == 5 and fixed[4].split()[-3] == "-"
+
+
 def test_old_module_path_says_where_the_app_went():
     r = run_module("trainer.train", ["debug=default"])
     assert r.returncode != 0 and "python -m flow" in r.stderr
