@@ -126,6 +126,11 @@ def stats_row(spec: Stats, ar: Stats, c: float, parallel: bool = False) -> dict[
             if drafting and ar.target_calls
             else float("nan")
         ),
+        # the share of verification forwards that verified a draft: the adaptive controller
+        # drafts only where the head's acceptance pays for drafting and verifying here
+        "drafted_share": (
+            drafting / sum(spec.gamma_used.values()) if spec.gamma_used else float("nan")
+        ),
         "tree_iterations": spec.tree_iterations,
         "draft_calls": spec.draft_calls,
         "new_tokens": spec.new_tokens,

@@ -5,6 +5,7 @@ decoder, ``decoding.eval``), print one row per draft and keep each full report."
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def measure_after(cfg: DictConfig, final: Path, run_dir: Path, log=print) -> lis
                 "alpha": r["alpha"],
                 "speedup": r["speedup"],
                 "lossless": r["lossless"],
-                "drafted": drafted_share(r),
+                "drafted": r.get("drafted_share"),
                 "adaptive": bool((r.get("decoder") or {}).get("adaptive")),
                 "report": ecfg.report,
             }
@@ -102,17 +103,12 @@ def measure_after(cfg: DictConfig, final: Path, run_dir: Path, log=print) -> lis
     return rows
 
 
-def drafted_share(report: dict[str, Any]) -> float | None:
-    """The share of a report's target forwards that verified a draft (``gamma_used``: forwards
-    by the tokens drafted for them); None where it has none."""
-    used = {int(g): n for g, n in (report.get("gamma_used") or {}).items()}
-    total = sum(used.values())
-    return sum(n for g, n in used.items() if g) / total if total else None
-
-
 def table(rows: list[dict[str, Any]], ea) -> str:
     def f(x):
         return "-" if x is None else f"{x:.2f}"
+
+    def share(x):
+        return None if x is None or math.isnan(x) else x
 
     lines = [
         f"\nspeculative decoding of {ea.num_prompts} {ea.bench} prompts, {ea.max_new_tokens} new "
@@ -120,17 +116,13 @@ def table(rows: list[dict[str, Any]], ea) -> str:
         "plain decoding on this machine):",
         f"  {'draft':<28}{'tau':>6}{'alpha':>7}{'drafted':>9}{'speedup':>9}  lossless",
     ]
-    for r in rows:
-        d = r.get("drafted")
+    shared = [(r, share(r.get("drafted"))) for r in rows]
+    for r, d in shared:
         lines.append(
             f"  {r['draft']:<28}{f(r['tau']):>6}{f(r['alpha']):>7}"
             f"{'-' if d is None else f'{d:.0%}':>9}{f(r['speedup']):>9}  {r['lossless']}"
         )
-    rare = [
-        r["draft"]
-        for r in rows
-        if r.get("adaptive") and r.get("drafted") is not None and r["drafted"] < 0.25
-    ]
+    rare = [r["draft"] for r, d in shared if r.get("adaptive") and d is not None and d < 0.25]
     if rare:
         lines.append(
             f"  ({' and '.join(rare)}: drafted for under a quarter of the target's forwards; the "

@@ -217,6 +217,7 @@ def main() -> None:
             if not pts:
                 continue
             xs, ys = zip(*pts, strict=True)
+            curve = word if word == CHAIN else f"{word} {k}"  # the chain: one curve a run
             ax.plot(
                 [(x + off) / 1e6 for x in xs],
                 ys,
@@ -226,9 +227,9 @@ def main() -> None:
                 color=f"C{i % 10}" if by_run else f"C{k - 1}",
                 marker="o" if len(pts) < 30 else None,
                 ms=3,
-                label=(f"{word} {k}".replace(f"{CHAIN} 1", CHAIN) if i == 0 else "_nolegend_")
+                label=(curve if i == 0 else "_nolegend_")
                 if args.same_style
-                else f"{label}, {word} {k}".replace(f"{CHAIN} 1", CHAIN),
+                else f"{label}, {curve}",
             )
     ax.set_xlabel("training tokens (millions)")
     what = {

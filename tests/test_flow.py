@@ -62,12 +62,17 @@ def test_the_table_says_how_often_each_draft_was_drafted_for():
     a draft; a draft the adaptive controller rarely drafted for is named under the table (its
     tau near 1 is the controller's choice on this machine, not the head's acceptance), and a
     fixed gamma or a draft drafted for most forwards is not."""
+    import math
+    from collections import Counter
     from types import SimpleNamespace
 
-    from flow.measure import drafted_share, table
+    from decoding.report import stats_row
+    from decoding.stats import Stats
+    from flow.measure import table
 
-    assert drafted_share({"gamma_used": {"0": 231, "1": 9, "4": 5}}) == 14 / 245
-    assert drafted_share({"gamma_used": {}}) is None and drafted_share({}) is None
+    spec = Stats(gamma_used=Counter({0: 231, 1: 9, 4: 5}))
+    assert stats_row(spec, Stats(), 0.1)["drafted_share"] == 14 / 245
+    assert math.isnan(stats_row(Stats(), Stats(), 0.1)["drafted_share"])
     ea = SimpleNamespace(num_prompts=4, bench="mt_bench", max_new_tokens=64, temperature=0)
 
     def row(name, drafted, adaptive=True):
@@ -79,8 +84,10 @@ def test_the_table_says_how_often_each_draft_was_drafted_for():
     assert out[3].split()[-3:] == ["6%", "0.97", "True"]
     assert out[4].split()[-3:] == ["90%", "0.97", "True"]
     assert out[5].startswith("  (this run: drafted for under a quarter") and len(out) == 6
-    fixed = table([row("this run", 0.02, adaptive=False), row("x", None)], ea).splitlines()
+    fixed = table([row("this run", 0.02, adaptive=False), row("x", math.nan)], ea).splitlines()
     assert len(fixed) == 5 and fixed[4].split()[-3] == "-"
+    never = table([row("this run", 0.0)], ea).splitlines()
+    assert never[-1].startswith("  (this run: drafted for under a quarter")
 
 
 def test_old_module_path_says_where_the_app_went():
