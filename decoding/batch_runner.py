@@ -7,7 +7,7 @@ runners behind one contract (``BatchRunner``), as ``runner.py`` has for batch 1:
 - ``RaggedRunner``: transformers' forward over a ``DynamicCache`` of shape (B, heads, L, d) and a
   boolean ``valid`` (B, L) (``models/ragged.py``): any architecture with full-attention layers,
   the reference path (``compile=false``). The cache grows and shrinks with the batch.
-- ``StaticBatchRunner``: the lean Llama-family forward (``models/lean.py``) over one static
+- ``StaticBatchRunner``: the lean forward (``models/lean.py``) over one static
   cache of ``batch_size`` rows, allocated once. The active rows are the first R; a forward runs
   over a row bucket (1, 2, 4, ... up to the batch size; padding rows see only themselves) and a
   padded width, and on CUDA each (bucket, width) is captured once as a CUDA graph whose mask
@@ -33,8 +33,9 @@ from models.base import Proposal, cache_kw, keep_last
 from models.lean import (
     CacheFull,
     Captured,
-    LeanLlama,
+    LeanDecoder,
     RaggedColumns,
+    key_positions,
     round_up,
     row_buckets,
     visible_columns,
@@ -404,7 +405,7 @@ class _GraphInputs:
     within-forward mask (a padding token sees only itself), loaded from the host in one copy
     each."""
 
-    def __init__(self, lean: LeanLlama, bucket: int, width: int, layers):
+    def __init__(self, lean: LeanDecoder, bucket: int, width: int, layers):
         dev = lean.device
         self.lean, self.bucket, self.width, self.layers = lean, bucket, width, layers
         self.ids = torch.zeros(bucket, width, dtype=torch.long, device=dev)
@@ -433,7 +434,7 @@ class _BatchGraph(_GraphInputs):
     from the runner's ``valid`` buffer. Captured as a CUDA graph on CUDA, run eagerly under
     the graph discipline with ``emulate`` (``models.lean.Captured``)."""
 
-    def __init__(self, lean: LeanLlama, valid, bucket, width, layers, emulate, pool=None):
+    def __init__(self, lean: LeanDecoder, valid, bucket, width, layers, emulate, pool=None):
         super().__init__(lean, bucket, width, layers)
         self.valid = valid
         self.base = torch.zeros((), dtype=torch.long, device=lean.device)
@@ -444,16 +445,13 @@ class _BatchGraph(_GraphInputs):
         self.captured = Captured(self._run, emulate, pool, check=not lean.fuse)
 
     def _run(self):
-        mask = visible_columns(
-            self.base, self.anc, self.width, self.lean.max_len, self.valid[: self.bucket]
-        )
+        valid, cols = self.valid[: self.bucket], self.base + self.steps
+        mask = visible_columns(self.base, self.anc, self.width, self.lean.max_len, valid)
+        kpos = None
+        if self.lean.windowed:  # each row's key positions, for the sliding-window layers
+            kpos = key_positions(self.pos, cols, self.lean.max_len, valid)
         return self.lean.forward(
-            self.ids,
-            self.pos,
-            self.base + self.steps,
-            mask,
-            self.layers,
-            rows=slice(0, self.bucket),
+            self.ids, self.pos, cols, mask, self.layers, rows=slice(0, self.bucket), kpos=kpos
         )
 
     def __call__(self, base: int, ids, pos, inner):
@@ -471,7 +469,7 @@ class _PrefillGraph(_GraphInputs):
     row seeing only its own prompt, features returned; the runner then copies the rows' K/V to
     their places. Captured as a CUDA graph on CUDA (``emulate``: run eagerly)."""
 
-    def __init__(self, lean: LeanLlama, first: int, bucket, width, layers, emulate, pool=None):
+    def __init__(self, lean: LeanDecoder, first: int, bucket, width, layers, emulate, pool=None):
         super().__init__(lean, bucket, width, layers)
         self.first = first
         self.cols = torch.arange(width, device=lean.device)
@@ -535,11 +533,12 @@ class StaticBatchRunner(BatchRunner):
 
     def _alloc(self, max_len: int) -> None:
         B = self.batch_size
-        self.lean = LeanLlama(
+        self.lean = LeanDecoder(
             self.target.model,
             round_up(max_len + self.widths[-1]),
             batch=B if self.graphs == "off" else 2 * B,  # graphs: B scratch rows to prefill in
             fuse=self.fuse,
+            fixed_shapes=self.graphs != "off",
         )
         cap = self.lean.max_len - self.widths[-1]
         self.cols = RaggedColumns(self.lean.cache.kv, cap, self.holes, self.slack, batch=B)
@@ -648,12 +647,12 @@ class StaticBatchRunner(BatchRunner):
         """The lean forward at exact shapes: the cache ``rows``' n tokens written at columns
         base..base+n-1, each seeing its row's valid columns before them and ``inner``."""
         n, dev = ids.shape[1], self.lean.device
-        mask = visible_columns(
-            torch.tensor(base, device=dev), inner.to(dev), n, base + n, self.cols.valid[rows]
-        )
+        valid, pos = self.cols.valid[rows], pos.to(dev)
+        mask = visible_columns(torch.tensor(base, device=dev), inner.to(dev), n, base + n, valid)
         cols = torch.arange(base, base + n, device=dev)
+        kpos = key_positions(pos, cols, base + n, valid) if self.lean.windowed else None
         return self.lean.forward(
-            ids.to(dev), pos.to(dev), cols, mask, self.states, logits=logits, rows=rows
+            ids.to(dev), pos, cols, mask, self.states, logits=logits, rows=rows, kpos=kpos
         )
 
     def keep(self, keeps):

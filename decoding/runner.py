@@ -6,7 +6,7 @@ behind one contract (``TargetRunner``):
 
 - ``HFRunner``: transformers' own forward over a ``DynamicCache`` (any architecture; the
   reference path, ``compile=false``).
-- ``StaticRunner``: the lean Llama-family forward (``models/lean.py``) over a static cache,
+- ``StaticRunner``: the lean forward (``models/lean.py``) over a static cache,
   every verification padded to a fixed width, and on CUDA each width captured once as a CUDA
   graph, so a step is one graph replay instead of thousands of Python-dispatched ops
   (``compile=true``; gpt-fast's and SGLang's shape). On a CPU it runs eager at exact widths
@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from models.base import Proposal, SideBranch, cache_kw, crop_cache, rollback_cache
-from models.lean import Captured, LeanLlama, lean_support, pad_width, round_up, visible_columns
+from models.lean import Captured, LeanDecoder, lean_support, pad_width, round_up, visible_columns
 from models.ragged import layer_masks, on, window_layers
 from models.target import Target
 
@@ -191,7 +191,7 @@ class _Graph:
     (inputs only through the buffers, fixed shapes) is what the tests exercise."""
 
     def __init__(
-        self, lean: LeanLlama, width: int, layers, emulate: bool, pool=None, logits: bool = True
+        self, lean: LeanDecoder, width: int, layers, emulate: bool, pool=None, logits: bool = True
     ):
         dev = lean.device
         self.width, self.lean, self.layers, self.logits = width, lean, layers, logits
@@ -250,14 +250,14 @@ PREFILL_WIDTHS = (32, 64, 128, 256, 512, 1024, 2048)
 
 
 class StaticRunner(TargetRunner):
-    """The lean Llama-family forward over a static cache (``models/lean.py``).
+    """The lean forward over a static cache (``models/lean.py``).
 
     ``graphs``: capture each verification width as a CUDA graph (CUDA only), ``emulate`` (the
     graph path's fixed shapes and static buffers, run eagerly: for tests on a CPU) or ``off``
     (eager at exact shapes: a CPU). ``widths``: the verification widths to pad to (the decoder
     passes 1 and its widest forward). ``max_len``: cache columns allocated up front (grown, and
     the graphs captured again, if a sequence needs more). ``fuse``: the fixed widths run the
-    lean forward's torch.compile'd layer functions (``LeanLlama(fuse=True)``). Where graphs
+    lean forward's torch.compile'd layer functions (``LeanDecoder(fuse=True)``). Where graphs
     run, a prompt's prefill is padded to one of ``PREFILL_WIDTHS`` and replayed as a graph too
     (features only: a prefill's logits are never read); on a GPU an eager prefill of the
     embedded target cost 68 ms against 4 ms a graph step (docs/benchmarks.md)."""
@@ -286,8 +286,11 @@ class StaticRunner(TargetRunner):
         self.length = 0
 
     def _alloc(self, max_len: int) -> None:
-        self.lean = LeanLlama(
-            self.target.model, round_up(max_len + self.widths[-1]), fuse=self.fuse
+        self.lean = LeanDecoder(
+            self.target.model,
+            round_up(max_len + self.widths[-1]),
+            fuse=self.fuse,
+            fixed_shapes=self.graphs != "off",
         )
         self._graphs: dict[int, _Graph] = {}
         self._prefills: dict[int, _Graph] = {}

@@ -44,9 +44,10 @@ class EvalConfig:
     top_p: float = 1.0
     gamma: int = 4  # draft tokens per iteration (the maximum, with adaptive on)
     # the target's forward in the built-in decoder (decoding/runner.py): true = the lean
-    # Llama-family forward over a static KV cache at fixed widths, captured as CUDA graphs on a
-    # GPU (eager on a CPU); false = transformers' forward over its dynamic cache; auto = the
-    # first wherever it runs (Llama, Mistral, Qwen2/3 targets; the report says which ran);
+    # forward over a static KV cache at fixed widths, captured as CUDA graphs on a GPU (eager on
+    # a CPU); false = transformers' forward over its dynamic cache; auto = the first wherever it
+    # runs (Llama, Mistral, Qwen2/3, Gemma-1/2/3, OLMo-2, Phi-3 targets: models.lean.ARCHS; the
+    # report says which ran);
     # fused = true with each layer's elementwise ops compiled by torch.compile (fewer kernels)
     compile: str = "auto"
     adaptive: bool = True

@@ -1,19 +1,25 @@
-"""A lean forward for Llama-family targets over a static KV cache: the decoder's fixed-shape path.
+"""A lean forward for decoder-only targets over a static KV cache: the decoder's fixed-shape path.
 
 transformers' forward dispatches thousands of small ops from Python per call (module calls, mask
 builders, a ``DynamicCache`` that concatenates every layer's keys and values on every call). On a
 GPU that host work, not the matrix work, sets the step time of a small target, and a CUDA graph
 cannot capture it (shapes and addresses change from call to call). This module is the one
-exception to "don't fork HF modeling files" that STYLE.md allows: the Llama-family decoder
-(Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM) in gpt-fast's shape, reading the HF module's own
-weights (no copy, nothing converted), over a cache preallocated once:
+exception to "don't fork HF modeling files" that STYLE.md allows: the decoder layer of the
+families in ``ARCHS`` (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM, Gemma-1/2/3, OLMo-2, Phi-3,
+Qwen3-MoE, Mixtral) in gpt-fast's shape, one layer function for all of them with what differs
+as data (where the RMSNorms sit and how they scale, per-head or per-projection q/k norms, fused
+projections, the MLP's activation, routed experts, attention soft-capping, sliding-window
+layers, one RoPE table per layer type),
+reading the HF module's own weights (no copy, nothing converted), over a cache preallocated once:
 
 - ``StaticKV``: keys and values of every layer in one buffer (layers, 2, B, kv_heads, max_len,
   head_dim); a forward writes its tokens at cache columns given as a tensor, so the same call
   (and the same CUDA graph) serves every step; rollback is a length for a chain and one gather
   over all layers for a tree's accepted path (EAGLE's copy of the accepted entries).
-- ``LeanLlama.forward``: explicit position ids and a boolean mask (True = attend) for the query
-  rows; logits and the hidden states at the drafter's feature indices in one pass.
+- ``LeanDecoder.forward``: explicit position ids and a boolean mask (True = attend) for the
+  query rows; logits and the hidden states at the drafter's feature indices in one pass. A
+  sliding-window layer sees the masked columns whose key position is within its window of the
+  query's (``key_positions``), transformers' rule.
 
 Its logits equal transformers' within rounding (tests/test_compiled.py); every other
 architecture keeps transformers' own forward (``lean_support`` says why in one line).
@@ -21,40 +27,81 @@ architecture keeps transformers' own forward (``lean_support`` says why in one l
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .ragged import compaction
+from .ragged import compaction, window_layers
 
-#: model_type values whose decoder this module computes (the Llama layout: RMSNorm, RoPE,
-#: grouped-query attention, a SiLU-gated MLP; Qwen3's per-head q/k norms; Qwen2's q/k/v biases)
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+@dataclass(frozen=True)
+class Arch:
+    """What a family's decoder layer computes beyond the Llama layout (RMSNorm before attention
+    and before the MLP, RoPE, grouped-query attention, a gated MLP)."""
+
+    #: RMSNorm's scale: "llama" (the weight after the cast back), "olmo" (the weight in float32,
+    #: then the cast), "gemma" (1 + the weight, in float32)
+    norm: str = "llama"
+    #: where the norms sit: "pre" (on each block's input), "both" (Gemma-2/3: on its input and
+    #: on its output before the residual add), "post" (OLMo-2: on its output only)
+    sandwich: str = "pre"
+    #: q/k norms: None, "head" (each head's vector: Qwen3, Gemma-3), "proj" (the whole
+    #: projection: OLMo-2)
+    qk_norm: str | None = None
+    #: Phi-3: one q/k/v projection and one gate/up projection
+    fused: bool = False
+    #: routed experts (``MoE``): "model" (the routing weights cast to the model's dtype before
+    #: they scale the experts' outputs: Qwen3-MoE), "float32" (kept in float32: Mixtral)
+    moe: str | None = None
+
+
+#: model_type -> its layer, for the families the lean forward computes
+ARCHS = {
+    "llama": Arch(),
+    "mistral": Arch(),
+    "qwen2": Arch(),
+    "qwen3": Arch(qk_norm="head"),
+    "gemma": Arch(norm="gemma"),
+    "gemma2": Arch(norm="gemma", sandwich="both"),
+    "gemma3_text": Arch(norm="gemma", sandwich="both", qk_norm="head"),
+    "olmo2": Arch(norm="olmo", sandwich="post", qk_norm="proj"),
+    "phi3": Arch(fused=True),
+    "qwen3_moe": Arch(qk_norm="head", moe="model"),
+    "mixtral": Arch(moe="float32"),
+}
+#: the MLP activations it computes (transformers' ACT2FN names)
+ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 #: RoPE variants whose angles depend on the position alone (a table computed once is exact)
 STATIC_ROPE = ("default", "llama3", "linear", "yarn", "longrope")
 
 
-def lean_support(model: nn.Module, max_len: int | None = None) -> str | None:
-    """None when ``LeanLlama`` computes this HF causal LM exactly; else why not, in one line."""
+def _rope_types(cfg) -> set[str]:
+    p = getattr(cfg, "rope_parameters", None) or {}
+    if p and all(isinstance(v, dict) for v in p.values()):  # Gemma-3: one RoPE per layer type
+        return {v.get("rope_type", "default") for v in p.values()}
+    return {p.get("rope_type", "default")}
+
+
+def _act(cfg) -> str:
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+
+
+def lean_support(model: nn.Module) -> str | None:
+    """None when ``LeanDecoder`` computes this HF causal LM exactly; else why not, in one line."""
     cfg = model.config
     kind = getattr(cfg, "model_type", "?")
-    if kind not in LLAMA_FAMILY:
-        return f"model_type {kind!r} is not of the Llama family ({', '.join(LLAMA_FAMILY)})"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r} (the lean forward computes silu)"
-    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope not in STATIC_ROPE:
-        return f"rope_type {rope!r} changes with the sequence length"
-    types = getattr(cfg, "layer_types", None) or []
-    window = getattr(cfg, "sliding_window", None)
-    if any(t != "full_attention" for t in types) or (
-        window and getattr(cfg, "use_sliding_window", kind == "mistral")
-    ):
-        if max_len is None or not window or max_len > window:
-            return "sliding-window attention layers (the lean forward attends to all columns)"
+    if kind not in ARCHS:
+        return f"model_type {kind!r}: the lean forward computes {', '.join(ARCHS)}"
+    if _act(cfg) not in ACTS:
+        return f"hidden_act {_act(cfg)!r} (the lean forward computes {', '.join(ACTS)})"
+    for rope in sorted(_rope_types(cfg)):
+        if rope not in STATIC_ROPE:
+            return f"rope_type {rope!r} changes with the sequence length"
     dec = model.get_decoder() if hasattr(model, "get_decoder") else None
     if dec is None or not hasattr(dec, "layers") or not hasattr(dec, "norm"):
         return "no decoder with .layers and .norm"
@@ -221,20 +268,34 @@ class RaggedColumns:
         self.frontier = m
 
 
-class LeanLlama:
-    """The forward of an HF Llama-family causal LM (``lean_support(model)`` is None) over a
-    ``StaticKV``. Holds references to the model's own parameters."""
+class LeanDecoder:
+    """The forward of an HF causal LM of a family in ``ARCHS`` (``lean_support(model)`` is
+    None) over a ``StaticKV``. Holds references to the model's own parameters."""
 
-    def __init__(self, model: nn.Module, max_len: int, batch: int = 1, fuse: bool = False):
-        why = lean_support(model, max_len)
+    def __init__(
+        self,
+        model: nn.Module,
+        max_len: int,
+        batch: int = 1,
+        fuse: bool = False,
+        fixed_shapes: bool = False,
+    ):
+        why = lean_support(model)
         if why is not None:
             raise ValueError(f"lean forward: {why}")
         cfg = model.config
         dec = model.get_decoder()
         self.model, self.cfg = model, cfg
+        self.arch = ARCHS[cfg.model_type]
+        self.act = _act(cfg)
         self.embed = dec.embed_tokens.weight
+        # Gemma: the embeddings scaled by sqrt(H) in the model's dtype (a buffer of the module)
+        self.embed_scale = getattr(dec.embed_tokens, "embed_scale", None)
         self.layers = list(dec.layers)
-        self.weights = [_layer_weights(layer) for layer in self.layers]
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.weights = [_layer_weights(layer, self.arch) for layer in self.layers]
         # fuse: each layer's two stretches around attention compiled by torch.compile (inductor
         # fuses RMSNorm, RoPE, SiLU-and-multiply and the residual adds into a few kernels; one
         # compiled function serves every layer, whose tensors it takes as arguments). Off: the
@@ -242,14 +303,21 @@ class LeanLlama:
         # compiles for its shape, a second one for any (prefills of any length and every
         # verification width share two compilations)
         self.fuse = fuse
+        # routed experts: computed on fixed shapes where the forward is captured as a graph or
+        # compiled (``fixed_shapes``, ``fuse``), else as transformers does, the experts a token
+        # chose read in place (``_experts``)
+        self.fixed_experts = fixed_shapes or fuse
         self._qkv = torch.compile(_qkv, fullgraph=True) if fuse else _qkv
         self._out_mlp = torch.compile(_out_mlp, fullgraph=True) if fuse else _out_mlp
         self.norm_w, self.norm_eps = dec.norm.weight, _eps(dec.norm)
         self.lm_head = model.get_output_embeddings()
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.scaling = self.head_dim**-0.5
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        attn = self.layers[0].self_attn
+        # Gemma: query_pre_attn_scalar ** -0.5, read from the module as its forward does
+        self.scaling = getattr(attn, "scaling", None) or self.head_dim**-0.5
+        self.attn_softcap = getattr(attn, "attn_logit_softcapping", None)  # Gemma-2
+        self.window, sliding = window_layers(cfg)
+        self.sliding = [bool(s) for s in sliding] or [False] * len(self.layers)
         w = self.embed
         self.dtype, self.device = w.dtype, w.device
         self.max_len = max_len
@@ -257,15 +325,26 @@ class LeanLlama:
             len(self.layers), batch, self.n_kv, max_len, self.head_dim, w.dtype, w.device
         )
         # cos / sin of every position, as the model's rotary module computes them for a
-        # forward (same float32 angles, cast to the compute dtype): a table lookup per call
+        # forward (same float32 angles, cast to the compute dtype): a table lookup per call.
+        # Gemma-3: one table per layer type (its sliding layers' RoPE has another base)
         pos = torch.arange(max_len, device=w.device)[None]
         probe = torch.zeros((), dtype=w.dtype, device=w.device)
-        cos, sin = dec.rotary_emb(probe, pos)
-        self.cos, self.sin = cos[0], sin[0]  # (max_len, head_dim)
+        per_type = "layer_type" in inspect.signature(dec.rotary_emb.forward).parameters
+        types = list(getattr(cfg, "layer_types", None) or []) if per_type else []
+        self.tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        for t in sorted(set(types)) if types else [None]:
+            cos, sin = dec.rotary_emb(probe, pos, t) if t else dec.rotary_emb(probe, pos)
+            self.tables[t] = (cos[0], sin[0])  # (max_len, rotary dims)
+        self.layer_table = types or [None] * len(self.layers)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def windowed(self) -> bool:
+        """Some layers attend within a window: a forward needs its key positions."""
+        return self.window is not None
 
     @torch.no_grad()
     def forward(
@@ -277,6 +356,7 @@ class LeanLlama:
         features: tuple[int, ...] = (),
         logits: bool = True,
         rows: slice | None = None,
+        kpos: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward of W tokens per row.
 
@@ -285,111 +365,279 @@ class LeanLlama:
         attend, over cache columns [0, K) (K <= max_len; the tokens' own columns included).
         features: hidden-state indices (0: the embeddings, j: after layer j, num_layers: after
         the final norm). ``rows``: the cache rows these B rows are (a slice of the cache's batch;
-        None: all of them). Returns logits (B, W, V) in the model's dtype (None unless
-        ``logits``) and the features (B, W, len(features), H) (None if none asked)."""
+        None: all of them). ``kpos`` (B, K): the position of the key at each column, read by
+        sliding-window layers only (``key_positions``; None: the committed columns hold
+        positions 0, 1, ... in order, a single sequence's cache). Returns logits (B, W, V) in
+        the model's dtype (None unless ``logits``) and the features (B, W, len(features), H)
+        (None if none asked)."""
         B, W = ids.shape
         K = mask.shape[-1]
         x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         want = {j: None for j in features}
         if 0 in want:
             want[0] = x
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, W, D)
+        ropes = {
+            t: (cos[positions][:, None], sin[positions][:, None])  # (B, 1, W, rotary dims)
+            for t, (cos, sin) in self.tables.items()
+        }
         g = self.n_heads // self.n_kv
+        near = None
+        if self.windowed:
+            if kpos is None:
+                kpos = key_positions(positions, columns, K)
+            near = mask & ((positions[:, :, None] - kpos[:, None, :K]) < self.window)[:, None]
         # grouped-query attention without copying keys: each kv head's g query heads become
         # g * W query rows, group-major (transformers' pack_gqa); the mask repeats per group
-        mask = mask.expand(B, 1, W, K).repeat(1, 1, g, 1) if g > 1 else mask
+        if g > 1:
+            mask = mask.expand(B, 1, W, K).repeat(1, 1, g, 1)
+            near = None if near is None else near.expand(B, 1, W, K).repeat(1, 1, g, 1)
         kv = self.cache.kv
         n = self.num_layers
+        a = self.arch
         for i, w in enumerate(self.weights):
-            q, k, v = self._qkv(x, cos, sin, self.head_dim, *w[:11])
+            cos, sin = ropes[self.layer_table[i]]
+            q, k, v = self._qkv(
+                x, cos, sin, self.head_dim, self.n_heads, self.n_kv, a.norm, a.qk_norm, *w[:12]
+            )
             kc, vc = (kv[i, 0], kv[i, 1]) if rows is None else (kv[i, 0, rows], kv[i, 1, rows])
             kc.index_copy_(2, columns, k)
             vc.index_copy_(2, columns, v)
             qg = q.reshape(B, self.n_kv, g * W, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                qg, kc[:, :, :K], vc[:, :, :K], attn_mask=mask, scale=self.scaling
+            o = _attend(
+                qg,
+                kc[:, :, :K],
+                vc[:, :, :K],
+                near if self.sliding[i] else mask,
+                self.scaling,
+                self.attn_softcap,
             )
             # reshape, not view: CUDA's attention kernels may hand back (B, g*W, kv, D) strides
             o = o.reshape(B, self.n_heads, W, self.head_dim).transpose(1, 2).reshape(B, W, -1)
-            x = self._out_mlp(x, o, *w[11:])
+            x = self._out_mlp(x, o, self.act, a.norm, self.fixed_experts, *w[12:])
             if i + 1 in want and i + 1 < n:
                 want[i + 1] = x
-        x = _rms_w(x, self.norm_w, self.norm_eps)
+        x = _rms(x, self.norm_w, self.norm_eps, a.norm)
         if n in want:
             want[n] = x
-        out = F.linear(x, self.lm_head.weight, self.lm_head.bias) if logits else None
+        out = None
+        if logits:
+            out = F.linear(x, self.lm_head.weight, self.lm_head.bias)
+            if self.final_softcap is not None:  # Gemma-2: logits soft-capped, as HF returns them
+                out = torch.tanh(out / self.final_softcap) * self.final_softcap
         feats = torch.stack([want[j] for j in features], dim=2) if features else None
         return out, feats
 
 
-def _eps(norm: nn.Module) -> float:
+def key_positions(
+    positions: torch.Tensor,
+    columns: torch.Tensor,
+    K: int,
+    committed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B, K) the position of the key at each of cache columns [0, K) for a forward writing
+    ``positions`` (B, W) at ``columns`` (W,): the committed columns hold positions 0, 1, ... in
+    order (a single sequence), or, with ``committed`` (B, >= K) bool (a batch's ragged rows),
+    each row's count of committed columns before them. Only sliding-window layers read it,
+    through the ``mask`` they already satisfy, so what a masked column holds does not matter."""
+    B = positions.shape[0]
+    if committed is None:
+        base = torch.arange(K, device=positions.device).expand(B, K)
+    else:
+        base = committed[:, :K].long().cumsum(1) - 1
+    return base.index_copy(1, columns, positions)
+
+
+def _attend(q, k, v, mask, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Attention of (B, kv, R, D) query rows over (B, kv, K, D) keys and values, ``mask``
+    (B, 1, R, K) bool. With ``softcap`` (Gemma-2) the scores are soft-capped before the mask,
+    as transformers' eager attention does (SDPA has no soft-capping)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)
+
+
+def _eps(norm: nn.Module | None) -> float:
+    if norm is None:
+        return 1e-6
     return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
 
 
-def _rms_w(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, op for op: the variance in float32, the weight applied
-    after casting back."""
+def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float, kind: str) -> torch.Tensor:
+    """transformers' RMSNorms, op for op: the variance in float32, then the weight applied
+    after casting back (``llama``), in float32 before it (``olmo``), or as 1 + the weight in
+    float32 (``gemma``). ``w`` None: no norm (the identity)."""
+    if w is None:
+        return x
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "gemma":
+        return (xf * (1.0 + w.float())).to(dtype)
+    if kind == "olmo":
+        return (w * xf).to(dtype)
     return w * xf.to(dtype)
 
 
-def _layer_weights(layer: nn.Module) -> tuple:
-    """A decoder layer's tensors in the order ``_qkv`` and ``_out_mlp`` take them (11 + 10)."""
+def _w(m: nn.Module | None) -> tuple:
+    return (None, None) if m is None else (m.weight, getattr(m, "bias", None))
+
+
+def _layer_weights(layer: nn.Module, arch: Arch) -> tuple:
+    """A decoder layer's tensors in the order ``_qkv`` and ``_out_mlp`` take them (12 + 18).
+    Norms a family does not have are None (``_rms`` skips them)."""
     a, m = layer.self_attn, layer.mlp
-    qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)  # Qwen3's per-head norms
+    if arch.sandwich == "both":  # Gemma-2/3
+        attn_in, attn_out = layer.input_layernorm, layer.post_attention_layernorm
+        mlp_in, mlp_out = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+    elif arch.sandwich == "post":  # OLMo-2
+        attn_in, attn_out = None, layer.post_attention_layernorm
+        mlp_in, mlp_out = None, layer.post_feedforward_layernorm
+    else:
+        attn_in, attn_out = layer.input_layernorm, None
+        mlp_in, mlp_out = layer.post_attention_layernorm, None
+    qn = getattr(a, "q_norm", None) if arch.qk_norm else None
+    kn = getattr(a, "k_norm", None) if arch.qk_norm else None
+    if arch.fused:  # Phi-3: q/k/v in one projection (split after it), gate/up in another
+        q, k, v = _w(a.qkv_proj), (None, None), (None, None)
+    else:
+        q, k, v = _w(a.q_proj), _w(a.k_proj), _w(a.v_proj)
+    experts = getattr(m, "experts", None)
+    if experts is not None:  # routed experts: gate/up (E, 2I, H) and down (E, H, I) stacked
+        mlp = (experts.gate_up_proj, None, None, None, experts.down_proj, None)
+        route = (m.gate.weight, m.gate.top_k, getattr(m.gate, "norm_topk_prob", True))
+    elif arch.fused:
+        mlp = (*_w(m.gate_up_proj), None, None, *_w(m.down_proj))
+        route = (None, 0, False)
+    else:
+        mlp = (*_w(m.up_proj), *_w(m.gate_proj), *_w(m.down_proj))
+        route = (None, 0, False)
     return (
-        layer.input_layernorm.weight,
-        _eps(layer.input_layernorm),
-        a.q_proj.weight,
-        a.q_proj.bias,
-        a.k_proj.weight,
-        a.k_proj.bias,
-        a.v_proj.weight,
-        a.v_proj.bias,
+        None if attn_in is None else attn_in.weight,
+        _eps(attn_in),
+        *q,
+        *k,
+        *v,
         None if qn is None else qn.weight,
         None if kn is None else kn.weight,
-        1e-6 if qn is None else _eps(qn),
-        a.o_proj.weight,
-        a.o_proj.bias,
-        layer.post_attention_layernorm.weight,
-        _eps(layer.post_attention_layernorm),
-        m.up_proj.weight,
-        m.up_proj.bias,
-        m.gate_proj.weight,
-        m.gate_proj.bias,
-        m.down_proj.weight,
-        m.down_proj.bias,
+        _eps(qn),
+        arch.fused,
+        *_w(a.o_proj),
+        None if attn_out is None else attn_out.weight,
+        _eps(attn_out),
+        None if mlp_in is None else mlp_in.weight,
+        _eps(mlp_in),
+        None if mlp_out is None else mlp_out.weight,
+        _eps(mlp_out),
+        *mlp,
+        *route,
+        arch.moe,
     )
 
 
-def _qkv(x, cos, sin, head_dim, ln, eps, wq, bq, wk, bk, wv, bv, qn, kn, qk_eps):
-    """A layer up to attention: RMSNorm, the q/k/v projections, (Qwen3) q/k norms, RoPE.
-    Returns q, k, v as (B, heads, W, head_dim)."""
+def _qkv(x, cos, sin, head_dim, n_q, n_kv, norm, qk_norm, ln, eps, wq, bq, wk, bk, wv, bv, qn, kn, qk_eps, fused):  # fmt: skip
+    """A layer up to attention: the input norm, the q/k/v projections (Phi-3: one, split),
+    q/k norms (per head: Qwen3, Gemma-3; over the projection: OLMo-2), RoPE. Returns q, k, v
+    as (B, heads, W, head_dim)."""
     B, W = x.shape[:2]
-    h = _rms_w(x, ln, eps)
-    q = F.linear(h, wq, bq).view(B, W, -1, head_dim)
-    k = F.linear(h, wk, bk).view(B, W, -1, head_dim)
-    v = F.linear(h, wv, bv).view(B, W, -1, head_dim)
-    if qn is not None:
-        q, k = _rms_w(q, qn, qk_eps), _rms_w(k, kn, qk_eps)
+    h = _rms(x, ln, eps, norm)
+    if fused:
+        qkv = F.linear(h, wq, bq)
+        q, k, v = qkv.split((n_q * head_dim, n_kv * head_dim, n_kv * head_dim), dim=-1)
+    else:
+        q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    if qk_norm == "proj":
+        q, k = _rms(q, qn, qk_eps, norm), _rms(k, kn, qk_eps, norm)
+    q, k, v = (t.reshape(B, W, -1, head_dim) for t in (q, k, v))
+    if qk_norm == "head":
+        q, k = _rms(q, qn, qk_eps, norm), _rms(k, kn, qk_eps, norm)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
-def _out_mlp(x, o, wo, bo, ln, eps, wu, bu, wg, bg, wd, bd):
-    """A layer after attention: the output projection and residual, RMSNorm, the gated MLP
+def _out_mlp(x, o, act, norm, fixed, wo, bo, ln_ao, eps_ao, ln_mi, eps_mi, ln_mo, eps_mo, wu, bu, wg, bg, wd, bd, router, top_k, renorm, moe):  # fmt: skip
+    """A layer after attention: the output projection (Gemma-2/3, OLMo-2: normed) and the
+    residual, the MLP's input norm, the gated MLP (Phi-3: gate and up in one projection,
+    split; ``router``: routed experts, ``_experts``) (Gemma-2/3, OLMo-2: its output normed)
     and its residual."""
-    x = x + F.linear(o, wo, bo)
-    h = _rms_w(x, ln, eps)
-    up = F.linear(h, wu, bu)
-    gate = F.silu(F.linear(h, wg, bg))
-    return x + F.linear(gate * up, wd, bd)
+    x = x + _rms(F.linear(o, wo, bo), ln_ao, eps_ao, norm)
+    h = _rms(x, ln_mi, eps_mi, norm)
+    if router is not None:
+        y = _experts(h, router, top_k, renorm, moe == "model", wu, wd, act, fixed)
+    else:
+        if wg is None:
+            gate, up = F.linear(h, wu, bu).chunk(2, dim=-1)
+        else:
+            up, gate = F.linear(h, wu, bu), F.linear(h, wg, bg)
+        y = F.linear(_activate(gate, act) * up, wd, bd)
+    return x + _rms(y, ln_mo, eps_mo, norm)
+
+
+def _activate(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if act == "gelu_pytorch_tanh" else "none")
+
+
+def _experts(h, router, top_k: int, renorm: bool, cast: bool, gate_up, down, act: str, fixed: bool):  # fmt: skip
+    """Routed experts, transformers' sums: each token's top-k experts by the router's softmax
+    (renormalised over the k where the family does), their outputs scaled by the routing
+    weights (cast to the model's dtype first where the family does) and added in increasing
+    expert order.
+
+    Not ``fixed``: transformers' loop, over the experts some token chose, each reading its
+    weights in place (the host reads which were chosen: eager only). ``fixed`` (a CUDA graph,
+    torch.compile): no device value read on the host. Where the N tokens choose fewer experts
+    than there are (N k < E, a decoding step) the chosen experts' weights are gathered per
+    token (a copy of what they read: about three times the bytes of reading them in place);
+    else every expert runs over every token, weighted by 0 where it was not chosen (adding 0
+    is exact), reading each expert once."""
+    B, W, H = h.shape
+    x = h.reshape(-1, H)
+    logits = F.linear(x, router)
+    top, idx = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
+    if renorm:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if cast:
+        top = top.to(logits.dtype)
+    out = torch.zeros_like(x)
+    E = router.shape[0]
+    if not fixed:
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(_activate(gate, act) * up, down[e])
+            out.index_add_(0, tok, (y * top[tok, slot, None]).to(x.dtype))
+    elif x.shape[0] * top_k < E:
+        idx, order = idx.sort(dim=-1)
+        top = top.gather(-1, order)
+        gate, up = torch.matmul(gate_up[idx], x[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)
+        y = torch.matmul(down[idx], (_activate(gate, act) * up)[..., None]).squeeze(-1)
+        y = (y * top[..., None]).to(x.dtype)  # (N, k, H)
+        for j in range(top_k):
+            out = out + y[:, j]
+    else:
+        weight = torch.zeros(x.shape[0], E, dtype=top.dtype, device=x.device)
+        weight = weight.scatter(1, idx, top)
+        for e in range(E):
+            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(_activate(gate, act) * up, down[e])
+            out = out + (y * weight[:, e, None]).to(x.dtype)
+    return out.reshape(B, W, H)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    """RoPE on the first cos.shape[-1] dims of each head (all of them but for a partial
+    rotary factor, Phi-3's way), the rest passed through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    half = r // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
 

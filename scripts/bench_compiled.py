@@ -10,6 +10,8 @@ alone on the machine.
     python scripts/bench_compiled.py --parts forward,plain,draft [--device cuda] [--out r.json]
     python scripts/bench_compiled.py --parts shaped --device cuda     # the 8B-shaped costs
     python scripts/bench_compiled.py --parts hf_compile --device cuda # transformers' compiled
+    python scripts/bench_compiled.py --parts family --layers 2 \
+        --config scripts/model_configs/qwen3-30b-a3b   # any architecture: both paths, per width
 
 Every figure is a median of ``--reps`` after a warm-up; the JSON holds them with the device,
 versions and the date, for docs/benchmarks.md.
@@ -385,6 +387,56 @@ def graph_seconds(fn, dev, reps: int) -> float:
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj", "down_proj")
 
 
+def part_family(device: str, reps: int, config: str, layers: int, widths=(1, 4, 8)) -> dict:
+    """A target shaped like ``config`` (any HF config folder: a mixture of experts, Gemma,
+    ...) with random weights and its first ``layers`` layers (0: all of them), built on the
+    device (labelled: costs only): a forward's ms at each width on transformers' path and on
+    the static path (eager on a CPU, CUDA graphs on a GPU), or the one-line reason the static
+    path does not compute it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from decoding.runner import HFRunner, StaticRunner
+    from models.lean import lean_support
+    from models.target import Target, TargetConfig, cpu_has_bf16
+
+    dev = torch.device(device)
+    cfg = AutoConfig.from_pretrained(config)
+    if layers:
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:layers]
+    dtype = torch.bfloat16 if dev.type == "cuda" or cpu_has_bf16() else torch.float32
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    t = time.perf_counter()
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # not the config's own
+    torch.set_default_dtype(prev)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    name = Path(config).name
+    target = Target(model.eval(), None, f"{name}-shaped-random", TargetConfig(name="hf"))
+    res: dict = {
+        "config": name,
+        "layers": cfg.num_hidden_layers,
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "weights_GB": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+        "build_s": time.perf_counter() - t,
+    }
+    runners = {"transformers": HFRunner(target, ())}
+    why = lean_support(model)
+    if why is None:
+        graphs = "cuda" if dev.type == "cuda" else "off"
+        runners["static"] = StaticRunner(target, (), widths, graphs, max_len=512)
+    res["static_path"] = why or ("CUDA graphs" if dev.type == "cuda" else "eager")
+    res["forward_ms"] = forward_costs(target, runners, widths, reps)
+    if why is None:
+        f = res["forward_ms"]
+        res["static_over_transformers"] = {w: f["static"][w] / f["transformers"][w] for w in widths}
+    return res
+
+
 def component_costs(model, dev, reps: int, context: int, copy_bw: float) -> dict:
     """A one-token forward of ``model`` (Llama-shaped) in its parts, each timed over every
     layer's own weights in turn, as the forward reads them (no weight is read twice, so no
@@ -530,7 +582,13 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         default="forward,plain",
-        help="forward,plain,draft,fused,batch,hf_compile,shaped,shaped_fused",
+        help="forward,plain,draft,fused,batch,hf_compile,shaped,shaped_fused,family",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=2,
+        help="family: the first N layers of --config's target (0: all of them)",
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=7)
@@ -552,6 +610,7 @@ def main() -> None:
 
     parts = a.parts.split(",")
     known = ("forward", "plain", "draft", "fused", "batch", "hf_compile", "shaped", "shaped_fused")
+    known += ("family",)
     for part in parts:
         if part not in known:
             ap.error(f"--parts: no part {part!r} (use {', '.join(known)})")
@@ -587,11 +646,15 @@ def main() -> None:
             "llama_3.1_8b_shaped_random_fused",
             lambda: part_shaped(a.device, a.reps, a.config, fuse=True),
         ),
+        "family": (
+            f"{Path(a.config).name}_shaped_random",
+            lambda: part_family(a.device, a.reps, a.config, a.layers),
+        ),
     }
     for part in runs:  # in this order; the report is written after each part (a part cut
         if part not in parts:  # off by a time limit leaves the earlier ones)
             continue
-        if part.startswith("shaped"):
+        if part.startswith("shaped") or part == "family":
             target = None  # the embedded target's memory back before an 8B-shaped one
         key, run = runs[part]
         report[key] = run()

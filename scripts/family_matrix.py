@@ -220,12 +220,14 @@ def render(
         "",
         "## EAGLE-3 on each family, once",
         "",
-        "Chains and EAGLE-2 trees at T = 0 give the target's greedy output; a batch of 3 ragged "
+        "Chains and EAGLE-2 trees at T = 0 give the target's greedy output (transformers' "
+        "forward, the reference); a batch of 3 ragged "
         "rows gives each row's own (rollback and holes on the windowed layers' cache); at "
         "T = 1 every token is drawn from the target's own distribution (the rows the decoder "
-        "sampled from equal a fresh forward over what it produced, chains and trees); the "
-        "static path (the lean forward over a static cache, `compile=true`) is lossless where "
-        "the family has one, else the one-line reason it falls back to transformers' forward; "
+        "sampled from equal a fresh forward over what it produced, chains and trees); on the "
+        "static path (the lean forward over a static cache, `compile=true`) chains, trees and "
+        "the batch give the same outputs where the family has one, else the one-line reason "
+        "it falls back to transformers' forward; "
         "vLLM serves our EAGLE-3 export for the tiny target (heads 64 wide) with its "
         "speculative output equal to the target's greedy one and acceptance per position "
         "within 0.03 of ours (per position, vLLM's vs ours), else vLLM's own message. The head "

@@ -22,6 +22,10 @@
 #                the copy bandwidth; the rest: norms, RoPE, cache writes, gaps), an EAGLE-3
 #                draft step against a target step (shaped.json)
 #   shaped_fused (100) the same forward with compile=fused's layers (shaped_fused.json)
+#   family       (150) targets beyond the Llama family with random weights, each config in
+#                FAMILY_CONFIGS (a Gemma-3 shape of 268M parameters, Qwen3-30B-A3B): forward
+#                ms by width on transformers' path and on the static path's graphs
+#                (family_<config>.json)
 #   exact_fused  (120) the exactness tests of compile=fused
 #   embedded     (40)  the lean forward on the embedded target against transformers'
 #   draft        (60)  the shipped head's proposals in parts: chain of 3 and an EAGLE-2 tree,
@@ -43,9 +47,10 @@
 #
 # Environment: DEVICE (cuda), PROMPTS (80), TOKENS (128), REGEN_ROWS (512), LIMIT_SCALE (1),
 # SKIP / ONLY (step names), SHAPED_CONFIG (an architecture config folder in place of
-# Llama-3.1-8B's), SITE, NO_INSTALL=1 (never install). A CPU smoke run of the whole path:
+# Llama-3.1-8B's), FAMILY_CONFIGS (config folders for the family step), SITE, NO_INSTALL=1
+# (never install). A CPU smoke run of the whole path:
 #   DEVICE=cpu PROMPTS=2 TOKENS=8 REGEN_ROWS=32 LIMIT_SCALE=4 SKIP=hf \
-#     SHAPED_CONFIG=<small config> bash scripts/gpu_check.sh /tmp/check
+#     SHAPED_CONFIG=<small config> FAMILY_CONFIGS=<small config> bash scripts/gpu_check.sh /tmp/check
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/gpu_common.sh
@@ -64,6 +69,11 @@ step shaped 110 python3 scripts/bench_compiled.py --parts shaped --device "$dev"
   --reps 10 --out "$out/shaped.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
 step shaped_fused 100 python3 scripts/bench_compiled.py --parts shaped_fused --device "$dev" \
   --reps 10 --out "$out/shaped_fused.json" ${SHAPED_CONFIG:+--config "$SHAPED_CONFIG"}
+families=${FAMILY_CONFIGS:-scripts/model_configs/gemma3-small scripts/model_configs/qwen3-30b-a3b}
+# shellcheck disable=SC2016  # expanded by the inner shell, from its arguments
+step family 150 bash -c 'd=$1 o=$2; shift 2; for c in "$@"; do
+  python3 scripts/bench_compiled.py --parts family --layers 0 --device "$d" --reps 10 \
+    --config "$c" --out "$o/family_$(basename "$c").json" || exit; done' _ "$dev" "$out" $families
 SPECDRAFT_TEST_DEVICE=$dev step exact_fused 120 python3 -m pytest -q -o addopts="" \
   -p no:cacheprovider tests/test_compiled.py tests/test_decoder.py -k "fused and not embedded_target"
 

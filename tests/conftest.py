@@ -343,13 +343,14 @@ def small_vocab_pair():
     return small_vocab_target(), small_vocab_llama(1).to(TEST_DEVICE)
 
 
-def family_target(family: str, **kw):
-    """A 4-layer tiny random target of ``family`` (``models/families.py``), float32 on the CPU."""
+def family_target(family: str, device: str = "cpu", **kw):
+    """A 4-layer tiny random target of ``family`` (``models/families.py``), float32 on the CPU
+    (or ``device``)."""
     from models.target import TargetConfig, load_target
 
     return load_target(
         TargetConfig(
-            name="tiny_random", device="cpu", dtype="float32", tiny_layers=4, family=family, **kw
+            name="tiny_random", device=device, dtype="float32", tiny_layers=4, family=family, **kw
         )
     )
 

@@ -1,4 +1,4 @@
-"""The decoder's fixed-shape path: the lean Llama-family forward over a static cache
+"""The decoder's fixed-shape path: the lean forward over a static cache
 gives transformers' logits and features, its cache surgery keeps the accepted path, the graph
 path's padded widths change nothing, and ``compile=`` picks and reports a runner."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import COMPILE, make_runner
+from conftest import COMPILE, TEST_DEVICE, every_third_eagle3, family_target, make_runner
 from transformers import DynamicCache
 
 from decoding.decoder import NoDraft, SpeculativeDecoder
@@ -18,7 +18,7 @@ from decoding.runner import (
     choose_runner,
 )
 from models.base import Proposal, cache_kw
-from models.lean import LeanLlama, StaticKV, lean_support, visible_columns
+from models.lean import LeanDecoder, StaticKV, lean_support, visible_columns
 from models.sampling import Sampling
 from models.target import Target, TargetConfig
 
@@ -50,10 +50,41 @@ def _tiny(kind: str, seed: int = 0):
         "qwen2": lambda: tr.Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: tr.Qwen3Config(**common, head_dim=16),
         "mistral": lambda: tr.MistralConfig(**common, sliding_window=None),
+        # windows of 6 columns: the test's 17 tokens cross them
+        "mistral_window": lambda: tr.MistralConfig(**common, sliding_window=6),
+        "gemma": lambda: tr.GemmaConfig(**common, head_dim=16),
+        "gemma2": lambda: tr.Gemma2Config(
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+        "gemma3": lambda: tr.Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+        "olmo2": lambda: tr.Olmo2Config(**common),
+        "phi3": lambda: tr.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0),
+        # 4 experts, 2 a token: one token gathers its experts' weights, more run every expert
+        "qwen3_moe": lambda: tr.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+        "mixtral": lambda: tr.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
         "gpt2": lambda: tr.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4),
     }
     cfg = cfgs[kind]()
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "eager" if kind == "gemma2" else "sdpa"  # Gemma-2: soft-capping
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tr.AutoModelForCausalLM.from_config(cfg)
@@ -70,7 +101,7 @@ def _causal(n: int) -> torch.Tensor:
     return torch.tril(torch.ones(1, n, n, dtype=torch.bool))
 
 
-def _lean_logits(lean: LeanLlama, ids: list[int], base: int, states=()):
+def _lean_logits(lean: LeanDecoder, ids: list[int], base: int, states=()):
     n = len(ids)
     mask = visible_columns(torch.tensor(base), _causal(n), n, base + n)
     return lean.forward(
@@ -82,15 +113,26 @@ def _lean_logits(lean: LeanLlama, ids: list[int], base: int, states=()):
     )
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+#: one tiny model of each layer the lean forward computes (models.lean.ARCHS), and Mistral
+#: with a window the test's tokens cross
+LEAN_KINDS = ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "gemma", "gemma2"]
+LEAN_KINDS += ["gemma3", "olmo2", "phi3", "qwen3_moe", "mixtral"]
+
+
+@pytest.mark.parametrize(
+    "kind,fixed", [(k, False) for k in LEAN_KINDS] + [("qwen3_moe", True), ("mixtral", True)]
+)
 @torch.no_grad()
-def test_lean_forward_gives_transformers_logits_step_by_step(kind):
+def test_lean_forward_gives_transformers_logits_step_by_step(kind, fixed):
     """Prefill, then one and then three tokens at a time: every logit row equals transformers'
     over its DynamicCache, and the hidden states at the first, a middle and the last index equal
-    ``output_hidden_states``."""
+    ``output_hidden_states``. Sliding-window layers (6 columns here) are crossed by the
+    prompt and by every step after it. Routed experts both ways: transformers' loop, and on
+    fixed shapes (``fixed``: the chosen experts gathered for one token, every expert for
+    more)."""
     model = _tiny(kind)
     assert lean_support(model) is None
-    lean = LeanLlama(model, max_len=128)
+    lean = LeanDecoder(model, max_len=128, fixed_shapes=fixed)
     ids = PROMPT[:12]
     cache = DynamicCache(config=model.config)
     out = model(
@@ -117,7 +159,7 @@ def test_lean_forward_on_the_embedded_target_within_bf16_rounding(smollm2_target
     ids = torch.randint(0, t.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=t.config)
     ref = t.model(ids[:, :40], **cache_kw(t.model, cache), use_cache=True).logits[0]
-    lean = LeanLlama(t.model, max_len=128)
+    lean = LeanDecoder(t.model, max_len=128)
     got, _ = _lean_logits(lean, ids[0, :40].tolist(), 0)
     assert torch.equal(got[0], ref)
     ref2 = t.model(ids[:, 40:], **cache_kw(t.model, cache), use_cache=True).logits[0].float()
@@ -151,15 +193,19 @@ def test_static_runners_give_transformers_logits_for_chains_trees_and_rollbacks(
     transformers' runner and a static one: equal logits and features at every node, equal
     logits after each rollback. ``graphs`` pads every forward to a fixed width over the whole
     static cache, as a captured graph does."""
+    _against_transformers(tiny_target, kind, PROMPT)
+
+
+def _against_transformers(target, kind: str, prompt: list[int]) -> None:
     layers = (1, -1)
     ref, run = (
-        make_runner("transformers", tiny_target, layers),
-        make_runner(kind, tiny_target, layers),
+        make_runner("transformers", target, layers),
+        make_runner(kind, target, layers),
     )
     for r in (ref, run):
-        r.prefill(PROMPT[:-1])
+        r.prefill(prompt[:-1])
     steps = [
-        (Layout(PROMPT[-1], Proposal.chain([5, 6, 7])), [0, 1]),
+        (Layout(prompt[-1], Proposal.chain([5, 6, 7])), [0, 1]),
         (Layout(6, Proposal([40, 41, 42, 43, 44], [-1, -1, 0, 1, 1])), [0, 2, 5]),
         (Layout(44, Proposal.chain([])), [0]),
         (Layout(9, Proposal([1, 2, 3], [-1, -1, -1])), [0, 3]),
@@ -173,6 +219,38 @@ def test_static_runners_give_transformers_logits_for_chains_trees_and_rollbacks(
         for r in (ref, run):
             r.commit(keep)
         assert ref.length == run.length
+
+
+#: the families whose layers the lean forward computes beyond the Llama layout's (sliding
+#: windows, Gemma's norms, soft-capping and two RoPEs, OLMo-2's post-norms, Phi-3's fused
+#: projections, routed experts)
+LEAN_FAMILIES = ["mistral", "gemma2", "gemma3", "olmo2", "phi3", "qwen3_moe", "mixtral"]
+
+
+@pytest.mark.parametrize("family", LEAN_FAMILIES)
+@torch.no_grad()
+def test_static_runners_give_transformers_logits_and_rows_on_each_family(family):
+    """Each family's tiny target (windows of 24 columns) on the static path with fixed widths
+    as a captured graph runs them: a chain, trees and rollbacks past the window give
+    transformers' logits and features; a ragged batch drafting for its rows gives each row its
+    greedy output (on transformers' path: tests/test_families.py)."""
+    from decoding.batch import BatchDecoder
+    from models.target import GenRequest
+
+    target = family_target(family, device=TEST_DEVICE)
+    assert lean_support(target.model) is None
+    _against_transformers(target, "graphs", list(range(40, 70)))
+    prompts = [list(range(40, 60)), list(range(70, 75)), list(range(30, 62))]
+    plain = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False, compile="false")
+    refs = [plain.generate(p, 24) for p in prompts]
+    # drafts of 3 a row: 4-wide verifications
+    head = every_third_eagle3(target, noise=0.5).to(target.device)
+    bdec = BatchDecoder(
+        target, head.proposer(), Sampling(), batch_size=3, gamma=3, compile=COMPILE["graphs"]
+    )
+    assert bdec.runner.kind != "transformers"
+    out = bdec.run([GenRequest(i, p) for i, p in enumerate(prompts)], 24)
+    assert [out[i] for i in range(3)] == refs, f"{family}: static batch != greedy output"
 
 
 def test_graph_widths_pad_and_a_wider_forward_runs_eagerly(tiny_target):
@@ -471,14 +549,16 @@ def test_graph_discipline_checks_the_capture_runs_then_a_sample_of_later_calls()
     assert 10 < calls[0] < 200
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+#: every branch of the layer functions: the three norm kinds and placements, per-head and
+#: per-projection q/k norms, fused projections, both activations, routed experts
+@pytest.mark.parametrize("kind", ["gemma3", "olmo2", "phi3", "qwen3_moe"])
 @torch.no_grad()
 def test_fused_layers_give_the_plain_layers_logits(kind):
-    """``LeanLlama(fuse=True)``: the layer functions compiled by torch.compile (inductor's C++
+    """``LeanDecoder(fuse=True)``: the layer functions compiled by torch.compile (inductor's C++
     kernels here, Triton's on a GPU) give the uncompiled ones' logits and features within
     float32 rounding, at a fixed width after a prefill."""
     model = _tiny(kind)
-    plain, fused = LeanLlama(model, max_len=64), LeanLlama(model, max_len=64, fuse=True)
+    plain, fused = LeanDecoder(model, max_len=64), LeanDecoder(model, max_len=64, fuse=True)
     ids = PROMPT[:8]
     for lean in (plain, fused):  # the same prefill into each cache, exact shapes
         _lean_logits(lean, ids, 0)
@@ -565,3 +645,36 @@ def test_the_shaped_benchmark_times_a_one_token_forward_in_its_parts(tmp_path):
     assert parts["GB_read"]["attention"] == pytest.approx(2 * 2 * 2 * 768 * 16 * 2 / 1e9)
     assert parts["forward_ms"] == res["forward_ms"][1]
     assert parts["rest_ms"] == pytest.approx(parts["forward_ms"] - parts["sum_ms"])
+
+
+@pytest.mark.parametrize(
+    "model_type,extra",
+    [("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}), ("gpt2", {})],
+)
+def test_the_family_benchmark_times_both_paths_or_says_why_not(tmp_path, model_type, extra):
+    """``bench_compiled.py --parts family`` on a tiny config of an architecture: a forward's ms
+    at each width on both paths where the static path computes it, its one-line reason where
+    not; the config's layers cut to the number asked."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_compiled
+
+    cfg = {"model_type": model_type, "vocab_size": 256, "num_hidden_layers": 3, **extra}
+    if model_type == "gpt2":
+        cfg.update(n_embd=64, n_head=4)
+    else:
+        cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4)
+        cfg.update(num_key_value_heads=2, max_position_embeddings=1024)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    res = bench_compiled.part_family("cpu", 1, str(tmp_path), layers=2, widths=(1, 4))
+    assert res["layers"] == 2
+    if model_type == "gpt2":
+        assert "model_type 'gpt2'" in res["static_path"]
+        assert list(res["forward_ms"]) == ["transformers"]
+    else:
+        assert res["static_path"] == "eager"
+        assert all(res["forward_ms"][r][w] > 0 for r in ("transformers", "static") for w in (1, 4))
+        assert set(res["static_over_transformers"]) == {1, 4}

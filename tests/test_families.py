@@ -71,7 +71,8 @@ def plain_greedy(target, prompt=PROMPT, n=NEW) -> list[int]:
     from decoding.decoder import NoDraft, SpeculativeDecoder
     from models.sampling import Sampling
 
-    return SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False).generate(prompt, n)
+    dec = SpeculativeDecoder(target, NoDraft(), Sampling(), calibrate=False, compile="false")
+    return dec.generate(prompt, n)  # transformers' forward: the reference
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -134,7 +135,8 @@ def test_eagle3_chains_trees_batches_and_samples_exactly_on_each_family(
     (rollback and holes on the windowed layers' cache); at T = 1 every token is chosen from the
     target's own distribution (the rows the decoder sampled from equal a fresh forward's over
     the sequence it produced: the acceptance rule's exactness is family-blind and tested in
-    tests/test_verify.py); and the static path where the family has one."""
+    tests/test_verify.py); all of it on transformers' forward, and chains, trees and the batch
+    again on the static path (the lean forward) where the family has one."""
     from decoding.batch import BatchDecoder
     from decoding.decoder import SpeculativeDecoder
     from decoding.drafts import load_proposer
@@ -150,7 +152,7 @@ def test_eagle3_chains_trees_batches_and_samples_exactly_on_each_family(
     tree = DecodeSettings(tree="dynamic", depth=3, top_k=3, total_tokens=8)
     for how, settings in (("chain", DecodeSettings(tree="chain")), ("tree", tree)):
         prop, _ = load_proposer(str(run_dir), target, tree=settings)
-        dec = SpeculativeDecoder(target, prop, Sampling(), gamma=3, adaptive=False)
+        dec = SpeculativeDecoder(target, prop, Sampling(), gamma=3, adaptive=False, compile="false")
         assert dec.generate(PROMPT, NEW) == ref, f"{family}: {how} != plain greedy"
     record(family, "eagle3", "trees", "Y")
 
@@ -178,11 +180,18 @@ def test_eagle3_chains_trees_batches_and_samples_exactly_on_each_family(
     record(family, "eagle3", "sampling", "Y")
 
     why = lean_support(target.model)
-    if why is None:
+    if why is None:  # chains, trees and a ragged batch on the lean forward's static cache
+        for how, settings in (("chain", DecodeSettings(tree="chain")), ("tree", tree)):
+            prop, _ = load_proposer(str(run_dir), target, tree=settings)
+            dec = SpeculativeDecoder(
+                target, prop, Sampling(), gamma=3, adaptive=False, compile="true"
+            )
+            assert dec.runner.kind != "transformers"
+            assert dec.generate(PROMPT, NEW) == ref, f"{family}: static {how} != plain greedy"
         prop, _ = load_proposer(str(run_dir), target, tree=DecodeSettings(tree="chain"))
-        dec = SpeculativeDecoder(target, prop, Sampling(), gamma=3, adaptive=False, compile="true")
-        assert dec.runner.kind != "transformers"
-        assert dec.generate(PROMPT, NEW) == ref, f"{family}: static path != plain greedy"
+        bdec = BatchDecoder(target, prop, Sampling(), batch_size=3, gamma=3, compile="true")
+        out = bdec.run([GenRequest(i, p) for i, p in enumerate(prompts)], NEW)
+        assert [out[i] for i in range(3)] == refs, f"{family}: static batch != greedy output"
     record(family, "eagle3", "static", "Y" if why is None else f"falls back: {why}")
 
 
