@@ -198,6 +198,7 @@ class _Graph:
         self.ids = torch.zeros(1, width, dtype=torch.long, device=dev)
         self.depth = torch.zeros(1, width, dtype=torch.long, device=dev)
         self.base = torch.zeros((), dtype=torch.long, device=dev)
+        self.last = torch.zeros((), dtype=torch.long, device=dev)  # the last real position
         self.anc = torch.tril(torch.ones(1, width, width, dtype=torch.bool, device=dev))
         self.chain_anc = self.anc.clone()
         self.steps = torch.arange(width, device=dev)
@@ -216,6 +217,7 @@ class _Graph:
             mask,
             self.layers,
             logits=self.logits,
+            last=self.last,
         )
 
     def __call__(self, base: int, lay: Layout):
@@ -225,6 +227,7 @@ class _Graph:
         host[1, :n] = torch.tensor(lay.depth)
         host[1, n:] = torch.arange(n, self.width)  # padding: positions past the real tokens
         self.base.fill_(base)
+        self.last.fill_(base + max(lay.depth))
         dev = self.ids.device
         both = host.to(dev, non_blocking=True)
         self.ids.copy_(both[0:1])

@@ -76,7 +76,9 @@ ARCHS = {
 }
 #: the MLP activations it computes (transformers' ACT2FN names)
 ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
-#: RoPE variants whose angles depend on the position alone (a table computed once is exact)
+#: RoPE variants a table computed once holds exactly (their angles depend on the position
+#: alone; LongRoPE's on the position and on whether a forward ends past the original context,
+#: two tables)
 STATIC_ROPE = ("default", "llama3", "linear", "yarn", "longrope")
 
 
@@ -102,6 +104,8 @@ def lean_support(model: nn.Module) -> str | None:
     for rope in sorted(_rope_types(cfg)):
         if rope not in STATIC_ROPE:
             return f"rope_type {rope!r} changes with the sequence length"
+    if "longrope" in _rope_types(cfg) and len(_rope_types(cfg)) > 1:
+        return "LongRoPE on some layer types only"
     dec = model.get_decoder() if hasattr(model, "get_decoder") else None
     if dec is None or not hasattr(dec, "layers") or not hasattr(dec, "norm"):
         return "no decoder with .layers and .norm"
@@ -336,6 +340,17 @@ class LeanDecoder:
             cos, sin = dec.rotary_emb(probe, pos, t) if t else dec.rotary_emb(probe, pos)
             self.tables[t] = (cos[0], sin[0])  # (max_len, rotary dims)
         self.layer_table = types or [None] * len(self.layers)
+        # LongRoPE (Phi-3): transformers rotates a forward's tokens with the short factors while
+        # its last position is within original_max_position_embeddings, else with the long
+        # ones (keys already cached keep theirs). Both tables, chosen per forward on the device
+        self.short_rope, self.long_after = None, None
+        if _rope_types(cfg) == {"longrope"} and not types:
+            orig = int(cfg.rope_parameters["original_max_position_embeddings"])
+            short = dec.rotary_emb(probe, torch.arange(min(max_len, orig), device=w.device)[None])
+            span = torch.arange(max(max_len, orig + 1), device=w.device)[None]
+            long = dec.rotary_emb(probe, span)
+            self.tables[None] = (long[0][0, :max_len], long[1][0, :max_len])
+            self.short_rope, self.long_after = (short[0][0], short[1][0]), orig
 
     @property
     def num_layers(self) -> int:
@@ -357,6 +372,7 @@ class LeanDecoder:
         logits: bool = True,
         rows: slice | None = None,
         kpos: torch.Tensor | None = None,
+        last: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward of W tokens per row.
 
@@ -367,9 +383,10 @@ class LeanDecoder:
         the final norm). ``rows``: the cache rows these B rows are (a slice of the cache's batch;
         None: all of them). ``kpos`` (B, K): the position of the key at each column, read by
         sliding-window layers only (``key_positions``; None: the committed columns hold
-        positions 0, 1, ... in order, a single sequence's cache). Returns logits (B, W, V) in
-        the model's dtype (None unless ``logits``) and the features (B, W, len(features), H)
-        (None if none asked)."""
+        positions 0, 1, ... in order, a single sequence's cache). ``last`` (0-dim): the largest
+        position of a real token, where padding tokens sit past them (LongRoPE reads it; None:
+        the largest of ``positions``). Returns logits (B, W, V) in the model's dtype (None
+        unless ``logits``) and the features (B, W, len(features), H) (None if none asked)."""
         B, W = ids.shape
         K = mask.shape[-1]
         x = F.embedding(ids, self.embed)
@@ -382,6 +399,14 @@ class LeanDecoder:
             t: (cos[positions][:, None], sin[positions][:, None])  # (B, 1, W, rotary dims)
             for t, (cos, sin) in self.tables.items()
         }
+        if self.short_rope is not None:  # LongRoPE: the short factors while the forward fits
+            fits = (positions.max() if last is None else last) < self.long_after
+            at = positions.clamp(max=self.long_after - 1)
+            (cos_l, sin_l), (cos_s, sin_s) = ropes[None], self.short_rope
+            ropes[None] = (
+                torch.where(fits, cos_s[at][:, None], cos_l),
+                torch.where(fits, sin_s[at][:, None], sin_l),
+            )
         g = self.n_heads // self.n_kv
         near = None
         if self.windowed:

@@ -70,6 +70,19 @@ def _tiny(kind: str, seed: int = 0):
         ),
         "olmo2": lambda: tr.Olmo2Config(**common),
         "phi3": lambda: tr.Phi3Config(**common, partial_rotary_factor=0.5, pad_token_id=0),
+        # LongRoPE past an original context of 8 positions (Phi-3-mini-128k's scheme)
+        "phi3_longrope": lambda: tr.Phi3Config(
+            **common,
+            pad_token_id=0,
+            original_max_position_embeddings=8,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 8,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+        ),
         # 4 experts, 2 a token: one token gathers its experts' weights, more run every expert
         "qwen3_moe": lambda: tr.Qwen3MoeConfig(
             **common,
@@ -148,6 +161,36 @@ def test_lean_forward_gives_transformers_logits_step_by_step(kind, fixed):
         got, _ = _lean_logits(lean, step, base)
         torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
         base += len(step)
+
+
+@torch.no_grad()
+@torch.no_grad()
+def test_longrope_turns_to_its_long_factors_where_transformers_does():
+    """LongRoPE rotates a forward's tokens with the short factors while its last position is
+    within the original context (8 here), else with the long ones, keys already cached keeping
+    theirs: the lean forward step by step across it, and a graph-width runner whose padding
+    sits past the real tokens (a padded forward must not turn early), equal transformers'."""
+    model = _tiny("phi3_longrope")
+    assert lean_support(model) is None
+    lean = LeanDecoder(model, max_len=64)
+    cache = DynamicCache(config=model.config)
+    base = 0
+    for step in (PROMPT[:5], [5], [6, 7], [8, 9, 10], [11]):  # last positions 4, 5, 7, 10, 11
+        ref = model(torch.tensor([step]), **cache_kw(model, cache), use_cache=True).logits[0]
+        got, _ = _lean_logits(lean, step, base)
+        torch.testing.assert_close(got[0], ref, atol=1e-5, rtol=1e-5)
+        base += len(step)
+    target = Target(model, None, "tiny-phi3-longrope", TargetConfig(name="hf"))
+    ref, run = make_runner("transformers", target), make_runner("graphs", target, widths=(1, 8))
+    for r in (ref, run):
+        r.prefill(PROMPT[:4])
+    for lay in (  # a chain of 3 ending at position 7, padded to 8 (padding up to position 11)
+        Layout(PROMPT[4], Proposal.chain([5, 6, 7])),
+        Layout(8, Proposal.chain([9])),  # now past the original context
+    ):
+        torch.testing.assert_close(run.forward(lay)[0], ref.forward(lay)[0], atol=1e-5, rtol=1e-5)
+        for r in (ref, run):
+            r.commit(list(range(len(lay))))
 
 
 @torch.no_grad()
