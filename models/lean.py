@@ -74,8 +74,14 @@ ARCHS = {
     "qwen3_moe": Arch(qk_norm="head", moe="model"),
     "mixtral": Arch(moe="float32"),
 }
-#: the MLP activations it computes (transformers' ACT2FN names)
-ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+#: the MLP activations it computes: transformers' activation module's class -> its ACT2FN name
+ACTS = {
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+    "GELUTanh": "gelu_pytorch_tanh",
+    "PytorchGELUTanh": "gelu_pytorch_tanh",
+    "GELUActivation": "gelu",
+}
 #: RoPE variants a table computed once holds exactly (their angles depend on the position
 #: alone; LongRoPE's on the position and on whether a forward ends past the original context,
 #: two tables)
@@ -89,8 +95,16 @@ def _rope_types(cfg) -> set[str]:
     return {p.get("rope_type", "default")}
 
 
-def _act(cfg) -> str:
-    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+def _act(model: nn.Module) -> str:
+    """The MLP's activation as its module computes it (Gemma's configs carry two names, and
+    which one a modeling file reads differs by family and by transformers version): the
+    ACT2FN name, or the module's class name where it is not in ACTS."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    mlp = getattr(getattr(dec, "layers", [None])[0], "mlp", None)
+    mlp = getattr(mlp, "experts", mlp)
+    fn = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    kind = type(fn).__name__
+    return ACTS.get(kind, kind)
 
 
 def lean_support(model: nn.Module) -> str | None:
@@ -99,18 +113,19 @@ def lean_support(model: nn.Module) -> str | None:
     kind = getattr(cfg, "model_type", "?")
     if kind not in ARCHS:
         return f"model_type {kind!r}: the lean forward computes {', '.join(ARCHS)}"
-    if _act(cfg) not in ACTS:
-        return f"hidden_act {_act(cfg)!r} (the lean forward computes {', '.join(ACTS)})"
-    for rope in sorted(_rope_types(cfg)):
-        if rope not in STATIC_ROPE:
-            return f"rope_type {rope!r} changes with the sequence length"
-    if "longrope" in _rope_types(cfg) and len(_rope_types(cfg)) > 1:
-        return "LongRoPE on some layer types only"
     dec = model.get_decoder() if hasattr(model, "get_decoder") else None
     if dec is None or not hasattr(dec, "layers") or not hasattr(dec, "norm"):
         return "no decoder with .layers and .norm"
     if type(model.get_output_embeddings()) is not nn.Linear:
         return "its LM head is not a plain linear layer"
+    if _act(model) not in ACTS.values():
+        names = ", ".join(sorted(set(ACTS.values())))
+        return f"MLP activation {_act(model)!r} (the lean forward computes {names})"
+    for rope in sorted(_rope_types(cfg)):
+        if rope not in STATIC_ROPE:
+            return f"rope_type {rope!r} changes with the sequence length"
+    if "longrope" in _rope_types(cfg) and len(_rope_types(cfg)) > 1:
+        return "LongRoPE on some layer types only"
     return None
 
 
@@ -291,7 +306,7 @@ class LeanDecoder:
         dec = model.get_decoder()
         self.model, self.cfg = model, cfg
         self.arch = ARCHS[cfg.model_type]
-        self.act = _act(cfg)
+        self.act = _act(model)
         self.embed = dec.embed_tokens.weight
         # Gemma: the embeddings scaled by sqrt(H) in the model's dtype (a buffer of the module)
         self.embed_scale = getattr(dec.embed_tokens, "embed_scale", None)

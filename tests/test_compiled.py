@@ -164,6 +164,22 @@ def test_lean_forward_gives_transformers_logits_step_by_step(kind, fixed):
 
 
 @torch.no_grad()
+def test_an_activation_the_lean_forward_does_not_compute_is_named():
+    """The activation is read from the MLP module, as the family's forward calls it: one the
+    lean forward does not compute (GPT-2's tanh formula, ``gelu_new``) is refused by name."""
+    import transformers as tr
+
+    cfg = tr.Phi3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, pad_token_id=0, hidden_act="gelu_new",
+    )  # fmt: skip
+    model = tr.AutoModelForCausalLM.from_config(cfg)
+    why = lean_support(model)
+    assert why is not None and "'NewGELUActivation'" in why and "gelu_pytorch_tanh" in why, why
+    with pytest.raises(ValueError, match="NewGELUActivation"):
+        LeanDecoder(model, max_len=16)
+
+
 @torch.no_grad()
 def test_longrope_turns_to_its_long_factors_where_transformers_does():
     """LongRoPE rotates a forward's tokens with the short factors while its last position is
