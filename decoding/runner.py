@@ -227,7 +227,8 @@ class _Graph:
         host[1, :n] = torch.tensor(lay.depth)
         host[1, n:] = torch.arange(n, self.width)  # padding: positions past the real tokens
         self.base.fill_(base)
-        self.last.fill_(base + max(lay.depth))
+        if self.lean.short_rope is not None:  # LongRoPE reads it
+            self.last.fill_(base + max(lay.depth))
         dev = self.ids.device
         both = host.to(dev, non_blocking=True)
         self.ids.copy_(both[0:1])

@@ -3,13 +3,13 @@
 transformers' forward dispatches thousands of small ops from Python per call (module calls, mask
 builders, a ``DynamicCache`` that concatenates every layer's keys and values on every call). On a
 GPU that host work, not the matrix work, sets the step time of a small target, and a CUDA graph
-cannot capture it (shapes and addresses change from call to call). This module is the one
-exception to "don't fork HF modeling files" that STYLE.md allows: the decoder layer of the
-families in ``ARCHS`` (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM, Gemma-1/2/3, OLMo-2, Phi-3,
-Qwen3-MoE, Mixtral) in gpt-fast's shape, one layer function for all of them with what differs
-as data (where the RMSNorms sit and how they scale, per-head or per-projection q/k norms, fused
-projections, the MLP's activation, routed experts, attention soft-capping, sliding-window
-layers, one RoPE table per layer type),
+cannot capture it (shapes and addresses change from call to call). This module and its layer
+functions (``lean_layers.py``) are the one exception to "don't fork HF modeling files" that
+STYLE.md allows: the decoder of the families in ``ARCHS`` (Llama, Mistral, Qwen2/2.5, Qwen3,
+SmolLM, Gemma-1/2/3, OLMo-2, Phi-3, Qwen3-MoE, Mixtral) in gpt-fast's shape, one layer for all
+of them with what differs as data (where the RMSNorms sit and how they scale, per-head or
+per-projection q/k norms, fused projections, the MLP's activation, routed experts, attention
+soft-capping; here: sliding-window layers, one RoPE table per layer type, LongRoPE's two),
 reading the HF module's own weights (no copy, nothing converted), over a cache preallocated once:
 
 - ``StaticKV``: keys and values of every layer in one buffer (layers, 2, B, kv_heads, max_len,
@@ -29,82 +29,26 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .lean_layers import (
+    ACTS,
+    ARCHS,
+    STATIC_ROPE,
+    attend,
+    eps_of,
+    layer_weights,
+    mlp_activation,
+    out_mlp,
+    qkv,
+    rms,
+    rope_types,
+)
 from .ragged import compaction, window_layers
-
-
-@dataclass(frozen=True)
-class Arch:
-    """What a family's decoder layer computes beyond the Llama layout (RMSNorm before attention
-    and before the MLP, RoPE, grouped-query attention, a gated MLP)."""
-
-    #: RMSNorm's scale: "llama" (the weight after the cast back), "olmo" (the weight in float32,
-    #: then the cast), "gemma" (1 + the weight, in float32)
-    norm: str = "llama"
-    #: where the norms sit: "pre" (on each block's input), "both" (Gemma-2/3: on its input and
-    #: on its output before the residual add), "post" (OLMo-2: on its output only)
-    sandwich: str = "pre"
-    #: q/k norms: None, "head" (each head's vector: Qwen3, Gemma-3), "proj" (the whole
-    #: projection: OLMo-2)
-    qk_norm: str | None = None
-    #: Phi-3: one q/k/v projection and one gate/up projection
-    fused: bool = False
-    #: routed experts (``MoE``): "model" (the routing weights cast to the model's dtype before
-    #: they scale the experts' outputs: Qwen3-MoE), "float32" (kept in float32: Mixtral)
-    moe: str | None = None
-
-
-#: model_type -> its layer, for the families the lean forward computes
-ARCHS = {
-    "llama": Arch(),
-    "mistral": Arch(),
-    "qwen2": Arch(),
-    "qwen3": Arch(qk_norm="head"),
-    "gemma": Arch(norm="gemma"),
-    "gemma2": Arch(norm="gemma", sandwich="both"),
-    "gemma3_text": Arch(norm="gemma", sandwich="both", qk_norm="head"),
-    "olmo2": Arch(norm="olmo", sandwich="post", qk_norm="proj"),
-    "phi3": Arch(fused=True),
-    "qwen3_moe": Arch(qk_norm="head", moe="model"),
-    "mixtral": Arch(moe="float32"),
-}
-#: the MLP activations it computes: transformers' activation module's class -> its ACT2FN name
-ACTS = {
-    "SiLUActivation": "silu",
-    "SiLU": "silu",
-    "GELUTanh": "gelu_pytorch_tanh",
-    "PytorchGELUTanh": "gelu_pytorch_tanh",
-    "GELUActivation": "gelu",
-}
-#: RoPE variants a table computed once holds exactly (their angles depend on the position
-#: alone; LongRoPE's on the position and on whether a forward ends past the original context,
-#: two tables)
-STATIC_ROPE = ("default", "llama3", "linear", "yarn", "longrope")
-
-
-def _rope_types(cfg) -> set[str]:
-    p = getattr(cfg, "rope_parameters", None) or {}
-    if p and all(isinstance(v, dict) for v in p.values()):  # Gemma-3: one RoPE per layer type
-        return {v.get("rope_type", "default") for v in p.values()}
-    return {p.get("rope_type", "default")}
-
-
-def _act(model: nn.Module) -> str:
-    """The MLP's activation as its module computes it (Gemma's configs carry two names, and
-    which one a modeling file reads differs by family and by transformers version): the
-    ACT2FN name, or the module's class name where it is not in ACTS."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
-    mlp = getattr(getattr(dec, "layers", [None])[0], "mlp", None)
-    mlp = getattr(mlp, "experts", mlp)
-    fn = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
-    kind = type(fn).__name__
-    return ACTS.get(kind, kind)
 
 
 def lean_support(model: nn.Module) -> str | None:
@@ -118,13 +62,13 @@ def lean_support(model: nn.Module) -> str | None:
         return "no decoder with .layers and .norm"
     if type(model.get_output_embeddings()) is not nn.Linear:
         return "its LM head is not a plain linear layer"
-    if _act(model) not in ACTS.values():
+    if mlp_activation(model) not in ACTS.values():
         names = ", ".join(sorted(set(ACTS.values())))
-        return f"MLP activation {_act(model)!r} (the lean forward computes {names})"
-    for rope in sorted(_rope_types(cfg)):
+        return f"MLP activation {mlp_activation(model)!r} (the lean forward computes {names})"
+    for rope in sorted(rope_types(cfg)):
         if rope not in STATIC_ROPE:
             return f"rope_type {rope!r} changes with the sequence length"
-    if "longrope" in _rope_types(cfg) and len(_rope_types(cfg)) > 1:
+    if "longrope" in rope_types(cfg) and len(rope_types(cfg)) > 1:
         return "LongRoPE on some layer types only"
     return None
 
@@ -306,7 +250,7 @@ class LeanDecoder:
         dec = model.get_decoder()
         self.model, self.cfg = model, cfg
         self.arch = ARCHS[cfg.model_type]
-        self.act = _act(model)
+        self.act = mlp_activation(model)
         self.embed = dec.embed_tokens.weight
         # Gemma: the embeddings scaled by sqrt(H) in the model's dtype (a buffer of the module)
         self.embed_scale = getattr(dec.embed_tokens, "embed_scale", None)
@@ -314,7 +258,7 @@ class LeanDecoder:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.weights = [_layer_weights(layer, self.arch) for layer in self.layers]
+        self.weights = [layer_weights(layer, self.arch) for layer in self.layers]
         # fuse: each layer's two stretches around attention compiled by torch.compile (inductor
         # fuses RMSNorm, RoPE, SiLU-and-multiply and the residual adds into a few kernels; one
         # compiled function serves every layer, whose tensors it takes as arguments). Off: the
@@ -324,11 +268,11 @@ class LeanDecoder:
         self.fuse = fuse
         # routed experts: computed on fixed shapes where the forward is captured as a graph or
         # compiled (``fixed_shapes``, ``fuse``), else as transformers does, the experts a token
-        # chose read in place (``_experts``)
+        # chose read in place (``experts``)
         self.fixed_experts = fixed_shapes or fuse
-        self._qkv = torch.compile(_qkv, fullgraph=True) if fuse else _qkv
-        self._out_mlp = torch.compile(_out_mlp, fullgraph=True) if fuse else _out_mlp
-        self.norm_w, self.norm_eps = dec.norm.weight, _eps(dec.norm)
+        self._qkv = torch.compile(qkv, fullgraph=True) if fuse else qkv
+        self._out_mlp = torch.compile(out_mlp, fullgraph=True) if fuse else out_mlp
+        self.norm_w, self.norm_eps = dec.norm.weight, eps_of(dec.norm)
         self.lm_head = model.get_output_embeddings()
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         attn = self.layers[0].self_attn
@@ -359,7 +303,7 @@ class LeanDecoder:
         # its last position is within original_max_position_embeddings, else with the long
         # ones (keys already cached keep theirs). Both tables, chosen per forward on the device
         self.short_rope, self.long_after = None, None
-        if _rope_types(cfg) == {"longrope"} and not types:
+        if rope_types(cfg) == {"longrope"} and not types:
             orig = int(cfg.rope_parameters["original_max_position_embeddings"])
             short = dec.rotary_emb(probe, torch.arange(min(max_len, orig), device=w.device)[None])
             span = torch.arange(max(max_len, orig + 1), device=w.device)[None]
@@ -445,7 +389,7 @@ class LeanDecoder:
             kc.index_copy_(2, columns, k)
             vc.index_copy_(2, columns, v)
             qg = q.reshape(B, self.n_kv, g * W, self.head_dim)
-            o = _attend(
+            o = attend(
                 qg,
                 kc[:, :, :K],
                 vc[:, :, :K],
@@ -458,7 +402,7 @@ class LeanDecoder:
             x = self._out_mlp(x, o, self.act, a.norm, self.fixed_experts, *w[12:])
             if i + 1 in want and i + 1 < n:
                 want[i + 1] = x
-        x = _rms(x, self.norm_w, self.norm_eps, a.norm)
+        x = rms(x, self.norm_w, self.norm_eps, a.norm)
         if n in want:
             want[n] = x
         out = None
@@ -487,199 +431,6 @@ def key_positions(
     else:
         base = committed[:, :K].long().cumsum(1) - 1
     return base.index_copy(1, columns, positions)
-
-
-def _attend(q, k, v, mask, scaling: float, softcap: float | None) -> torch.Tensor:
-    """Attention of (B, kv, R, D) query rows over (B, kv, K, D) keys and values, ``mask``
-    (B, 1, R, K) bool. With ``softcap`` (Gemma-2) the scores are soft-capped before the mask,
-    as transformers' eager attention does (SDPA has no soft-capping)."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
-    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(p, v)
-
-
-def _eps(norm: nn.Module | None) -> float:
-    if norm is None:
-        return 1e-6
-    return getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float, kind: str) -> torch.Tensor:
-    """transformers' RMSNorms, op for op: the variance in float32, then the weight applied
-    after casting back (``llama``), in float32 before it (``olmo``), or as 1 + the weight in
-    float32 (``gemma``). ``w`` None: no norm (the identity)."""
-    if w is None:
-        return x
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if kind == "gemma":
-        return (xf * (1.0 + w.float())).to(dtype)
-    if kind == "olmo":
-        return (w * xf).to(dtype)
-    return w * xf.to(dtype)
-
-
-def _w(m: nn.Module | None) -> tuple:
-    return (None, None) if m is None else (m.weight, getattr(m, "bias", None))
-
-
-def _layer_weights(layer: nn.Module, arch: Arch) -> tuple:
-    """A decoder layer's tensors in the order ``_qkv`` and ``_out_mlp`` take them (12 + 18).
-    Norms a family does not have are None (``_rms`` skips them)."""
-    a, m = layer.self_attn, layer.mlp
-    if arch.sandwich == "both":  # Gemma-2/3
-        attn_in, attn_out = layer.input_layernorm, layer.post_attention_layernorm
-        mlp_in, mlp_out = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
-    elif arch.sandwich == "post":  # OLMo-2
-        attn_in, attn_out = None, layer.post_attention_layernorm
-        mlp_in, mlp_out = None, layer.post_feedforward_layernorm
-    else:
-        attn_in, attn_out = layer.input_layernorm, None
-        mlp_in, mlp_out = layer.post_attention_layernorm, None
-    qn = getattr(a, "q_norm", None) if arch.qk_norm else None
-    kn = getattr(a, "k_norm", None) if arch.qk_norm else None
-    if arch.fused:  # Phi-3: q/k/v in one projection (split after it), gate/up in another
-        q, k, v = _w(a.qkv_proj), (None, None), (None, None)
-    else:
-        q, k, v = _w(a.q_proj), _w(a.k_proj), _w(a.v_proj)
-    experts = getattr(m, "experts", None)
-    if experts is not None:  # routed experts: gate/up (E, 2I, H) and down (E, H, I) stacked
-        mlp = (experts.gate_up_proj, None, None, None, experts.down_proj, None)
-        route = (m.gate.weight, m.gate.top_k, getattr(m.gate, "norm_topk_prob", True))
-    elif arch.fused:
-        mlp = (*_w(m.gate_up_proj), None, None, *_w(m.down_proj))
-        route = (None, 0, False)
-    else:
-        mlp = (*_w(m.up_proj), *_w(m.gate_proj), *_w(m.down_proj))
-        route = (None, 0, False)
-    return (
-        None if attn_in is None else attn_in.weight,
-        _eps(attn_in),
-        *q,
-        *k,
-        *v,
-        None if qn is None else qn.weight,
-        None if kn is None else kn.weight,
-        _eps(qn),
-        arch.fused,
-        *_w(a.o_proj),
-        None if attn_out is None else attn_out.weight,
-        _eps(attn_out),
-        None if mlp_in is None else mlp_in.weight,
-        _eps(mlp_in),
-        None if mlp_out is None else mlp_out.weight,
-        _eps(mlp_out),
-        *mlp,
-        *route,
-        arch.moe,
-    )
-
-
-def _qkv(x, cos, sin, head_dim, n_q, n_kv, norm, qk_norm, ln, eps, wq, bq, wk, bk, wv, bv, qn, kn, qk_eps, fused):  # fmt: skip
-    """A layer up to attention: the input norm, the q/k/v projections (Phi-3: one, split),
-    q/k norms (per head: Qwen3, Gemma-3; over the projection: OLMo-2), RoPE. Returns q, k, v
-    as (B, heads, W, head_dim)."""
-    B, W = x.shape[:2]
-    h = _rms(x, ln, eps, norm)
-    if fused:
-        qkv = F.linear(h, wq, bq)
-        q, k, v = qkv.split((n_q * head_dim, n_kv * head_dim, n_kv * head_dim), dim=-1)
-    else:
-        q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
-    if qk_norm == "proj":
-        q, k = _rms(q, qn, qk_eps, norm), _rms(k, kn, qk_eps, norm)
-    q, k, v = (t.reshape(B, W, -1, head_dim) for t in (q, k, v))
-    if qk_norm == "head":
-        q, k = _rms(q, qn, qk_eps, norm), _rms(k, kn, qk_eps, norm)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
-
-
-def _out_mlp(x, o, act, norm, fixed, wo, bo, ln_ao, eps_ao, ln_mi, eps_mi, ln_mo, eps_mo, wu, bu, wg, bg, wd, bd, router, top_k, renorm, moe):  # fmt: skip
-    """A layer after attention: the output projection (Gemma-2/3, OLMo-2: normed) and the
-    residual, the MLP's input norm, the gated MLP (Phi-3: gate and up in one projection,
-    split; ``router``: routed experts, ``_experts``) (Gemma-2/3, OLMo-2: its output normed)
-    and its residual."""
-    x = x + _rms(F.linear(o, wo, bo), ln_ao, eps_ao, norm)
-    h = _rms(x, ln_mi, eps_mi, norm)
-    if router is not None:
-        y = _experts(h, router, top_k, renorm, moe == "model", wu, wd, act, fixed)
-    else:
-        if wg is None:
-            gate, up = F.linear(h, wu, bu).chunk(2, dim=-1)
-        else:
-            up, gate = F.linear(h, wu, bu), F.linear(h, wg, bg)
-        y = F.linear(_activate(gate, act) * up, wd, bd)
-    return x + _rms(y, ln_mo, eps_mo, norm)
-
-
-def _activate(x: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if act == "gelu_pytorch_tanh" else "none")
-
-
-def _experts(h, router, top_k: int, renorm: bool, cast: bool, gate_up, down, act: str, fixed: bool):  # fmt: skip
-    """Routed experts, transformers' sums: each token's top-k experts by the router's softmax
-    (renormalised over the k where the family does), their outputs scaled by the routing
-    weights (cast to the model's dtype first where the family does) and added in increasing
-    expert order.
-
-    Not ``fixed``: transformers' loop, over the experts some token chose, each reading its
-    weights in place (the host reads which were chosen: eager only). ``fixed`` (a CUDA graph,
-    torch.compile): no device value read on the host. Where the N tokens choose fewer experts
-    than there are (N k < E, a decoding step) the chosen experts' weights are gathered per
-    token (a copy of what they read: about three times the bytes of reading them in place);
-    else every expert runs over every token, weighted by 0 where it was not chosen (adding 0
-    is exact), reading each expert once."""
-    B, W, H = h.shape
-    x = h.reshape(-1, H)
-    logits = F.linear(x, router)
-    top, idx = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
-    if renorm:
-        top = top / top.sum(dim=-1, keepdim=True)
-    if cast:
-        top = top.to(logits.dtype)
-    out = torch.zeros_like(x)
-    E = router.shape[0]
-    if not fixed:
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(_activate(gate, act) * up, down[e])
-            out.index_add_(0, tok, (y * top[tok, slot, None]).to(x.dtype))
-    elif x.shape[0] * top_k < E:
-        idx, order = idx.sort(dim=-1)
-        top = top.gather(-1, order)
-        gate, up = torch.matmul(gate_up[idx], x[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)
-        y = torch.matmul(down[idx], (_activate(gate, act) * up)[..., None]).squeeze(-1)
-        y = (y * top[..., None]).to(x.dtype)  # (N, k, H)
-        for j in range(top_k):
-            out = out + y[:, j]
-    else:
-        weight = torch.zeros(x.shape[0], E, dtype=top.dtype, device=x.device)
-        weight = weight.scatter(1, idx, top)
-        for e in range(E):
-            gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(_activate(gate, act) * up, down[e])
-            out = out + (y * weight[:, e, None]).to(x.dtype)
-    return out.reshape(B, W, H)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head (all of them but for a partial
-    rotary factor, Phi-3's way), the rest passed through."""
-    r = cos.shape[-1]
-    if r < x.shape[-1]:
-        return torch.cat((_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
-    half = r // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
 
 
 def visible_columns(

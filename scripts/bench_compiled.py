@@ -393,7 +393,7 @@ def part_family(device: str, reps: int, config: str, layers: int, widths=(1, 4, 
     device (labelled: costs only): a forward's ms at each width on transformers' path and on
     the static path (eager on a CPU, CUDA graphs on a GPU), or the one-line reason the static
     path does not compute it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from decoding.runner import HFRunner, StaticRunner
     from models.lean import lean_support
@@ -406,23 +406,15 @@ def part_family(device: str, reps: int, config: str, layers: int, widths=(1, 4, 
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = cfg.layer_types[:layers]
     dtype = torch.bfloat16 if dev.type == "cuda" or cpu_has_bf16() else torch.float32
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    t = time.perf_counter()
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # not the config's own
-    torch.set_default_dtype(prev)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
+    model, build_s = random_model(cfg, dev, dtype)
     name = Path(config).name
-    target = Target(model.eval(), None, f"{name}-shaped-random", TargetConfig(name="hf"))
+    target = Target(model, None, f"{name}-shaped-random", TargetConfig(name="hf"))
     res: dict = {
         "config": name,
         "layers": cfg.num_hidden_layers,
         "dtype": str(model.dtype).replace("torch.", ""),
         "weights_GB": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
-        "build_s": time.perf_counter() - t,
+        "build_s": build_s,
     }
     runners = {"transformers": HFRunner(target, ())}
     why = lean_support(model)
@@ -498,13 +490,28 @@ def component_costs(model, dev, reps: int, context: int, copy_bw: float) -> dict
     }
 
 
+def random_model(cfg, dev: torch.device, dtype: torch.dtype):
+    """The causal LM of transformers config ``cfg`` built on ``dev`` in ``dtype`` (not the
+    config's own) with random weights (normal, std 0.02), in eval mode, and the seconds it
+    took: costs only, no weights carried."""
+    from transformers import AutoModelForCausalLM
+
+    t = time.perf_counter()
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model.eval(), time.perf_counter() - t
+
+
 def part_shaped(device: str, reps: int, config: str, fuse: bool = False) -> dict:
     """A Llama-3.1-8B-shaped target with random weights, built on the device (labelled: costs
     only), on the static path with graphs: forward ms per width against the bandwidth limit,
     and an EAGLE-3 head's draft step (random weights) against a target step. ``fuse``: the
     forward's layers through torch.compile (``compile=fused``), at widths 1 and 8 only (each
     width compiles), and no draft step."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig
 
     from decoding.runner import StaticRunner
     from models.base import DecodeState
@@ -515,17 +522,8 @@ def part_shaped(device: str, reps: int, config: str, fuse: bool = False) -> dict
 
     dev = torch.device(device)
     cfg = AutoConfig.from_pretrained(config)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    t = time.perf_counter()
-    with torch.device(dev):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(prev)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    build_s = time.perf_counter() - t
-    target = Target(model.eval(), None, "llama-3.1-8b-shaped-random", TargetConfig(name="hf"))
+    model, build_s = random_model(cfg, dev, torch.bfloat16)
+    target = Target(model, None, "llama-3.1-8b-shaped-random", TargetConfig(name="hf"))
     widths = (1, 8) if fuse else (1, 8, 16, 32)
     graphs = "cuda" if dev.type == "cuda" else "off"
     runner = StaticRunner(target, (), widths, graphs, max_len=512, fuse=fuse)

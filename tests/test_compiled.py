@@ -126,7 +126,7 @@ def _lean_logits(lean: LeanDecoder, ids: list[int], base: int, states=()):
     )
 
 
-#: one tiny model of each layer the lean forward computes (models.lean.ARCHS), and Mistral
+#: one tiny model of each layer the lean forward computes (models.lean_layers.ARCHS), and Mistral
 #: with a window the test's tokens cross
 LEAN_KINDS = ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "gemma", "gemma2"]
 LEAN_KINDS += ["gemma3", "olmo2", "phi3", "qwen3_moe", "mixtral"]
