@@ -332,6 +332,7 @@ class LeanDecoder:
         rows: slice | None = None,
         kpos: torch.Tensor | None = None,
         last: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One forward of W tokens per row.
 
@@ -345,7 +346,8 @@ class LeanDecoder:
         positions 0, 1, ... in order, a single sequence's cache). ``last`` (0-dim): the largest
         position of a real token, where padding tokens sit past them (LongRoPE reads it; None:
         the largest of ``positions``). Returns logits (B, W, V) in the model's dtype (None
-        unless ``logits``) and the features (B, W, len(features), H) (None if none asked)."""
+        unless ``logits``; ``last_only``: (B, 1, V), the last token's, the LM head computed for
+        it alone) and the features (B, W, len(features), H) (None if none asked)."""
         B, W = ids.shape
         K = mask.shape[-1]
         x = F.embedding(ids, self.embed)
@@ -407,6 +409,7 @@ class LeanDecoder:
             want[n] = x
         out = None
         if logits:
+            x = x[:, -1:].contiguous() if last_only else x  # contiguous: one product, no copy
             out = F.linear(x, self.lm_head.weight, self.lm_head.bias)
             if self.final_softcap is not None:  # Gemma-2: logits soft-capped, as HF returns them
                 out = torch.tanh(out / self.final_softcap) * self.final_softcap

@@ -8,6 +8,7 @@ reads; the rest), with an EAGLE-3 draft step (random weights too) against a targ
 alone on the machine.
 
     python scripts/bench_compiled.py --parts forward,plain,draft [--device cuda] [--out r.json]
+    python scripts/bench_compiled.py --parts draft_lm   # a draft LM's proposal on both paths
     python scripts/bench_compiled.py --parts shaped --device cuda     # the 8B-shaped costs
     python scripts/bench_compiled.py --parts hf_compile --device cuda # transformers' compiled
     python scripts/bench_compiled.py --parts family --layers 2 \
@@ -163,6 +164,46 @@ def part_draft(target, reps: int, gamma: int = 3) -> dict:
         med = interleaved_medians(list(props), setup, target.device, reps)
     res = {f"{name}: ms per proposal of {gamma}": 1e3 * s for name, s in med.items()}
     res["tree"] = part_tree(prop.head, ids, feats, target.device, reps)
+    return res
+
+
+def part_draft_lm(target, reps: int, layers: int = 4, gamma: int = 3) -> dict:
+    """A draft LM (the target's first ``layers`` layers, ``truncate:N``: a DistillSpec
+    student's shape) drafting a chain of ``gamma`` after two newly committed tokens, ms per
+    proposal: transformers' forward over a DynamicCache, the lean forward over a static cache
+    eager at exact shapes, and the whole proposal as one graph (CUDA: captured; a CPU: the
+    graph's fixed shapes run eagerly, attending over the whole cache)."""
+    from data.chat import prompt_ids
+    from models.base import DecodeState
+    from models.draft_lm import DraftLMProposer
+    from models.draft_lm.static import StaticDraftLM
+    from models.sampling import Sampling
+
+    model = target.truncated(layers)
+    v = target.config.vocab_size
+    p = prompt_ids(target.tokenizer, [{"role": "user", "content": PROMPT}])
+    ids = p + list(range(28, 33)) * 40
+    graphs = "cuda" if target.device.type == "cuda" else "emulate"
+    props = {
+        "transformers": DraftLMProposer(model, v),
+        "static, eager": StaticDraftLM(model, v, gamma_max=gamma, graphs="off"),
+        f"static, {'CUDA graph' if graphs == 'cuda' else 'graph shapes'}": (
+            StaticDraftLM(model, v, gamma_max=gamma, graphs=graphs)
+        ),
+    }
+
+    def state(n):
+        return DecodeState(ids[:n], None, Sampling(), None, target.device)
+
+    def setup(name):
+        q = props[name]
+        q.start(state(len(ids) - 2))  # untimed: the sequence two tokens back
+        return lambda: q.propose(state(len(ids)), gamma)
+
+    with torch.no_grad():
+        med = interleaved_medians(list(props), setup, target.device, reps)
+    res = {f"{name}: ms per proposal of {gamma}": 1e3 * s for name, s in med.items()}
+    res["draft"] = f"the target's first {layers} layers, a {len(ids)}-token context"
     return res
 
 
@@ -580,7 +621,7 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         default="forward,plain",
-        help="forward,plain,draft,fused,batch,hf_compile,shaped,shaped_fused,family",
+        help="forward,plain,draft,draft_lm,fused,batch,hf_compile,shaped,shaped_fused,family",
     )
     ap.add_argument(
         "--layers",
@@ -607,8 +648,8 @@ def main() -> None:
     from models.target import TargetConfig, load_target
 
     parts = a.parts.split(",")
-    known = ("forward", "plain", "draft", "fused", "batch", "hf_compile", "shaped", "shaped_fused")
-    known += ("family",)
+    known = ("forward", "plain", "draft", "draft_lm", "fused", "batch", "hf_compile", "shaped")
+    known += ("shaped_fused", "family")
     for part in parts:
         if part not in known:
             ap.error(f"--parts: no part {part!r} (use {', '.join(known)})")
@@ -625,7 +666,7 @@ def main() -> None:
         report = {**json.loads(Path(a.out).read_text()), **report}
     widths = tuple(int(w) for w in a.widths.split(","))
     target = None
-    if {"forward", "plain", "draft", "fused", "batch", "hf_compile"} & set(parts):
+    if {"forward", "plain", "draft", "draft_lm", "fused", "batch", "hf_compile"} & set(parts):
         target = load_target(TargetConfig(device=a.device))
         report["target"] = f"{target.identity} ({str(target.dtype).replace('torch.', '')})"
     few = max(3, a.reps // 2)
@@ -633,6 +674,7 @@ def main() -> None:
         "forward": ("forward_ms", lambda: part_forward(target, widths, a.reps)),
         "plain": ("plain", lambda: part_plain(target, a.tokens, few)),
         "draft": ("draft", lambda: part_draft(target, 2 * a.reps + 1)),
+        "draft_lm": ("draft_lm", lambda: part_draft_lm(target, 2 * a.reps + 1)),
         "fused": ("fused", lambda: part_fused(target, a.tokens, few)),
         "batch": ("batch", lambda: part_batch(target, a.tokens, few)),
         "hf_compile": ("hf_compile", lambda: part_hf_compile(target, a.tokens, few)),

@@ -28,8 +28,10 @@
 #                (family_<config>.json)
 #   exact_fused  (120) the exactness tests of compile=fused
 #   embedded     (40)  the lean forward on the embedded target against transformers'
-#   draft        (60)  the shipped head's proposals in parts: chain of 3 and an EAGLE-2 tree,
-#                eager / fixed shapes / graph replay / host part (costs.json)
+#   draft        (80)  the shipped head's proposals in parts: chain of 3 and an EAGLE-2 tree,
+#                eager / fixed shapes / graph replay / host part; a draft LM's chain of 3 (the
+#                target's first 4 layers) on transformers' forward, the lean forward eager and
+#                as one graph replay (costs.json)
 #   accept       (40)  T = 1 acceptance for 1 and 16 rows, on the host against on the device
 #   regen_host   (90)  the data generator's loop on the tiny target, nothing drafted, REGEN_ROWS
 #                (512) rows with continuous batching on the static cache's graphs: tokens/s,
@@ -83,7 +85,7 @@ chain=(draft=smollm2-eagle3 "target.device=$dev" tree=chain gamma=3 adaptive=fal
   "max_new_tokens=$tokens")
 SPECDRAFT_TEST_DEVICE=$dev step embedded 40 python3 -m pytest -q -o addopts="" \
   -p no:cacheprovider tests/test_compiled.py -k embedded_target
-step draft 60 python3 scripts/bench_compiled.py --parts draft --device "$dev" \
+step draft 80 python3 scripts/bench_compiled.py --parts draft,draft_lm --device "$dev" \
   --tokens "$tokens" --out "$out/costs.json"
 step accept 40 python3 scripts/bench_host.py --parts accept --device "$dev" --runs 5
 step regen_host 90 python3 scripts/bench_host.py --parts regen --device "$dev" --runs 3 \

@@ -737,3 +737,116 @@ def test_the_family_benchmark_times_both_paths_or_says_why_not(tmp_path, model_t
         assert res["static_path"] == "eager"
         assert all(res["forward_ms"][r][w] > 0 for r in ("transformers", "static") for w in (1, 4))
         assert set(res["static_over_transformers"]) == {1, 4}
+
+
+# -- a draft LM (DistillSpec students, truncate:N, HF drafts) on the static path ----------------
+
+
+#: a static draft LM's graphs: captured on CUDA, their fixed shapes run eagerly on a CPU
+DRAFT_GRAPHS = "cuda" if TEST_DEVICE.startswith("cuda") else "emulate"
+
+
+@pytest.mark.parametrize("graphs", ["off", DRAFT_GRAPHS])
+@pytest.mark.parametrize("s", [Sampling(), Sampling(0.9, top_k=8)], ids=["T0", "T0.9-k8"])
+@torch.no_grad()
+def test_static_draft_lm_proposes_what_transformers_forward_proposes(tiny_target, graphs, s):
+    """Iterations that committed 1 to 6 tokens (accepted drafts + the correction; 6: more than a
+    captured catch-up) drafting 1 to 5 (past the longest captured: the eager steps): handed the
+    same states and random streams, the static draft LM and transformers' draft the same
+    tokens with the same q; a proposal asking for signals (DISCO) takes the eager steps on the
+    static cache and gives the same signals."""
+    from models.base import DecodeState
+    from models.draft_lm import DraftLMProposer
+    from models.draft_lm.static import StaticDraftLM
+
+    model = tiny_target.truncated(1)
+    eager = DraftLMProposer(model, tiny_target.config.vocab_size)
+    static = eager.fixed_shape(3, graphs)
+    assert isinstance(static, StaticDraftLM) and static.graphs == graphs
+    seq = PROMPT + [40 + i for i in range(40)]
+    dev = tiny_target.device
+    gens = [torch.Generator(device=dev).manual_seed(7) for _ in range(2)]
+
+    def state(n, g, signals=False):
+        return DecodeState(seq[:n], None, s, g, dev, signals=signals)
+
+    n = len(PROMPT)
+    for p, g in zip((eager, static), gens, strict=True):
+        p.start(state(n, g))
+    for step, gamma, accept, signals in [
+        (1, 3, 2, False),
+        (3, 1, 1, False),
+        (6, 2, 0, False),  # 2 after the last proposal, 4 more decoded without drafting
+        (1, 5, 3, False),
+        (4, 3, 3, True),
+        (4, 3, 1, False),
+    ]:
+        n += step
+        a, b = (
+            p.propose(state(n, g, signals), gamma)
+            for p, g in zip((eager, static), gens, strict=True)
+        )
+        assert a.tokens == b.tokens and len(a.tokens) == gamma, (step, a.tokens, b.tokens)
+        if not s.greedy:
+            torch.testing.assert_close(b.q, a.q, atol=1e-5, rtol=1e-5)
+        if signals:
+            torch.testing.assert_close(b.signals, a.signals, atol=1e-5, rtol=1e-5)
+        for p in (eager, static):
+            p.rollback(state(n, None), accept)
+        assert static.fed == eager.fed
+
+
+@pytest.mark.parametrize("kind", ["static", "graphs"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_decoder_drafts_with_a_draft_lm_on_the_static_path(tiny_target, kind, temperature):
+    """``compile=true`` (a CPU: eager) and the graph path: a draft LM decodes on the lean
+    forward, through iterations that skip drafting (catch-ups past a captured width), to the
+    tokens and acceptance transformers' path gives, greedy and seeded at T = 1."""
+    from models.draft_lm import DraftLMProposer
+    from models.draft_lm.static import StaticDraftLM
+
+    s = Sampling(temperature)
+    out, alpha = {}, {}
+    for mode in ("false", COMPILE[kind]):
+        model = tiny_target.truncated(1)
+        dec = SpeculativeDecoder(
+            tiny_target, DraftLMProposer(model), s, gamma=3, adaptive=False, seed=3, compile=mode
+        )
+        gammas = iter([3, 0, 0, 0, 1, 0, 0, 3, 2] + [3] * 100)
+        dec.controller.choose = lambda limit, bucket=None, it=gammas: min(next(it), limit)
+        assert isinstance(dec.proposer, StaticDraftLM) == (mode != "false")
+        out[mode] = [dec.generate(PROMPT, 40), dec.generate(PROMPT[:5], 12)]
+        alpha[mode] = dec.stats.alpha
+    assert out["false"] == out[COMPILE[kind]]
+    assert alpha["false"] == pytest.approx(alpha[COMPILE[kind]])
+
+
+def test_a_draft_lm_the_lean_forward_does_not_compute_keeps_transformers_forward():
+    """A GPT-OSS draft (attention sinks): no static path for it, the eager proposer stays."""
+    from models.draft_lm import DraftLMProposer
+
+    draft = DraftLMProposer(family_target("gpt_oss").model)
+    assert lean_support(draft.model) is not None
+    assert draft.fixed_shape(3, "off") is None
+
+
+@torch.no_grad()
+def test_a_static_draft_lm_grows_its_cache_for_a_long_prompt(tiny_target):
+    """A prompt past the columns allocated: ``start`` grows the cache, proposals still match."""
+    from models.base import DecodeState
+    from models.draft_lm import DraftLMProposer
+    from models.draft_lm.static import StaticDraftLM
+
+    model = tiny_target.truncated(1)
+    static = StaticDraftLM(model, gamma_max=2, graphs=DRAFT_GRAPHS, max_len=16)
+    small = static.capacity
+    seq = (PROMPT * 20)[:300]
+    st = DecodeState(seq, None, Sampling(), None, tiny_target.device)
+    eager = DraftLMProposer(model)
+    for p in (eager, static):
+        p.start(st)
+    assert static.capacity >= 300 > small
+    assert static.propose(st, 2).tokens == eager.propose(st, 2).tokens
+    assert static.fresh().lean is not static.lean  # another row's proposer: its own cache
+    with pytest.raises(ValueError, match="past its static cache"):
+        static._step(list(range(static.capacity)), tiny_target.device)

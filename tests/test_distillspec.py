@@ -239,7 +239,7 @@ def test_a_student_of_another_embedding_size_trains_on_the_shared_ids(tiny_targe
     rows for 7B's 152,064) crashed the divergence on mismatched shapes. A larger student is
     trained on the target's ids (its padded rows cut: the loss is the unpadded student's), a
     smaller one on the ids it has; the proposer drafts over the same ids."""
-    from models.draft_lm import _fit_vocab
+    from models.draft_lm.proposer import _fit_vocab
 
     torch.manual_seed(0)
     m = DistillSpecStudent(tiny_target, DistillSpecConfig(num_layers=1))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .base import (
+from ..base import (
     BatchedProposer,
     DecodeState,
     DraftError,
@@ -23,8 +23,8 @@ from .base import (
     keep_last,
     rollback_cache,
 )
-from .sampling import greedy_tokens, sample, warp
-from .target import Target, TargetError, check_same_vocabulary, hub_unreachable
+from ..sampling import greedy_tokens, sample, warp
+from ..target import Target, TargetError, check_same_vocabulary, hub_unreachable
 
 
 def load_same_vocabulary_lm(path: str, target: Target, what: str) -> nn.Module:
@@ -82,6 +82,19 @@ class DraftLMProposer(Proposer):
         if type(self) is not DraftLMProposer or not _full_attention(self.model):
             return None
         return BatchedDraftLM(self.model, self.vocab_size)
+
+    def fixed_shape(self, gamma: int, graphs: str) -> Proposer | None:
+        """This draft on the lean forward over a static cache (``static.StaticDraftLM``)
+        wherever the lean forward computes the draft model: eager on a CPU, a whole proposal
+        captured as one CUDA graph where graphs run. None for another family (transformers'
+        forward, as always)."""
+        from ..lean import lean_support
+
+        if type(self) is not DraftLMProposer or lean_support(self.model) is not None:
+            return None
+        from .static import StaticDraftLM
+
+        return StaticDraftLM(self.model, self.vocab_size, self.method, max(gamma, 1), graphs)
 
     def start(self, state: DecodeState) -> None:
         self.cache = rollback_cache(self.model.config)
@@ -189,7 +202,7 @@ class BatchedDraftLM(BatchedProposer):
     def _forward(self, cache, valid, feeds: list[list[int]], starts: list[int], device):
         """Feed ``feeds[b]`` at positions ``starts[b]..`` to every row; returns the logits at
         each row's last query (R, V) and the new ``valid``."""
-        from .ragged import additive_mask, causal_mask, left_padded
+        from ..ragged import additive_mask, causal_mask, left_padded
 
         ids, pos, real = left_padded(feeds, starts)
         allowed = causal_mask(valid, real)
@@ -209,7 +222,7 @@ class BatchedDraftLM(BatchedProposer):
     def _start_rows(self, states: list[DecodeState]):
         """The newcomers' own cache (as the batch-1 proposer's ``start``): their sequences but
         the last token prefilled. Returns (cache, valid, fed)."""
-        from .ragged import new_cache, prefill_in_groups, prefill_waste
+        from ..ragged import new_cache, prefill_in_groups, prefill_waste
 
         dev = states[0].device
         feeds = [s.ids[:-1] for s in states]
@@ -224,14 +237,14 @@ class BatchedDraftLM(BatchedProposer):
         return cache, valid, [len(f) for f in feeds]
 
     def join(self, states: list[DecodeState]) -> None:
-        from .ragged import join_rows
+        from ..ragged import join_rows
 
         cache, valid, fed = self._start_rows(states)
         self.fed.extend(fed)
         self.cache, self.valid = join_rows(self.cache, self.valid, cache, valid)
 
     def select(self, keep: list[int]) -> None:
-        from .ragged import keep_rows
+        from ..ragged import keep_rows
 
         self.fed = [self.fed[i] for i in keep]
         if self.pending is not None:
@@ -294,7 +307,7 @@ class BatchedDraftLM(BatchedProposer):
         batch-1 proposer would have fed: all but its last drafted token. (The batch fed that
         one too, for rows that drafted fewer than the longest; it is fed again next time, so
         that each row's cache holds what its batch-1 cache holds.)"""
-        from .ragged import keep_columns, tidy
+        from ..ragged import keep_columns, tidy
 
         if self.valid is None:
             return
