@@ -46,8 +46,8 @@ class EvalConfig:
     # the target's forward in the built-in decoder (decoding/runner.py): true = the lean
     # forward over a static KV cache at fixed widths, captured as CUDA graphs on a GPU (eager on
     # a CPU); false = transformers' forward over its dynamic cache; auto = the first wherever it
-    # runs (Llama, Mistral, Qwen2/3, Gemma-1/2/3, OLMo-2, Phi-3 targets: models.lean_layers.ARCHS; the
-    # report says which ran);
+    # runs (the families of models.lean_layers.ARCHS: Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral,
+    # Gemma-1/2/3, OLMo-2, Phi-3; a draft LM of those families too; the report says which ran);
     # fused = true with each layer's elementwise ops compiled by torch.compile (fewer kernels)
     compile: str = "auto"
     adaptive: bool = True

@@ -193,12 +193,11 @@ class StaticDraftLM(DraftLMProposer):
 
     @torch.no_grad()
     def propose(self, state: DecodeState, gamma: int) -> Proposal:
+        # ``held == fed`` here: ``start`` and ``rollback`` leave only committed tokens cached
         if not self._fixed(state, gamma):
-            self.held = self.fed  # the eager steps append after the committed tokens
-            return super().propose(state, gamma)
+            return super().propose(state, gamma)  # the eager steps, on this cache
         t = time.perf_counter()
         n = len(state.ids)
-        self.held = self.fed
         if n - self.fed > WIDTH:  # the draft sat idle: feed the older tokens first
             self._step(state.ids[self.fed : n - WIDTH], state.device, logits=False)
             self.fed = n - WIDTH
