@@ -704,6 +704,16 @@ class DraftMethod(nn.Module, abc.ABC):
     def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validation metrics for one batch (called under no_grad)."""
 
+    def tie_weights(self) -> None:
+        """Tie again what the Hugging Face models inside this draft tie (a student's LM head to
+        its embedding). accelerate's FSDP calls it on the draft it shards after moving it to the
+        meta device, which unties them: the two would then train apart."""
+        from transformers import PreTrainedModel
+
+        for m in self.modules():
+            if isinstance(m, PreTrainedModel):
+                m.tie_weights()
+
     def init_from_data(self, train, log=print) -> None:  # noqa: B027 (a no-op default)
         """Once, before training from scratch (not on resume or ``train.init_from``): settings
         chosen from the training split, e.g. EAGLE-3's draft vocabulary."""

@@ -16,6 +16,8 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -78,11 +80,18 @@ def latest_checkpoint(run_dir: str | Path, log=print) -> Path | None:
 
 
 def save_checkpoint(
-    accelerator: Any, run_dir: str | Path, step: int, state: dict, save_draft, keep: int
+    accelerator: Any,
+    run_dir: str | Path,
+    step: int,
+    state: dict,
+    draft: Any,
+    keep: int,
+    frozen: Any = (),
 ) -> Path:
     """Write ``step_N`` atomically on every process's behalf and prune to ``keep`` newest.
 
-    ``save_draft(dir)`` writes the standalone draft (called on the main process only)."""
+    ``draft.save_draft(dir)`` writes the standalone draft (on the main process, its weights
+    whole: ``whole_weights``; ``frozen``: the target's parameters, never gathered)."""
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step}"
     tmp = root / f".tmp-step_{step}"
@@ -94,8 +103,10 @@ def save_checkpoint(
     try:
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
+        with whole_weights(draft, accelerator.is_main_process, frozen):
+            if accelerator.is_main_process:
+                draft.save_draft(tmp / "draft")
         if accelerator.is_main_process:
-            save_draft(tmp / "draft")
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             files = {
                 str(f.relative_to(tmp)): f.stat().st_size
@@ -118,6 +129,55 @@ def save_checkpoint(
         ) from None
     accelerator.wait_for_everyone()
     return final
+
+
+@contextmanager
+def whole_weights(model: Any, is_main: bool, skip: Any = ()) -> Iterator[None]:
+    """Every process: inside the block, the main process's ``model`` holds its FSDP-sharded
+    parameters whole, so that ``save_draft`` (``state_dict``, ``save_pretrained``) writes the
+    draft rather than this process's shard (a DTensor, which safetensors cannot write).
+
+    Under accelerate's FSDP (``scripts/accelerate/fsdp.yaml``) a parameter between steps is a
+    DTensor holding 1/N of its rows. Each one is gathered in turn (a collective: every process
+    enters the block) in its stored precision, not the compute precision of a mixed-precision
+    forward, and kept on the main process only; the sharded parameters are put back when the
+    block ends. Frozen parameters of ``skip`` (the target's, which no draft file holds) are not
+    gathered: a whole target on one device is what sharding it avoids. Without FSDP, nothing
+    happens."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    bare = _bare(model)
+    for module in bare.modules():  # a unit a forward left whole (the root after validation)
+        if isinstance(module, FSDPModule):  # holds its shards again, as between steps
+            module.reshard()
+    skipped = {id(p) for p in skip}
+    owners: dict[int, list[tuple[Any, str]]] = {}
+    for module in bare.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(p, DTensor) and (p.requires_grad or id(p) not in skipped):
+                owners.setdefault(id(p), []).append((module, name))
+    if not owners:
+        yield
+        return
+    put_back: list[tuple[Any, str, Any]] = []
+    for places in owners.values():  # the same order on every process
+        module, name = places[0]
+        sharded = module._parameters[name]
+        full = sharded.full_tensor()
+        if not is_main:
+            del full
+            continue
+        whole = torch.nn.Parameter(full.detach(), requires_grad=sharded.requires_grad)
+        for module, name in places:  # a tied weight: every module that holds it
+            put_back.append((module, name, module._parameters[name]))
+            module.register_parameter(name, whole)
+    try:
+        yield
+    finally:
+        for module, name, sharded in reversed(put_back):
+            module.register_parameter(name, sharded)
 
 
 def _bare(model: Any) -> Any:

@@ -116,7 +116,10 @@ def evaluate(
     # a sharded target's forwards are collective: a rank with fewer batches runs stand-ins
     dataset = getattr(loader, "dataset", None)
     online = bool(m.feature_layers) and getattr(dataset, "features", None) is None
-    pad = equal_forwards(target, n if online else 0, tuple(m.feature_layers))
+    # an FSDP-sharded draft's forwards gather from every process: a process with fewer batches
+    # runs stand-ins (their target forwards included), whose metrics are dropped
+    stand_ins = most_batches(accelerator, n) - n if is_sharded(m) else 0
+    pad = equal_forwards(target, n if online and not is_sharded(m) else 0, tuple(m.feature_layers))
     with target.gathered():
         for i, batch in enumerate(loader):
             if i >= n:
@@ -124,9 +127,27 @@ def evaluate(
             batch = attach_features(batch, m, target)
             with accelerator.autocast():
                 add_metrics(acc, m.evaluate(batch))
+        for _ in range(stand_ins):
+            batch = attach_features(loader.stand_in(), m, target)
+            with accelerator.autocast():
+                m.evaluate(batch)
         pad()
     m.train(was_training)
     return reduce_metrics(sum_across_processes(accelerator, acc))
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether accelerate's FSDP (version 2) shards ``model``'s parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def most_batches(accelerator: Any, n: int) -> int:
+    """The most batches any process holds (``n``: this process's)."""
+    if accelerator.num_processes == 1:
+        return n
+    return int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max())
 
 
 def sum_across_processes(accelerator: Any, acc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -228,7 +249,13 @@ def fit(
         count_tokens()
         snapshot = {**state.__dict__, "last_val": dict(state.last_val)}
         path = save_checkpoint(
-            accelerator, run_dir, state.step, snapshot, unwrapped.save_draft, tc.keep_checkpoints
+            accelerator,
+            run_dir,
+            state.step,
+            snapshot,
+            unwrapped,
+            tc.keep_checkpoints,
+            frozen=target.model.parameters(),
         )
         return path
 

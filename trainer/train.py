@@ -39,10 +39,11 @@ from .checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     validate_checkpoint,
+    whole_weights,
 )
 from .config import register_configs
 from .features import build_feature_store, feature_cache_key
-from .loop import LoopState, fit, make_schedule, tokens_so_far
+from .loop import LoopState, fit, is_sharded, make_schedule, tokens_so_far
 from .optim import OptimizerError, build_optimizer, check_optim
 from .shard import ShardError, check_shard, shard_target
 from .sweep import SUMMARY
@@ -222,6 +223,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # the checkpoint to resume from, found (or refused) now, not after the target and data load
     resume_from = None if fresh else _resume_path(cfg.resume, run_dir, log)
     check_shard(cfg.target.shard, accelerator.num_processes, None)
+    if cfg.optim.name == "muon" and accelerator.distributed_type.value == "FSDP":
+        # torch's Muon would orthogonalise each process's rows, not the matrix
+        raise ConfigError(
+            "optim=muon: Muon orthogonalises whole matrices and FSDP gives each process a "
+            "slice of them; train with optim=adamw, or launch with DDP (scripts/accelerate/"
+            "ddp.yaml)"
+        )
     if accelerator.device.type == "cpu":
         keep_freed_memory()
     set_seed(cfg.train.seed)
@@ -251,6 +259,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         method, optimizer, train_loader, scheduler
     )
     accelerator.register_save_state_pre_hook(drop_frozen_weights)
+    _gather_in_evaluate(accelerator.unwrap_model(method))
     if val_loader is not None:
         val_loader = _to_device(val_loader, accelerator.device)
 
@@ -295,8 +304,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     wall = time.perf_counter() - t_start
     final = None
-    if reason in ("finished", "time") and accelerator.is_main_process:
-        final = _save_final(accelerator.unwrap_model(method), run_dir)
+    if reason in ("finished", "time"):
+        draft = accelerator.unwrap_model(method)
+        with whole_weights(draft, accelerator.is_main_process, target.model.parameters()):
+            if accelerator.is_main_process:
+                final = _save_final(draft, run_dir)
     accelerator.wait_for_everyone()
     tracker.close()
     summary = {
@@ -546,6 +558,15 @@ def _finished_before(cfg, state, run_dir: Path) -> dict | None:
     return summary if finished and (run_dir / "final").is_dir() else None
 
 
+def _gather_in_evaluate(method) -> None:
+    """Under accelerate's FSDP, a sharded unit gathers its parameters in the hooks of its
+    ``forward``; validation computes through the draft's ``evaluate``, which gathers likewise."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if is_sharded(method):
+        register_fsdp_forward_method(method, "evaluate")
+
+
 def _save_final(method, run_dir: Path) -> Path:
     """``run_dir/final``: the draft alone, written to a temporary folder first and moved into
     place, so an interrupted save never leaves a half-written final draft."""
@@ -566,7 +587,7 @@ def _to_device(loader, device):
 
         def __iter__(self):
             for b in self.inner:
-                yield {k: v.to(device, non_blocking=True) for k, v in b.items()}
+                yield self._moved(b)
 
         def __len__(self):
             return len(self.inner)
@@ -574,6 +595,14 @@ def _to_device(loader, device):
         @property
         def dataset(self):
             return self.inner.dataset
+
+        def stand_in(self):
+            """A batch of the split's first conversation (whichever process holds it)."""
+            return self._moved(self.inner.collate_fn([self.inner.dataset[0]]))
+
+        @staticmethod
+        def _moved(b):
+            return {k: v.to(device, non_blocking=True) for k, v in b.items()}
 
     return _Moved(loader)
 
