@@ -25,7 +25,7 @@ from conf.cli import Stopped, StopSignals, check_command_line, home_expanded
 from decoding.contention import OtherLoad, busy_note
 from models.base import run_files
 from trainer.sweep import REFUSED_NOTE, SUMMARY
-from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run
+from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run, wants_cpu
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("target", "data", "method", "optim", "logger", "experiment", "debug")
@@ -144,7 +144,7 @@ def _hydra_main(cfg: DictConfig) -> dict:
     # The run directory is Hydra's job directory: output_dir for a single run, one folder
     # per job (sweep dir / job number) under -m.
     with open_dict(cfg):
-        cfg.output_dir = HydraConfig.get().runtime.output_dir
+        cfg.output_dir = _one_folder_for_every_process(cfg, HydraConfig.get().runtime.output_dir)
     run_dir = Path(cfg.output_dir)
     existed = run_dir.exists() if multirun else _OUTPUT_DIR_EXISTED[0]  # Hydra made it since
     try:
@@ -232,6 +232,24 @@ def note_refused(run_dir: Path, error: str) -> None:
     hc = HydraConfig.get()
     note = run_dir.parent / REFUSED_NOTE.format(job=run_dir.name)
     note.write_text(json.dumps({"overrides": list(hc.overrides.task), "error": error}, indent=1))
+
+
+def _one_folder_for_every_process(cfg: DictConfig, folder: str) -> str:
+    """The main process's run folder, for every process of a launch. Each process resolves the
+    default folder's ``${now:...}`` itself, and processes that reach it in different seconds
+    (their imports take seconds) would write a checkpoint's parts into different folders; the
+    one a process's Hydra made in vain is removed. One process: ``folder``."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return folder
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    PartialState(cpu=wants_cpu(cfg))  # the process group, as the run's accelerator joins it
+    agreed = broadcast_object_list([folder], from_process=0)[0]
+    if agreed != folder:
+        with contextlib.suppress(OSError):
+            Path(folder).rmdir()  # empty: Hydra made it for this process alone
+    return agreed
 
 
 def _main_process() -> bool:

@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, accelerate_launch, compose, read_metrics, run_module, tiny_overrides
+from conftest import (
+    ROOT,
+    accelerate_launch,
+    compose,
+    free_port,
+    read_metrics,
+    run_module,
+    tiny_overrides,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -317,6 +325,49 @@ def test_resume_with_another_process_count_mid_epoch_says_what_is_supported(data
     )
     assert r.returncode != 0
     assert "saved by 1 process(es) mid-epoch" in r.stderr and "epoch boundary" in r.stderr
+
+
+_STAGGERED = """
+import os, sys, time
+time.sleep(1.5 * int(os.environ["RANK"]))  # reaches Hydra's ${now:...} a second later
+sys.argv = ["flow", *sys.argv[1:]]
+from flow.app import main
+main()
+"""
+
+
+def test_processes_started_seconds_apart_share_the_default_time_stamped_folder(data_file, tmp_path):
+    """The default output_dir (and a sweep's folder) is stamped with each process's own clock;
+    the second process starts 1.5 s late, in another second: both must still write into the
+    main process's folder (one checkpoint holding both processes' RNG states), and no other
+    folder is left behind."""
+    shim = tmp_path / "staggered.py"
+    shim.write_text(_STAGGERED)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), str(shim)]
+    common = ["target=tiny_random", f"data.path={data_file}", "data.max_records=24"]
+    common += ["train.save_every=2", "train.progress=false", "method=eagle1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def launch(*args):
+        r = subprocess.run(
+            [*cmd, *args, *common], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=120,  # ~12 s; before the fix, the two processes hung at the end
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    launch("train.max_steps=2")
+    runs = list((tmp_path / "runs").iterdir())
+    assert [p.name.split("-")[0] for p in runs] == ["eagle1"], runs
+    step = runs[0] / "checkpoints" / "step_2"
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in step.iterdir()}
+    assert (runs[0] / "final" / "model.safetensors").exists()
+
+    launch("-m", "train.max_steps=1,2")
+    sweeps = list((tmp_path / "multirun").iterdir())
+    assert len(sweeps) == 1, sweeps
+    assert {p.name for p in sweeps[0].iterdir()} >= {"0", "1", "summary.csv"}
+    assert (sweeps[0] / "1" / "checkpoints" / "step_2" / "random_states_1.pkl").exists()
 
 
 # -- command lines ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +212,14 @@ def write_stopped_sweep_summary(hydra: DictConfig) -> Path | None:
     )
 
 
+def _other_process() -> bool:
+    """A process of a launch other than the main one (whose sweep folder every job uses)."""
+    return int(os.environ.get("RANK", "0")) != 0
+
+
 class SweepSummary(Callback):
-    """Hydra callback: ``summary.csv`` / ``summary.md`` over a multirun's jobs."""
+    """Hydra callback: ``summary.csv`` / ``summary.md`` over a multirun's jobs (written by the
+    main process of a launch of several)."""
 
     def __init__(self, sort_by: str | None = None):
         self.sort_by = sort_by
@@ -222,6 +229,8 @@ class SweepSummary(Callback):
         """Mark the sweep's start in its folder (the file's own time, as the jobs' records
         get theirs) and drop an earlier sweep's refusal notes."""
         sweep_dir = Path(config.hydra.sweep.dir)
+        if _other_process():
+            return
         try:
             sweep_dir.mkdir(parents=True, exist_ok=True)
             for note in refused_notes(sweep_dir).values():
@@ -234,6 +243,13 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        if _other_process():
+            # its jobs ran in the main process's folder (flow/app.py); a folder of this
+            # process's own clock holds Hydra's multirun.yaml alone
+            if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} == {"multirun.yaml"}:
+                (sweep_dir / "multirun.yaml").unlink()
+                sweep_dir.rmdir()
+            return
         if not sweep_dir.is_dir():
             return
         path = write_summary(sweep_dir, self.sort_by, self.started)

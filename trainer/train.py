@@ -333,12 +333,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def wants_cpu(cfg: DictConfig) -> bool:
+    """Whether the run's processes compute on the CPU: the target asked for there, or no GPU."""
+    return cfg.target.device == "cpu" or not torch.cuda.is_available()
+
+
 def _accelerator(cfg: DictConfig):
     """One accelerator for the run: CPU when the target is asked for there (or no GPU), mixed
     precision as ``train.mixed_precision`` resolves on that device."""
     from accelerate import Accelerator
 
-    want_cpu = cfg.target.device == "cpu" or not torch.cuda.is_available()
+    want_cpu = wants_cpu(cfg)
     precision = _mixed_precision(
         cfg.train.mixed_precision, torch.device("cpu" if want_cpu else "cuda")
     )
