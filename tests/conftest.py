@@ -198,9 +198,42 @@ needs_engine = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(tmp_path_factory, _env):
+    """One fork server per test process (tests/forkserver.py), for ``run_module``; set
+    SPECDRAFT_TEST_FORKSERVER= (empty) to start every command as a process of its own."""
+    import forkserver
+
+    if forkserver.ENV in os.environ:
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("fork")
+    if len(str(folder / "fork.sock")) > 100:  # a Unix socket's path has room for 107 bytes
+        yield None
+        return
+    proc, path = forkserver.start(folder)
+    _FORK_SERVER[0] = path
+    try:
+        yield path
+    finally:
+        _FORK_SERVER[0] = None
+        proc.kill()
+        proc.wait()
+
+
+_FORK_SERVER: list[Path | None] = [None]
+
+
 def run_module(module: str, args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
-    """``python -m module args`` from the repo root, output captured."""
+    """``python -m module args`` from the repo root, output captured: forked by the fork server
+    where its environment allows (tests/forkserver.py), else a process of its own."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if _FORK_SERVER[0] is not None:
+        import forkserver
+
+        r = forkserver.run(_FORK_SERVER[0], module, args, ROOT, env, timeout)
+        if r is not None:
+            return r
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
