@@ -17,7 +17,7 @@ from conf.cli import StopSignals
 from models.base import add_metrics, metric, reduce_metrics
 
 from .checkpoint import save_checkpoint
-from .shard import equal_forwards
+from .shard import equal_forwards, most_across_processes
 
 
 @dataclass
@@ -118,7 +118,7 @@ def evaluate(
     online = bool(m.feature_layers) and getattr(dataset, "features", None) is None
     # an FSDP-sharded draft's forwards gather from every process: a process with fewer batches
     # runs stand-ins (their target forwards included), whose metrics are dropped
-    stand_ins = most_batches(accelerator, n) - n if is_sharded(m) else 0
+    stand_ins = most_across_processes(n, accelerator.device) - n if is_sharded(m) else 0
     pad = equal_forwards(target, n if online and not is_sharded(m) else 0, tuple(m.feature_layers))
     with target.gathered():
         for i, batch in enumerate(loader):
@@ -141,13 +141,6 @@ def is_sharded(model: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def most_batches(accelerator: Any, n: int) -> int:
-    """The most batches any process holds (``n``: this process's)."""
-    if accelerator.num_processes == 1:
-        return n
-    return int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max())
 
 
 def sum_across_processes(accelerator: Any, acc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

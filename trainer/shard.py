@@ -207,6 +207,13 @@ def shard_target(target: Any, device: torch.device, mode: str = "fsdp") -> Shard
     return ShardReport(world, full, local_bytes(model), shared.full_bytes)
 
 
+def most_across_processes(n: int, device: Any) -> int:
+    """The largest ``n`` any process holds (a collective: every process calls it)."""
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def equal_forwards(target: Any, n_local: int, layers: tuple[int, ...]):
     """Every process must run as many forwards of a sharded target as the others (each gathers
     layers from all). Returns a function to call after this process's ``n_local`` forwards: it
@@ -214,9 +221,7 @@ def equal_forwards(target: Any, n_local: int, layers: tuple[int, ...]):
     an unsharded target."""
     if not getattr(target, "sharded", False):
         return lambda: None
-    n = torch.tensor([n_local], device=target.device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    extra = int(n.item()) - n_local
+    extra = most_across_processes(n_local, target.device) - n_local
 
     def pad() -> None:
         ids = torch.zeros(1, 1, dtype=torch.long)
