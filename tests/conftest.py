@@ -278,6 +278,47 @@ def accelerate_launch(
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def final_weights(run_dir: Path) -> dict:
+    """Every tensor of a run's saved draft (``final/``, its adapter too), by file and name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted((run_dir / "final").rglob("*.safetensors")):
+        out |= {f"{f.parent.name}/{k}": v for k, v in load_file(str(f)).items()}
+    return out
+
+
+def copy_stopped_after(run_dir: Path, dest: Path, step: int) -> Path:
+    """A copy of a finished run as it was after its step-``step`` checkpoint, for
+    ``resume=true``: no ``final/``, no summary, no later checkpoint."""
+    import shutil
+
+    shutil.copytree(run_dir, dest)
+    for p in (dest / "final", dest / "summary.json"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    for ck in (dest / "checkpoints").glob("step_*"):
+        if int(ck.name.removeprefix("step_")) > step:
+            shutil.rmtree(ck)
+    return dest
+
+
+def launch_with_config(
+    config: str, args: list[str], nproc: int = 2, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file scripts/accelerate/<config>`` (or a path of its own)
+    with ``nproc`` processes
+    in float32, through ``tests/accelerate_on_cpu.py``, which keeps the config's FSDP or
+    DeepSpeed on CPU processes (accelerate applies both to GPU processes only)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd += ["--config_file", str(ROOT / "scripts" / "accelerate" / config)]
+    cmd += ["--num_processes", str(nproc), "--mixed_precision", "no"]
+    cmd += ["--main_process_port", str(free_port()), str(ROOT / "tests" / "accelerate_on_cpu.py")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 @pytest.fixture(params=[False, True], ids=["sample_on_host", "sample_on_device"])
 def sampling_where(request, monkeypatch):
     """At T > 0, each row's rejection sampling on the host (row by row) or on the device (the

@@ -1,19 +1,23 @@
 """Training under accelerate's FSDP (``scripts/accelerate/fsdp.yaml``), two CPU processes.
 
-accelerate shards a draft with FSDP on GPUs only; ``tests/fsdp_on_cpu.py`` keeps its FSDP on
+accelerate shards a draft with FSDP on GPUs only; ``tests/accelerate_on_cpu.py`` keeps its FSDP on
 the CPU, so that the loop meets what it meets on GPUs: parameters that are DTensor shards
 between steps, forwards that gather from every process, accelerate's sharded checkpoints."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, accelerate_launch, free_port, read_metrics, tiny_overrides
+from conftest import (
+    accelerate_launch,
+    copy_stopped_after,
+    final_weights,
+    launch_with_config,
+    read_metrics,
+    tiny_overrides,
+)
 from safetensors.torch import load_file
 
 #: one validation conversation: the second process holds no validation batch
@@ -28,17 +32,8 @@ COMMON = {
 }
 
 
-def _launch(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file scripts/accelerate/fsdp.yaml`` with two processes,
-    in float32."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    cmd += ["--config_file", str(ROOT / "scripts" / "accelerate" / "fsdp.yaml")]
-    cmd += ["--num_processes", "2", "--mixed_precision", "no"]
-    cmd += ["--main_process_port", str(free_port()), str(ROOT / "tests" / "fsdp_on_cpu.py")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+def _launch(args: list[str]) -> subprocess.CompletedProcess:
+    return launch_with_config("fsdp.yaml", args)
 
 
 def _fsdp(args: list[str]) -> subprocess.CompletedProcess:
@@ -47,13 +42,6 @@ def _fsdp(args: list[str]) -> subprocess.CompletedProcess:
     assert r.returncode == 0, r.stderr[-3000:]
     assert "processes: 2 (FSDP)" in r.stdout, r.stdout[-2000:]  # sharded, not DDP
     return r
-
-
-def _weights(run_dir) -> dict:
-    out = {}
-    for f in sorted((run_dir / "final").rglob("*.safetensors")):
-        out |= {f"{f.parent.name}/{k}": v for k, v in load_file(str(f)).items()}
-    return out
 
 
 def test_fsdp_trains_checkpoints_and_resumes_as_one_process_does(data_file, tmp_path):
@@ -79,7 +67,7 @@ def test_fsdp_trains_checkpoints_and_resumes_as_one_process_does(data_file, tmp_
     va, vb = [r for r in va if r], [r for r in vb if r]
     assert len(va) == len(vb) == 1 and vb[0] == pytest.approx(va[0], rel=1e-6)
 
-    a, b = _weights(one), _weights(two)
+    a, b = final_weights(one), final_weights(two)
     assert sorted(a) == sorted(b) and any(k.startswith("adapter/") for k in a)
     for k in a:  # whole tensors, not one process's rows, with DDP's values
         assert b[k].shape == a[k].shape, k
@@ -92,13 +80,10 @@ def test_fsdp_trains_checkpoints_and_resumes_as_one_process_does(data_file, tmp_
     }
 
     # resumed from step 2: steps 3 and 4 again, the same weights
-    three = tmp_path / "three"
-    shutil.copytree(two, three)
-    for p in ("final", "summary.json", "checkpoints/step_4"):
-        shutil.rmtree(three / p) if (three / p).is_dir() else (three / p).unlink()
+    three = copy_stopped_after(two, tmp_path / "three", 2)
     r = _fsdp(tiny_overrides(data_file, three, **common, resume="true"))
     assert "resumed from" in r.stdout and "step 2" in r.stdout
-    c = _weights(three)
+    c = final_weights(three)
     for k in b:
         assert (b[k] - c[k]).abs().max() < 1e-6, k
 

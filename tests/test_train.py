@@ -509,11 +509,12 @@ def test_accelerate_launch_runs_the_same_app(data_file, tmp_path):
 @pytest.mark.parametrize(
     "extra,kept,left_out",
     [
-        # Medusa-2: the adapter and heads are saved, the backbone's own (frozen) weights are not
+        # Medusa-2: the adapter and heads are saved, the backbone's own (frozen) weights are
+        # not, nor its LM head under the second name of the embedding it is tied to
         (
             {"method": "medusa2", "method.num_heads": 2, "method.lora_r": 4},
             ["lora_", "^heads\\."],
-            ["base_layer", "embed_tokens.weight"],
+            ["base_layer", "embed_tokens.weight", "lm_head.weight"],
         ),
         # DistillSpec, full fine-tuning of a student whose LM head is tied to its embedding
         ({"method": "distillspec", "method.num_layers": 1}, ["^student\\."], []),

@@ -100,8 +100,12 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
+    # DeepSpeed's engine saves its module whole, frozen weights included (and, under ZeRO-2,
+    # those again as fragments), past accelerate's pre-hook
+    kwargs = {"exclude_frozen_parameters": True} if _deepspeed(accelerator) else {}
     try:
-        accelerator.save_state(str(tmp))
+        with _deepspeed_leaves_out_tied_frozen(accelerator):
+            accelerator.save_state(str(tmp), **kwargs)
         accelerator.wait_for_everyone()
         with whole_weights(draft, accelerator.is_main_process, frozen):
             if accelerator.is_main_process:
@@ -192,7 +196,8 @@ def frozen_names(model: Any) -> set[str]:
     """State-dict names of ``model``'s frozen parameters, as a checkpoint names them (out of
     any DDP wrapper: under a multi-process launch the prepared draft is ``module.``-prefixed,
     the weights accelerate saves are not)."""
-    return {n for n, p in _bare(model).named_parameters() if not p.requires_grad}
+    named = _bare(model).named_parameters(remove_duplicate=False)  # a tied LM head's name too
+    return {n for n, p in named if not p.requires_grad}
 
 
 def drop_frozen_weights(models: list, weights: list[dict], _output_dir: str) -> None:
@@ -215,19 +220,67 @@ def drop_frozen_weights(models: list, weights: list[dict], _output_dir: str) -> 
                 kept.add(where)
 
 
-def _check_saved_weights(model: Any, path: Path) -> None:
-    """The checkpoint's weights must be exactly the model's trainable ones and buffers
-    (frozen parameters may be present: checkpoints written before they were left out)."""
-    from safetensors import safe_open
+@contextmanager
+def _deepspeed_leaves_out_tied_frozen(accelerator: Any) -> Iterator[None]:
+    """DeepSpeed's ``exclude_frozen_parameters`` leaves out a frozen parameter under its first
+    name only: a target's LM head tied to its embedding (SmolLM2, Qwen2.5 up to 3B, Gemma)
+    stayed in every checkpoint under its second. While ``save_state`` runs, each engine's
+    module state leaves out every name of a frozen parameter."""
+    engines = [m for m in getattr(accelerator, "_models", []) if hasattr(m, "module_state_dict")]
+    for engine in engines:
 
-    f = path / "model.safetensors"
-    if not f.exists():
-        return  # another layout (FSDP, DeepSpeed, pickled): accelerate checks it strictly
+        def trimmed(*args, _save=engine.module_state_dict, _module=engine.module, **kwargs):
+            state = _save(*args, **kwargs)
+            for name in frozen_names(_module):
+                state.pop(name, None)
+            return state
+
+        engine.module_state_dict = trimmed  # an instance attribute, over the class's method
     try:
-        with safe_open(str(f), "pt") as sf:
-            saved = set(sf.keys())
+        yield
+    finally:
+        for engine in engines:
+            del engine.module_state_dict
+
+
+def _deepspeed(accelerator: Any) -> bool:
+    return getattr(getattr(accelerator, "distributed_type", None), "value", None) == "DEEPSPEED"
+
+
+#: where accelerate's ``save_state`` puts a DeepSpeed engine's module weights
+DEEPSPEED_WEIGHTS = Path("pytorch_model") / "mp_rank_00_model_states.pt"
+
+
+def _saved_names(path: Path) -> tuple[Path, set[str]] | None:
+    """The weight file of checkpoint ``path`` and the names it holds: accelerate's safetensors,
+    or a DeepSpeed engine's module states; None for another layout (FSDP's shards, pickles),
+    which accelerate loads strictly."""
+    f = path / "model.safetensors"
+    try:
+        if f.exists():
+            from safetensors import safe_open
+
+            with safe_open(str(f), "pt") as sf:
+                return f, set(sf.keys())
+        f = path / DEEPSPEED_WEIGHTS
+        if f.exists():
+            import torch
+
+            states = torch.load(str(f), map_location="cpu", weights_only=False)
+            return f, set(states["module"])
     except Exception as e:
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+    return None
+
+
+def _check_saved_weights(model: Any, path: Path) -> bool:
+    """The checkpoint's weights must be exactly the model's trainable ones and buffers
+    (frozen parameters may be present: checkpoints written before they were left out).
+    False where the layout keeps its names to itself (accelerate loads those strictly)."""
+    found = _saved_names(path)
+    if found is None:
+        return False
+    f, saved = found
 
     frozen = frozen_names(model)
     state = _bare(model).state_dict()
@@ -248,6 +301,7 @@ def _check_saved_weights(model: Any, path: Path) -> None:
             f", unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}); was it "
             "written by another method or configuration?"
         )
+    return True
 
 
 def load_checkpoint(accelerator: Any, path: Path, model: Any = None) -> dict:
@@ -258,9 +312,9 @@ def load_checkpoint(accelerator: Any, path: Path, model: Any = None) -> dict:
     kwargs = {}
     if model is not None:
         _check_same_draft(model, path, log)
-    if model is not None and frozen_names(model) and (path / "model.safetensors").exists():
-        _check_saved_weights(model, path)
-        kwargs["strict"] = False  # frozen parameters are not in the file; checked above
+    if model is not None and frozen_names(model) and _check_saved_weights(model, path):
+        # frozen parameters are not in the file; checked above
+        kwargs["load_module_strict" if _deepspeed(accelerator) else "strict"] = False
     configured = _optimizer_settings(accelerator)
     try:
         accelerator.load_state(str(path), **kwargs)

@@ -141,8 +141,8 @@ def _shard_zero3(target: Any, device: torch.device) -> ShardReport:
         import deepspeed
     except ImportError:
         raise ShardError(
-            "target.shard=zero3 needs DeepSpeed (pip install deepspeed; on a CPU "
-            "DS_BUILD_OPS=0 pip install deepspeed); or use target.shard=fsdp"
+            "target.shard=zero3 needs DeepSpeed (pip install -e '.[deepspeed]', or pip "
+            "install deepspeed); or use target.shard=fsdp"
         ) from None
     world = dist.get_world_size()
     model = target.model.requires_grad_(False)

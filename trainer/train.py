@@ -43,6 +43,7 @@ from .checkpoint import (
 )
 from .config import register_configs
 from .features import build_feature_store, feature_cache_key
+from .launch import LaunchError, check_launch, deepspeed_settings, say_cast_target
 from .loop import LoopState, fit, is_sharded, make_schedule, tokens_so_far
 from .optim import OptimizerError, build_optimizer, check_optim
 from .shard import ShardError, check_shard, shard_target
@@ -57,6 +58,7 @@ USER_ERRORS = (
     OptimizerError,
     ShardError,
     TrackerError,
+    LaunchError,
 )
 
 
@@ -223,13 +225,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     # the checkpoint to resume from, found (or refused) now, not after the target and data load
     resume_from = None if fresh else _resume_path(cfg.resume, run_dir, log)
     check_shard(cfg.target.shard, accelerator.num_processes, None)
-    if cfg.optim.name == "muon" and accelerator.distributed_type.value == "FSDP":
-        # torch's Muon would orthogonalise each process's rows, not the matrix
-        raise ConfigError(
-            "optim=muon: Muon orthogonalises whole matrices and FSDP gives each process a "
-            "slice of them; train with optim=adamw, or launch with DDP (scripts/accelerate/"
-            "ddp.yaml)"
-        )
+    check_launch(cfg, accelerator)
     if accelerator.device.type == "cpu":
         keep_freed_memory()
     set_seed(cfg.train.seed)
@@ -255,9 +251,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, make_schedule(cfg.optim, cfg.train.max_steps, max_seconds, state)
     )
+    deepspeed_settings(cfg, accelerator, log)
+    target_dtype = target.dtype
     method, optimizer, train_loader, scheduler = accelerator.prepare(
         method, optimizer, train_loader, scheduler
     )
+    say_cast_target(accelerator, target, target_dtype, cfg.method.name, log)
     accelerator.register_save_state_pre_hook(drop_frozen_weights)
     _gather_in_evaluate(accelerator.unwrap_model(method))
     if val_loader is not None:
