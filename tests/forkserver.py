@@ -45,13 +45,16 @@ PRELOAD = (
 #: variables a command may set differently from the server's: none of ``PRELOAD`` reads them
 #: when imported. This project's (``SPECDRAFT_*``, read at run time), Python's (the child
 #: applies it), pytest's and the terminal's, and those a library sets in the test process for
-#: its own children: wandb's service address, inductor's pointer for its compiled modules
+#: its own children: wandb's service address, inductor's pointer for its compiled modules,
+#: DeepSpeed's choice of how torch counts CUDA devices (NVML's count, not whether there are
+#: any; set when the test process imports DeepSpeed, as accelerate does where it is installed)
 FREE = (
     "PYTHONUNBUFFERED",
     "PYTEST_CURRENT_TEST",
     "COLUMNS",
     "LINES",
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
 )
 FREE_PREFIX = ("SPECDRAFT_", "WANDB_")
 
