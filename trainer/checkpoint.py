@@ -266,7 +266,8 @@ def _saved_names(path: Path) -> tuple[Path, set[str]] | None:
         if f.exists():
             import torch
 
-            states = torch.load(str(f), map_location="cpu", weights_only=False)
+            # memory-mapped: the names, not a read of every weight that accelerate reads again
+            states = torch.load(str(f), map_location="cpu", weights_only=False, mmap=True)
             return f, set(states["module"])
     except Exception as e:
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
