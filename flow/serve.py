@@ -67,6 +67,8 @@ def serve_hint(method: str, run_dir: Path) -> str:
             "(prints the `vllm serve` line)",
             f"measure it there: specdraft-eval engine=vllm draft={run_dir}",
         ]
+        if method == "eagle1":  # vLLM's layout folds FC's bias; the reference keeps it
+            lines.append(f"SGLang, the EAGLE code: specdraft-export {run_dir} --format eagle1")
     elif method == "distillspec":  # a plain causal LM: engines serve it as a draft model
         lines += [
             f"serve it as a draft model: its HF folder is {run_dir}/final/student",

@@ -32,9 +32,9 @@ def eagle1(target, seed=0):
     return EagleHead(target, Eagle1Config()).eval()
 
 
-@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators", "eagle1"])
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators", "eagle1", "eagle1-vllm"])
 def test_export_round_trips(target4, tmp_path, fmt):
-    head = eagle1(target4) if fmt == "eagle1" else every_third_eagle3(target4)
+    head = eagle1(target4) if fmt.startswith("eagle1") else every_third_eagle3(target4)
     out = tmp_path / fmt
     summary = export(head, fmt, out, dtype="float32", log=lambda *_: None)
     assert detect_format(out) == fmt
@@ -50,8 +50,14 @@ def test_export_round_trips(target4, tmp_path, fmt):
         else set(torch.load(out / "pytorch_model.bin", weights_only=True))
     )
     if fmt == "eagle1":
-        assert cfg["bias"] is True and "layers.0.input_layernorm.weight" not in names
+        # no "bias" key: the reference reads its absence as FC's bias, Llama loaders (vLLM's)
+        # its presence as attention biases, left unset since the layout holds none
+        assert "bias" not in cfg and "layers.0.input_layernorm.weight" not in names
         assert {"fc.bias", "embed_tokens.weight"} <= names
+    elif fmt == "eagle1-vllm":
+        assert "bias" not in cfg and cfg["attention_bias"] is True
+        assert "fc.bias" not in names and "embed_tokens.weight" in names
+        assert {f"layers.0.self_attn.{n}_proj.bias" for n in "qkvo"} <= names
     else:
         # speculators' loader reads the embedding from the checkpoint (zeros if absent)
         assert ("embed_tokens.weight" in names) == (fmt == "speculators")
@@ -395,6 +401,44 @@ def test_checkpoint_without_d2t_is_refused_on_import(target4, tmp_path):
     save_file(w, str(f))
     with pytest.raises(ExportError, match="no d2t"):
         import_draft(tmp_path / "v", target4)
+
+
+def test_eagle1_for_vllm_folds_fcs_bias_into_the_layer_exactly(target4, tmp_path):
+    """vLLM's EAGLE-1 FC has no bias: the layout moves it into the decoder layer (q/k/v biases
+    W b, an o_proj bias b), which computes the same layer output. The folded layer, run as a
+    plain Llama layer with biases on the bias-free FC's output, gives the head's own output;
+    bf16 files read back within rounding; a file whose q/k/v biases are not W b is refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    head = eagle1(target4)
+    with torch.no_grad():
+        head.fc.bias.normal_(0, 1.0)  # a bias that matters
+    out = tmp_path / "v"
+    export(head, "eagle1-vllm", out, dtype="float32", log=lambda *_: None)
+    w = load_file(str(out / "model.safetensors"))
+    cfg = target4.draft_layer_config()
+    cfg.attention_bias = True  # what vLLM builds from the written config
+    layer = LlamaDecoderLayer(cfg, 0).eval()
+    layer.input_layernorm = torch.nn.Identity()
+    layer.load_state_dict(
+        {k.removeprefix("layers.0."): v for k, v in w.items() if "layers.0." in k}
+    )
+    x = torch.randn(1, 7, 2 * target4.hidden_size)
+    pos = torch.arange(7)[None]
+    rope = target4.rotary_embedding()(x, pos)
+    with torch.no_grad():
+        ours = head.layer(head.fc(x), position_embeddings=rope, position_ids=pos)
+        theirs = layer(x @ w["fc.weight"].T, position_embeddings=rope, position_ids=pos)
+    ours, theirs = (o[0] if isinstance(o, tuple) else o for o in (ours, theirs))
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    export(head, "eagle1-vllm", tmp_path / "b", dtype="bfloat16", log=lambda *_: None)
+    back = import_draft(tmp_path / "b", target4)
+    assert torch.allclose(back.fc.bias, head.fc.bias, atol=1e-2)
+    w["layers.0.self_attn.k_proj.bias"] += 0.1  # an attention bias of its own
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"k_proj.bias is not FC's bias folded in"):
+        import_draft(out, target4)
 
 
 def test_eagle1_head_exports_only_as_eagle1(target4, tmp_path):

@@ -261,11 +261,58 @@ def _head(target, method: str):
     if hasattr(cfg, "mask_token_id"):
         cfg.mask_token_id = 256  # '<|endoftext|>': the tiny tokenizer has no spare id
     head = cls(target, cfg).eval()
+    if method == "eagle1":
+        return eagle1_lens(head)
     if getattr(head, "d2t", None) is not None and getattr(cfg, "draft_vocab_size", 0) == 64:
         with torch.no_grad():
             head.d2t.copy_(torch.arange(64))  # draft id i -> target id 2i
             head.t2d.zero_()
             head.t2d[torch.arange(64) * 2] = True
+    if method in ("eagle3", "hass"):
+        return eagle3_lens(head)
+    return head
+
+
+def eagle3_lens(head):
+    """An EAGLE-3 head (HASS's, EAGLE 3.1's) that drafts the target's logit lens, so that it
+    accepts where the tiny target repeats itself: FC passes the last fused state through, the
+    layer adds nothing (output projections zero), the final norm is the target's and the LM
+    head the target's rows for the draft vocabulary (EAGLE 3.1's per-layer norms: uneven
+    weights). An engine that loaded a weight wrongly, or left one unset, drafts otherwise."""
+    t = head.target
+    H = t.hidden_size
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.fc.weight[:, 2 * H :] = torch.eye(H)
+        layer = head.midlayer
+        for norm in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        if head.cfg.norm_before_fc:
+            head.input_norm.weight.fill_(1.0)
+        for norm in getattr(head, "fc_norm", None) or []:
+            norm.weight.copy_(0.5 + torch.rand(H, generator=g))
+        head.norm.weight.copy_(t.model.get_decoder().norm.weight.float())
+        ids = torch.arange(len(head.d2t)) + head.d2t  # draft id -> target id
+        head.lm_head.weight.copy_(t.lm_head.weight[ids].float())
+    return head
+
+
+def eagle1_lens(head):
+    """An EAGLE-1 head whose acceptance says whether FC's bias is served: FC passes the
+    target's feature through and adds a bias b, the layer adds nothing (output projections
+    zero), so it drafts the target's LM head on (feature + b). Without b it would repeat the
+    target's last token, which the tiny target accepts nearly always (1.00, 1.00, 0.98 per
+    position); with it, 0.30, 0.10 and 0.09: an engine that drops b, or leaves a bias of its
+    own unset, shows at once."""
+    H = head.target.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, H:] = torch.eye(H)
+        head.fc.bias.copy_(torch.randn(H, generator=torch.Generator().manual_seed(0)))
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
     return head
 
 
@@ -279,7 +326,7 @@ SERVED = [
     ("vllm", "eagle3_1"),
     ("speculators", "eagle3_1"),
     ("vllm", "hass"),
-    ("eagle1", "eagle1"),
+    ("eagle1-vllm", "eagle1"),
     ("medusa-vllm", "medusa1"),
     ("medusa", "medusa1"),
     ("dflash", "dflash"),
@@ -343,8 +390,32 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
         # both: steps plus accepted tokens make the decoded tokens. The steps alone can differ
         # where a near-tie lets one engine accept a token the other does not (seen: 250 steps
         # and 2 accepted in vLLM, 252 and 0 in ours, on another CPU)
+        # vLLM counts the tokens a request's last step accepted past its max_tokens (cut from
+        # its output): up to gamma of them a request
         acc_theirs = sum(sum(o.timings["accepted_per_pos"]) for o in outs)
-        assert drafts + acc_theirs == decoded, (drafts, acc_theirs, decoded)
+        over = drafts + acc_theirs - decoded
+        assert 0 <= over <= 3 * len(outs), (drafts, acc_theirs, decoded)
+
+
+def test_an_eagle1_reference_export_is_refused_for_vllm_saying_which_layout_it_serves(
+    tiny_served, tmp_path
+):
+    """vLLM's EAGLE-1 has no FC bias and drops the reference layout's without a word (it
+    would serve another draft than the one trained): a reference export named as the draft is
+    refused, naming the layout vLLM computes exactly; the training run goes through as that."""
+    from omegaconf import OmegaConf
+
+    from decoding.engines.vllm_eval import vllm_draft
+    from models.export import export
+
+    target, _ = tiny_served
+    export(_head(target, "eagle1"), "eagle1", tmp_path / "ref", log=lambda *_: None)
+    cfg = OmegaConf.create(
+        {"draft": str(tmp_path / "ref"), "gamma": 3, "engine_rule": "greedy_draft"}
+    )
+    with pytest.raises(EngineError, match=r"an? eagle1 export, which vLLM does not serve as "
+                       r"trained .* --format eagle1-vllm"):  # fmt: skip
+        vllm_draft(cfg, target, log=lambda *_: None)
 
 
 @needs_vllm

@@ -7,7 +7,7 @@ as a subprocess, ``vllm_worker.py``, one JSON request and answer a line, holding
 ``LLM``: the target alone (plain decoding) or the target with the draft (speculative decoding).
 
 The draft is exported on the fly to the layout vLLM loads (EAGLE-3 and HASS: ``--format vllm``,
-or ``engine_format=speculators``; EAGLE-1: ``eagle1``; Medusa: ``medusa-vllm``; DFlash:
+or ``engine_format=speculators``; EAGLE-1: ``eagle1-vllm``; Medusa: ``medusa-vllm``; DFlash:
 ``dflash``; P-EAGLE: ``peagle``), cached beside llama.cpp's; an export folder is served as it
 is; ``draft=ngram`` is vLLM's own n-gram (prompt lookup) speculation.
 
@@ -71,12 +71,20 @@ def served_formats() -> dict[str, str]:
 FORMAT_OF_METHOD = {
     "eagle3": "vllm",
     "hass": "vllm",
-    "eagle1": "eagle1",
+    "eagle1": "eagle1-vllm",
     "medusa1": "medusa-vllm",
     "medusa2": "medusa-vllm",
     "dflash": "dflash",
     "dspark": "dspark",
     "peagle": "peagle",
+}
+#: why vLLM does not serve a layout it loads (it would compute another draft than ours)
+NOT_SERVED = {
+    "eagle1": (
+        " as trained (its EAGLE-1 FC has no bias, and it drops the layout's without a word; "
+        "--format eagle1-vllm folds the bias into the layer, or pass the training run)"
+    ),
+    "sglang": " (it reads the fused layer ids one lower: --format vllm is vLLM's layout)",
 }
 #: vLLM's acceptance rules, by our name: (draft_sample_method, rejection_sample_method)
 RULES = {
@@ -400,9 +408,10 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     fmt = detect_format(p) if (p / "config.json").is_file() else None
     if fmt is not None:
         if fmt not in served_formats():
+            why = NOT_SERVED.get(fmt, "")
             raise EngineError(
-                f"draft={d}: a {fmt} export, which vLLM does not serve; vLLM {VERSION} serves "
-                f"{', '.join(served_formats())} (specdraft-export --format ...)"
+                f"draft={d}: a {fmt} export, which vLLM does not serve{why}; vLLM {VERSION} "
+                f"serves {', '.join(served_formats())} (specdraft-export --format ...)"
             )
         folder = p
     else:

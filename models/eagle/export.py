@@ -14,10 +14,16 @@
                  greedy proposal, verifier), ``transformer_layer_config``, weights
                  ``layers.0.*`` instead of ``midlayer.*``, with the target's ``embed_tokens``
                  (speculators' loader leaves it zero when a checkpoint lacks it).
-``eagle1``       the EAGLE-1 reference layout (SafeAILab/EAGLE; vLLM's and SGLang's EAGLE-1
-                 loaders): ``pytorch_model.bin`` with ``embed_tokens``, ``fc`` (with bias),
-                 ``layers.0.*`` without an input norm; a one-layer ``config.json`` of the
-                 target's architecture with ``"bias": true``.
+``eagle1``       the EAGLE-1 reference layout (SafeAILab/EAGLE; SGLang's EAGLE-1 loader):
+                 ``pytorch_model.bin`` with ``embed_tokens``, ``fc`` (with bias), ``layers.0.*``
+                 without an input norm; a one-layer ``config.json`` of the target's
+                 architecture. No ``"bias"`` key: the reference gives FC a bias when the key is
+                 absent, while Llama loaders (vLLM's, SGLang's) read ``"bias": true`` as
+                 attention biases, which this layout does not hold (they would stay unset).
+``eagle1-vllm``  EAGLE-1 as vLLM's ``EagleLlamaForCausalLM`` computes it: vLLM's FC has no bias
+                 (it drops ``fc.bias`` without a word), so the bias is folded into the layer,
+                 exactly: attention input ``h + b`` gives q/k/v biases ``W b``, and the residual
+                 ``h + b`` an o_proj bias ``b``; ``"attention_bias": true``; safetensors.
 """
 
 from __future__ import annotations
@@ -483,7 +489,9 @@ class Eagle1Reference(EagleFormat):
     layer_prefix = "layers.0."
     embeds = True
     serve_hint = "EAGLE reference / SGLang EAGLE-1 loaders: point them at this dir."
-    vllm_method = "eagle"
+    # not served through vLLM: its EAGLE-1 FC has no bias and drops this layout's without a
+    # word (the ``eagle1-vllm`` layout folds it into the layer)
+    vllm_method = None
 
     def head_tensors(self, draft) -> dict[str, torch.Tensor]:
         if draft.cfg.input_norm:
@@ -494,7 +502,9 @@ class Eagle1Reference(EagleFormat):
         return {"fc.weight": draft.fc.weight, "fc.bias": draft.fc.bias}
 
     def config(self, draft, dtype, **_: Any) -> dict:
-        return {**self.base_config(draft, dtype), "bias": True}  # the reference reads it for FC
+        # no "bias" key: the reference reads its absence as FC's bias (its default), Llama
+        # loaders its presence as attention biases this layout does not hold
+        return self.base_config(draft, dtype)
 
     def read(self, folder: Path, target, config: dict) -> EagleHead:
         tensors = load_tensors(folder / self.weights_file)
@@ -516,10 +526,104 @@ class Eagle1Reference(EagleFormat):
         )
 
 
+class Eagle1Vllm(Eagle1Reference):
+    """EAGLE-1 for vLLM: FC without its bias, the bias folded exactly into the decoder layer
+    (q/k/v biases ``W b``, an o_proj bias ``b``), which vLLM builds from
+    ``"attention_bias": true``."""
+
+    name, description = "eagle1-vllm", "EAGLE-1 for vLLM"
+    weights_file = "model.safetensors"
+    serve_hint = ""  # the export prints and writes the `vllm serve` line itself
+    vllm_method = "eagle"
+
+    def tensors(self, draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out = super().tensors(draft, torch.float32)
+        b = out.pop("fc.bias").double()
+        p = self.layer_prefix
+        for n in ("q", "k", "v"):
+            w = out[f"{p}self_attn.{n}_proj.weight"].double()
+            own = out.get(f"{p}self_attn.{n}_proj.bias")
+            out[f"{p}self_attn.{n}_proj.bias"] = w @ b + (0 if own is None else own.double())
+        own = out.get(f"{p}self_attn.o_proj.bias")
+        out[f"{p}self_attn.o_proj.bias"] = b + (0 if own is None else own.double())
+        return cast(out, dtype)
+
+    def config(self, draft, dtype, **_: Any) -> dict:
+        return {**self.base_config(draft, dtype), "attention_bias": True}
+
+    def expected(self, config: dict, target_config: Any) -> dict[str, tuple]:
+        s = super().expected(config, target_config)
+        del s["fc.bias"]
+        if _layer_config(config).get("attention_bias"):  # vLLM's Llama: o_proj's bias too
+            s[f"{self.layer_prefix}self_attn.o_proj.bias"] = (target_dims(target_config)["H"],)
+        return s
+
+    def read(self, folder: Path, target, config: dict) -> EagleHead:
+        """The head with FC's bias unfolded: o_proj's bias is it, and q/k/v's must be ``W b``
+        (our draft layer has no attention biases of its own); a checkpoint whose are not is
+        refused rather than read as something else."""
+        f = folder / self.weights_file
+        tensors = load_tensors(f)
+        tensors.pop("embed_tokens.weight", None)
+        p = self.layer_prefix
+        H = target.hidden_size
+        b = tensors.pop(f"{p}self_attn.o_proj.bias", None)
+        b = torch.zeros(H) if b is None else b.float()
+        for n in ("q", "k", "v"):
+            got = tensors.pop(f"{p}self_attn.{n}_proj.bias", None)
+            if got is None:
+                continue
+            w = tensors[f"{p}self_attn.{n}_proj.weight"].float()
+            want = w @ b
+            # what rounding to the file's dtype leaves of W b (a few ulps of its terms)
+            tol = 8 * torch.finfo(got.dtype).eps * (w.abs() @ b.abs()) + 1e-6
+            if ((got.float() - want).abs() > tol).any():
+                raise ExportError(
+                    f"{f}: {p}self_attn.{n}_proj.bias is not FC's bias folded in (W b); an "
+                    "EAGLE-1 head with attention biases of its own, which ours has no place for"
+                )
+        tensors["fc.bias"] = b
+        head = EagleHead(target, Eagle1Config(input_norm=False))
+        return self._load(head, tensors, "layer.", folder)
+
+    def detect(self, folder: Path, config: dict) -> bool:
+        # a one-layer config beside safetensors holding FC(2H -> H) without a bias
+        f = folder / self.weights_file
+        if config.get("num_hidden_layers") != 1 or not f.is_file():
+            return False
+        if "speculators_model_type" in config or any(
+            "Eagle3" in a for a in config.get("architectures") or []
+        ):
+            return False
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(f), "pt") as st:
+                keys = set(st.keys())
+                fc = st.get_slice("fc.weight").get_shape() if "fc.weight" in keys else None
+        except Exception:
+            return False
+        H = config.get("hidden_size")
+        # nothing but FC, the embedding and one layer (a DFlash-family draft has more)
+        own = {"fc.weight", "embed_tokens.weight"}
+        return (
+            fc == [H, 2 * H]
+            and f"{self.layer_prefix}mlp.up_proj.weight" in keys
+            and all(k in own or k.startswith(self.layer_prefix) for k in keys)
+        )
+
+
 def _formats():
     from .gguf import GGUFEagle3  # beside the others; it builds on the vLLM layout
 
-    return (SGLangEagle3(), VLLMEagle3(), SpeculatorsEagle3(), Eagle1Reference(), GGUFEagle3())
+    return (
+        SGLangEagle3(),
+        VLLMEagle3(),
+        SpeculatorsEagle3(),
+        Eagle1Reference(),
+        Eagle1Vllm(),
+        GGUFEagle3(),
+    )
 
 
 FORMATS = _formats()
