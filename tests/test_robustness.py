@@ -265,6 +265,43 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run_with_a_checkpoint(
     assert state["nonfinite_skipped"] == 4
 
 
+def test_updates_the_fp16_loss_scaler_skips_are_not_steps_and_the_schedule_waits(
+    data_file, tmp_path, monkeypatch
+):
+    """Under fp16 the loss scaler skips an update whose gradients overflowed (and lowers its
+    scale): the weights stay as they were, so it is not a step, the learning-rate schedule does
+    not move, and the checkpoint counts it. Stood in for by accelerate's own flag (a CPU run
+    has no scaler): the run with two updates skipped logs the learning rates, steps and losses
+    of the run without, two batches on."""
+    from accelerate import Accelerator
+
+    common = {
+        "train.max_steps": 4,
+        "train.eval_every": 0,
+        "train.save_every": 4,
+        "train.log_every": 1,
+        "optim.warmup_steps": 3,
+        "method.noise": 0.0,
+    }
+    plain = run(compose(tiny_overrides(data_file, tmp_path / "plain", **common)))
+    calls = {"n": 0}
+
+    def skipped(self):
+        calls["n"] += 1
+        return calls["n"] in (2, 3)  # the second and third updates overflowed
+
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped", property(skipped))
+    out = tmp_path / "fp16"
+    s = run(compose(tiny_overrides(data_file, out, **common)))
+    assert s["step"] == plain["step"] == 4 and calls["n"] == 6  # six updates asked for
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    ref = [r for r in read_metrics(tmp_path / "plain") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in ref]  # the warmup waited
+    state = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert state["scaler_skipped"] == 2 and state["batch_in_epoch"] == 6
+
+
 # -- several processes -------------------------------------------------------------------------------
 
 

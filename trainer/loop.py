@@ -33,6 +33,9 @@ class LoopState:
     # them when logged, validated or checkpointed; None: a checkpoint from before it was kept
     tokens_all: int | None = None
     nonfinite_skipped: int = 0
+    #: optimizer steps the fp16 loss scaler skipped (inf/nan gradients): no update, so neither a
+    #: step nor a move of the schedule
+    scaler_skipped: int = 0
     world_size: int = 1
     last_val: dict[str, float] = field(default_factory=dict)
     last_val_step: int = -1
@@ -311,7 +314,18 @@ def fit(
                             add_metrics(window, {"grad_norm": metric(gn, 1)})
                         step_lr = scheduler.get_last_lr()[0]  # what this step used
                         optimizer.step()
-                        if accelerator.sync_gradients:
+                        if accelerator.sync_gradients and accelerator.optimizer_step_was_skipped:
+                            # fp16: the loss scaler found inf/nan gradients, lowered its scale
+                            # and left the weights as they were; not a step, and the schedule
+                            # waits for the update it planned (as for a non-finite loss)
+                            state.scaler_skipped += 1
+                            if state.scaler_skipped <= 3 or state.scaler_skipped % 100 == 0:
+                                log(
+                                    f"fp16: the loss scaler skipped an update at step "
+                                    f"{state.step} (inf/nan gradients; {state.scaler_skipped} "
+                                    "so far); the step and the schedule wait for it"
+                                )
+                        elif accelerator.sync_gradients:
                             scheduler.step()
                             updated = True
                         optimizer.zero_grad(set_to_none=True)
