@@ -570,6 +570,7 @@ def test_medusa_export_round_trips(target4, tmp_path, fmt):
     cfg = json.loads((out / "config.json").read_text())
     if fmt == "medusa":
         assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, 2)
+        assert cfg["medusa_fc_bias"] is True  # else vLLM drops the blocks' biases
         names = set(load_file(str(out / "medusa_lm_head.safetensors")))
         assert {"0.0.linear.weight", "2.1.linear.bias", "1.2.weight"} <= names
     else:

@@ -270,6 +270,13 @@ def _head(target, method: str):
             head.t2d[torch.arange(64) * 2] = True
     if method in ("eagle3", "hass"):
         return eagle3_lens(head)
+    if method.startswith("medusa"):  # the identity at initialisation: a lens, shifted by biases
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for h in head.heads:
+                for block in list(h)[:-1]:
+                    b = block.linear.bias
+                    b.copy_(torch.randn(b.shape, generator=g) * 2.0)
     return head
 
 
@@ -415,6 +422,29 @@ def test_an_eagle1_reference_export_is_refused_for_vllm_saying_which_layout_it_s
     )
     with pytest.raises(EngineError, match=r"an? eagle1 export, which vLLM does not serve as "
                        r"trained .* --format eagle1-vllm"):  # fmt: skip
+        vllm_draft(cfg, target, log=lambda *_: None)
+
+
+def test_a_medusa_folder_without_its_bias_flag_is_refused_for_vllm(tiny_served, tmp_path):
+    """vLLM reads the Medusa reference layout too, but builds bias-free blocks unless the config
+    says ``medusa_fc_bias`` (the reference's own configs do not): a folder whose blocks have
+    biases and whose config lacks the key would be served as another draft, so it is refused,
+    naming the key; our export writes it."""
+    from omegaconf import OmegaConf
+
+    from decoding.engines.vllm_eval import vllm_draft
+    from models.export import export
+
+    target, _ = tiny_served
+    out = tmp_path / "medusa"
+    export(_head(target, "medusa1"), "medusa", out, log=lambda *_: None)
+    cfg = OmegaConf.create({"draft": str(out), "gamma": 3, "engine_rule": "greedy_draft"})
+    spec, _, _ = vllm_draft(cfg, target, log=lambda *_: None)  # as exported: served
+    assert spec["method"] == "medusa"
+    c = json.loads((out / "config.json").read_text())
+    del c["medusa_fc_bias"]  # as the Medusa reference writes its configs
+    (out / "config.json").write_text(json.dumps(c))
+    with pytest.raises(EngineError, match=r'no "medusa_fc_bias": true, while .* biases'):
         vllm_draft(cfg, target, log=lambda *_: None)
 
 

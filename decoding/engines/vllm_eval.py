@@ -413,6 +413,7 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
                 f"draft={d}: a {fmt} export, which vLLM does not serve{why}; vLLM {VERSION} "
                 f"serves {', '.join(served_formats())} (specdraft-export --format ...)"
             )
+        _served_as_trained(p, fmt)
         folder = p
     else:
         head = load_trained_head(p, target)
@@ -435,6 +436,28 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
         folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
     return spec, f"{fmt} export ({folder}{noted(note)})", str(folder)
+
+
+def _served_as_trained(folder: Path, fmt: str) -> None:
+    """Refuse a folder vLLM would load and serve as another draft: a Medusa reference layout
+    whose blocks have biases but whose config lacks ``medusa_fc_bias`` (vLLM builds bias-free
+    blocks then and drops the file's biases without a word)."""
+    if fmt != "medusa":
+        return
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get("medusa_fc_bias"):
+        return
+    from safetensors import safe_open
+
+    f = folder / "medusa_lm_head.safetensors"
+    with safe_open(str(f), "pt") as st:
+        biased = any(k.endswith(".linear.bias") for k in st.keys())
+    if biased:
+        raise EngineError(
+            f'{folder / "config.json"}: no "medusa_fc_bias": true, while {f.name} holds the '
+            "blocks' biases: vLLM would build bias-free blocks and drop them without a word; "
+            "add the key (or export again: specdraft-export writes it)"
+        )
 
 
 # -- the evaluation -------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 ``medusa``       Medusa heads as TGI, TensorRT-LLM and the Medusa reference load them:
                  ``medusa_lm_head.safetensors`` with ``{k}.{j}.linear.{weight,bias}`` (residual
                  block j of head k) and ``{k}.{num_layers}.weight`` (its LM head); config keys
-                 ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``, and
-                 our candidate tree as ``medusa_choices``. A Medusa-2 draft needs ``--merge``:
+                 ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``, our
+                 candidate tree as ``medusa_choices``, and ``medusa_fc_bias: true`` (vLLM
+                 reads this layout too, and drops the blocks' biases without it). A Medusa-2 draft needs ``--merge``:
                  the adapter-merged target is written to ``base/`` and named as the base.
 ``medusa-vllm``  the same heads in vLLM's Medusa layout: ``blocks.{k}.layers.{j}`` and
                  ``lm_heads.{k}``, config ``model_type: medusa``, ``num_heads``,
@@ -144,6 +145,10 @@ class MedusaReference(MedusaFormat):
             "hidden_size": tc.hidden_size,
             "vocab_size": tc.vocab_size,
             "medusa_choices": [list(p) for p in draft.candidate_tree()],  # rank paths
+            # the blocks have a bias: vLLM reads this layout too, and without the key builds
+            # bias-free blocks and drops the file's biases without a word (the reference's
+            # and TGI's blocks always have one and ignore the key)
+            "medusa_fc_bias": True,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
 
