@@ -810,6 +810,9 @@ class ExportFormat(abc.ABC):
     #: the speculative method vLLM serves this layout with (its ``speculative_config``'s
     #: "method"), None where vLLM does not serve it; checked against vLLM in tests/test_vllm.py
     vllm_method: str | None = None
+    #: more of vLLM's ``speculative_config`` this layout needs spelled out (where the method
+    #: alone leaves vLLM computing another draft)
+    vllm_options: dict[str, Any] = {}  # noqa: RUF012 (read only)
 
     def vllm_tokens(self, config: dict[str, Any], gamma: int) -> int:
         """vLLM's ``num_speculative_tokens`` for a folder with this ``config``: ``gamma``

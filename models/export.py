@@ -95,6 +95,7 @@ def vllm_serve_line(fmt: ExportFormat, target: Target, folder: Path, config: dic
         "method": fmt.vllm_method,
         "model": str(folder),
         "num_speculative_tokens": fmt.vllm_tokens(config, gamma),
+        **fmt.vllm_options,
     }
     # the heads' own base where the layout names one (Medusa-2's merged backbone)
     base = config.get("base_model_name_or_path") or verifier_name(target)

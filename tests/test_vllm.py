@@ -268,7 +268,7 @@ def _head(target, method: str):
             head.d2t.copy_(torch.arange(64))  # draft id i -> target id 2i
             head.t2d.zero_()
             head.t2d[torch.arange(64) * 2] = True
-    if method in ("eagle3", "hass"):
+    if method in ("eagle3", "hass", "peagle"):
         return eagle3_lens(head)
     if method.startswith("medusa"):  # the identity at initialisation: a lens, shifted by biases
         g = torch.Generator().manual_seed(1)
@@ -423,6 +423,22 @@ def test_an_eagle1_reference_export_is_refused_for_vllm_saying_which_layout_it_s
     with pytest.raises(EngineError, match=r"an? eagle1 export, which vLLM does not serve as "
                        r"trained .* --format eagle1-vllm"):  # fmt: skip
         vllm_draft(cfg, target, log=lambda *_: None)
+
+
+def test_a_peagle_export_is_served_with_parallel_drafting(tiny_served, tmp_path):
+    """Given ``method: eagle3`` alone, vLLM drafts a P-EAGLE head sequentially as EAGLE-3 and
+    skips its mask_hidden: the engine's speculative config and the export's ``vllm serve``
+    line both spell out parallel drafting (the served test's P-EAGLE head accepts what ours
+    does only with it)."""
+    from decoding.engines.vllm_eval import speculative_config
+    from models.export import export
+
+    target, _ = tiny_served
+    out = tmp_path / "peagle"
+    summary = export(_head(target, "peagle"), "peagle", out, log=lambda *_: None)
+    spec = speculative_config(out, "peagle", 3)
+    assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True
+    assert '"parallel_drafting": true' in summary["vllm_serve"]
 
 
 def test_a_medusa_folder_without_its_bias_flag_is_refused_for_vllm(tiny_served, tmp_path):

@@ -349,7 +349,7 @@ def speculative_config(
 
     config = json.loads((Path(folder) / "config.json").read_text())
     n = FORMATS[fmt].vllm_tokens(config, int(gamma))
-    return _speculative(served_formats()[fmt], folder, n, rule)
+    return {**_speculative(served_formats()[fmt], folder, n, rule), **FORMATS[fmt].vllm_options}
 
 
 def _speculative(method: str, model: str | Path, n: int, rule: str) -> dict[str, Any]:

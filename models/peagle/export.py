@@ -27,6 +27,9 @@ from .model import PEagleHead
 class SpeculatorsPEagle(SpeculatorsEagle3):
     name, methods, description = "peagle", ("peagle",), "P-EAGLE, vLLM speculators"
     vllm_method = "eagle3"  # vLLM reads the P-EAGLE layout as EAGLE-3 with parallel drafting
+    # spelled out: given the method, vLLM does not take it from the layout, drafts the head
+    # sequentially as EAGLE-3 and skips mask_hidden (with a warning in its log)
+    vllm_options = {"parallel_drafting": True}  # noqa: RUF012 (read only)
 
     def tensors(self, draft: PEagleHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         out = super().tensors(draft, dtype)
