@@ -5,8 +5,9 @@
                  block j of head k) and ``{k}.{num_layers}.weight`` (its LM head); config keys
                  ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``, our
                  candidate tree as ``medusa_choices``, and ``medusa_fc_bias: true`` (vLLM
-                 reads this layout too, and drops the blocks' biases without it). A Medusa-2 draft needs ``--merge``:
-                 the adapter-merged target is written to ``base/`` and named as the base.
+                 reads this layout too, and drops the blocks' biases without it). A Medusa-2
+                 draft needs ``--merge``: the adapter-merged target is written to ``base/`` and
+                 named as the base.
 ``medusa-vllm``  the same heads in vLLM's Medusa layout: ``blocks.{k}.layers.{j}`` and
                  ``lm_heads.{k}``, config ``model_type: medusa``, ``num_heads``,
                  ``num_hidden_layers``, ``medusa_fc_bias: true``.
