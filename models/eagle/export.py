@@ -508,22 +508,25 @@ class Eagle1Reference(EagleFormat):
 
     def read(self, folder: Path, target, config: dict) -> EagleHead:
         tensors = load_tensors(folder / self.weights_file)
-        tensors.pop("embed_tokens.weight", None)
+        tensors.pop("embed_tokens.weight", None)  # ours is the target's
         head = EagleHead(target, Eagle1Config(input_norm=False))
-        return self._load(head, tensors, "layer.", folder)
+        return self._load(
+            head, self.head_state(tensors, folder / self.weights_file), "layer.", folder
+        )
+
+    def head_state(self, tensors: dict, path: Path) -> dict[str, torch.Tensor]:
+        """The file's tensors as our head's (this layout: as they are)."""
+        return tensors
 
     def detect(self, folder: Path, config: dict) -> bool:
-        # a one-layer config beside weights holding FC over [emb; feature]
-        weights = folder / self.weights_file
-        if config.get("num_hidden_layers") != 1 or not weights.exists():
+        # a one-layer config beside weights holding FC over [emb; feature] and the layer
+        if config.get("num_hidden_layers") != 1:
             return False
-        try:
-            keys = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
-        except Exception:
-            return False
-        return (
-            isinstance(keys, dict) and "fc.weight" in keys and "layers.0.mlp.up_proj.weight" in keys
-        )
+        shapes = _weight_shapes(folder / self.weights_file)
+        return shapes is not None and self.holds(shapes, config)
+
+    def holds(self, shapes: dict[str, list[int]], config: dict) -> bool:
+        return "fc.weight" in shapes and f"{self.layer_prefix}mlp.up_proj.weight" in shapes
 
 
 class Eagle1Vllm(Eagle1Reference):
@@ -537,15 +540,13 @@ class Eagle1Vllm(Eagle1Reference):
     vllm_method = "eagle"
 
     def tensors(self, draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        # (the draft layer has no attention biases of its own: ``layer_shape``)
         out = super().tensors(draft, torch.float32)
         b = out.pop("fc.bias").double()
         p = self.layer_prefix
         for n in ("q", "k", "v"):
-            w = out[f"{p}self_attn.{n}_proj.weight"].double()
-            own = out.get(f"{p}self_attn.{n}_proj.bias")
-            out[f"{p}self_attn.{n}_proj.bias"] = w @ b + (0 if own is None else own.double())
-        own = out.get(f"{p}self_attn.o_proj.bias")
-        out[f"{p}self_attn.o_proj.bias"] = b + (0 if own is None else own.double())
+            out[f"{p}self_attn.{n}_proj.bias"] = out[f"{p}self_attn.{n}_proj.weight"].double() @ b
+        out[f"{p}self_attn.o_proj.bias"] = b
         return cast(out, dtype)
 
     def config(self, draft, dtype, **_: Any) -> dict:
@@ -558,59 +559,61 @@ class Eagle1Vllm(Eagle1Reference):
             s[f"{self.layer_prefix}self_attn.o_proj.bias"] = (target_dims(target_config)["H"],)
         return s
 
-    def read(self, folder: Path, target, config: dict) -> EagleHead:
-        """The head with FC's bias unfolded: o_proj's bias is it, and q/k/v's must be ``W b``
-        (our draft layer has no attention biases of its own); a checkpoint whose are not is
-        refused rather than read as something else."""
-        f = folder / self.weights_file
-        tensors = load_tensors(f)
-        tensors.pop("embed_tokens.weight", None)
+    def head_state(self, tensors: dict, path: Path) -> dict[str, torch.Tensor]:
+        """FC's bias unfolded: o_proj's bias is it, and q/k/v's must be ``W b`` (our draft
+        layer has no attention biases of its own); a checkpoint whose are not is refused
+        rather than read as something else."""
         p = self.layer_prefix
-        H = target.hidden_size
+        w_o = tensors[f"{p}self_attn.o_proj.weight"]
         b = tensors.pop(f"{p}self_attn.o_proj.bias", None)
-        b = torch.zeros(H) if b is None else b.float()
+        b = torch.zeros(w_o.shape[0]) if b is None else b.float()
         for n in ("q", "k", "v"):
             got = tensors.pop(f"{p}self_attn.{n}_proj.bias", None)
             if got is None:
                 continue
             w = tensors[f"{p}self_attn.{n}_proj.weight"].float()
-            want = w @ b
             # what rounding to the file's dtype leaves of W b (a few ulps of its terms)
             tol = 8 * torch.finfo(got.dtype).eps * (w.abs() @ b.abs()) + 1e-6
-            if ((got.float() - want).abs() > tol).any():
+            if ((got.float() - w @ b).abs() > tol).any():
                 raise ExportError(
-                    f"{f}: {p}self_attn.{n}_proj.bias is not FC's bias folded in (W b); an "
+                    f"{path}: {p}self_attn.{n}_proj.bias is not FC's bias folded in (W b); an "
                     "EAGLE-1 head with attention biases of its own, which ours has no place for"
                 )
-        tensors["fc.bias"] = b
-        head = EagleHead(target, Eagle1Config(input_norm=False))
-        return self._load(head, tensors, "layer.", folder)
+        return {**tensors, "fc.bias": b}
 
-    def detect(self, folder: Path, config: dict) -> bool:
-        # a one-layer config beside safetensors holding FC(2H -> H) without a bias
-        f = folder / self.weights_file
-        if config.get("num_hidden_layers") != 1 or not f.is_file():
-            return False
+    def holds(self, shapes: dict[str, list[int]], config: dict) -> bool:
+        # FC(2H -> H) without a bias, and nothing but it, the embedding and the layer (an
+        # EAGLE-3 or DFlash-family draft has more)
         if "speculators_model_type" in config or any(
             "Eagle3" in a for a in config.get("architectures") or []
         ):
             return False
-        try:
+        H = config.get("hidden_size")
+        own = {"fc.weight", "embed_tokens.weight"}
+        return (
+            shapes.get("fc.weight") == [H, 2 * H]
+            and f"{self.layer_prefix}mlp.up_proj.weight" in shapes
+            and all(k in own or k.startswith(self.layer_prefix) for k in shapes)
+        )
+
+
+def _weight_shapes(f: Path) -> dict[str, list[int]] | None:
+    """Each tensor's shape in the weights file ``f`` (safetensors or ``torch.save``), read
+    without its data; None where there is no such file or it does not read."""
+    if not f.is_file():
+        return None
+    try:
+        if f.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(f), "pt") as st:
-                keys = set(st.keys())
-                fc = st.get_slice("fc.weight").get_shape() if "fc.weight" in keys else None
-        except Exception:
-            return False
-        H = config.get("hidden_size")
-        # nothing but FC, the embedding and one layer (a DFlash-family draft has more)
-        own = {"fc.weight", "embed_tokens.weight"}
-        return (
-            fc == [H, 2 * H]
-            and f"{self.layer_prefix}mlp.up_proj.weight" in keys
-            and all(k in own or k.startswith(self.layer_prefix) for k in keys)
-        )
+                return {k: list(st.get_slice(k).get_shape()) for k in st.keys()}
+        state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:
+        return None
+    if not isinstance(state, dict):
+        return None
+    return {k: list(getattr(v, "shape", ())) for k, v in state.items()}
 
 
 def _formats():
