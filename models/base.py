@@ -813,6 +813,14 @@ class ExportFormat(abc.ABC):
     #: more of vLLM's ``speculative_config`` this layout needs spelled out (where the method
     #: alone leaves vLLM computing another draft)
     vllm_options: dict[str, Any] = {}  # noqa: RUF012 (read only)
+    #: why vLLM, which loads this layout, does not serve it as trained ("" where it does, or
+    #: where it does not load it)
+    vllm_refusal: str = ""
+
+    def vllm_mismatch(self, folder: Path, config: dict[str, Any]) -> str | None:
+        """Why vLLM would serve this folder (of a layout it serves) as another draft than the
+        one in it, or None."""
+        return None
 
     def vllm_tokens(self, config: dict[str, Any], gamma: int) -> int:
         """vLLM's ``num_speculative_tokens`` for a folder with this ``config``: ``gamma``

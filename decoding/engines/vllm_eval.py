@@ -78,14 +78,6 @@ FORMAT_OF_METHOD = {
     "dspark": "dspark",
     "peagle": "peagle",
 }
-#: why vLLM does not serve a layout it loads (it would compute another draft than ours)
-NOT_SERVED = {
-    "eagle1": (
-        " as trained (its EAGLE-1 FC has no bias, and it drops the layout's without a word; "
-        "--format eagle1-vllm folds the bias into the layer, or pass the training run)"
-    ),
-    "sglang": " (it reads the fused layer ids one lower: --format vllm is vLLM's layout)",
-}
 #: vLLM's acceptance rules, by our name: (draft_sample_method, rejection_sample_method)
 RULES = {
     "greedy_draft": ("greedy", "standard"),  # vLLM's default: argmax drafts, q one-hot
@@ -407,13 +399,18 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
         raise DraftError(f"draft={d}: no such folder")
     fmt = detect_format(p) if (p / "config.json").is_file() else None
     if fmt is not None:
+        from models import FORMATS
+
+        layout = FORMATS[fmt]
         if fmt not in served_formats():
-            why = NOT_SERVED.get(fmt, "")
+            why = f" as trained ({layout.vllm_refusal})" if layout.vllm_refusal else ""
             raise EngineError(
                 f"draft={d}: a {fmt} export, which vLLM does not serve{why}; vLLM {VERSION} "
                 f"serves {', '.join(served_formats())} (specdraft-export --format ...)"
             )
-        _served_as_trained(p, fmt)
+        mismatch = layout.vllm_mismatch(p, layout.read_config(p))
+        if mismatch:
+            raise EngineError(mismatch)
         folder = p
     else:
         head = load_trained_head(p, target)
@@ -436,28 +433,6 @@ def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
         folder = cached_export(p, head, fmt, log, f"-{fmt}", gamma=int(cfg.gamma))
     spec = speculative_config(folder, fmt, cfg.gamma, cfg.engine_rule)
     return spec, f"{fmt} export ({folder}{noted(note)})", str(folder)
-
-
-def _served_as_trained(folder: Path, fmt: str) -> None:
-    """Refuse a folder vLLM would load and serve as another draft: a Medusa reference layout
-    whose blocks have biases but whose config lacks ``medusa_fc_bias`` (vLLM builds bias-free
-    blocks then and drops the file's biases without a word)."""
-    if fmt != "medusa":
-        return
-    cfg = json.loads((folder / "config.json").read_text())
-    if cfg.get("medusa_fc_bias"):
-        return
-    from safetensors import safe_open
-
-    f = folder / "medusa_lm_head.safetensors"
-    with safe_open(str(f), "pt") as st:
-        biased = any(k.endswith(".linear.bias") for k in st.keys())
-    if biased:
-        raise EngineError(
-            f'{folder / "config.json"}: no "medusa_fc_bias": true, while {f.name} holds the '
-            "blocks' biases: vLLM would build bias-free blocks and drop them without a word; "
-            "add the key (or export again: specdraft-export writes it)"
-        )
 
 
 # -- the evaluation -------------------------------------------------------------------------

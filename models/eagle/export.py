@@ -359,6 +359,7 @@ class SGLangEagle3(EagleFormat):
     # its own layer ids (the input of decoder layer k), SGLang as layer outputs (k + 1), so
     # vLLM would fuse the layers below the trained ones; the ``vllm`` layout is vLLM's
     vllm_method = None
+    vllm_refusal = "it reads the fused layer ids one lower: --format vllm is vLLM's layout"
     serve_hint = (
         "SGLang: `--speculative-algorithm EAGLE3 --speculative-draft-model-path <this dir>`"
     )
@@ -489,9 +490,11 @@ class Eagle1Reference(EagleFormat):
     layer_prefix = "layers.0."
     embeds = True
     serve_hint = "EAGLE reference / SGLang EAGLE-1 loaders: point them at this dir."
-    # not served through vLLM: its EAGLE-1 FC has no bias and drops this layout's without a
-    # word (the ``eagle1-vllm`` layout folds it into the layer)
     vllm_method = None
+    vllm_refusal = (
+        "its EAGLE-1 FC has no bias, and it drops the layout's without a word; --format "
+        "eagle1-vllm folds the bias into the layer, or pass the training run"
+    )
 
     def head_tensors(self, draft) -> dict[str, torch.Tensor]:
         if draft.cfg.input_norm:

@@ -156,6 +156,23 @@ class MedusaReference(MedusaFormat):
     def detect(self, folder: Path, config: dict) -> bool:
         return "medusa_num_heads" in config
 
+    def vllm_mismatch(self, folder: Path, config: dict) -> str | None:
+        # the Medusa reference's own configs have no medusa_fc_bias: vLLM then builds
+        # bias-free blocks and drops the file's biases without a word
+        if config.get("medusa_fc_bias"):
+            return None
+        from safetensors import safe_open
+
+        f = folder / self.weights_file
+        with safe_open(str(f), "pt") as st:
+            if not any(k.endswith(".linear.bias") for k in st.keys()):
+                return None
+        return (
+            f'{folder / "config.json"}: no "medusa_fc_bias": true, while {f.name} holds the '
+            "blocks' biases: vLLM would build bias-free blocks and drop them without a word; "
+            "add the key (or export again: specdraft-export writes it)"
+        )
+
 
 class MedusaVLLM(MedusaFormat):
     name = "medusa-vllm"
