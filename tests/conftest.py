@@ -303,17 +303,24 @@ def copy_stopped_after(run_dir: Path, dest: Path, step: int) -> Path:
 
 
 def launch_with_config(
-    config: str, args: list[str], nproc: int = 2, timeout: int = 300
+    config: str,
+    args: list[str],
+    nproc: int = 2,
+    timeout: int = 300,
+    script: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file scripts/accelerate/<config>`` (or a path of its own)
     with ``nproc`` processes
-    in float32, through ``tests/accelerate_on_cpu.py``, which keeps the config's FSDP or
-    DeepSpeed on CPU processes (accelerate applies both to GPU processes only)."""
+    in float32, through ``tests/accelerate_on_cpu.py`` (or ``script``, which runs it), which
+    keeps the config's FSDP or DeepSpeed on CPU processes (accelerate applies both to GPU
+    processes only); ``env``: more environment variables."""
+    script = script or ROOT / "tests" / "accelerate_on_cpu.py"
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     cmd += ["--config_file", str(ROOT / "scripts" / "accelerate" / config)]
     cmd += ["--num_processes", str(nproc), "--mixed_precision", "no"]
-    cmd += ["--main_process_port", str(free_port()), str(ROOT / "tests" / "accelerate_on_cpu.py")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd += ["--main_process_port", str(free_port()), str(script)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

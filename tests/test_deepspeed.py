@@ -98,6 +98,63 @@ def test_deepspeed_trains_checkpoints_and_resumes_as_ddp_does(data_file, tmp_pat
         assert (b[k] - c[k]).abs().max() < 1e-7, k
 
 
+POISON = """
+import os, runpy, sys
+from models import METHODS
+
+cls = METHODS["medusa2"]
+real = cls.forward
+bad = {int(x) for x in os.environ["POISONED"].split(",")}
+seen = []  # this process's micro-batches in the order trained (by their records)
+
+
+def poisoned(self, batch):
+    out = real(self, batch)
+    if self.training:
+        key = tuple(batch["index"].tolist())
+        if key not in seen:
+            seen.append(key)
+        if seen.index(key) + 1 in bad:
+            out.loss = out.loss * float("nan")
+    return out
+
+
+cls.forward = poisoned
+runpy.run_path(sys.argv.pop(1), run_name="__main__")
+"""
+
+
+def test_a_non_finite_micro_batch_is_left_out_alike_under_ddp_fsdp_and_deepspeed(
+    data_file, tmp_path
+):
+    """With accumulation, a micro-batch whose loss is not finite is left out and its window
+    steps on the rest, under every backend alike: at a window's end too, where DDP's gradient
+    all-reduce, FSDP's reduce-scatter and DeepSpeed's step happen inside the last backward
+    (skipped, DDP dropped the whole window and FSDP and DeepSpeed carried it into the next
+    one). Same losses at every step, same weights."""
+    script = tmp_path / "poisoned.py"
+    script.write_text(POISON)
+    args = [str(ROOT / "tests" / "accelerate_on_cpu.py")]
+    # micro-batches 4 (a window's end) and 7 (a window's start) come out NaN
+    env = {"POISONED": "4,7", "PYTHONPATH": str(ROOT)}
+    common = {**COMMON, "train.save_every": 0}
+    runs = {}
+    for config in ("cpu_2proc.yaml", "fsdp.yaml", "deepspeed_zero2.yaml"):
+        out = tmp_path / config.split(".")[0]
+        r = launch_with_config(
+            config, args + tiny_overrides(data_file, out, **common), script=script, env=env
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.count("warning: non-finite loss") == 2, r.stdout[-2000:]
+        rows = [m for m in read_metrics(out) if "loss" in m]
+        assert [m["step"] for m in rows] == [1, 2, 3, 4]
+        runs[config] = ([m["loss"] for m in rows], final_weights(out))
+    (ddp_loss, ddp_w), *others = runs.values()
+    for loss, w in others:
+        assert loss == pytest.approx(ddp_loss, rel=1e-6, abs=1e-6)
+        assert all(torch.allclose(w[k], ddp_w[k], atol=1e-5) for k in ddp_w)
+
+
 @pytest.mark.parametrize(
     "config,override,says",
     [

@@ -107,6 +107,24 @@ def attach_features(batch: dict, method: Any, target: Any) -> dict:
     return batch
 
 
+def _stand_in_loss(method: Any, batch: dict, unwrapped: Any, target: Any, accelerator: Any):
+    """A finite loss with zero gradients, through the draft's own forward on ``batch`` (a
+    micro-batch of the window whose loss was finite).
+
+    The window's last micro-batch came out non-finite: left out as any other, the window's
+    finite micro-batches still make its update. Every backend finishes a window inside the
+    backward of its last micro-batch: DDP all-reduces the accumulated gradients there,
+    FSDP reduce-scatters them, DeepSpeed's engine steps. Without that backward the gradients
+    would wait there (FSDP, DeepSpeed) and join the next window's, or be dropped (DDP), so the
+    window's last backward is one of its good micro-batches again, weighted zero. None where
+    that too comes out non-finite (no update then: under FSDP and DeepSpeed the window's
+    gradients then join the next window's)."""
+    batch = attach_features(dict(batch), unwrapped, target)
+    with accelerator.autocast():
+        loss = method(batch).loss
+    return loss * 0.0 if _all_finite(accelerator, loss) else None
+
+
 @torch.no_grad()
 def evaluate(
     accelerator: Any, method: Any, target: Any, loader: Any, max_batches: int | None
@@ -211,6 +229,8 @@ def fit(
     window_from = state.tokens_all  # tokens_all where this logging window began
     window_start = time.perf_counter()
     consecutive_bad = 0
+    #: the last micro-batch of this accumulation window whose loss was finite (as loaded)
+    window_good: dict | None = None
     reason = "finished"
     try:  # the steps the epochs allow, when fewer than max_steps (a time budget may stop sooner)
         per_epoch = math.ceil(len(train_loader) / max(1, tc.grad_accum))
@@ -301,12 +321,33 @@ def fit(
                 updated = False  # an optimizer step happened (a skipped batch is no step)
                 with accelerator.accumulate(method), target.gathered():
                     unwrapped.set_progress(progress(state, total, max_seconds))
+                    raw = dict(batch)  # as loaded: what a stand-in pass below reads again
                     batch = attach_features(batch, unwrapped, target)
                     with accelerator.autocast():
                         out = method(batch)
-                    if _all_finite(accelerator, out.loss):
+                    finite = _all_finite(accelerator, out.loss)
+                    loss = out.loss if finite else None
+                    if finite:
                         consecutive_bad = 0
-                        accelerator.backward(out.loss)
+                        window_good = raw
+                    else:
+                        # Leave this micro-batch out: no backward of it, not a step (the data
+                        # moves on; the schedule does not).
+                        state.nonfinite_skipped += 1
+                        consecutive_bad += 1
+                        log(
+                            f"warning: non-finite loss at step {state.step}; skipped "
+                            f"({consecutive_bad} in a row)"
+                        )
+                        if consecutive_bad >= tc.max_nonfinite:
+                            reason = "nonfinite"
+                            break
+                        if accelerator.sync_gradients and window_good is not None:
+                            loss = _stand_in_loss(
+                                method, window_good, unwrapped, target, accelerator
+                            )
+                    if loss is not None:
+                        accelerator.backward(loss)
                         if accelerator.sync_gradients and cfg.optim.max_grad_norm > 0:
                             gn = accelerator.clip_grad_norm_(
                                 method.parameters(), cfg.optim.max_grad_norm
@@ -328,21 +369,11 @@ def fit(
                         elif accelerator.sync_gradients:
                             scheduler.step()
                             updated = True
-                        optimizer.zero_grad(set_to_none=True)
+                    optimizer.zero_grad(set_to_none=True)
+                    if finite:
                         add_metrics(window, {"loss": metric(out.loss.detach(), 1), **out.metrics})
-                    else:
-                        # Skip this batch: no backward, no optimizer step, and it does not
-                        # count as a step (the data moves on; the schedule does not).
-                        optimizer.zero_grad(set_to_none=True)
-                        state.nonfinite_skipped += 1
-                        consecutive_bad += 1
-                        log(
-                            f"warning: non-finite loss at step {state.step}; skipped "
-                            f"({consecutive_bad} in a row)"
-                        )
-                        if consecutive_bad >= tc.max_nonfinite:
-                            reason = "nonfinite"
-                            break
+                    if accelerator.sync_gradients:
+                        window_good = None  # the next micro-batch starts a window
                 now = time.perf_counter()
                 state.elapsed += now - t_last
                 t_last = now
