@@ -249,6 +249,29 @@ def fit_weights(
         )
 
 
+def fit_export_weights(
+    module: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    file: Path,
+    what: str,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Load an export's ``tensors`` (each cast to the module's dtype) into ``module``, built for
+    its target: ``ExportError`` naming ``file`` for a tensor of another shape (as the file
+    spells it: ``names``), or naming its folder for names missing or unexpected (``what``: the
+    kind of draft, "an eagle3 head")."""
+    own = module.state_dict()
+    tensors = {k: v.to(own[k].dtype) if k in own else v for k, v in tensors.items()}
+    # another target's layer shapes (same hidden size): one line, not load_state_dict's traceback
+    check_shapes(module, tensors, file, error=ExportError, names=names)
+    missing, unexpected = module.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ExportError(
+            f"{file.parent}: weights do not fit {what} for {module.target.identity} "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+
+
 def check_shapes(
     module: nn.Module,
     state: dict[str, torch.Tensor],

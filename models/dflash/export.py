@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..base import ExportError, ExportFormat, check_shapes
+from ..base import ExportError, ExportFormat, fit_export_weights
 from ..eagle.export import check_vocab_chosen, llama_config, target_dims
 from ..export import cast, verifier_name
 from .config import DFlashConfig
@@ -190,21 +190,7 @@ class SpeculatorsDFlash(ExportFormat):
         if "d2t" not in tensors:  # the whole vocabulary
             tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
             tensors["t2d"] = torch.ones(V, dtype=torch.bool)
-        own = draft.state_dict()
-        tensors = {k: v.to(own[k].dtype) if k in own else v for k, v in tensors.items()}
-        # another target's layer shapes (same hidden size): one line, not a traceback
-        check_shapes(
-            draft,
-            tensors,
-            folder / self.weights_file,
-            error=ExportError,
-        )
-        missing, unexpected = draft.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
-            raise ExportError(
-                f"{folder}: weights do not fit a {what} draft for {target.identity} "
-                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-            )
+        fit_export_weights(draft, tensors, folder / self.weights_file, f"a {what} draft")
         if lm is not None:  # this draft scores with the target's rows: a trained head cannot load
             mine = draft.lm_rows().float().cpu()
             if lm.shape != mine.shape or (lm.float() - mine).abs().max() > 1e-2 * (

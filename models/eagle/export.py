@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..base import ExportError, ExportFormat, check_shapes
+from ..base import ExportError, ExportFormat, fit_export_weights
 from ..export import cast, load_tensors, verifier_name
 from ..target import layer_shape
 from .config import Eagle1Config, Eagle3Config
@@ -323,23 +323,9 @@ class EagleFormat(ExportFormat):
         p = self.layer_prefix
         spelled = {(dst + k[len(p) :] if k.startswith(p) else k): k for k in tensors}
         renamed = {ours: tensors[theirs] for ours, theirs in spelled.items()}
-        own = head.state_dict()
-        renamed = {k: v.to(own[k].dtype) if k in own else v for k, v in renamed.items()}
-        # another target's layer shapes (same hidden size): one line, not load_state_dict's
-        # traceback, naming the tensor as the file spells it
-        check_shapes(
-            head,
-            renamed,
-            folder / self.weights_file,
-            error=ExportError,
-            names=spelled,
+        fit_export_weights(
+            head, renamed, folder / self.weights_file, f"an {head.cfg.name} head", names=spelled
         )
-        missing, unexpected = head.load_state_dict(renamed, strict=False)
-        if missing or unexpected:
-            raise ExportError(
-                f"{folder}: weights do not fit an {head.cfg.name} head for "
-                f"{head.target.identity} (missing {missing[:5]}, unexpected {unexpected[:5]})"
-            )
         return head
 
     def readme_lines(self, draft, config: dict) -> list[str]:
