@@ -456,6 +456,45 @@ def every_third_eagle3(target, seed: int = 0, noise: float = 0.05, **flags):
     return head
 
 
+def accepting_block_draft(draft, prompts: list[list[int]]):
+    """A DFlash (or DSpark) draft of a tiny target that accepts, and only where an engine
+    serves its weights as trained: 60 steps on the target's own greedy answers to ``prompts``
+    (of one length; a tiny target repeats a prompt's last token; argmax targets), then its
+    first layer's weights blurred by seeded noise of their mean size, so that positions can
+    accept unevenly (the vLLM test's DFlash draft: 0.12 at slot 1 to 0.10 at slot 7). It
+    reads the context: trained so, a draft with ``fc``'s rows rolled by one accepted nothing.
+    No hand-set lens does this: the mask slots' queries and keys pass through per-head norms
+    (Qwen3's), so they cannot be set to copy the anchor token."""
+    t = draft.target
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        ids = t.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False
+        )
+    mask = torch.ones_like(ids)
+    loss_mask = mask.clone()
+    loss_mask[:, : len(prompts[0])] = 0
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "loss_mask": loss_mask,
+        "features": t.features(ids, mask, draft.feature_layers),
+    }
+    draft.cfg.targets = "hard"
+    draft.train()
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(60):
+        out = draft(batch)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in draft.layers[0].parameters():
+            p += 1.0 * p.abs().mean() * torch.randn(p.shape, generator=g)
+    return draft.eval()
+
+
 def tiny_target_gguf(path, target) -> Path:
     """A GGUF holding what ``--format gguf`` reads of a target's: its shape and tokenizer (the
     embedded SmolLM2's is a real one; tiny targets have none)."""

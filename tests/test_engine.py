@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import every_third_eagle3, family_target, needs_engine, run_module, tiny_target_gguf
+from conftest import (
+    accepting_block_draft,
+    every_third_eagle3,
+    family_target,
+    needs_engine,
+    run_module,
+    tiny_target_gguf,
+)
 
 from models import export as ex
 from models.base import DraftError
@@ -716,6 +723,62 @@ def test_engine_serves_dflash_family_drafts_losslessly(smollm2, tmp_path, method
     assert b.drafted > 0, b.timings  # the draft ran
     assert sum(x for x, _ in b.steps) == b.accepted
     assert max(n for _, n in b.steps) == block - 1  # the whole trained block
+
+
+@needs_engine
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_llama_cpp_accepts_what_we_do_from_our_dflash_family_gguf(tmp_path, method):
+    """A DFlash / DSpark draft of a tiny target that accepts part of the time (trained on the
+    target's answers, then blurred: ``accepting_block_draft``), as GGUF beside llama.cpp's own
+    conversion of the target: llama.cpp decodes what it decodes alone and what the built-in
+    decoder decodes from the GGUF read back, and accepts what ours does at every one of the
+    block's positions (within 0.03). A draft that accepts nothing, as random ones do, could
+    not tell a weight the engine misreads."""
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.engines.llama_cpp import LlamaServer, converted_target
+    from decoding.engines.llama_cpp_drafts import gguf_kind
+    from models.base import DecodeSettings
+    from models.sampling import Sampling
+
+    target = family_target("llama", tiny_head_dim=64)
+    prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
+    draft = block_draft(target, method, block_size=8 if method == "dflash" else 7,
+                        mask_token_id=256)  # fmt: skip
+    with torch.no_grad():  # draft token i is target token 2i: half the answers can be drafted
+        draft.d2t.copy_(torch.arange(64))
+        draft.t2d.zero_()
+        draft.t2d[torch.arange(64) * 2] = True
+    draft = accepting_block_draft(draft, prompts)
+    tg = converted_target(target, log=lambda *_: None)
+    export(draft, "gguf", tmp_path / "g", dtype="float32", log=lambda *_: None,
+           target_gguf_path=tg)  # fmt: skip
+    kind, block = gguf_kind(tmp_path / "g" / "draft.gguf")
+    n = block - 1
+    with (
+        LlamaServer(tg) as plain,
+        LlamaServer(tg, tmp_path / "g" / "draft.gguf", spec_type=kind, n_max=n) as spec,
+    ):
+        plains = [plain.complete(p, 64) for p in prompts]
+        specs = [spec.complete(p, 64) for p in prompts]
+    assert [o.tokens for o in specs] == [o.tokens for o in plains]
+    dec = SpeculativeDecoder(
+        target,
+        import_draft(tmp_path / "g", target).proposer(DecodeSettings(tree="chain")),
+        Sampling(),
+        gamma=n,
+        adaptive=False,
+    )
+    assert [dec.generate(p, 64) for p in prompts] == [o.tokens for o in specs]
+    steps = [st for o in specs for st in o.steps]
+    theirs = [
+        sum(a >= k for a, _ in steps) / max(sum(d >= k for _, d in steps), 1)
+        for k in range(1, n + 1)
+    ]
+    s = dec.stats
+    ours = [s.accepted[k] / s.drafted[k] for k in range(1, n + 1)]
+    assert ours[0] >= 0.05, ours  # it accepts: else the comparison could not fail
+    assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
+    assert n == (7 if method == "dflash" else 6), n  # the whole trained block
 
 
 @needs_engine
