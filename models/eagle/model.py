@@ -185,7 +185,15 @@ class EagleHead(DraftMethod):
         return w.dtype
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.target.embed_tokens(ids.to(self.target.device)).to(self._compute_dtype())
+        """The target's embedding rows for ``ids``, looked up as every engine's EAGLE draft
+        looks them up: the table as it is, without the scale a target's own forward may apply
+        (Gemma's sqrt(H), inside its transformers embedding module; vLLM and SGLang apply it
+        in the target's forward, and their drafts share the bare table). EAGLE-1's FC reads the
+        embedding unnormed, so a head trained on scaled rows drafts otherwise when served (an
+        EAGLE-1 head of a tiny Gemma-3 target: 0.37 / 0.20 / 0.13 a position in ours, 0.25 /
+        0.03 / 0.02 in vLLM); EAGLE-3 norms it first."""
+        w = self.target.embed_tokens.weight
+        return F.embedding(ids.to(w.device), w).to(self._compute_dtype())
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Target LM head on features (..., H) -> (..., V), in float32 (through the draft's
