@@ -356,6 +356,20 @@ def eagle3_lens(head):
     return head
 
 
+def peagle_lens(head):
+    """A P-EAGLE head whose deeper slots accept only where ``mask_hidden`` is served: the
+    EAGLE-3 lens for the first slot, and ``mask_hidden``'s last fused part the target's LM head
+    row of token 72 (a draft token), so the slots after the first draft 72, which the target
+    repeats after the third prompt. Zero, or not read, they draft a constant token the target
+    never repeats (the lens of nothing: 0 past the first slot)."""
+    head = eagle3_lens(head)
+    H = head.target.hidden_size
+    with torch.no_grad():
+        head.mask_hidden.zero_()
+        head.mask_hidden[..., 2 * H :] = head.target.lm_head.weight[72].float()
+    return head
+
+
 def eagle1_lens(head):
     """An EAGLE-1 head whose acceptance says whether FC's bias is served: FC passes the
     target's feature through and adds a bias b, the layer adds nothing (output projections
@@ -379,7 +393,7 @@ LENSES = {
     "eagle1": eagle1_lens,
     "eagle3": eagle3_lens,
     "hass": eagle3_lens,
-    "peagle": eagle3_lens,
+    "peagle": peagle_lens,
     "dflash": lambda draft: accepting_block_draft(draft, PROMPTS),
 }
 
