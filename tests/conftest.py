@@ -456,6 +456,31 @@ def every_third_eagle3(target, seed: int = 0, noise: float = 0.05, **flags):
     return head
 
 
+def vllm_acceptance(outs, n: int) -> list[float]:
+    """Acceptance at each of ``n`` positions as vLLM counts it, from its completions'
+    counters: the tokens accepted there over its drafting steps."""
+    drafts = sum(o.timings["drafts"] for o in outs)
+    assert drafts > 0, "vLLM drafted nothing"
+    return [
+        sum((o.timings["accepted_per_pos"] + [0] * n)[k] for o in outs) / drafts for k in range(n)
+    ]
+
+
+def steps_acceptance(steps: list[tuple[int, int]], n: int) -> list[float]:
+    """Acceptance at each of ``n`` positions from an engine's (accepted, drafted) steps
+    (llama.cpp's log): accepted there over the steps that drafted that far."""
+    return [
+        sum(a >= k for a, _ in steps) / max(sum(d >= k for _, d in steps), 1)
+        for k in range(1, n + 1)
+    ]
+
+
+def our_acceptance(stats, n: int) -> list[float]:
+    """The built-in decoder's acceptance at each of ``n`` positions, counted as the engines
+    count theirs: accepted there over the drafts that reached it."""
+    return [stats.accepted[k] / max(stats.drafted[k], 1) for k in range(1, n + 1)]
+
+
 def accepting_block_draft(draft, prompts: list[list[int]]):
     """A DFlash (or DSpark) draft of a tiny target that accepts, and only where an engine
     serves its weights as trained: 60 steps on the target's own greedy answers to ``prompts``

@@ -18,7 +18,9 @@ from conftest import (
     every_third_eagle3,
     family_target,
     needs_engine,
+    our_acceptance,
     run_module,
+    steps_acceptance,
     tiny_target_gguf,
 )
 
@@ -769,13 +771,8 @@ def test_llama_cpp_accepts_what_we_do_from_our_dflash_family_gguf(tmp_path, meth
         adaptive=False,
     )
     assert [dec.generate(p, 64) for p in prompts] == [o.tokens for o in specs]
-    steps = [st for o in specs for st in o.steps]
-    theirs = [
-        sum(a >= k for a, _ in steps) / max(sum(d >= k for _, d in steps), 1)
-        for k in range(1, n + 1)
-    ]
-    s = dec.stats
-    ours = [s.accepted[k] / s.drafted[k] for k in range(1, n + 1)]
+    theirs = steps_acceptance([st for o in specs for st in o.steps], n)
+    ours = our_acceptance(dec.stats, n)
     assert ours[0] >= 0.05, ours  # it accepts: else the comparison could not fail
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
     assert n == (7 if method == "dflash" else 6), n  # the whole trained block

@@ -22,8 +22,11 @@ from conftest import (
     family_target,
     needs_engine,
     needs_vllm,
+    our_acceptance,
+    steps_acceptance,
     tiny_overrides,
     tiny_target_gguf,
+    vllm_acceptance,
 )
 from test_methods import SMALL
 
@@ -299,6 +302,30 @@ def test_the_engines_expectations_name_every_family():
     assert set(VLLM) == set(NAMES) and set(LLAMA_CPP) == set(NAMES)
 
 
+def served_in_vllm(target, out: Path, spec: dict, prompts: list[list[int]], what: str):
+    """The export in ``out`` served by vLLM beside ``target`` (``spec``: its speculative
+    config) and read back into the built-in decoder, chains of 3, 64 tokens a prompt: their
+    outputs must be the same up to the first end of reply (where vLLM stops); (vLLM's
+    acceptance by position, ours)."""
+    from decoding.decoder import SpeculativeDecoder
+    from decoding.engines.vllm_eval import VLLMWorker
+    from models.base import DecodeSettings
+    from models.export import import_draft
+    from models.sampling import Sampling
+    from models.target import target_folder
+
+    eos = {target.tokenizer.eos_token_id}
+    with VLLMWorker(target_folder(target), speculative=spec, dtype="float32",
+                    max_model_len=256) as eng:  # fmt: skip
+        outs = [eng.complete(p, 64) for p in prompts]
+    mine = import_draft(out, target).proposer(DecodeSettings(tree="chain"))
+    dec = SpeculativeDecoder(target, mine, Sampling(), gamma=3, adaptive=False)
+    got = [[t for t in dec.generate(p, 64, stop_ids=eos) if t not in eos] for p in prompts]
+    theirs_tokens = [[t for t in o.tokens if t not in eos] for o in outs]
+    assert theirs_tokens == got, f"{what}: vLLM's speculative output != the target's greedy"
+    return vllm_acceptance(outs, 3), our_acceptance(dec.stats, 3)
+
+
 @needs_vllm
 @pytest.mark.parametrize("family", NAMES)
 def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_path):
@@ -308,12 +335,9 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
     0.03 (both draft from a request's second token; counting a first proposal, as the built-in
     decoder once did, moved it by 0.06 where acceptance is high). Where vLLM does not serve
     EAGLE-3 for the architecture, its own message is pinned."""
-    from decoding.decoder import SpeculativeDecoder
     from decoding.engines.base import EngineError
     from decoding.engines.vllm_eval import VLLMWorker, speculative_config
-    from models.base import DecodeSettings
-    from models.export import export, import_draft
-    from models.sampling import Sampling
+    from models.export import export
     from models.target import target_folder
 
     target = family_target(family, tiny_head_dim=64)
@@ -322,7 +346,6 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
     export(lens_head(target), "vllm", out, dtype="float32", log=lambda *_: None)
     prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
     spec = speculative_config(out, "vllm", 3)
-    eos = {target.tokenizer.eos_token_id}
     if VLLM[family] is not None:
         with pytest.raises(EngineError, match=VLLM[family]) as e:
             with VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256) as w:
@@ -330,20 +353,7 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
         why = str(e.value).split("(log:")[0].removeprefix("vLLM: ").strip()
         record(family, "eagle3", "vllm", f"no: {why}")
         return
-    with VLLMWorker(folder, speculative=spec, dtype="float32", max_model_len=256) as eng:
-        outs = [eng.complete(p, 64) for p in prompts]
-    mine = import_draft(out, target).proposer(DecodeSettings(tree="chain"))
-    dec = SpeculativeDecoder(target, mine, Sampling(), gamma=3, adaptive=False)
-    got = [[t for t in dec.generate(p, 64, stop_ids=eos) if t not in eos] for p in prompts]
-    theirs_tokens = [[t for t in o.tokens if t not in eos] for o in outs]
-    assert theirs_tokens == got, f"{family}: vLLM's speculative output != the target's greedy"
-    drafts = sum(o.timings["drafts"] for o in outs)
-    assert drafts > 0
-    theirs = [
-        sum((o.timings["accepted_per_pos"] + [0] * 3)[k] for o in outs) / drafts for k in range(3)
-    ]
-    s = dec.stats
-    ours = [s.accepted[k + 1] / max(s.drafted[k + 1], 1) for k in range(3)]
+    theirs, ours = served_in_vllm(target, out, spec, prompts, family)
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
     record(
         family,
@@ -351,28 +361,6 @@ def test_vllm_serves_our_eagle3_export_for_each_family_it_supports(family, tmp_p
         "vllm",
         "Y (" + " / ".join(f"{a:.2f} vs {b:.2f}" for a, b in zip(theirs, ours, strict=True)) + ")",
     )
-
-
-# -- in llama.cpp -----------------------------------------------------------------------------
-
-#: what llama.cpp b11434 does with a tiny target of each family (converted by its own
-#: converter) and our EAGLE-3 GGUF for it: None where it serves the head, else the start of the
-#: line that refuses it (ours, before a server starts, where the architecture gives the draft
-#: no layer inputs; the converter's, where it cannot convert the tiny target)
-LLAMA_CPP = {
-    "llama3": None,
-    "qwen2": "a 'qwen2' target: llama.cpp b11434 feeds eagle3 drafts",
-    "qwen3": None,
-    "qwen3_moe": None,
-    "mixtral": None,
-    "mistral": None,
-    "gemma2": "llama.cpp's converter failed .*tokenizer.model",
-    "gemma3": "a 'gemma3' target: llama.cpp b11434 feeds eagle3 drafts",
-    "phi3": "llama.cpp's converter failed .*tokenizer.model",
-    "gpt_oss": None,
-    "deepseek_v3": "a 'deepseek2' target: llama.cpp b11434 feeds eagle3 drafts",
-    "olmo2": "a 'olmo2' target: llama.cpp b11434 feeds eagle3 drafts",
-}
 
 
 @pytest.mark.parametrize("method", ["eagle1", "eagle3", "peagle"])
@@ -401,12 +389,8 @@ def test_vllm_serves_an_eagle1_head_of_a_target_that_scales_its_embedding(tmp_pa
     bias: it accepts part of the time), exported as ``eagle1-vllm``: vLLM's output is the
     target's greedy one and it accepts what ours does (within 0.03). Trained on the scaled
     rows, ours accepted 0.37 / 0.20 / 0.13 a position where vLLM accepted 0.25 / 0.03 / 0.02."""
-    from decoding.decoder import SpeculativeDecoder
-    from decoding.engines.vllm_eval import VLLMWorker, speculative_config
-    from models.base import DecodeSettings
-    from models.export import export, import_draft
-    from models.sampling import Sampling
-    from models.target import target_folder
+    from decoding.engines.vllm_eval import speculative_config
+    from models.export import export
 
     target = family_target("gemma3", tiny_head_dim=64)
     H = target.hidden_size
@@ -420,23 +404,32 @@ def test_vllm_serves_an_eagle1_head_of_a_target_that_scales_its_embedding(tmp_pa
     out = tmp_path / "e1"
     export(head, "eagle1-vllm", out, dtype="float32", log=lambda *_: None)
     prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
-    eos = {target.tokenizer.eos_token_id}
     spec = speculative_config(out, "eagle1-vllm", 3)
-    with VLLMWorker(target_folder(target), speculative=spec, dtype="float32",
-                    max_model_len=256) as eng:  # fmt: skip
-        outs = [eng.complete(p, 64) for p in prompts]
-    mine = import_draft(out, target).proposer(DecodeSettings(tree="chain"))
-    dec = SpeculativeDecoder(target, mine, Sampling(), gamma=3, adaptive=False)
-    got = [[t for t in dec.generate(p, 64, stop_ids=eos) if t not in eos] for p in prompts]
-    assert [[t for t in o.tokens if t not in eos] for o in outs] == got
-    drafts = sum(o.timings["drafts"] for o in outs)
-    theirs = [
-        sum((o.timings["accepted_per_pos"] + [0] * 3)[k] for o in outs) / drafts for k in range(3)
-    ]
-    s = dec.stats
-    ours = [s.accepted[k + 1] / max(s.drafted[k + 1], 1) for k in range(3)]
+    theirs, ours = served_in_vllm(target, out, spec, prompts, "gemma3")
     assert ours[0] >= 0.05, ours  # it accepts: else the comparison could not fail
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
+
+
+# -- in llama.cpp -----------------------------------------------------------------------------
+
+#: what llama.cpp b11434 does with a tiny target of each family (converted by its own
+#: converter) and our EAGLE-3 GGUF for it: None where it serves the head, else the start of the
+#: line that refuses it (ours, before a server starts, where the architecture gives the draft
+#: no layer inputs; the converter's, where it cannot convert the tiny target)
+LLAMA_CPP = {
+    "llama3": None,
+    "qwen2": "a 'qwen2' target: llama.cpp b11434 feeds eagle3 drafts",
+    "qwen3": None,
+    "qwen3_moe": None,
+    "mixtral": None,
+    "mistral": None,
+    "gemma2": "llama.cpp's converter failed .*tokenizer.model",
+    "gemma3": "a 'gemma3' target: llama.cpp b11434 feeds eagle3 drafts",
+    "phi3": "llama.cpp's converter failed .*tokenizer.model",
+    "gpt_oss": None,
+    "deepseek_v3": "a 'deepseek2' target: llama.cpp b11434 feeds eagle3 drafts",
+    "olmo2": "a 'olmo2' target: llama.cpp b11434 feeds eagle3 drafts",
+}
 
 
 @needs_engine
@@ -506,10 +499,8 @@ def test_llama_cpp_serves_our_eagle3_gguf_for_each_family_it_supports(family, tm
             steps.append((min(a, n - pos), d))
             pos += a + 1
     assert steps
-    theirs = [
-        sum(a >= k for a, _ in steps) / max(sum(d >= k for _, d in steps), 1) for k in (1, 2, 3)
-    ]
-    mine_acc = [s.accepted[k] / max(s.drafted[k], 1) for k in (1, 2, 3)]
+    theirs = steps_acceptance(steps, 3)
+    mine_acc = our_acceptance(s, 3)
     assert max(abs(a - b) for a, b in zip(theirs, mine_acc, strict=True)) <= 0.03, (
         theirs,
         mine_acc,

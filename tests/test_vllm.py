@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, accepting_block_draft, family_target, needs_vllm, run_module
+from conftest import (
+    ROOT,
+    accepting_block_draft,
+    family_target,
+    needs_vllm,
+    our_acceptance,
+    run_module,
+    vllm_acceptance,
+)
 
 from decoding.engines.base import EngineError, steps_from_positions
 
@@ -452,18 +460,13 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
         outs = [eng.complete(p, 64) for p in prompts]
     assert not eng.log_path.exists()  # a clean run leaves no log behind
     assert [o.tokens for o in outs] == ref
-    drafts = sum(o.timings["drafts"] for o in outs)
-    assert drafts > 0
-    theirs = [
-        sum((o.timings["accepted_per_pos"] + [0] * n)[k] for o in outs) / drafts for k in range(n)
-    ]
+    theirs = vllm_acceptance(outs, n)
     mine = import_draft(out, target).proposer(DecodeSettings(tree="chain"))
     dec = SpeculativeDecoder(target, mine, Sampling(), gamma=n, adaptive=False)
     got = [dec.generate(p, 64) for p in prompts]
     assert got == ref
     s = dec.stats
-    # per position, as vLLM counts: accepted there over the drafts that reached it
-    ours = [s.accepted[k + 1] / s.drafted[k + 1] for k in range(n)]
+    ours = our_acceptance(s, n)
     assert ours[0] >= 0.05, ours  # a head that accepts: else no comparison could fail
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.03, (theirs, ours)
     decoded = sum(len(r) - 1 for r in ref)
@@ -475,6 +478,7 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
         # and 2 accepted in vLLM, 252 and 0 in ours, on another CPU)
         # vLLM counts the tokens a request's last step accepted past its max_tokens (cut from
         # its output): up to n of them a request
+        drafts = sum(o.timings["drafts"] for o in outs)
         acc_theirs = sum(sum(o.timings["accepted_per_pos"]) for o in outs)
         over = drafts + acc_theirs - decoded
         assert 0 <= over <= n * len(outs), (drafts, acc_theirs, decoded)
@@ -571,15 +575,11 @@ def test_vllm_serves_a_distillspec_student_as_a_draft_model(tiny_served, plain_r
     with VLLMWorker(folder, speculative=spec_cfg, dtype="float32", max_model_len=256) as eng:
         outs = [eng.complete(p, 64) for p in prompts]
     assert [o.tokens for o in outs] == ref
-    drafts = sum(o.timings["drafts"] for o in outs)
-    theirs = [
-        sum((o.timings["accepted_per_pos"] + [0] * 3)[k] for o in outs) / drafts for k in range(3)
-    ]
+    theirs = vllm_acceptance(outs, 3)
     prop, _ = load_proposer(readback, target)
     dec = SpeculativeDecoder(target, prop, Sampling(), gamma=3, adaptive=False)
     assert [dec.generate(p, 64) for p in prompts] == ref
-    s = dec.stats
-    ours = [s.accepted[k + 1] / s.drafted[k + 1] for k in range(3)]
+    ours = our_acceptance(dec.stats, 3)
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.1, (theirs, ours)
     assert 0.2 < min(ours) and max(ours) < 0.9, ours  # accepted and rejected drafts both
 
