@@ -58,7 +58,16 @@ start=$(date +%s)
 rm -rf "$ROOT"
 python3 -m venv "$ROOT" || { echo "vllm: python3 -m venv failed (install python3-venv)" >&2; exit 1; }
 echo "vllm: installing $PKG==$VERSION into $ROOT (about 3.4 GB)"
-if ! "$ROOT/bin/python" -m pip install -q --disable-pip-version-check "$PKG==$VERSION" 2>"$ROOT/pip.log"; then
+if ! "$ROOT/bin/python" -m pip install --disable-pip-version-check "$PKG==$VERSION" >"$ROOT/pip.log" 2>&1; then
+  # CPU builds before 0.27 pin a torch built for the CPU (torch==2.11.0+cpu for 0.26.0), which
+  # PyPI does not hold; PyTorch's own index does, and pip reads PIP_EXTRA_INDEX_URL
+  pin="$(grep -oE "depends on torch==[^ ;]+\+cpu" "$ROOT/pip.log" | head -1 | sed 's/depends on //' || true)"
+  if [ -n "$pin" ]; then
+    echo "vllm: $PKG==$VERSION needs $pin, which PyPI does not hold: with network, set" \
+      "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu and run this again, or choose" \
+      "VLLM_VERSION=0.27.1 or later (log: $ROOT/pip.log)" >&2
+    exit 1
+  fi
   echo "vllm: pip could not install $PKG==$VERSION: $(grep -E 'ERROR' "$ROOT/pip.log" | head -1) (log: $ROOT/pip.log)" >&2
   exit 1
 fi

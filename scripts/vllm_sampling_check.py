@@ -67,8 +67,12 @@ def expand_kernel_state(worker) -> str:
     except ImportError:
         return "expand kernel: Triton's (not a CPU build)"
     impl = cpu_tl._expand_kernel_impl
+    wrapper = getattr(cpu_tl, "expand_kernel", None)  # earlier builds' object around it
+    wrapped = getattr(wrapper, "func", None)
     wrong = worker.repair_cpu_expand() is not None
     cpu_tl._expand_kernel_impl = impl  # the check only: put the build's own back
+    if wrapped is not None:
+        wrapper.func = wrapped
     return (
         "expand kernel: WRONG, per-token temperatures are never written (vLLM issue 55005); "
         "--repair replaces it"

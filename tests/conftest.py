@@ -156,6 +156,23 @@ def _runs_vllm(item) -> bool:
     )
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--vllm-only",
+        action="store_true",
+        help="run only the tests that serve in vLLM (scripts/vllm_versions.py: one vLLM "
+        "release after another, SPECDRAFT_VLLM_PYTHON naming each)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--vllm-only"):
+        return
+    keep = [i for i in items if _runs_vllm(i)]
+    config.hook.pytest_deselected(items=[i for i in items if not _runs_vllm(i)])
+    items[:] = keep
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _vllm_zygote(request):
     """Where this session runs vLLM's tests: one zygote per test process, a process that imports

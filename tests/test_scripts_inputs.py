@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -747,3 +748,94 @@ def test_the_decode_scripts_use_the_target_a_draft_was_made_for(tmp_path, monkey
         "0", "--out", str(tmp_path / "b2"),
     )  # fmt: skip
     assert rc != 0
+
+
+# ------------------------------------------------------------------------------- vLLM releases
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        ([], None, "name the vLLM releases to check"),
+        (["0.x"], None, "release '0.x': not a vLLM release number"),
+        (["--here"], None, "--here: SPECDRAFT_VLLM_PYTHON is unset"),
+        (["--here", "0.32.0"], "/usr/bin/python3", "give no releases"),
+        (["0.32.0", "--out", "nowhere/p.md"], None, "no such folder"),
+        (["0.32.0", "--out", "mine.md"], None, "is not a page this script wrote"),
+    ],
+)
+def test_vllm_versions_input_it_cannot_use_is_one_line(tmp_path, args, env, says):
+    """Refused before anything is installed or run, and a page of the user's is left as it was."""
+    (tmp_path / "mine.md").write_text("my notes\n")
+    environ = {k: v for k, v in os.environ.items() if k != "SPECDRAFT_VLLM_PYTHON"}
+    if env:
+        environ["SPECDRAFT_VLLM_PYTHON"] = env
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "vllm_versions.py"), *args],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and says in _one_line(r.stderr), r.stderr
+    assert (tmp_path / "mine.md").read_text() == "my notes\n"
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_vllm_versions_table_names_each_failure_and_each_release_not_installed(tmp_path):
+    """A pytest JUnit report read into the row of its release: counts, and each failing test
+    with its last line; a release that did not install is a row saying why."""
+    vv = importlib.import_module("vllm_versions")
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_vllm" name="test_a[x]"/>'
+        '<testcase classname="tests.test_families" name="test_b[gpt_oss]">'
+        '<failure message="EngineError: vLLM: RuntimeError: expected scalar type | BFloat16">'
+        "trace</failure></testcase>"
+        '<testcase classname="tests.test_vllm" name="test_c"><skipped message="no"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    row = {"release": "0.29.0", **vv.read_junit(xml)}
+    assert (row["passed"], row["failed"], row["skipped"]) == (1, 1, 1)
+    gone = {"release": "0.26.0", "error": "not installed: torch==2.11.0+cpu is not on PyPI"}
+    run = {"date": "2026-12-05", "machine": "a CPU, 2 cores", "command": "python x.py"}
+    page = vv.render([row, gone], run)
+    assert page.startswith(vv.HEADER + "\n") and "a CPU, 2 cores" in page
+    lines = page.splitlines()
+    assert "| 0.29.0 | 1 | 1 | 1 | `test_families::test_b[gpt_oss]`: EngineError" in page
+    assert "scalar type / BFloat16" in page  # a | in a message does not split the table's cells
+    assert lines[-1] == "| 0.26.0 | - | - | - | not installed: torch==2.11.0+cpu is not on PyPI |"
+
+
+def test_vllm_only_selects_the_tests_that_serve_in_vllm():
+    """``pytest --vllm-only`` (what scripts/vllm_versions.py runs against each release) keeps
+    exactly the tests that need vLLM: each export format's serving test and the family
+    matrix's vLLM column among them, nothing that runs without vLLM."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--vllm-only",
+            "--collect-only",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    ids = [ln for ln in r.stdout.splitlines() if "::" in ln]
+    assert r.returncode == 0 and ids, r.stdout[-2000:] + r.stderr[-2000:]
+    assert any(
+        "test_vllm_serves_the_export_and_accepts_what_we_do[dflash-dflash]" in i for i in ids
+    )
+    assert any("for_each_family_it_supports[qwen3]" in i for i in ids)
+    assert not any("expand_repair" in i or "test_steps_from_positions" in i for i in ids)
+    assert len(ids) < 100

@@ -218,6 +218,51 @@ def _eval_with(py: Path, tmp_path: Path, *extra: str, predict: str = "false"):
     )
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["by-name", "wrapped-at-import"])
+def test_the_expand_repair_reaches_the_kernel_the_sampler_calls(monkeypatch, wrapped):
+    """vLLM's CPU builds hand the rejection sampler their expand kernel in two ways: by name,
+    read when the platform registers its kernels (0.31, 0.32), or as an object wrapping the function
+    since import (0.27 to 0.30; the model runner assigns that object to the sampler). A stand-in
+    module with the broken kernel (it writes into an int64 copy) either way: after the repair,
+    what the sampler would call spreads each request's value over its tokens."""
+    import types
+
+    from decoding.engines import vllm_worker
+
+    def broken(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+        output.to(torch.int64).fill_(7)  # the copy, never written back
+
+    class FuncWrapper:  # vLLM's ``_FuncWrapper``: ``kernel[grid](...)`` calls ``func``
+        def __init__(self, func):
+            self.func = func
+
+        def __getitem__(self, grid):
+            return self.func
+
+    cpu_tl = types.ModuleType("vllm.utils.cpu_triton_utils")
+    cpu_tl._expand_kernel_impl = broken
+    if wrapped:
+        cpu_tl.expand_kernel = FuncWrapper(broken)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(import_kernels=lambda: None)
+    utils = types.ModuleType("vllm.utils")
+    utils.cpu_triton_utils = cpu_tl
+    vllm = types.ModuleType("vllm")
+    vllm.utils, vllm.platforms = utils, platforms
+    for name, mod in [("vllm", vllm), ("vllm.utils", utils), ("vllm.platforms", platforms),
+                      ("vllm.utils.cpu_triton_utils", cpu_tl)]:  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    assert vllm_worker.repair_cpu_expand() == vllm_worker.EXPAND_REPAIR
+    called = cpu_tl.expand_kernel[(2,)] if wrapped else cpu_tl._expand_kernel_impl
+    out = torch.full((5,), -1.0)
+    called(out, torch.tensor([0.5, 2.0]), torch.tensor([2, 5], dtype=torch.int32), 0.0, 1.0)
+    assert out.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
+    # a build whose kernel is right is left as it is
+    cpu_tl._expand_kernel_impl = vllm_worker._expand
+    assert vllm_worker.repair_cpu_expand() is None
+
+
 def test_the_report_reads_the_engines_counters(tmp_path):
     """Through a stand-in worker that speaks the protocol: tokens/s from the request's own
     timestamps (first token to last), alpha per position from the spec-decode counters."""

@@ -126,7 +126,14 @@ def repair_cpu_expand() -> str | None:
         pass
     if out.tolist() == [0.5, 0.5, 2.0]:
         return None
-    cpu_tl._expand_kernel_impl = _expand  # read when the platform registers its kernels
+    # 0.31 and 0.32 read the function by name when the platform registers its kernels; 0.27
+    # to 0.30 wrap it once, at import, in the object the model runner hands the rejection
+    # sampler (``cpu_tl.expand_kernel``): replacing the name alone left their sampler on the
+    # broken kernel while the report said it was repaired
+    cpu_tl._expand_kernel_impl = _expand
+    wrapper = getattr(cpu_tl, "expand_kernel", None)
+    if wrapper is not None and hasattr(wrapper, "func"):
+        wrapper.func = _expand
     return EXPAND_REPAIR
 
 
