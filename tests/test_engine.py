@@ -359,11 +359,19 @@ def test_a_target_that_feeds_no_layer_inputs_is_refused_before_its_server_starts
                        "drafts the layer inputs of") as e:  # fmt: skip
         LlamaServer(tg, draft, spec_type="draft-eagle3")
     assert "\n" not in str(e.value)
-    # what the refusal spares: the engine's own abort
+    # what the refusal spares: the engine's own abort, at the first draft (its assert on the
+    # null layer input: AMD Zen 3 to 5), or before the server answers at all (an Intel Xeon with
+    # AMX: SIGILL in ggml's AMX kernel at the draft's start-up decode, 2026-12-05)
     srv = LlamaServer(tg, draft, spec_type="draft-eagle3", check_target=False)
-    with srv, pytest.raises(EngineError):
-        srv.complete([1, 40, 50, 60], 8)
-    assert "layer input tensor is null" in srv.log_path.read_text(errors="replace")
+    started = False
+    with pytest.raises(EngineError) as e:
+        with srv:
+            started = True
+            srv.complete([1, 40, 50, 60], 8)
+    if started:
+        assert "layer input tensor is null" in srv.log_path.read_text(errors="replace")
+    else:
+        assert "while starting" in str(e.value), e.value
 
 
 @needs_engine
