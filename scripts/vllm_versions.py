@@ -82,6 +82,8 @@ def read_junit(xml: Path) -> dict:
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures: dict[str, str] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
+        if not case.get("classname") and case.find("skipped") is not None:
+            continue  # a module that skips as a whole at collection (no vLLM test of its own)
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         bad = case.find("failure")
         if bad is None:
