@@ -101,25 +101,26 @@ def read_cells(path: Path) -> tuple[list[dict], dict, list[str]]:
     return cells, run, failed
 
 
-def is_page(path: Path) -> bool:
-    """Whether ``path`` is a matrix page this script wrote (its first line is HEADER)."""
+def is_page(path: Path, header: str = HEADER) -> bool:
+    """Whether ``path`` is a page the script of ``header`` wrote (its first line is that)."""
     try:
         with path.open(encoding="utf-8") as f:
-            return f.readline().rstrip("\n") == HEADER
+            return f.readline().rstrip("\n") == header
     except (OSError, UnicodeDecodeError):
         return False
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Refuse, in one line, an --out that cannot be written or that holds a file of the user's."""
+def check_out(out: Path, force: bool, header: str = HEADER) -> None:
+    """Refuse, in one line, an --out that cannot be written or that holds a file of the user's
+    (a page whose first line is not ``header``; scripts/vllm_versions.py passes its own)."""
     if out.is_dir():
         raise SystemExit(f"--out {out}: a folder, not a file")
     if not out.parent.is_dir():
         raise SystemExit(f"--out {out}: no such folder {out.parent}")
-    if out.exists() and not force and not is_page(out):
+    if out.exists() and not force and not is_page(out, header):
         raise SystemExit(
             f"--out {out}: exists and is not a page this script wrote (its first line is not "
-            f"{HEADER!r}); use --force to replace it"
+            f"{header!r}); use --force to replace it"
         )
 
 

@@ -66,13 +66,7 @@ def expand_kernel_state(worker) -> str:
         from vllm.utils import cpu_triton_utils as cpu_tl
     except ImportError:
         return "expand kernel: Triton's (not a CPU build)"
-    impl = cpu_tl._expand_kernel_impl
-    wrapper = getattr(cpu_tl, "expand_kernel", None)  # earlier builds' object around it
-    wrapped = getattr(wrapper, "func", None)
-    wrong = worker.repair_cpu_expand() is not None
-    cpu_tl._expand_kernel_impl = impl  # the check only: put the build's own back
-    if wrapped is not None:
-        wrapper.func = wrapped
+    wrong = worker.cpu_expand_is_wrong(cpu_tl)  # the check alone: nothing is replaced
     return (
         "expand kernel: WRONG, per-token temperatures are never written (vLLM issue 55005); "
         "--repair replaces it"

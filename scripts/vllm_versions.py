@@ -134,23 +134,6 @@ def render(rows: list[dict], run: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def check_out(out: Path, force: bool) -> None:
-    if out.is_dir():
-        raise SystemExit(f"--out {out}: a folder, not a file")
-    if not out.parent.is_dir():
-        raise SystemExit(f"--out {out}: no such folder {out.parent}")
-    if out.exists() and not force:
-        try:
-            first = out.read_text(encoding="utf-8").split("\n", 1)[0]
-        except (OSError, UnicodeDecodeError):
-            first = ""
-        if first != HEADER:
-            raise SystemExit(
-                f"--out {out}: exists and is not a page this script wrote (its first line is "
-                f"not {HEADER!r}); use --force to replace it"
-            )
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("releases", nargs="*", help="vLLM releases, e.g. 0.29.0 0.32.0")
@@ -173,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.here and not args.releases:
         raise SystemExit("name the vLLM releases to check (e.g. 0.29.0 0.32.0), or --here")
     if args.out:
-        check_out(args.out, args.force)
+        from family_matrix import check_out  # the same --out guard as the family table's
+
+        check_out(args.out, args.force, HEADER)
 
     from decoding.engines.base import cpu_name
 

@@ -96,6 +96,27 @@ EXPAND_REPAIR = (
 )
 
 
+def cpu_expand_is_wrong(cpu_tl) -> bool:
+    """Whether the CPU build's expand kernel (``cpu_tl``: its ``vllm.utils.cpu_triton_utils``)
+    leaves a float32 output unwritten, checked on a small case: request values 0.5 and 2.0
+    over 2 and 1 tokens must read 0.5, 0.5, 2.0."""
+    import torch
+
+    out = torch.full((3,), -1.0)
+    try:
+        # the platform loads the kernels built for this CPU (vllm._C needs AVX-512 with bf16;
+        # importing it by name on an AVX2-only CPU kills the process with SIGILL)
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
+        cpu_tl._expand_kernel_impl(
+            out, torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 0.0, 1.0
+        )
+    except Exception:  # noqa: BLE001 - a kernel that cannot run here is replaced too
+        pass
+    return out.tolist() != [0.5, 0.5, 2.0]
+
+
 def repair_cpu_expand() -> str | None:
     """vLLM's CPU builds stand a C++ kernel in for the Triton ``expand_kernel`` that spreads each
     request's temperature, top-k and top-p over its draft positions before the rejection
@@ -105,26 +126,11 @@ def repair_cpu_expand() -> str | None:
     second draft position). Checked on a small case first; replaced only where it is wrong, so
     a build that has it right (a GPU build, a fixed CPU build) runs as it is. Returns the
     report's line, or None where nothing was repaired."""
-    import torch
-
     try:
         from vllm.utils import cpu_triton_utils as cpu_tl
     except ImportError:
         return None  # not a CPU build: Triton's kernel runs
-    impl = getattr(cpu_tl, "_expand_kernel_impl", None)
-    if impl is None:
-        return None
-    out = torch.full((3,), -1.0)
-    try:
-        # the platform loads the kernels built for this CPU (vllm._C needs AVX-512 with bf16;
-        # importing it by name on an AVX2-only CPU kills the process with SIGILL)
-        from vllm.platforms import current_platform
-
-        current_platform.import_kernels()
-        impl(out, torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 0.0, 1.0)
-    except Exception:  # noqa: BLE001 - a kernel that cannot run here is replaced too
-        pass
-    if out.tolist() == [0.5, 0.5, 2.0]:
+    if getattr(cpu_tl, "_expand_kernel_impl", None) is None or not cpu_expand_is_wrong(cpu_tl):
         return None
     # 0.31 and 0.32 read the function by name when the platform registers its kernels; 0.27
     # to 0.30 wrap it once, at import, in the object the model runner hands the rejection
