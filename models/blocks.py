@@ -23,7 +23,8 @@ def block_attention(
 
     q: (B, h, A, S, D); k_ctx, v_ctx: (B, kvh, T, D) the context's keys/values; k_blk, v_blk:
     (B, kvh, A, S, D) the blocks'; h a multiple of kvh (grouped-query attention, no key copy).
-    ``ctx_allowed`` (B, A, T) bool: block a may read context key t (None: every key). Every
+    ``ctx_allowed`` (B, A, T) bool: block a may read context key t, or (B, A, S, T): slot s of
+    block a may (a sliding window, whose edge differs by slot), None: every key. Every
     slot reads every slot of its own block (bidirectional; ``blk_valid`` (B, A, S) bool: only
     the valid ones) and no other block. Scores are
     (A*S) x (T + S) per row, not (A*S) x (T + A*S). Returns (B, h, A, S, D)."""
@@ -33,7 +34,9 @@ def block_attention(
     qg = (q * scaling).reshape(B, kvh, g, A, S, D)
     sc = torch.einsum("bkgasd,bktd->bkgast", qg, k_ctx)
     if ctx_allowed is not None:
-        sc = sc.masked_fill(~ctx_allowed[:, None, None, :, None, :], float("-inf"))
+        if ctx_allowed.dim() == 3:
+            ctx_allowed = ctx_allowed[:, :, None, :]
+        sc = sc.masked_fill(~ctx_allowed[:, None, None], float("-inf"))
     sb = torch.einsum("bkgasd,bkard->bkgasr", qg, k_blk)
     if blk_valid is not None:
         sb = sb.masked_fill(~blk_valid[:, None, None, :, None, :], float("-inf"))
@@ -84,8 +87,9 @@ def layer_over_blocks(
 ) -> torch.Tensor:
     """One pre-norm decoder layer over A blocks of S slots: x (B, A, S, H), cos/sin
     (B, A, S, D) of their positions, ``kv`` the context's keys/values (B, kvh, T, D) as
-    ``context_kv`` gives them, ``ctx_allowed`` (B, A, T) (None: all), ``blk_valid`` (B, A, S)
-    the slots other slots may read (None: all). Returns (B, A, S, H)."""
+    ``context_kv`` gives them, ``ctx_allowed`` (B, A, T) or (B, A, S, T) (None: all),
+    ``blk_valid`` (B, A, S) the slots other slots may read (None: all). Returns (B, A, S,
+    H)."""
     B, A, S, _ = x.shape
     attn = layer.self_attn
     xn = layer.input_layernorm(x)

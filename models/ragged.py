@@ -90,6 +90,20 @@ def window_layers(config) -> tuple[int | None, list[bool]]:
     return (int(window), sliding) if any(sliding) else (None, [])
 
 
+def within_window(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """(..., Q, K) bool: which keys at positions ``kpos`` (..., K) a query at ``qpos`` (..., Q)
+    sees through a sliding window (``q - k < window``: transformers' and vLLM's rule)."""
+    return (qpos[..., :, None] - kpos[..., None, :]) < window
+
+
+def column_positions(valid: torch.Tensor) -> torch.Tensor:
+    """(R, L) the position of the key each column holds, for caches whose valid columns hold a
+    row's positions 0, 1, ... in column order (the batched drafters' committed pairs and
+    drafted chains): a row's count of valid columns before it. Only what a valid column holds
+    is meaningful."""
+    return valid.long().cumsum(1) - 1
+
+
 def layer_masks(
     windows: tuple[int | None, list[bool]],
     allowed: torch.Tensor,

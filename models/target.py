@@ -319,6 +319,21 @@ class Target:
         return next(self.model.parameters()).device
 
     @property
+    def draft_window(self) -> int | None:
+        """The window a draft's attention reads within: the target's model-level sliding
+        window where every target layer slides (Mistral's shape), None elsewhere (full
+        attention, or windows interleaved with full layers: Gemma-2/3, GPT-OSS). The target's
+        own layers read only that window, and vLLM hands it to every attention layer that names
+        none of its own, the EAGLE and DFlash drafts' included; every proposer and the unrolled
+        training attend within it, so a head drafts here what it drafts there."""
+        if "_draft_window" not in self.__dict__:
+            from .ragged import window_layers
+
+            window, sliding = window_layers(self.config)
+            self.__dict__["_draft_window"] = window if sliding and all(sliding) else None
+        return self.__dict__["_draft_window"]
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 

@@ -90,6 +90,17 @@ def tiny_target():
 
 
 @pytest.fixture(scope="session")
+def windowed_target():
+    """A tiny target whose every layer attends within a window of 8 tokens (Mistral's shape:
+    the window its drafts read too, ``Target.draft_window``), short enough that the tests'
+    rows cross it."""
+    target = family_target("mistral", device=TEST_DEVICE)
+    target.config.sliding_window = 8
+    assert target.draft_window == 8
+    return target
+
+
+@pytest.fixture(scope="session")
 def data_file(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("data") / "conv.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in synthetic_conversations(60)))

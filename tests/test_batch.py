@@ -1599,6 +1599,62 @@ def test_batched_block_drafters_propose_what_each_row_would_alone(
         assert bp.draft_calls <= (9 if late else 6)  # joins, late rounds, 5 rounds
 
 
+@pytest.mark.parametrize(
+    "kind,temperature",
+    [
+        ("eagle1", 1.0),
+        ("eagle3", 0.0),
+        ("static_chain", 1.0),
+        ("eager_tree", 0.0),
+        ("static_tree", 0.0),
+        ("peagle", 0.0),
+        ("dflash", 1.0),
+    ],
+)
+def test_batched_drafters_read_the_window_each_row_reads_alone(windowed_target, kind, temperature):
+    """A target whose every layer attends within 8 tokens (its drafts too: test_draft_window.py):
+    every batched drafter (eager, or on fixed shapes as graphs run) against its batch-1
+    proposer, row by row, rows of 3 to 17 tokens growing past the window, joining late, with
+    ragged acceptance: the same tokens and (T > 0) the same q, so each row's window is its
+    own wherever its columns sit in the shared cache."""
+    from models.eagle.static import StaticEagleChain
+
+    target, rng, props, bp = windowed_target, random.Random(5), None, None
+    gammas = None
+    if kind in ("eagle1", "eagle3", "static_chain"):
+        head, single, rng, (rows, alone, commit) = _three_eagle_rows(
+            target, "eagle1" if kind == "eagle1" else "eagle3", temperature
+        )
+        if kind == "static_chain":
+            bp = single.batched_fixed_shape(4, 3, "emulate")
+            props = [StaticEagleChain(head, 3, "emulate") for _ in alone]
+    elif kind in ("eager_tree", "static_tree"):
+        from models.eagle import Eagle3Config, Eagle3Head
+
+        torch.manual_seed(0)
+        head = Eagle3Head(target, Eagle3Config(draft_vocab_size=64)).to(target.device)
+        with torch.no_grad():
+            head.lm_head.weight.mul_(20)
+        single = head.proposer(DecodeSettings(tree="dynamic", depth=4, top_k=3, total_tokens=9))
+        if kind == "static_tree":
+            bp = single.batched_fixed_shape(4, 4, "emulate")
+            bp.prepare(Sampling())
+        seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 17, 9)]
+        rows, alone, commit = _eagle_rows(target, single, seqs)
+    else:
+        single = _block_drafter(target, kind).proposer()
+        seqs = [[rng.randrange(3, 250) for _ in range(n)] for n in (2, 17, 9)]
+        rows, alone, commit = _eagle_rows(target, single, seqs, temperature)
+
+        def gammas(it):
+            return [6, 1 + it % 4, 0 if it % 3 == 1 else 3]
+
+    _drafting_side_by_side(
+        single, rows, alone, commit, True, 5, temperature, rng, props, gammas=gammas, bp=bp
+    )
+    assert max(len(st.ids) for st in rows) > 2 * target.draft_window
+
+
 @pytest.mark.parametrize("kind", ["peagle", "dflash", "falcon"])
 def test_block_drafters_batched_keep_every_row_exact(tiny_target, reference, kind):
     """Through the batched decoder (rows leaving and joining, ragged acceptance, goodput's

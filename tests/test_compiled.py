@@ -448,14 +448,21 @@ def test_static_eagle_chain_catches_up_after_idle_iterations(tiny_target):
     assert dec.generate(PROMPT, 40) == ref.generate(PROMPT, 40)
 
 
+@pytest.mark.parametrize("windowed", [False, True], ids=["full", "windowed"])
 @pytest.mark.parametrize("method", ["eagle1", "eagle3"])
 @torch.no_grad()
-def test_static_eagle_chain_feeds_several_committed_pairs_like_the_eager_one(tiny_target, method):
+def test_static_eagle_chain_feeds_several_committed_pairs_like_the_eager_one(
+    request, method, windowed
+):
     """Iterations that committed 1, 4, 2 and 3 tokens (accepted drafts + the correction): after
-    each, both proposers are handed the same state and draft the same chain."""
+    each, both proposers are handed the same state and draft the same chain; ``windowed``: on
+    a target whose every layer attends within 8 tokens (its drafts too), crossed by the
+    context."""
     from models.base import DecodeState
     from models.eagle import Eagle1Config, EagleHead
     from models.eagle.static import StaticEagleChain
+
+    tiny_target = request.getfixturevalue("windowed_target" if windowed else "tiny_target")
 
     torch.manual_seed(2)
     head = EagleHead(tiny_target, Eagle1Config()) if method == "eagle1" else _eagle3(tiny_target)
@@ -481,16 +488,26 @@ def test_static_eagle_chain_feeds_several_committed_pairs_like_the_eager_one(tin
 
 # the random EAGLE-1 head is nearly flat over the tiny target's 300 tokens: its cut is lower
 @pytest.mark.parametrize(
-    "method,min_prob", [("eagle1", 0.0), ("eagle1", 0.003), ("eagle3", 0.0), ("eagle3", 0.05)]
+    "method,min_prob,windowed",
+    [
+        ("eagle1", 0.0, False),
+        ("eagle1", 0.003, False),
+        ("eagle3", 0.0, False),
+        ("eagle3", 0.05, False),
+        ("eagle3", 0.0, True),
+    ],
 )
 @torch.no_grad()
-def test_static_eagle_tree_grows_what_the_eager_tree_grows(tiny_target, method, min_prob):
+def test_static_eagle_tree_grows_what_the_eager_tree_grows(request, method, min_prob, windowed):
     """EAGLE-2's tree on fixed shapes (every level computed, the frontier chosen on the device,
     one host read): after iterations that committed 1, 4, 2 and 3 tokens, the same tree as the
-    eager proposer's (tokens and parents), its early stop by ``min_prob`` included."""
+    eager proposer's (tokens and parents), its early stop by ``min_prob`` included;
+    ``windowed``: on a target whose every layer attends within 8 tokens (its drafts too)."""
     from models.base import DecodeState
     from models.eagle import Eagle1Config, EagleHead, EagleTreeProposer
     from models.eagle.static import StaticEagleTree
+
+    tiny_target = request.getfixturevalue("windowed_target" if windowed else "tiny_target")
 
     torch.manual_seed(3)
     head = EagleHead(tiny_target, Eagle1Config()) if method == "eagle1" else _eagle3(tiny_target)

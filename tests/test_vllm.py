@@ -18,7 +18,6 @@ import torch
 from conftest import (
     ROOT,
     accepting_block_draft,
-    family_target,
     needs_vllm,
     our_acceptance,
     run_module,
@@ -51,54 +50,6 @@ def test_the_engine_is_flagged_where_it_accepts_far_less_than_ours_predicts():
     assert "position 1 where" in engine_flag(ours, pooled([8, 3, 1]))
     assert "position 2 where" in engine_flag(ours, pooled([180, 0, 0]))
     assert engine_flag(ours, pooled([172, 70, 28])) is None
-
-
-@pytest.mark.parametrize(
-    "family,method,window",
-    [
-        ("mistral", "eagle3", 24),  # every layer slides: vLLM's model-level window
-        ("mistral", "eagle", 24),
-        ("mistral", "dflash", 24),
-        ("mistral", "medusa", None),  # no attention in the draft
-        ("gemma3", "eagle3", None),  # interleaved windows: no model-level one
-        ("gpt_oss", "eagle3", None),
-        ("llama", "eagle3", None),
-        ("qwen2", "eagle3", None),  # a sliding_window key, but no layer slides
-    ],
-)
-def test_the_window_vllm_gives_a_drafts_attention_is_the_targets_model_level_one(
-    family, method, window
-):
-    from decoding.engines.vllm_eval import draft_window
-
-    assert draft_window(family_target(family).config, method) == window
-
-
-def test_eval_says_where_vllm_gives_the_draft_a_window_ours_does_not_have(tmp_path):
-    """An EAGLE-3 draft of a target whose every layer slides (window 24), measured in vLLM
-    (a stand-in engine): a note says that vLLM's draft reads only the window, past which its
-    acceptance can differ from ours."""
-    from models import METHODS
-    from models.export import export
-    from models.target import TargetConfig, load_target
-
-    target = load_target(
-        TargetConfig(name="tiny_random", tiny_head_dim=64, tiny_layers=4, family="mistral")
-    )
-    cls = METHODS["eagle3"]
-    torch.manual_seed(0)
-    head = cls(target, cls.config_class(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
-    head.vocab_chosen = True
-    export(head, "vllm", tmp_path / "x", dtype="float32", log=lambda *_: None)
-    r = _eval_with(
-        _fake_vllm(tmp_path, die_after=99),
-        tmp_path,
-        f"draft={tmp_path / 'x'}",
-        "target.family=mistral",
-        "target.tiny_layers=4",
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "note: the target attends within 24 tokens in every layer, and vLLM gives" in r.stdout
 
 
 def test_a_format_vllm_does_not_serve_is_refused_in_one_line(tmp_path):

@@ -357,20 +357,6 @@ def _speculative(method: str, model: str | Path, n: int, rule: str) -> dict[str,
     }
 
 
-def draft_window(config: Any, method: str) -> int | None:
-    """The sliding window vLLM gives a served draft's attention: the target's model-level
-    window, which vLLM sets where every target layer slides (``layer_types`` absent or all
-    ``sliding_attention``: Mistral's shape) and hands to every layer that names no window of
-    its own, the EAGLE and DFlash drafts' included. None where it gives none (interleaved
-    windows, full attention, drafts without attention)."""
-    if method not in ("eagle", "eagle3", "dflash", "dspark"):
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None and any(t != "sliding_attention" for t in types):
-        return None
-    return getattr(config, "sliding_window", None) or None
-
-
 def vllm_draft(cfg, target, log) -> tuple[dict[str, Any], str, str | None]:
     """(speculative_config, description, folder our decoder reads back or None) for
     ``cfg.draft``: vLLM's n-gram speculation, a draft language model (a DistillSpec run's
@@ -493,13 +479,6 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     if n_max != cfg.gamma:  # a DFlash block, Medusa's heads: the layout fixes it
         log(f"gamma={cfg.gamma}: this draft drafts {n_max} tokens a step in vLLM (its layout "
             f"fixes it); measured, and compared with ours, at {n_max}")  # fmt: skip
-    window = draft_window(target.config, spec_cfg["method"])
-    reach = context_needed(cfg, tok, questions, cfg.max_new_tokens)
-    if window and reach > window:
-        log(f"note: the target attends within {window} tokens in every layer, and vLLM gives "
-            f"its draft's layers that window too; the built-in decoder's draft reads the whole "
-            f"context: past {window} tokens (these requests reach {reach}) their acceptance "
-            "can differ")  # fmt: skip
     stop = stop_ids(cfg, tok, target)
     model_dir = target_folder(target)
     dtype = (

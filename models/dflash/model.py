@@ -53,6 +53,7 @@ from ..losses import (
     soft_cross_entropy,
 )
 from ..quant import input_dtype, quantize_linears
+from ..ragged import within_window
 from ..sampling import sample, warp
 from ..target import Target, TargetError, layer_shape
 from .config import DFlashConfig, DominoConfig
@@ -395,6 +396,10 @@ class DFlashDraft(DraftMethod):
         allowed = (torch.arange(T, device=dev) < anchors[..., None]) & attention_mask[
             :, None, :
         ].bool()
+        window = self.target.draft_window
+        if window is not None:  # each slot reads the context within its window, as decoding
+            near = within_window(pos, torch.arange(T, device=dev), window)  # (B, A, S, T)
+            allowed = allowed[:, :, None, :] & near
         return self.blocks(self.embed(tok), pos, kv, allowed)
 
     # -- training ------------------------------------------------------------------------

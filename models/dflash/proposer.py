@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..base import BatchedProposer, DecodeState, Proposal, Proposer
-from ..ragged import join_rows, keep_rows, new_cache, tidy
+from ..ragged import column_positions, join_rows, keep_rows, new_cache, tidy, within_window
 
 if TYPE_CHECKING:
     from .model import DFlashDraft
@@ -79,7 +79,11 @@ class DFlashProposer(Proposer):
         tok = torch.full((1, 1, S), d.cfg.mask_token_id, device=dev)
         tok[0, 0, 0] = state.ids[-1]
         pos = torch.arange(n - 1, n - 1 + S, device=dev)[None, None]
-        h = d.blocks(d.embed(tok), pos, self.kv, None)
+        allowed, window = None, d.target.draft_window
+        if window is not None and n - 1 + S > window:  # each slot within its window
+            allowed = within_window(pos[0, 0], torch.arange(self.done, device=dev), window)
+            allowed = allowed[None, None]  # (1, 1, S, T): the context's columns, in order
+        h = d.blocks(d.embed(tok), pos, self.kv, allowed)
         prev = torch.tensor([state.ids[-1]], device=dev)
         ((tokens, q),) = d.pick(h[:, 0, 1 : k + 1], prev, [k], state.sampling, [state.generator])
         self.draft_calls += 1
@@ -162,7 +166,11 @@ class BatchedDFlash(BatchedProposer):
         start = torch.tensor([len(s.ids) - 1 for s in states], device=dev)
         pos = (start[:, None] + torch.arange(S, device=dev))[:, None]
         kv = [(layer.keys, layer.values) for layer in self.cache.layers]
-        h = d.blocks(d.embed(tok), pos, kv, self.valid[:, None, :])
+        allowed = self.valid[:, None, :]
+        if d.target.draft_window is not None:  # each slot within its window
+            near = within_window(pos[:, 0], column_positions(self.valid), d.target.draft_window)
+            allowed = allowed[:, :, None, :] & near[:, None]  # (R, 1, S, L)
+        h = d.blocks(d.embed(tok), pos, kv, allowed)
         self.draft_calls += 1
         picked = d.pick(
             h[:, 0, 1 : top + 1],

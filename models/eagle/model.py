@@ -49,6 +49,7 @@ from ..base import (
 )
 from ..losses import check_head_loss, head_loss, linear_soft_cross_entropy, soft_cross_entropy
 from ..quant import Int8Linear, int8_linear, quantize_linears
+from ..ragged import within_window
 from ..sampling import Sampling
 from ..target import Target, layer_shape
 from .config import Eagle1Config, Eagle3Config
@@ -65,10 +66,13 @@ class TTTLayout:
     """How the keys of an unrolled head are laid out: ``span`` (S) positions of the first step
     (the real context, attended causally), then S keys per later step, of which a query at
     start s sees only its own start's (its drafted chain). ``key_valid`` (B, S) bool marks
-    non-padding positions of the first step."""
+    non-padding positions of the first step; ``window``: the target's ``draft_window`` (step
+    j's query for start s sees first-step key t while ``s + j - 1 - t < window``, as at
+    decode time), None: no window."""
 
     span: int
     key_valid: torch.Tensor
+    window: int | None = None
 
 
 def ttt_attention_core(
@@ -96,6 +100,11 @@ def ttt_attention_core(
     base = torch.matmul(q, key[:, :, :S].transpose(-1, -2)).view(B, kvh, g, S, S)
     pos = torch.arange(S, device=query.device)
     allowed = (pos[None, :] <= pos[:, None])[None] & layout.key_valid[:, None, :]  # (B, S, S)
+    if layout.window is not None:
+        # step j's query for start s sits at position s + j - 1: the window is its own. A
+        # padded query past the window may see no real key: it sees itself (never read)
+        eye = torch.eye(S, dtype=torch.bool, device=pos.device)
+        allowed = (allowed & within_window(pos + j - 1, pos, layout.window)[None]) | eye[None]
     scores = base.masked_fill(~allowed[:, None, None], float("-inf"))
     if j > 1:
         # each query against its own start's key in every later block: one small matmul per
@@ -275,7 +284,7 @@ class EagleHead(DraftMethod):
         S = T - 1
         dev = feats.device
         # padded keys are masked; padded queries still see key 0, so no row is empty
-        layout = TTTLayout(S, attention_mask[:, :S].bool())
+        layout = TTTLayout(S, attention_mask[:, :S].bool(), self.target.draft_window)
         pos = torch.arange(S, device=dev)
         ids = torch.cat([input_ids, input_ids.new_zeros(B, steps)], dim=1)
         cache = DynamicCache() if steps > 1 else None

@@ -18,7 +18,7 @@ from ..base import (
     crop_cache,
     draft_signals,
 )
-from ..ragged import causal_mask
+from ..ragged import causal_mask, column_positions, within_window
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -119,10 +119,13 @@ class EagleProposer(Proposer):
         q_len = upto - self.done
         pos = torch.arange(self.done, upto, device=dev)[None]
         emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=dev))
-        mask = None
-        if self.done > 0 and q_len > 1:
-            keys = torch.arange(upto, device=dev)
-            mask = (keys[None, :] <= pos[0, :, None])[None, None]
+        mask, window = None, head.target.draft_window
+        if (self.done > 0 and q_len > 1) or (window is not None and upto > window):
+            keys = torch.arange(upto, device=dev)  # the cache's columns are their positions
+            mask = keys[None, :] <= pos[0, :, None]
+            if window is not None:
+                mask &= within_window(pos[0], keys, window)
+            mask = mask[None, None]
         h0 = head.initial_hidden(state.features[self.done : upto])  # fed positions only
         h = head.step(h0[None], emb, pos, mask, self.cache)
         self.done = upto
@@ -157,7 +160,8 @@ class EagleProposer(Proposer):
             tokens.append(x)
             if i < gamma - 1 and not stop:
                 p = torch.tensor([[n - 1 + i]], device=dev)
-                h = head.step(h, head._embed(torch.tensor([[x]], device=dev)), p, None, self.cache)
+                mask = window_columns(n - 1 + i, n + i, head.target.draft_window, dev)
+                h = head.step(h, head._embed(torch.tensor([[x]], device=dev)), p, mask, self.cache)
                 self.draft_calls += 1
             times.append(time.perf_counter() - t)
             if stop:
@@ -261,7 +265,7 @@ class EagleTreeProposer(EagleProposer):
         n = len(state.ids)
         t0 = time.perf_counter()
         h = self._catch_up(state, upto=n - 1)[0, -1]  # predicts the pending token's successor
-        tree = _Tree(h)
+        tree, window = _Tree(h), head.target.draft_window
         logp, ids = head.top_tokens(h[None], self.top_k)  # one LM-head product per level
         level = tree.add_children([-1], logp.tolist(), ids.tolist(), 1)
         levels = 1
@@ -274,7 +278,7 @@ class EagleTreeProposer(EagleProposer):
             # keys: committed pairs, earlier tree entries, these queries; a query sees the
             # committed context, its own ancestors and itself
             mask = torch.zeros(q, self.done + len(tree.col) + q, dtype=torch.bool, device=dev)
-            mask[:, : self.done] = True
+            mask[:, : self.done] = committed_columns(n - 2 + d, self.done, window, dev)
             for r, v in enumerate(frontier):
                 tree.col[v] = self.done + len(tree.col)
                 mask[r, tree.ancestor_columns(v)] = True
@@ -287,6 +291,25 @@ class EagleTreeProposer(EagleProposer):
         self.last_step_seconds = (time.perf_counter() - t0) / levels
         proposal, self.last_scores = tree.proposal(self.total_tokens, self.log_min)
         return proposal
+
+
+def window_columns(qpos: int, columns: int, window: int | None, device) -> torch.Tensor | None:
+    """The mask (1, 1, 1, columns) of one query at position ``qpos`` over a draft cache whose
+    columns are their positions (a chain's), within the target's ``draft_window``; None where
+    it sees every column (no window, or all of them within it)."""
+    if window is None or qpos < window:
+        return None
+    return within_window(
+        torch.tensor([qpos], device=device), torch.arange(columns, device=device), window
+    )[None, None]
+
+
+def committed_columns(qpos: int, done: int, window: int | None, device) -> torch.Tensor | bool:
+    """Which of the ``done`` committed columns (their positions) a query at ``qpos`` sees:
+    all (True) without a window."""
+    if window is None:
+        return True
+    return torch.arange(done, device=device) > qpos - window
 
 
 class _Tree:
@@ -428,6 +451,10 @@ class BatchedEagleChain(BatchedProposer):
             pos = torch.cat([pos, torch.tensor(upto)[:, None] + torch.arange(tail)], dim=1)
             real = torch.cat([real, torch.ones(R, tail, dtype=torch.bool)], dim=1)
         allowed = causal_mask(valid, real)
+        window = head.target.draft_window
+        if window is not None:
+            kpos = torch.cat([column_positions(valid.cpu()), pos], dim=1)
+            allowed &= within_window(pos, kpos, window)
         emb = head._embed(toks.to(dev))
         h = head.step(h0, emb, pos.to(dev), allowed[:, None].to(dev), cache)
         self.draft_calls += 1
@@ -476,7 +503,7 @@ class BatchedEagleChain(BatchedProposer):
         self.draft_start = self.valid.shape[1]
         tokens: list[list[int]] = [[] for _ in range(R)]
         qs: list[list[torch.Tensor]] = [[] for _ in range(R)]
-        sampling = states[0].sampling
+        sampling, window = states[0].sampling, head.target.draft_window
         for i in range(top):
             t = time.perf_counter()
             if sampling.greedy:
@@ -501,6 +528,9 @@ class BatchedEagleChain(BatchedProposer):
                 allowed = torch.cat(
                     [self.valid[:, None, :].cpu(), torch.ones(R, 1, 1, dtype=torch.bool)], dim=2
                 )
+                if window is not None:  # the drafted columns are valid: positions in order
+                    kpos = column_positions(allowed[:, 0])
+                    allowed &= within_window(pos.cpu(), kpos, window)
                 emb = head._embed(torch.tensor([[x] for x in xs], device=dev))
                 h = head.step(h[:, None], emb, pos, allowed[:, None].to(dev), self.cache)[:, -1]
                 self.valid = torch.cat([self.valid, self.valid.new_ones(R, 1)], dim=1)
@@ -558,6 +588,7 @@ class BatchedEagleTree(BatchedEagleChain):
         h = h[:, 0]
         self.draft_start = start = self.valid.shape[1]
         committed = self.valid.cpu()
+        window, kpos = head.target.draft_window, column_positions(committed)
         active = [b for b in range(R) if depths[b] >= 1]
         trees: dict[int, _Tree] = {b: _Tree(h[b]) for b in active}
         logp, ids = head.top_tokens(h[active], self.top_k)  # one LM-head product per level
@@ -587,6 +618,8 @@ class BatchedEagleTree(BatchedEagleChain):
                 toks[b, : len(f)] = torch.tensor([t.tokens[v] for v in f])
                 pos[b, : len(f)] = len(states[b].ids) - 2 + d
                 allowed[b, : len(f), :start] = committed[b]
+                if window is not None:
+                    allowed[b, : len(f), :start] &= kpos[b] > len(states[b].ids) - 2 + d - window
                 for r, v in enumerate(f):
                     t.col[v] = length + r
                     allowed[b, r, t.ancestor_columns(v)] = True

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..base import BatchedProposer, DecodeState, Proposal
-from ..lean import Captured, RaggedColumns, round_up, row_buckets, visible_columns
-from ..ragged import causal_mask
+from ..lean import Captured, RaggedColumns, key_positions, round_up, row_buckets, visible_columns
+from ..ragged import causal_mask, within_window
 from ..sampling import inverse_cdf, warp
 from .proposer import EagleProposer, EagleTreeProposer, _Tree, pair_block
 
@@ -140,8 +140,14 @@ class StaticEagleChain(EagleProposer):
 
     def _mask(self, query_cols: torch.Tensor) -> torch.Tensor:
         """(1, 1, Q, span): each query sees the columns up to its own (stale entries past
-        it, left by padding or by an earlier draft, are never seen)."""
-        return (self.cols[None, : self.kv.span] <= query_cols[:, None])[None, None]
+        it, left by padding or by an earlier draft, are never seen), within the target's
+        ``draft_window`` (a column's position is its number)."""
+        cols = self.cols[: self.kv.span]
+        mask = cols[None, :] <= query_cols[:, None]
+        window = self.head.target.draft_window
+        if window is not None:
+            mask &= within_window(query_cols, cols, window)
+        return mask[None, None]
 
     def _draft(self, gamma: int, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole proposal on the static buffers: catch up on the committed pairs in
@@ -191,7 +197,11 @@ class StaticEagleChain(EagleProposer):
         kv.columns = torch.arange(self.done, upto, device=state.device)
         kv.span = upto
         self.reserve(upto)
-        mask = (torch.arange(upto, device=state.device)[None, :] <= kv.columns[:, None])[None, None]
+        keys = torch.arange(upto, device=state.device)
+        mask = keys[None, :] <= kv.columns[:, None]
+        if self.head.target.draft_window is not None:
+            mask &= within_window(kv.columns, keys, self.head.target.draft_window)
+        mask = mask[None, None]
         head = self.head
         emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=state.device))
         h0 = head.initial_hidden(state.features[self.done : upto])
@@ -335,6 +345,7 @@ class StaticEagleTree(StaticEagleChain):
         nodes: each one's number (level by level), token, parent's number (-1 for the first
         level) and cumulative log-probability."""
         head, kv, K = self.head, self.kv, self.top_k
+        window = head.target.draft_window
         kv.span = self._span if self.graphs == "off" else kv.max_len
         pos = self.done_t + self.rows
         kv.columns = pos
@@ -365,6 +376,8 @@ class StaticEagleTree(StaticEagleChain):
                 if prev is None
                 else seen | amask.index_select(0, prev)
             )
+            if window is not None:  # the committed columns within this level's window
+                seen = seen & ((cols >= base) | (cols > base + d - 1 - window))[None, :]
             kv.columns = own
             p = (base + d - 1).expand(1, K)
             out = head.step(inp[None], head._embed(f_tok[None]), p, seen[None, None], kv)[0]
@@ -558,8 +571,9 @@ class StaticBatchedEagleChain(BatchedProposer):
         """Feed the block of committed pairs (``f_buf``, ``x_buf``, ``p_buf``; ``real`` marks
         them, left-padded) at columns base.. for the first ``bucket`` rows. Returns the head's
         output after each row's last pair (bucket, H), what every draft query of a row sees of
-        the committed context (bucket, span) and each column's place relative to the block
-        (span,)."""
+        the committed context (bucket, span), each column's place relative to the block
+        (span,) and, where the target gives drafts a window (``draft_window``), the position of
+        the key each column holds (bucket, span; None without one)."""
         head, kv, W = self.head, self.kv, self.width
         span = kv.kv.shape[4]
         kv.rows, kv.span = slice(0, bucket), span
@@ -570,20 +584,27 @@ class StaticBatchedEagleChain(BatchedProposer):
         before = self.cols.valid[:bucket] & (rel < 0)
         causal = rel[None, :] <= self.slots[:, None]  # (W, span): a query sees keys up to its own
         own = rel[None, :] == self.slots[:, None]  # padding queries see themselves
-        mask = before[:, None, :] | (key_real[:, None, :] & causal[None]) | own[None]
+        mask = before[:, None, :] | (key_real[:, None, :] & causal[None])
         kv.columns = self.base + self.slots
+        kpos, window = None, head.target.draft_window
+        if window is not None:
+            pos = self.p_buf[:bucket]
+            kpos = key_positions(pos, kv.columns, span, self.cols.valid[:bucket])
+            mask &= within_window(pos, kpos, window)
+        mask |= own[None]
         h0 = head.initial_hidden(self.f_buf[:bucket])
         emb = head._embed(self.x_buf[:bucket])
         h = head.step(h0, emb, self.p_buf[:bucket], mask[:, None], kv)[:, -1]  # (bucket, H)
-        return h, before | key_real, rel
+        return h, before | key_real, rel, kpos
 
     def _draft(self, bucket: int, gamma: int, sampling):
         """The block of committed pairs (``_feed_block``), then ``gamma`` draft steps for the
         first ``bucket`` rows. Returns the tokens (bucket, gamma) and, at T > 0, q (bucket,
         gamma, V)."""
         head, kv, W = self.head, self.kv, self.width
-        h, seen, rel = self._feed_block(bucket)
+        h, seen, rel, kpos = self._feed_block(bucket)
         pos = self.p_buf[:bucket, -1] + 1  # the pending token's position
+        window = head.target.draft_window
         toks, qs = [], []
         for i in range(gamma):
             x, q = _draft_tokens(head, h, sampling, self.u_buf[:bucket, i])
@@ -593,7 +614,10 @@ class StaticBatchedEagleChain(BatchedProposer):
             if i < gamma - 1:
                 c = self.base + W + i
                 kv.columns = c.view(1)
-                m = seen | ((rel >= W) & (rel <= W + i))[None]
+                context = seen
+                if window is not None:
+                    context = seen & within_window((pos + i)[:, None], kpos, window)[:, 0]
+                m = context | ((rel >= W) & (rel <= W + i))[None]
                 step = head.step(
                     h[:, None], head._embed(x[:, None]), (pos + i)[:, None], m[:, None, None], kv
                 )
@@ -628,7 +652,11 @@ class StaticBatchedEagleChain(BatchedProposer):
         )
         kv = self.kv
         kv.rows, kv.span, kv.columns = rows, c0 + n, torch.arange(c0, c0 + n, device=dev)
-        head.step(h0, head._embed(toks.to(dev)), pos.to(dev), mask, kv)
+        pos = pos.to(dev)
+        if head.target.draft_window is not None:
+            kpos = key_positions(pos, kv.columns, c0 + n, self.cols.valid[rows])
+            mask = mask & within_window(pos, kpos, head.target.draft_window)[:, None]
+        head.step(h0, head._embed(toks.to(dev)), pos, mask, kv)
         self.cols.fill(rows, c0, real)
         for j, u in enumerate(ups):
             if rows.start + j < len(self.done):
@@ -778,7 +806,8 @@ class StaticBatchedEagleTree(StaticBatchedEagleChain):
         total_tokens) float64: each row's best nodes' numbers, tokens, parents' numbers (-1
         for the first level) and cumulative log-probabilities (-inf: not kept)."""
         head, kv, W, K = self.head, self.kv, self.width, self.top_k
-        root, seen, rel = self._feed_block(bucket)  # (bucket, H): predicts the first level
+        root, seen, rel, kpos = self._feed_block(bucket)  # (bucket, H): predicts the first level
+        window = head.target.draft_window
         H, span = root.shape[-1], rel.shape[0]
         pos0 = self.p_buf[:bucket, -1]  # the last pair's position: level d is at pos0 + d
         slots = torch.arange(K, device=root.device)
@@ -799,6 +828,9 @@ class StaticBatchedEagleTree(StaticBatchedEagleChain):
                 prev = f_i // K  # the frontier node's parent: a fed node of the last level
                 inp = out.gather(1, prev[..., None].expand(bucket, K, H))
                 m = amask.gather(1, prev[..., None].expand(bucket, K, span)) | itself
+            if window is not None:  # the committed columns within this level's window
+                near = within_window((pos0 + d)[:, None], kpos, window)  # (bucket, 1, span)
+                m = m & (near | (rel >= W)[None, None])
             kv.columns = self.base + own
             p = (pos0 + d)[:, None].expand(bucket, K)
             out = head.step(inp, head._embed(f_tok), p, m[:, None], kv)  # (bucket, K, H)

@@ -63,7 +63,7 @@ class PEagleHead(Eagle3Head):
         to s and to its own group's earlier depths. Returns ``steps`` tensors (B, T-1, H)."""
         B, T, H = feats.shape
         S = T - 1
-        layout = TTTLayout(S, attention_mask[:, :S].bool())
+        layout = TTTLayout(S, attention_mask[:, :S].bool(), self.target.draft_window)
         pos = torch.arange(S, device=feats.device)
         cache = DynamicCache() if steps > 1 else None
         emb = self._embed(input_ids[:, 1 : 1 + S])
