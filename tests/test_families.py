@@ -427,23 +427,37 @@ def attending(head, o: float = 0.03, seed: int = 0):
 
 
 @needs_vllm
-def test_vllm_and_ours_read_the_window_of_a_target_whose_every_layer_slides(tmp_path):
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_vllm_and_ours_read_the_window_of_a_target_whose_every_layer_slides(method, tmp_path):
     """A Mistral-shaped target (every layer slides, window 24): vLLM gives its draft's layers
-    that window, and so does the built-in decoder. An EAGLE-3 head whose attention weighs in
-    on what it drafts, 64-token answers (past the window): vLLM's acceptance by position is
-    ours within 0.015 (0.983 / 0.148 / 0.061 against 0.991 / 0.153 / 0.064); reading the whole
-    context, ours was 0.982 / 0.191 / 0.075."""
+    that window, and so does the built-in decoder. A head whose attention weighs in on what it
+    drafts, 64-token answers (past the window): vLLM's acceptance by position is ours within
+    0.015. EAGLE-3: 0.983 / 0.148 / 0.061 against 0.991 / 0.153 / 0.064 (reading the whole
+    context, ours was 0.982 / 0.191 / 0.075); P-EAGLE (one forward, mask slots at the next
+    positions): 0.454 / 0.105 / 0.105 against 0.460 / 0.109 / 0.104 (whole: 0.422 / 0.106 /
+    0.101)."""
+    from test_vllm import peagle_lens
+
     from decoding.engines.vllm_eval import speculative_config
     from models.export import export
 
     target = family_target("mistral", tiny_head_dim=64)
     assert target.draft_window == 24
+    if method == "eagle3":
+        head, fmt = attending(lens_head(target), o=0.02), "vllm"
+    else:
+        cls, V = METHODS["peagle"], target.config.vocab_size
+        cfg = cls.config_class(
+            fuse_layers=[1, 2, 3], draft_vocab_size=V, mask_token_id=256, ttt_steps=3
+        )
+        torch.manual_seed(0)
+        head = cls(target, cfg).eval()
+        head.vocab_chosen = True
+        head, fmt = attending(peagle_lens(head), o=0.03), "peagle"
     out = tmp_path / "x"
-    export(attending(lens_head(target), o=0.02), "vllm", out, dtype="float32", log=lambda *_: None)
+    export(head, fmt, out, dtype="float32", log=lambda *_: None)
     prompts = [[1, 40 + i, 50 + 2 * i, 60, 70 + i] for i in range(4)]
-    theirs, ours = served_in_vllm(
-        target, out, speculative_config(out, "vllm", 3), prompts, "mistral"
-    )
+    theirs, ours = served_in_vllm(target, out, speculative_config(out, fmt, 3), prompts, "mistral")
     assert ours[1] >= 0.05, ours  # it accepts past position 1: else the test could not fail
     assert max(abs(a - b) for a, b in zip(theirs, ours, strict=True)) <= 0.015, (theirs, ours)
 
