@@ -480,6 +480,50 @@ def test_vllm_serves_the_export_and_accepts_what_we_do(
         assert 0 <= over <= n * len(outs), (drafts, acc_theirs, decoded)
 
 
+@needs_vllm
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_vllm_reads_the_block_drafters_blocks_as_bidirectional(tiny_served, tmp_path, method):
+    """Every slot of a DFlash or DSpark block reads the whole block (bidirectional; the GGUF
+    says ``dflash.attention.causal = false`` to llama.cpp). vLLM resolves the export's config
+    into ``dflash_config.causal`` for every draft layer, through its own config loader here: it
+    must come out non-causal. From the speculators layout's ``sliding_window_non_causal``,
+    which this export once wrote as false, vLLM made the draft layers causal (slot k reading
+    slots <= k only)."""
+    from decoding.engines.vllm_eval import vllm_python
+    from models import METHODS
+    from models.export import export
+
+    target, _ = tiny_served
+    cls = METHODS[method]
+    cfg = cls.config_class(fuse_layers=[1, 2], draft_vocab_size=64, mask_token_id=256)
+    head = cls(target, cfg).eval()
+    head.vocab_chosen = True
+    out = tmp_path / method
+    export(head, method, out, dtype="float32", log=lambda *_: None)
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from vllm.transformers_utils.config import get_config
+        try:
+            from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+        except ImportError:
+            print("NO-CAUSALITY-SETTING")
+            sys.exit(0)
+        config = get_config(sys.argv[1], trust_remote_code=False)
+        print(json.dumps({"causal": (config.dflash_config or {}).get("causal"),
+                          "any_non_causal": dflash_has_any_non_causal(config)}))
+        """
+    )
+    r = subprocess.run(
+        [str(vllm_python()), "-c", code, str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    if last == "NO-CAUSALITY-SETTING":
+        pytest.skip("this vLLM release has no DFlash causality setting: its blocks are as built")
+    assert json.loads(last) == {"causal": False, "any_non_causal": True}
+
+
 def test_an_eagle1_reference_export_is_refused_for_vllm_saying_which_layout_it_serves(
     tiny_served, tmp_path
 ):

@@ -91,7 +91,9 @@ class SpeculatorsDFlash(ExportFormat):
             "target_hidden_size": None,
             "aux_hidden_state_layer_ids": list(c.fuse_layers),
             "mask_token_id": c.mask_token_id,
-            "sliding_window_non_causal": False,
+            # the blocks are bidirectional (every slot reads its block); vLLM turns False into
+            # causal draft layers (``dflash_config.causal``), slot k reading slots <= k only
+            "sliding_window_non_causal": True,
             "sample_from_anchor": False,
             "torch_dtype": str(dtype).removeprefix("torch."),
         }
