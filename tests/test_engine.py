@@ -40,6 +40,54 @@ def target4():
     return Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
 
 
+def test_an_engine_export_is_made_again_when_the_layout_code_changes(
+    target4, tmp_path, monkeypatch
+):
+    """A trained draft is exported for an engine once and cached; the cache is keyed by the
+    code that writes the layouts too, so a layout fixed since (an export an older specdraft
+    wrote) is exported again rather than served as it was."""
+    from decoding.engines import base
+    from models.eagle import Eagle3Config, Eagle3Head
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "model.safetensors").write_bytes(b"weights")
+    torch.manual_seed(0)
+    head = Eagle3Head(target4, Eagle3Config(fuse_layers=[1, 2, 3], draft_vocab_size=64)).eval()
+    head.vocab_chosen = True
+    said: list[str] = []
+
+    def log(msg):
+        said.append(str(msg))
+
+    first = base.cached_export(run, head, "vllm", log, "-vllm", dtype="float32")
+    again = base.cached_export(run, head, "vllm", log, "-vllm", dtype="float32")
+    assert first == again and sum(m.startswith("exporting") for m in said) == 1
+    monkeypatch.setattr(base, "export_code_digest", lambda: "another layout")
+    fixed = base.cached_export(run, head, "vllm", log, "-vllm", dtype="float32")
+    assert fixed != first and (fixed / "config.json").is_file()
+    assert sum(m.startswith("exporting") for m in said) == 2
+
+
+def test_the_layout_digest_follows_every_exporters_code(tmp_path, monkeypatch):
+    """The digest reads each method's ``export.py`` and ``gguf.py`` and the shared pipeline:
+    a change to any of them changes it, and nothing else does."""
+    import models
+    from decoding.engines import base
+
+    pkg = tmp_path / "models"
+    for rel in ("__init__.py", "export.py", "gguf.py", "dflash/export.py", "dflash/model.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(f"# {rel}\n")
+    monkeypatch.setattr(models, "__file__", str(pkg / "__init__.py"))
+    before = base.export_code_digest()
+    (pkg / "dflash" / "model.py").write_text("# a model change\n")
+    assert base.export_code_digest() == before
+    (pkg / "dflash" / "export.py").write_text("# a layout fixed\n")
+    assert base.export_code_digest() != before
+
+
 def test_permutation_is_the_converters_and_inverts():
     w = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
     # llama.cpp's LlamaModel.permute for 2 heads of 4 rows: halves -> interleaved pairs

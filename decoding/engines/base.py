@@ -31,14 +31,32 @@ def cached_export(path: Path, head, fmt: str, log, suffix: str = "", **opts: Any
     """The folder where the trained draft at ``path`` (loaded as ``head``) is exported to
     ``fmt`` for an engine: once, checked and re-imported by ``specdraft-export``'s pipeline,
     then cached under ``engine-drafts``, keyed by the draft's folder and its weights' names,
-    sizes and times (a retrained draft is exported again)."""
+    sizes and times (a retrained draft is exported again) and by the code that writes the
+    layouts (``export_code_digest``: an export an older specdraft wrote, before a layout was
+    fixed, is not served again)."""
     from models.export import export
 
-    out = engine_draft_dir(path, suffix)
+    out = engine_draft_dir(path, suffix, salt=export_code_digest())
     if not (out / "config.json").is_file():
         log(f"exporting {path} (--format {fmt}) for the engine: {out}")
         export(head, fmt, out, force=True, log=log, **opts)
     return out
+
+
+def export_code_digest() -> str:
+    """A digest of the code that writes every export layout (``models/export.py``,
+    ``models/gguf.py`` and each method's ``export.py`` and ``gguf.py``): it changes with any
+    change to a layout."""
+    import hashlib
+
+    import models
+
+    root = Path(models.__file__).parent
+    h = hashlib.sha256()
+    for pattern in ("export.py", "gguf.py", "*/export.py", "*/gguf.py"):
+        for f in sorted(root.glob(pattern)):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def engine_draft_dir(
