@@ -88,6 +88,23 @@ def test_the_layout_digest_follows_every_exporters_code(tmp_path, monkeypatch):
     assert base.export_code_digest() != before
 
 
+def test_llama_cpp_eval_says_where_llama_cpp_reads_past_the_targets_window(tmp_path):
+    """A Mistral-shaped target (every layer slides, window 24) converted to llama.cpp's
+    ``llama`` architecture, which has no window: where the requests reach past it, the
+    evaluator says that llama.cpp's outputs and acceptance can differ there; inside it, or for
+    a target with no window, nothing."""
+    from decoding.engines.llama_cpp_eval import window_note
+
+    mistral, llama = family_target("mistral"), family_target("llama")
+    for t in (mistral, llama):
+        tiny_target_gguf(tmp_path / f"{t.config.model_type}.gguf", t)
+    note = window_note(mistral, tmp_path / "mistral.gguf", 100)
+    assert note.startswith("note: the target attends within 24 tokens in every layer")
+    assert "without that window" in note and "reach 100" in note
+    assert window_note(mistral, tmp_path / "mistral.gguf", 24) is None
+    assert window_note(llama, tmp_path / "llama.gguf", 100) is None
+
+
 def test_permutation_is_the_converters_and_inverts():
     w = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
     # llama.cpp's LlamaModel.permute for 2 heads of 4 rows: halves -> interleaved pairs

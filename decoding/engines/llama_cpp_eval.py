@@ -58,6 +58,7 @@ from .llama_cpp import (
     bench_forward_ms,
     check_feature_target,
     converted_target,
+    gguf_architecture,
     resolve_repack,
 )
 from .llama_cpp_drafts import draft_gguf
@@ -130,6 +131,22 @@ class CostModel:
         }
 
 
+def window_note(target, tgt_gguf, reach: int) -> str | None:
+    """What to say where the target attends within a window in every layer (Mistral's shape),
+    its requests reach past it, and llama.cpp computes it as its ``llama`` architecture,
+    which has no window (target and draft read the whole context there; transformers, vLLM and
+    the built-in decoder read the window)."""
+    window = target.draft_window
+    if not window or reach <= window or gguf_architecture(tgt_gguf) != "llama":
+        return None
+    return (
+        f"note: the target attends within {window} tokens in every layer; llama.cpp b{BUILD} "
+        f"computes it (architecture 'llama') without that window, target and draft alike: "
+        f"past {window} tokens (these requests reach {reach}) its outputs and acceptance can "
+        "differ from the target's own"
+    )
+
+
 def context_size(cfg: DictConfig, tok, questions: list[dict]) -> int:
     """The context each server holds: what the longest request reaches, at least llama.cpp's
     default 4096 (which a long bench prompt and its answer can pass: the server refuses the
@@ -156,6 +173,9 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
     tgt_gguf = target_gguf(target, cfg.target_gguf) or converted_target(target, log)
     spec_type, draft, desc, block = draft_gguf(cfg, target, log, tgt_gguf)
     check_feature_target(tgt_gguf, spec_type)  # before any server starts
+    note = window_note(target, tgt_gguf, context_needed(cfg, tok, questions, cfg.max_new_tokens))
+    if note:
+        log(note)
     repack = resolve_repack(cfg.engine_repack, tgt_gguf, log)
     threads = cfg.engine_threads or None
     stop = stop_ids(cfg, tok, target)  # ignore_eos was refused before: EOS ends a reply
