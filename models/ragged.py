@@ -96,6 +96,15 @@ def within_window(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.
     return (qpos[..., :, None] - kpos[..., None, :]) < window
 
 
+def causal_window(qpos: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(Q, K) bool: which keys a query sees in a cache whose columns hold positions ``keys``
+    (K,) (a single sequence's: its columns are its positions): those at or before its own
+    position ``qpos`` (Q,), and within ``window`` of it where the target gives drafts one
+    (``Target.draft_window``; None: no window)."""
+    mask = keys[None, :] <= qpos[:, None]
+    return mask & within_window(qpos, keys, window) if window is not None else mask
+
+
 def column_positions(valid: torch.Tensor) -> torch.Tensor:
     """(R, L) the position of the key each column holds, for caches whose valid columns hold a
     row's positions 0, 1, ... in column order (the batched drafters' committed pairs and

@@ -18,7 +18,7 @@ from ..base import (
     crop_cache,
     draft_signals,
 )
-from ..ragged import causal_mask, column_positions, within_window
+from ..ragged import causal_mask, causal_window, column_positions, within_window
 from ..sampling import sample, warp
 
 if TYPE_CHECKING:
@@ -121,11 +121,7 @@ class EagleProposer(Proposer):
         emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=dev))
         mask, window = None, head.target.draft_window
         if (self.done > 0 and q_len > 1) or (window is not None and upto > window):
-            keys = torch.arange(upto, device=dev)  # the cache's columns are their positions
-            mask = keys[None, :] <= pos[0, :, None]
-            if window is not None:
-                mask &= within_window(pos[0], keys, window)
-            mask = mask[None, None]
+            mask = causal_window(pos[0], torch.arange(upto, device=dev), window)[None, None]
         h0 = head.initial_hidden(state.features[self.done : upto])  # fed positions only
         h = head.step(h0[None], emb, pos, mask, self.cache)
         self.done = upto

@@ -27,7 +27,7 @@ import torch
 
 from ..base import BatchedProposer, DecodeState, Proposal
 from ..lean import Captured, RaggedColumns, key_positions, round_up, row_buckets, visible_columns
-from ..ragged import causal_mask, within_window
+from ..ragged import causal_mask, causal_window, within_window
 from ..sampling import inverse_cdf, warp
 from .proposer import EagleProposer, EagleTreeProposer, _Tree, pair_block
 
@@ -142,12 +142,8 @@ class StaticEagleChain(EagleProposer):
         """(1, 1, Q, span): each query sees the columns up to its own (stale entries past
         it, left by padding or by an earlier draft, are never seen), within the target's
         ``draft_window`` (a column's position is its number)."""
-        cols = self.cols[: self.kv.span]
-        mask = cols[None, :] <= query_cols[:, None]
         window = self.head.target.draft_window
-        if window is not None:
-            mask &= within_window(query_cols, cols, window)
-        return mask[None, None]
+        return causal_window(query_cols, self.cols[: self.kv.span], window)[None, None]
 
     def _draft(self, gamma: int, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole proposal on the static buffers: catch up on the committed pairs in
@@ -198,10 +194,7 @@ class StaticEagleChain(EagleProposer):
         kv.span = upto
         self.reserve(upto)
         keys = torch.arange(upto, device=state.device)
-        mask = keys[None, :] <= kv.columns[:, None]
-        if self.head.target.draft_window is not None:
-            mask &= within_window(kv.columns, keys, self.head.target.draft_window)
-        mask = mask[None, None]
+        mask = causal_window(kv.columns, keys, self.head.target.draft_window)[None, None]
         head = self.head
         emb = head._embed(torch.tensor([state.ids[self.done + 1 : upto + 1]], device=state.device))
         h0 = head.initial_hidden(state.features[self.done : upto])

@@ -8,7 +8,7 @@ import torch
 
 from ..base import DecodeState, Proposal, crop_cache
 from ..eagle.proposer import BatchedEagleChain, EagleProposer
-from ..ragged import within_window
+from ..ragged import causal_window
 from ..sampling import sample, warp
 
 
@@ -43,11 +43,8 @@ class PEagleProposer(EagleProposer):
             h, emb = torch.cat([h, hm.to(h.dtype)]), torch.cat([emb, em.to(emb.dtype)])
         q = q_pairs + k - 1
         pos = torch.arange(self.done, self.done + q, device=dev)[None]
-        keys = torch.arange(self.done + q, device=dev)
-        mask = keys[None, :] <= pos[0, :, None]
-        if head.target.draft_window is not None:  # the cache's columns are their positions
-            mask &= within_window(pos[0], keys, head.target.draft_window)
-        mask = mask[None, None]
+        keys = torch.arange(self.done + q, device=dev)  # the cache's columns: its positions
+        mask = causal_window(pos[0], keys, head.target.draft_window)[None, None]
         out = head.step(h[None], emb[None], pos, mask, self.cache)[0, q_pairs - 1 :]  # (k, H)
         self.done = n - 1
         crop_cache(self.cache, self.done)
