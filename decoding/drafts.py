@@ -230,29 +230,39 @@ def _head_proposer(head, tree: DecodeSettings, desc: str):
 
 
 def check_draft_folder(spec: str) -> None:
-    """``DraftError`` where ``draft=`` names a folder (not a shipped name, a drafter's name
-    or a hub id) that is not there: said before the target loads, not after."""
+    """``DraftError`` where ``draft=`` cannot name a draft: a folder that is not there, a shipped
+    draft's name mistyped, or a hub id neither cached nor reachable. Said before the target
+    loads (minutes for a large one), not after."""
     from models.shipped import shipped_draft
-    from models.target import looks_like_a_path
+    from models.target import hub_unreachable, looks_like_a_path
 
-    if (
-        shipped_draft(spec) is None
-        and looks_like_a_path(spec)
-        and not Path(spec).expanduser().exists()
-    ):
+    if spec in NO_MODEL or spec.startswith("truncate:") or spec in SHIPPED:
+        return
+    if shipped_draft(spec) is not None or Path(spec).expanduser().exists():
+        return
+    if looks_like_a_path(spec):
         raise DraftError(f"draft={spec}: no such folder")
+    check_shipped_name(spec)
+    why = hub_unreachable(spec)
+    if why:
+        raise DraftError(f"draft={spec}: {why}")
 
 
-def _hf_draft(spec: str, target: Target):
+def check_shipped_name(spec: str) -> None:
+    """``DraftError`` where ``draft=spec`` (not a folder here) is a shipped draft's name
+    mistyped: said before the hub is asked for a model of that name."""
     import difflib
 
     near = difflib.get_close_matches(spec, list(SHIPPED), n=1, cutoff=0.8)
     if near and "/" not in spec and not Path(spec).expanduser().exists():
-        # a shipped name mistyped: say so before the hub is asked for a model of that name
         raise DraftError(
             f"draft={spec}: no such folder, shipped draft or model; did you mean {near[0]}? "
             f"(shipped: {', '.join(sorted(SHIPPED))})"
         )
+
+
+def _hf_draft(spec: str, target: Target):
+    check_shipped_name(spec)
     model = load_same_vocabulary_lm(spec, target, f"draft={spec}")
     model = model.eval().requires_grad_(False)
     return DraftLMProposer(model, vocab_size=target.config.vocab_size), f"draft LM ({spec})"

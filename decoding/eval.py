@@ -124,6 +124,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.engine != "torch" and cfg.engine not in ENGINES:
         raise EvalError(f"engine={cfg.engine!r}: use torch (built in), {' or '.join(ENGINES)}")
     validate(cfg)
+    # a bad bench file is said before the target loads (read once: the engines read it again)
+    questions = bench_questions(cfg)
     if cfg.engine != "torch":
         from .engines import evaluate_in_engine
 
@@ -139,7 +141,6 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         return json_safe(evaluate_in_engine(cfg))
     target = load_target(OmegaConf.to_object(cfg.target))
     tok = target.tokenizer
-    questions = bench_questions(cfg)
     check_context(cfg, target, questions if not wants_batch(cfg) else _first_turns(questions))
     note = turns_note(cfg, questions)
     if note:

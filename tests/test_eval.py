@@ -132,6 +132,50 @@ def test_eval_errors_are_one_line(args, needle, tmp_path):
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_draft_that_cannot_load_is_refused_before_the_target(tmp_path, monkeypatch):
+    """A draft= that names nothing loadable (a mistyped shipped name, a hub id neither cached
+    nor reachable, a folder that is not there) is refused before the target loads, which takes
+    minutes for a large target; what can load passes."""
+    from huggingface_hub import constants
+
+    from decoding.drafts import check_draft_folder
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DraftError, match=r"^draft=smollm2-eagle: .*did you mean smollm2-eagle3\?"):
+        check_draft_folder("smollm2-eagle")
+    with pytest.raises(DraftError, match=r"^draft=someorg/no-such-draft: .*HF_HUB_OFFLINE is set"):
+        check_draft_folder("someorg/no-such-draft")
+    with pytest.raises(DraftError, match=r"^draft=/no/such/run: no such folder$"):
+        check_draft_folder("/no/such/run")
+    (tmp_path / "run").mkdir()
+    for ok in ("ngram", "lookahead", "none", "truncate:2", "smollm2-eagle3", str(tmp_path / "run")):
+        check_draft_folder(ok)
+
+
+def test_a_bad_bench_is_refused_before_the_target_loads(monkeypatch):
+    """bench= is read before the target loads, in the built-in decoder and the engines alike."""
+    from omegaconf import OmegaConf
+
+    import decoding.eval as ev
+    from decoding.settings import EvalConfig
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before the bench was read")
+
+    import models.target
+
+    monkeypatch.setattr(ev, "load_target", no_load)
+    monkeypatch.setattr(models.target, "load_target", no_load)
+    for engine in ("torch", "vllm"):
+        cfg = OmegaConf.merge(
+            OmegaConf.structured(EvalConfig),
+            {"draft": "ngram", "bench": "/no/such/bench.jsonl", "engine": engine},
+        )
+        with pytest.raises(BenchError, match="bench=/no/such/bench.jsonl: no such file"):
+            ev.evaluate(cfg)
+
+
 def test_bench_file_bad_line_is_named(tmp_path):
     p = tmp_path / "b.jsonl"
     p.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"turns": 5}\n')

@@ -176,6 +176,24 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(data_file, tmp_path):
 # -- a checkpoint write that fails halfway -----------------------------------------------------------
 
 
+def test_data_that_is_not_there_is_refused_before_the_target_loads(tmp_path, monkeypatch):
+    """A missing data file, or a folder with no data in it, is said before the target loads
+    (minutes for a large one), in one line naming it."""
+    import trainer.train as tt
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before the data was found")
+
+    monkeypatch.setattr(tt, "load_target", no_load)
+    (tmp_path / "empty").mkdir()
+    for where, says in [
+        (tmp_path / "no.jsonl", "no such file or folder"),
+        (tmp_path / "empty", "folder holds no .json or .jsonl file"),
+    ]:
+        with pytest.raises(DataError, match=f"^{where}: {says}"):
+            run(compose(tiny_overrides(where, tmp_path / "run")))
+
+
 def test_failed_checkpoint_write_keeps_the_previous_one(data_file, tmp_path, monkeypatch):
     from accelerate import Accelerator
 

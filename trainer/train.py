@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from conf.cli import StopSignals
-from data.conversations import DataError
+from data.conversations import DataError, data_files
 from data.dataset import (
     Collator,
     IndexedDataset,
@@ -226,6 +226,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     resume_from = None if fresh else _resume_path(cfg.resume, run_dir, log)
     check_shard(cfg.target.shard, accelerator.num_processes, None)
     check_launch(cfg, accelerator)
+    # data that is not there is said now, not after the target loads (minutes for a large one)
+    data_files(data_path(cfg.data))
     if accelerator.device.type == "cpu":
         keep_freed_memory()
     set_seed(cfg.train.seed)
