@@ -18,6 +18,7 @@ an ``ExportError``; nothing lands at ``--out``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -232,8 +233,13 @@ def proposals(draft: DraftMethod, prompt: list[int], gamma: int = 6) -> dict[str
 
 
 def compare_drafts(a: DraftMethod, b: DraftMethod, prompt: list[int]) -> dict[str, Any]:
-    """Probe logits and proposals of two drafts on ``prompt``; ``ExportError`` if they differ."""
-    pa, pb = proposals(a, prompt), proposals(b, prompt)
+    """Probe logits and proposals of two drafts on ``prompt``; ``ExportError`` if they differ.
+    Both read the same target states (``Target.features_held``): what is compared is the
+    drafts, not two runs of the target."""
+    with contextlib.ExitStack() as held:
+        for t in {id(t): t for t in (a.target, b.target)}.values():
+            held.enter_context(t.features_held())
+        pa, pb = proposals(a, prompt), proposals(b, prompt)
     la, lb = pa.pop("logits"), pb.pop("logits")
     if (la is None) != (lb is None):
         raise ExportError("the re-imported export has no probe where the trained draft has one")

@@ -299,6 +299,8 @@ class Target:
         # it) and, during ``forward_features`` only, what they captured
         self._feature_hooks: dict[int, Any] = {}
         self._captured: dict[int, torch.Tensor] | None = None
+        # within ``features_held``: the features computed so far, by their inputs
+        self._held: dict[tuple, torch.Tensor] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -572,13 +574,40 @@ class Target:
         Runs the decoder only (the LM head is skipped: for a small target it is a large part of
         a step, and every method that needs logits computes them on the positions it uses;
         only the layers asked for are kept: ``forward_features``)."""
-        return self.forward_features(
+        key = None
+        if self._held is not None:
+            key = (
+                tuple(layers),
+                tuple(input_ids.shape),
+                input_ids.cpu().numpy().tobytes(),
+                attention_mask.cpu().numpy().tobytes(),
+            )
+            if key in self._held:
+                return self._held[key].clone()
+        out = self.forward_features(
             layers,
             decoder_only=True,
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             use_cache=False,
         )[1]
+        if key is not None:
+            self._held[key] = out.clone()
+        return out
+
+    @contextlib.contextmanager
+    def features_held(self):
+        """A block in which ``features`` of the same inputs and layers are computed once and
+        handed out again: two drafts compared on one prompt read the very same states. A
+        low-precision forward may take another kernel path from one call to the next (oneDNN
+        on and off give bf16 states one unit in the last place apart, and a draft's logits
+        then move by tenths), which is the target's arithmetic, not the drafts'."""
+        outer = self._held
+        self._held = {} if outer is None else outer
+        try:
+            yield self
+        finally:
+            self._held = outer
 
 
 def check_same_vocabulary(target_tok: Any, draft_tok: Any, where: str) -> None:

@@ -305,6 +305,35 @@ def test_wrong_layer_ids_are_caught_by_the_re_import(target4, tmp_path, monkeypa
         export(every_third_eagle3(target4), "sglang", tmp_path / "s", log=lambda *_: None)
 
 
+def test_the_re_import_is_compared_on_one_run_of_the_target(tmp_path, monkeypatch):
+    """A target whose low-precision forward takes another kernel path from one call to the
+    next (states a unit in the last place apart) does not fail the comparison: both drafts
+    read the same states. Layer ids written wrongly are still caught (the test above)."""
+    model, tok = build_tiny_target(seed=1, num_layers=4)
+    target = Target(model, tok, "tiny4", TargetConfig(name="tiny_random"))
+    real = Target.forward_features
+    calls = {"n": 0}
+
+    def drifting(self, *a, **kw):
+        out = real(self, *a, **kw)
+        calls["n"] += 1
+        return (out[0], out[1] + 0.05 * calls["n"])  # another result on every call
+
+    monkeypatch.setattr(Target, "forward_features", drifting)
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    assert not torch.equal(target.features(ids, mask, (1,)), target.features(ids, mask, (1,)))
+    with target.features_held():
+        first = target.features(ids, mask, (1,))
+        kept = first.clone()
+        first.add_(1.0)  # a caller's in-place change does not reach the next caller
+        again = target.features(ids, mask, (1,))
+        assert torch.equal(again, kept)
+        assert not torch.equal(target.features(ids, mask, (2,)), again)  # other layers: computed
+    assert not torch.equal(target.features(ids, mask, (1,)), again)  # outside: computed afresh
+    for fmt in ("vllm", "sglang"):
+        export(every_third_eagle3(target), fmt, tmp_path / fmt, dtype="float32", log=print)
+
+
 def test_the_serve_line_names_a_target_vllm_can_load(tmp_path):
     """A tiny random target exists only in memory: the serve line names its folder under the
     cache (the one engine=vllm serves), not its identity."""
