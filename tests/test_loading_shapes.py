@@ -9,6 +9,7 @@ import re
 import types
 
 import pytest
+import torch
 from conftest import accelerate_launch, compose, read_metrics, tiny_overrides
 
 from models import METHODS
@@ -124,6 +125,30 @@ def test_init_from_a_draft_for_other_layers_is_refused_naming_the_tensor(wide, n
         f"has shape (64, 128), target {narrow.identity} implies (32, 128): the draft was made "
         f"for another target ({wide.identity})"
     )
+
+
+def test_init_from_a_draft_trained_with_other_settings_names_the_overrides(narrow, tmp_path):
+    """A draft of this target trained with other method settings (a smaller draft vocabulary,
+    other fused layers) is refused naming the tensor, then the settings to pass, as the command
+    line takes them; with them the run starts from its weights."""
+    from models.eagle import Eagle3Config, Eagle3Head
+    from trainer.train import init_from_draft
+
+    saved = Eagle3Head(narrow, Eagle3Config(draft_vocab_size=64, fuse_layers=[0, 1, 2]))
+    saved.vocab_chosen = True
+    saved.save_draft(tmp_path / "d")
+    method = Eagle3Head(narrow, Eagle3Config(draft_vocab_size=128, fuse_layers=[1, 2, 3]))
+    with pytest.raises(DraftError) as e:
+        init_from_draft(method, str(tmp_path / "d"), narrow, "eagle3")
+    msg = str(e.value)
+    assert "\n" not in msg and "does not fit this run's method settings" in msg, msg
+    assert msg.endswith(
+        "; it was trained with method.fuse_layers=[0,1,2] method.draft_vocab_size=64: add that "
+        "to train on from it"
+    ), msg
+    fitting = Eagle3Head(narrow, Eagle3Config(draft_vocab_size=64, fuse_layers=[0, 1, 2]))
+    init_from_draft(fitting, str(tmp_path / "d"), narrow, "eagle3", log=lambda *_: None)
+    assert torch.equal(fitting.fc.weight, saved.fc.weight)
 
 
 # -- token counts --------------------------------------------------------------------------------

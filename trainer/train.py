@@ -613,6 +613,22 @@ def _to_device(loader, device):
     return _Moved(loader)
 
 
+def settings_hint(saved: Any, mine: Any) -> str:
+    """The method settings a saved draft was trained with that this run sets otherwise, as the
+    overrides that would make the run fit it ("" where none is known)."""
+    import dataclasses
+
+    if not isinstance(saved, dict) or not dataclasses.is_dataclass(mine):
+        return ""
+    ours = dataclasses.asdict(mine)
+    differ = [
+        f"method.{k}={v if isinstance(v, str) else json.dumps(v, separators=(',', ':'))}"
+        for k, v in saved.items()
+        if k != "name" and k in ours and ours[k] != v
+    ]
+    return f"; it was trained with {' '.join(differ)}: add that to train on from it" if differ else ""
+
+
 def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
     """Load a saved draft's weights (and buffers: an EAGLE-3 draft vocabulary) into ``method``
     before training. ``spec``: a run dir, a saved draft or checkpoint folder, or a shipped name.
@@ -647,6 +663,7 @@ def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
         )
         raise DraftError(
             f"train.init_from={spec}: {folder} does not fit this run's method settings ({what})"
+            + settings_hint(read_draft_config(folder).get("method"), method.cfg)
         )
     method.start_from(src)
     from models.export import made_for, made_for_note
