@@ -626,7 +626,9 @@ def settings_hint(saved: Any, mine: Any) -> str:
         for k, v in saved.items()
         if k != "name" and k in ours and ours[k] != v
     ]
-    return f"; it was trained with {' '.join(differ)}: add that to train on from it" if differ else ""
+    return (
+        f"; it was trained with {' '.join(differ)}: add that to train on from it" if differ else ""
+    )
 
 
 def init_from_draft(method, spec: str, target, name: str, log=print) -> None:
