@@ -127,9 +127,9 @@ class GammaController:
 class TreeController:
     """Whether to draft a tree this iteration (trees are verified whole: their size is the
     proposer's). With ``adaptive`` on it compares the measured rate of tree iterations
-    (emitted tokens over drafting + verification seconds, decayed averages) with plain
-    decoding's (one token per single-token verification) and drafts only while trees are the
-    faster of the two; when they are not it probes with a tree now and then, waiting twice as
+    (emitted tokens over drafting + verification seconds, decayed sums, once ``min_trees``
+    trees are measured) with plain decoding's (one token per single-token verification) and
+    drafts only while trees are the faster of the two; when they are not it probes with a tree now and then, waiting twice as
     long after each probe that does not pay, as ``GammaController`` does for chains. So a tree
     that costs more than it brings (a weak draft, or a device where verifying many tokens is
     expensive) leaves decoding near plain speed instead of below it."""
@@ -142,18 +142,23 @@ class TreeController:
         decay: float = 0.9,
         probe_every: int = 16,
         max_probe: int = 256,
+        min_trees: int = 4,
     ):
         self.gamma, self.adaptive = depth, adaptive
         self.decay, self.probe_every, self.max_probe = decay, probe_every, max_probe
         self.t_plain = t_plain  # seconds of a one-token verification
-        self.tree: list[float] | None = None  # decayed [tokens, seconds] of tree iterations
+        # decayed sums [tokens, seconds] of tree iterations (sums, not averages started at the
+        # first iteration: that would weigh the first tree as ten, and one unlucky first tree,
+        # say the warm-up's, then kept a good draft from drafting for the rest of a run)
+        self.tree: list[float] | None = None
+        self.seen, self.min_trees = 0, min_trees  # trees are drafted until min_trees are seen
         self.zero_streak, self.wait, self.probing = 0, probe_every, False
 
     def rates(self) -> tuple[float, float]:
         """(tree tokens per second, plain tokens per second)."""
         plain = 1.0 / self.t_plain if self.t_plain > 0 else float("inf")
-        if self.tree is None:
-            return float("inf"), plain  # nothing measured yet: try a tree first
+        if self.tree is None or self.seen < self.min_trees:
+            return float("inf"), plain  # too few trees measured to judge: draft one
         return self.tree[0] / max(self.tree[1], 1e-9), plain
 
     def choose(self, limit: int, bucket: str | None = None) -> int:
@@ -179,10 +184,8 @@ class TreeController:
         if self.tree is None:
             self.tree = sample
         else:
-            self.tree = [
-                self.decay * a + (1 - self.decay) * b
-                for a, b in zip(self.tree, sample, strict=True)
-            ]
+            self.tree = [self.decay * a + b for a, b in zip(self.tree, sample, strict=True)]
+        self.seen += 1
         if self.probing:
             tree, plain = self.rates()
             self.wait = self.probe_every if tree >= plain else min(2 * self.wait, self.max_probe)

@@ -320,6 +320,16 @@ def test_tree_controller_drafts_only_while_trees_pay():
         drafted += g > 0
         c.update(g, 3, 2 if g else 0, None, 0.065 if g else 0.05, t_draft=0.01 if g else 0.0)
     assert drafted == 100
+    # a good tree whose first two iterations (the warm-up's, a prompt's start) accept nothing:
+    # keep drafting (a first tree weighed as ten kept it from drafting for hundreds of steps)
+    c = TreeController(depth=4, adaptive=True, t_plain=0.05)
+    drafted = 0
+    for i in range(200):
+        g = c.choose(limit=100)
+        drafted += g > 0
+        acc = (0 if i < 2 else 3) if g else 0
+        c.update(g, 4, acc, None, 0.065 if g else 0.05, t_draft=0.01 if g else 0.0)
+    assert drafted >= 195
     # fixed: always the whole tree (within the tokens left)
     c = TreeController(depth=4, adaptive=False, t_plain=0.05)
     assert c.choose(limit=100) == 4 and c.choose(limit=2) == 2
