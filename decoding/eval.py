@@ -17,6 +17,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -26,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from conf.cli import Stopped, StopSignals, check_command_line, exit_code_of, home_expanded
+from conf.sweep import SUMMARY
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError, ExportError
@@ -663,6 +665,7 @@ def _main(cfg: DictConfig) -> None:
 
     given = {o.split("=")[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
     notice = "stopping after this prompt, with a report on the prompts finished (again: at once)"
+    job = sweep_job(cfg)  # -m: this job's folder, where its report and plot go
     try:
         check_draft_folder(str(cfg.draft))
         path, png = report_paths(cfg)
@@ -676,8 +679,16 @@ def _main(cfg: DictConfig) -> None:
         with StopSignals(notice=notice) as sig, OtherLoad() as load:
             r = evaluate(cfg)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if job is None:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        # one job's value among others (gamma=0 in gamma=0,2,4): the other jobs still run,
+        # and the sweep's summary says what refused this one
+        print(f"error: {job}: {e}", file=sys.stderr)
+        refused = {"reason": "refused", "error": str(e), "metrics": {}}
+        (job / SUMMARY).write_text(json.dumps(refused, indent=1))
+        _REFUSED.append(str(job))
+        return
     except KeyboardInterrupt as e:  # before a prompt finished, a second signal, or a batch
         code = exit_code_of(e)
         print(f"\nstopped by {signal.Signals(code - 128).name}: no report written", file=sys.stderr)
@@ -701,6 +712,10 @@ def _main(cfg: DictConfig) -> None:
         )
         sys.exit(1)
     print(f"report: {path}   plot: {png}")
+    if job is not None:  # the sweep summary's row
+        metrics = {k: r[k] for k in SUMMARY_METRICS if isinstance(r.get(k), int | float | bool)}
+        reason = "stopped" if sig.caught is not None or r.get("finished") is False else "finished"
+        (job / SUMMARY).write_text(json.dumps({"reason": reason, "metrics": metrics}, indent=1))
     if r.get("finished") is False:
         print(f"error: the engine failed part way: {r.get('engine_error')}", file=sys.stderr)
         sys.exit(1)
@@ -708,13 +723,54 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(128 + sig.caught)
 
 
+#: the report's figures a sweep's summary tabulates, one column each
+SUMMARY_METRICS = (
+    "tau",
+    "alpha",
+    "speedup",
+    "tokens_per_second",
+    "ar_tokens_per_second",
+    "drafted_share",
+    "lossless",
+)
+#: jobs of this command's sweep refused for their settings or inputs: the others still run
+_REFUSED: list[str] = []
+
+
+def sweep_job(cfg: DictConfig) -> Path | None:
+    """Under ``-m``, the job's folder (sweep folder / job number), where its report, plot and
+    traces go under the names they are given, with a record of its overrides for the sweep's
+    summary (else each job would write over the one before); None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    job = Path(hc.runtime.output_dir)
+    for key in ("report", "plot", "traces"):
+        if cfg.get(key):
+            cfg[key] = str(job / Path(str(cfg[key])).name)
+    (job / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), job / ".hydra" / "overrides.yaml")
+    return job
+
+
 def main() -> None:
+    _REFUSED.clear()
     sys.argv[1:] = home_expanded(sys.argv[1:])
     msg = check_command_line("eval", sys.argv[1:])
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
     _main()
+    if _REFUSED:
+        print(
+            f"error: {len(_REFUSED)} job(s) of the sweep were refused (see each one's error "
+            "above, and the summary): " + ", ".join(_REFUSED),
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from conf.cli import Stopped, StopSignals, check_command_line, home_expanded
+from conf.sweep import REFUSED_NOTE, SUMMARY
 from decoding.contention import OtherLoad, busy_note
 from models.base import run_files
-from trainer.sweep import REFUSED_NOTE, SUMMARY
 from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run, wants_cpu
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -200,7 +200,7 @@ def _hydra_main(cfg: DictConfig) -> dict:
         _REFUSED.append(cfg.output_dir)  # its measurement, said above: the others still run
     elif code:  # a signal stops a sweep too, with the summary of the jobs it ran
         if multirun and _main_process():
-            from trainer.sweep import write_stopped_sweep_summary
+            from conf.sweep import write_stopped_sweep_summary
 
             path = write_stopped_sweep_summary(HydraConfig.get())
             if path is not None:

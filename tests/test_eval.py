@@ -176,6 +176,46 @@ def test_a_bad_bench_is_refused_before_the_target_loads(monkeypatch):
             ev.evaluate(cfg)
 
 
+def test_a_sweep_writes_each_jobs_report_in_its_folder_and_a_summary(tmp_path):
+    """-m: each job's report and plot go to its own folder under the names given (not one
+    file the jobs write over in turn); a job refused for its value leaves the others running,
+    and the summary tabulates them all, best speedup first; the command then exits 2."""
+    import csv
+
+    from conftest import ROOT
+
+    sweep = tmp_path / "sweep"
+    r = _eval(
+        [
+            "-m",
+            "target=tiny_random",
+            "draft=truncate:1",
+            "num_prompts=1",
+            "max_new_tokens=8",
+            "gamma=0,2,3",
+            "report=r.json",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"error: {sweep / '0'}: gamma=0: must be >= 1" in r.stderr
+    assert "1 job(s) of the sweep were refused" in r.stderr
+    for job, gamma in (("1", 2), ("2", 3)):
+        report = json.loads((sweep / job / "r.json").read_text())
+        assert report["settings"]["gamma"] == gamma
+        assert (sweep / job / "r.png").stat().st_size > 1000
+    assert not (ROOT / "r.json").exists()
+    rows = {
+        row["overrides"].split()[-2]: row for row in csv.DictReader(open(sweep / "summary.csv"))
+    }
+    assert set(rows) == {"gamma=0", "gamma=2", "gamma=3"}
+    assert rows["gamma=0"]["reason"] == "refused" and "must be >= 1" in rows["gamma=0"]["error"]
+    for g in ("gamma=2", "gamma=3"):
+        assert rows[g]["reason"] == "finished" and float(rows[g]["tau"]) >= 1.0
+        assert rows[g]["lossless"] == "True" and float(rows[g]["speedup"]) > 0
+    assert "sorted by speedup (highest first)" in (sweep / "summary.md").read_text()
+
+
 def test_bench_file_bad_line_is_named(tmp_path):
     p = tmp_path / "b.jsonl"
     p.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"turns": 5}\n')

@@ -91,7 +91,7 @@ def test_the_summary_sorts_a_loss_lowest_first_and_says_when_sort_by_names_no_co
     """``sort_by=val/loss`` put the highest loss first under "best first"; a misspelled
     ``sort_by`` said the table was sorted by it; a column of text failed the sweep's end with a
     traceback (``bad operand type for unary -``)."""
-    from trainer.sweep import write_summary
+    from conf.sweep import write_summary
 
     for i, loss in enumerate([0.5, 0.2, 0.9]):
         _job(tmp_path, str(i), [f"optim.lr={i}"], {"reason": "finished", "val": {"loss": loss}})
@@ -114,7 +114,7 @@ def test_the_summary_sorts_a_loss_lowest_first_and_says_when_sort_by_names_no_co
 def test_the_summary_shows_how_busy_the_machine_was_beside_each_jobs_tokens_per_s(tmp_path):
     """Jobs run side by side (a parallel launcher) or beside other work train slower: each
     row says how many cores other processes kept busy while it trained."""
-    from trainer.sweep import write_summary
+    from conf.sweep import write_summary
 
     load = {"cores": 2, "seconds": 60.0, "others_busy_cores": 0.93}
     _job(tmp_path, "0", ["optim.lr=1"], {"reason": "finished", "tokens_per_s": 50.0})
@@ -132,7 +132,7 @@ def test_the_summary_shows_how_busy_the_machine_was_beside_each_jobs_tokens_per_
 def test_a_summary_row_keeps_its_columns_whatever_its_error_says(tmp_path):
     """An error with a "|" (a union type, a path) or a second line started another column or
     row of the table: each row has as many cells as the header."""
-    from trainer.sweep import write_summary
+    from conf.sweep import write_summary
 
     _job(
         tmp_path,

@@ -909,14 +909,17 @@ def test_resume_of_a_finished_run_changes_nothing(data_file, tmp_path):
 def test_a_method_the_target_refuses_is_said_before_the_data_is_read(tmp_path):
     """A DFlash draft on a target with no spare token id for its mask used to be refused only
     after the whole dataset was tokenised (minutes of ShareGPT); the method is now built
-    first, so a data path that is not even there is never reached."""
+    first, so a data file that cannot be read is never reached (one that is not there is
+    refused before the target loads: test_robustness.py)."""
     from conftest import compose, tiny_overrides
 
     from models.base import DraftError
     from trainer.train import run
 
     out = tmp_path / "run"
-    cfg = compose(tiny_overrides(tmp_path / "no-such-data.jsonl", out, method="dflash"))
+    bad = tmp_path / "unreadable.jsonl"
+    bad.write_text("not json\n")
+    cfg = compose(tiny_overrides(bad, out, method="dflash"))
     with pytest.raises(DraftError, match="no spare token id for the mask"):
         run(cfg)
 

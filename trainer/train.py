@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from conf.cli import StopSignals
+from conf.sweep import SUMMARY
 from data.conversations import DataError, data_files
 from data.dataset import (
     Collator,
@@ -47,7 +48,6 @@ from .launch import LaunchError, check_launch, deepspeed_settings, say_cast_targ
 from .loop import LoopState, fit, is_sharded, make_schedule, tokens_so_far
 from .optim import OptimizerError, build_optimizer, check_optim
 from .shard import ShardError, check_shard, shard_target
-from .sweep import SUMMARY
 from .tracking import SampleLog, Tracker, TrackerError
 
 USER_ERRORS = (

@@ -1,7 +1,8 @@
-"""Sweep summary: after ``specdraft-train -m ...`` every job has its own folder; this Hydra
-callback then writes one table over them, ``summary.csv`` and ``summary.md`` in the sweep
-folder: one row per job with its overrides, stop reason, steps, throughput and final validation
-metrics, sorted by ``sort_by`` (best first).
+"""Sweep summary: after ``specdraft-train -m ...`` (or ``specdraft-eval -m ...``) every job has
+its own folder; this Hydra callback then writes one table over them, ``summary.csv`` and
+``summary.md`` in the sweep folder: one row per job with its overrides, stop reason, steps,
+throughput and final validation metrics (an evaluation's: tau, alpha, speedup), sorted by
+``sort_by`` (best first).
 
 It runs on the machine that launched the sweep (``on_multirun_end``), so it works the same with
 the basic launcher and with Hydra's joblib or submitit launchers (they only change where the
@@ -93,18 +94,15 @@ def collect(sweep_dir: Path, since: float | None = None) -> list[dict[str, Any]]
         s = job / SUMMARY
         if s.exists():
             summ = json.loads(s.read_text())
-            row.update(
-                {
-                    "reason": summ.get("reason"),
-                    "step": summ.get("step"),
-                    "tokens_per_s": None
-                    if summ.get("tokens_per_s") is None
-                    else round(summ["tokens_per_s"], 1),
-                }
-            )
+            row["reason"] = summ.get("reason")
+            if "metrics" not in summ:  # a training run's (an evaluation has neither)
+                row["step"] = summ.get("step")
+                tps = summ.get("tokens_per_s")
+                row["tokens_per_s"] = None if tps is None else round(tps, 1)
             if summ.get("other_load"):  # tokens/s beside other work is not the machine's own
                 row["others_busy_cores"] = summ["other_load"].get("others_busy_cores")
             row.update({f"val/{k}": v for k, v in sorted((summ.get("val") or {}).items())})
+            row.update(summ.get("metrics") or {})  # specdraft-eval's: tau, alpha, speedup...
             if summ.get("error"):  # refused before training: what refused it
                 row["error"] = summ["error"]
         else:
@@ -125,7 +123,7 @@ def common_overrides(rows: list[dict[str, Any]]) -> list[str]:
 def default_sort_key(rows: list[dict[str, Any]]) -> str | None:
     """The metric that best says how good a draft is, among those present: acceptance first."""
     keys = {k for r in rows for k in r}
-    for k in ("val/alpha_pos1", "val/accept_T1", "val/top1_head1", "val/top1_pos1"):
+    for k in ("val/alpha_pos1", "val/accept_T1", "val/top1_head1", "val/top1_pos1", "speedup"):
         if k in keys:
             return k
     return None
