@@ -34,6 +34,14 @@ STARTED = ".started"
 REFUSED_NOTE = "refused-{job}.json"
 
 
+def refused_line(jobs: list[str]) -> str:
+    """What a sweep says at its end of the jobs it refused for their settings or inputs."""
+    return (
+        f"error: {len(jobs)} job(s) of the sweep were refused (see each one's error above, and "
+        "the summary): " + ", ".join(jobs)
+    )
+
+
 def _written(path: Path) -> float:
     """When ``path`` was last written (-inf where it is not there)."""
     try:

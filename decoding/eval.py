@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from conf.cli import Stopped, StopSignals, check_command_line, exit_code_of, home_expanded
-from conf.sweep import SUMMARY
+from conf.sweep import SUMMARY, refused_line
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError, ExportError
@@ -765,11 +765,7 @@ def main() -> None:
         sys.exit(2)
     _main()
     if _REFUSED:
-        print(
-            f"error: {len(_REFUSED)} job(s) of the sweep were refused (see each one's error "
-            "above, and the summary): " + ", ".join(_REFUSED),
-            file=sys.stderr,
-        )
+        print(refused_line(_REFUSED), file=sys.stderr)
         sys.exit(2)
 
 

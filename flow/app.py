@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from conf.cli import Stopped, StopSignals, check_command_line, home_expanded
-from conf.sweep import REFUSED_NOTE, SUMMARY
+from conf.sweep import REFUSED_NOTE, SUMMARY, refused_line
 from decoding.contention import OtherLoad, busy_note
 from models.base import run_files
 from trainer.train import USER_ERRORS, ConfigError, check_fresh_run_dir, run, wants_cpu
@@ -465,11 +465,7 @@ def main() -> None:
             file=sys.stderr,
         )
     if _REFUSED:
-        print(
-            f"error: {len(_REFUSED)} job(s) of the sweep were refused (see each one's error "
-            "above, and the summary): " + ", ".join(_REFUSED),
-            file=sys.stderr,
-        )
+        print(refused_line(_REFUSED), file=sys.stderr)
         sys.exit(2)
     if _FAILED or _CRASHED:
         sys.exit(1)
