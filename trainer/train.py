@@ -221,6 +221,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     accelerator = _accelerator(cfg)
+    if accelerator.device.type == "cpu":
+        # what DeepSpeed would find by itself (accelerate imports it where it is installed),
+        # without its warning that it found no GPU in every CPU run's output
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     log = accelerator.print
     # the checkpoint to resume from, found (or refused) now, not after the target and data load
     resume_from = None if fresh else _resume_path(cfg.resume, run_dir, log)
