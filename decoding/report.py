@@ -255,8 +255,9 @@ def print_report(r: dict[str, Any], out=print) -> None:
                 f"built-in decoder, same prompts and draft, {rule}: tau {f(o['tau'])}, alpha by "
                 "position "
                 + " ".join(f(a) for a in (o["alpha_per_position"] or [])[:6])
-                + f"; engine minus ours: {diff}; its speedup {f(o['speedup'])} over its own "
-                f"plain decoding ({f(o['ar_tokens_per_second'], 1)} tok/s)"
+                + f"; engine minus ours: {diff}{same_text_note(o.get('same_text'))}; its "
+                f"speedup {f(o['speedup'])} over its own plain decoding "
+                f"({f(o['ar_tokens_per_second'], 1)} tok/s)"
             )
         for line in r.get("engine_repairs") or []:
             out(f"engine repaired before loading: {line} (engine_repair=false to serve it as is)")
@@ -667,6 +668,20 @@ def json_safe(x):
     if isinstance(x, list):
         return [json_safe(v) for v in x]
     return x
+
+
+def same_text_note(same: list[int] | None) -> str:
+    """How much of the engine-minus-ours comparison is over the same text (T = 0)."""
+    if not same:
+        return ""
+    k, n = same
+    if k == n:
+        return f" (the same text in all {n} replies)"
+    return (
+        f" (the same text in {k} of {n} replies; the others parted, at a near-tie or not: their "
+        "acceptance is counted over other text, and target.dtype=float32 "
+        "engine_dtype=float32 compares like for like)"
+    )
 
 
 def report_paths(cfg) -> tuple[Path, Path]:

@@ -439,6 +439,24 @@ def test_a_target_that_feeds_no_layer_inputs_is_refused_before_its_server_starts
         assert "while starting" in str(e.value), e.value
 
 
+def test_the_comparison_says_in_how_many_replies_the_text_was_the_same():
+    """At T = 0 the engine and the built-in decoder are compared reply by reply (every turn);
+    where replies part, the line says their acceptance is counted over other text."""
+    from decoding.engines.base import same_text
+    from decoding.report import same_text_note
+
+    def outs(*turns):
+        return [{"turns": [{"spec_tokens": t} for t in q]} for q in turns]
+
+    theirs = outs([[1, 2, 3], [4, 5]], [[6, 7]])
+    assert same_text(theirs, outs([[1, 2, 3], [4, 5]], [[6, 7]])) == [3, 3]
+    assert same_text(theirs, outs([[1, 2, 9], [4, 5]], [[6, 7]])) == [2, 3]
+    assert same_text(theirs, None) is None and same_text([], outs([[1]])) is None
+    assert same_text_note([3, 3]) == " (the same text in all 3 replies)"
+    assert same_text_note([2, 3]).startswith(" (the same text in 2 of 3 replies; the others")
+    assert same_text_note(None) == ""
+
+
 @needs_engine
 @pytest.mark.slow
 def test_eval_in_the_engine_and_its_failures(tmp_path):
@@ -462,7 +480,8 @@ def test_eval_in_the_engine_and_its_failures(tmp_path):
     ours = rep["ours"]
     assert len(ours["alpha_per_position"]) == 2 and ours["lossless"] is True
     assert len(ours["difference_per_position"]) == 2
-    assert "built-in decoder, same prompts and draft" in r.stdout
+    assert ours["same_text"][1] == 2 and 0 <= ours["same_text"][0] <= 2
+    assert "built-in decoder, same prompts and draft" in r.stdout and "the same text in" in r.stdout
     # a port in use is one line, and nothing is left running
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -387,11 +387,21 @@ def cpu_name() -> str:
     )
 
 
-def ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log, n_max: int) -> dict:
+def ours_beside(
+    cfg,
+    readback: str | None,
+    rule: str,
+    pooled: EngineStats,
+    log,
+    n_max: int,
+    engine_outputs: list | None = None,
+) -> dict:
     """The built-in decoder on the same prompts and settings, with the same draft (``readback``:
     the export the engine loaded, read back, or the draft it was written from), a fixed chain
     of the ``n_max`` tokens the engine drafted, under the rule it ran: its acceptance per
-    position beside the engine's (``specdraft-eval engine_compare=true``)."""
+    position beside the engine's (``specdraft-eval engine_compare=true``). At T = 0, with the
+    engine's ``engine_outputs``: in how many replies the two decoded the same text (where they
+    part, at a near-tie, their acceptance is counted over different text)."""
     from omegaconf import OmegaConf
 
     from ..eval import evaluate as evaluate_ours  # the evaluator imports this module
@@ -432,7 +442,22 @@ def ours_beside(cfg, readback: str | None, rule: str, pooled: EngineStats, log, 
         "decoder": r.get("decoder"),
         "draft_sampling": r.get("draft_sampling"),
         "acceptance": r["acceptance"],
+        "same_text": same_text(engine_outputs, r.get("outputs"))
+        if float(cfg.temperature) == 0
+        else None,
     }
+
+
+def same_text(theirs: list | None, mine: list | None) -> list[int] | None:
+    """[replies whose speculative tokens are the same in both reports, replies compared]."""
+    if not theirs or not mine:
+        return None
+    pairs = [
+        (a.get("spec_tokens"), b.get("spec_tokens"))
+        for p, q in zip(theirs, mine, strict=False)
+        for a, b in zip(p.get("turns") or [], q.get("turns") or [], strict=False)
+    ]
+    return [sum(a == b for a, b in pairs), len(pairs)] if pairs else None
 
 
 def engine_flag(ours: dict, pooled: EngineStats) -> str | None:

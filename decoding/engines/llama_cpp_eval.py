@@ -276,7 +276,7 @@ def evaluate(cfg: DictConfig, log=print) -> dict[str, Any]:
     if run.stopped is not None:  # a stop: report what the engine finished, now
         why_not = "the run was stopped"
     if cfg.engine_compare and why_not is None:
-        ours = ours_beside(cfg, str(cfg.draft), "greedy", pooled, log, n_max)
+        ours = ours_beside(cfg, str(cfg.draft), "greedy", pooled, log, n_max, run.outputs)
         if StopSignals.requested() is None:
             report["ours"] = ours
             report["engine_flag"] = engine_flag(ours, pooled)

@@ -552,7 +552,7 @@ def evaluate(cfg, log=print) -> dict[str, Any]:
     if not greedy:
         report["sample_check"] = check_run(target, run.samples, sampling_of(cfg), log)
     if cfg.engine_compare and run.finished and run.stopped is None:  # a stop: report now
-        ours = ours_beside(cfg, readback, rule, pooled, log, n_max)
+        ours = ours_beside(cfg, readback, rule, pooled, log, n_max, run.outputs)
         if StopSignals.requested() is None:
             report["ours"] = ours
             report["engine_flag"] = engine_flag(ours, pooled)
