@@ -699,6 +699,7 @@ def test_the_shipped_head_in_vllm_accepts_what_our_evaluator_predicts(tmp_path, 
     assert rep["lossless"] is True and rep["divergences"] == 0
     diffs = rep["ours"]["difference_per_position"]
     assert len(diffs) == 3 and all(abs(d) <= 0.08 for d in diffs if d is not None), diffs
+    assert rep["ours"]["same_text"] == [2, 2]  # fp32: both decode the target's own text
     assert rep["engine_flag"] is None
     assert "built-in decoder, same prompts and draft" in r.stdout
 
