@@ -129,10 +129,11 @@ class TreeController:
     proposer's). With ``adaptive`` on it compares the measured rate of tree iterations
     (emitted tokens over drafting + verification seconds, decayed sums, once ``min_trees``
     trees are measured) with plain decoding's (one token per single-token verification) and
-    drafts only while trees are the faster of the two; when they are not it probes with a tree now and then, waiting twice as
-    long after each probe that does not pay, as ``GammaController`` does for chains. So a tree
-    that costs more than it brings (a weak draft, or a device where verifying many tokens is
-    expensive) leaves decoding near plain speed instead of below it."""
+    drafts only while trees are the faster of the two; when they are not it probes with a tree
+    now and then, waiting twice as long after each probe that does not pay, as
+    ``GammaController`` does for chains. So a tree that costs more than it brings (a weak
+    draft, or a device where verifying many tokens is expensive) leaves decoding near plain
+    speed instead of below it."""
 
     def __init__(
         self,

@@ -678,9 +678,8 @@ def same_text_note(same: list[int] | None) -> str:
     if k == n:
         return f" (the same text in all {n} replies)"
     return (
-        f" (the same text in {k} of {n} replies; the others parted, at a near-tie or not: their "
-        "acceptance is counted over other text, and target.dtype=float32 "
-        "engine_dtype=float32 compares like for like)"
+        f" (the same text in {k} of {n} replies; the others parted, at a near-tie or not, and "
+        "their acceptance is counted over other text: fp32 keeps the texts alike)"
     )
 
 

@@ -575,7 +575,7 @@ class Target:
         a step, and every method that needs logits computes them on the positions it uses;
         only the layers asked for are kept: ``forward_features``)."""
         key = None
-        if self._held is not None:
+        if getattr(self, "_held", None) is not None:
             key = (
                 tuple(layers),
                 tuple(input_ids.shape),
@@ -602,7 +602,7 @@ class Target:
         low-precision forward may take another kernel path from one call to the next (oneDNN
         on and off give bf16 states one unit in the last place apart, and a draft's logits
         then move by tenths), which is the target's arithmetic, not the drafts'."""
-        outer = self._held
+        outer = getattr(self, "_held", None)
         self._held = {} if outer is None else outer
         try:
             yield self
