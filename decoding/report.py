@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .contention import busy_note
+from .engines.base import same_text_note
 from .stats import Stats, predicted_speedup
 
 CONVENTION = (
@@ -668,19 +669,6 @@ def json_safe(x):
     if isinstance(x, list):
         return [json_safe(v) for v in x]
     return x
-
-
-def same_text_note(same: list[int] | None) -> str:
-    """How much of the engine-minus-ours comparison is over the same text (T = 0)."""
-    if not same:
-        return ""
-    k, n = same
-    if k == n:
-        return f" (the same text in all {n} replies)"
-    return (
-        f" (the same text in {k} of {n} replies; the others parted, at a near-tie or not, and "
-        "their acceptance is counted over other text: fp32 keeps the texts alike)"
-    )
 
 
 def report_paths(cfg) -> tuple[Path, Path]:

@@ -442,8 +442,7 @@ def test_a_target_that_feeds_no_layer_inputs_is_refused_before_its_server_starts
 def test_the_comparison_says_in_how_many_replies_the_text_was_the_same():
     """At T = 0 the engine and the built-in decoder are compared reply by reply (every turn);
     where replies part, the line says their acceptance is counted over other text."""
-    from decoding.engines.base import same_text
-    from decoding.report import same_text_note
+    from decoding.engines.base import same_text, same_text_note
 
     def outs(*turns):
         return [{"turns": [{"spec_tokens": t} for t in q]} for q in turns]

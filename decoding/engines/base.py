@@ -460,6 +460,19 @@ def same_text(theirs: list | None, mine: list | None) -> list[int] | None:
     return [sum(a == b for a, b in pairs), len(pairs)] if pairs else None
 
 
+def same_text_note(same: list[int] | None) -> str:
+    """How much of the engine-minus-ours comparison is over the same text (T = 0)."""
+    if not same:
+        return ""
+    k, n = same
+    if k == n:
+        return f" (the same text in all {n} replies)"
+    return (
+        f" (the same text in {k} of {n} replies; the others parted, at a near-tie or not, and "
+        "their acceptance is counted over other text: fp32 keeps the texts alike)"
+    )
+
+
 def engine_flag(ours: dict, pooled: EngineStats) -> str | None:
     """A line where the engine accepts far less than the built-in decoder predicts under the
     engine's own rule at some draft position (more than 4 standard errors of the engine's own
