@@ -143,7 +143,7 @@ def test_init_from_a_draft_trained_with_other_settings_names_the_overrides(narro
     msg = str(e.value)
     assert "\n" not in msg and "does not fit this run's method settings" in msg, msg
     assert msg.endswith(
-        "; it was trained with method.fuse_layers=[0,1,2] method.draft_vocab_size=64: add that "
+        "; it was trained with method.draft_vocab_size=64 method.fuse_layers=[0,1,2]: add that "
         "to train on from it"
     ), msg
     fitting = Eagle3Head(narrow, Eagle3Config(draft_vocab_size=64, fuse_layers=[0, 1, 2]))

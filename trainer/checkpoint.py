@@ -355,18 +355,26 @@ def _check_same_draft(model: Any, path: Path, log=print) -> None:
             f"{path}: trained for target {was_target}; this run's target is {identity} "
             "(resume with the same target, or start a new run)"
         )
-    if cfg is not None and is_dataclass(cfg) and isinstance(saved.get("method"), dict):
-        now = json.loads(json.dumps(asdict(cfg), default=str))
+    if cfg is not None:
         changed = [
-            f"method.{k}={saved['method'][k]!r} -> {now[k]!r}"
-            for k in sorted(now)
-            if k in saved["method"] and saved["method"][k] != now[k]
+            f"method.{k}={was!r} -> {now!r}"
+            for k, was, now in changed_method_settings(saved.get("method"), cfg)
         ]
         if changed:
             log(
                 f"resume: method settings differ from {path}'s ({', '.join(changed)}); "
                 "training continues with this run's"
             )
+
+
+def changed_method_settings(saved: Any, cfg: Any) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, this run's) for each method setting a saved draft's config records
+    (its ``method`` section) that this run's method config ``cfg`` sets otherwise, in key
+    order; compared as JSON holds them (a tuple is a list)."""
+    if not isinstance(saved, dict) or not is_dataclass(cfg):
+        return []
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    return [(k, saved[k], now[k]) for k in sorted(now) if k in saved and saved[k] != now[k]]
 
 
 #: optimizer group keys that say how a step is computed, not what it computes

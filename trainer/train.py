@@ -36,6 +36,7 @@ from models.target import TargetError, default_dtype, load_target
 
 from .checkpoint import (
     CheckpointError,
+    changed_method_settings,
     drop_frozen_weights,
     latest_checkpoint,
     load_checkpoint,
@@ -620,15 +621,10 @@ def _to_device(loader, device):
 def settings_hint(saved: Any, mine: Any) -> str:
     """The method settings a saved draft was trained with that this run sets otherwise, as the
     overrides that would make the run fit it ("" where none is known)."""
-    import dataclasses
-
-    if not isinstance(saved, dict) or not dataclasses.is_dataclass(mine):
-        return ""
-    ours = dataclasses.asdict(mine)
     differ = [
         f"method.{k}={v if isinstance(v, str) else json.dumps(v, separators=(',', ':'))}"
-        for k, v in saved.items()
-        if k != "name" and k in ours and ours[k] != v
+        for k, v, _ in changed_method_settings(saved, mine)
+        if k != "name"
     ]
     return (
         f"; it was trained with {' '.join(differ)}: add that to train on from it" if differ else ""
