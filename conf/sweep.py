@@ -34,6 +34,29 @@ STARTED = ".started"
 REFUSED_NOTE = "refused-{job}.json"
 
 
+def sweep_job(
+    cfg: DictConfig, files: tuple[str, ...] = ("report", "plot", "traces")
+) -> Path | None:
+    """Under ``-m``, the job's folder (sweep folder / job number) for a command whose outputs
+    are files named by settings (``specdraft-eval``'s report, plot and traces): each of
+    ``files`` that is set is moved into it under its own name (else each job would write over
+    the one before), and the job's overrides are recorded there for the summary. None for a
+    single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    job = Path(hc.runtime.output_dir)
+    for key in files:
+        if cfg.get(key):
+            cfg[key] = str(job / Path(str(cfg[key])).name)
+    (job / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), job / ".hydra" / "overrides.yaml")
+    return job
+
+
 def refused_line(jobs: list[str]) -> str:
     """What a sweep says at its end of the jobs it refused for their settings or inputs."""
     return (

@@ -17,7 +17,6 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -27,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from conf.cli import Stopped, StopSignals, check_command_line, exit_code_of, home_expanded
-from conf.sweep import SUMMARY, refused_line
+from conf.sweep import SUMMARY, refused_line, sweep_job
 from data.chat import prompt_ids
 from data.conversations import DataError
 from models.base import DecodeSettings, DraftError, ExportError
@@ -735,25 +734,6 @@ SUMMARY_METRICS = (
 )
 #: jobs of this command's sweep refused for their settings or inputs: the others still run
 _REFUSED: list[str] = []
-
-
-def sweep_job(cfg: DictConfig) -> Path | None:
-    """Under ``-m``, the job's folder (sweep folder / job number), where its report, plot and
-    traces go under the names they are given, with a record of its overrides for the sweep's
-    summary (else each job would write over the one before); None for a single run."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN:
-        return None
-    job = Path(hc.runtime.output_dir)
-    for key in ("report", "plot", "traces"):
-        if cfg.get(key):
-            cfg[key] = str(job / Path(str(cfg[key])).name)
-    (job / ".hydra").mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(list(hc.overrides.task)), job / ".hydra" / "overrides.yaml")
-    return job
 
 
 def main() -> None:
